@@ -8,7 +8,8 @@ DESTDIR   ?=
 
 CC      ?= cc
 CFLAGS  ?= -O2 -g
-CFLAGS  += -std=c11 -D_GNU_SOURCE -Wall -Wextra -Werror -fPIC -MMD -MP \
+# Messages for people are cut to their buffers on purpose, so truncation is not an error.
+CFLAGS  += -std=c11 -D_GNU_SOURCE -Wall -Wextra -Werror -Wno-format-truncation -fPIC -MMD -MP \
            -I common -I client -I $(BUILD)/gen
 LDLIBS  += -luv -lprotobuf-c -linih -ljansson -lsodium -lmicrohttpd -lpthread -lm
 

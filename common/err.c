@@ -30,6 +30,11 @@ int rf_err_wrap(rf_err *err, const char *fmt, ...)
     vsnprintf(prefix, sizeof(prefix), fmt, ap);
     va_end(ap);
     memcpy(old, err->msg, sizeof(old));
-    snprintf(err->msg, sizeof(err->msg), "%s%s", prefix, old);
+    /* Truncation of an over-long message is acceptable: it stays a message. */
+    size_t n = strlen(prefix);
+    if (n >= sizeof(err->msg))
+        n = sizeof(err->msg) - 1;
+    memcpy(err->msg, prefix, n);
+    snprintf(err->msg + n, sizeof(err->msg) - n, "%.*s", (int)(sizeof(err->msg) - n - 1), old);
     return err->code;
 }

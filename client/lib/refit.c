@@ -1,0 +1,551 @@
+/* client/lib/refit.c - librefit: blocking calls over the daemon's Unix socket (common/rpc),
+ * answers matched to requests by id, pushed events queued until refit_next_event. */
+#include "refit.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <poll.h>
+#include <stdarg.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "layout.h"
+#include "rpc.h"
+#include "wire.h"
+
+#define SAME(a, b) ((int)(a) == (int)(b))
+_Static_assert(SAME(REFIT_BF16, RF_DT_BF16) && SAME(REFIT_BOOL, RF_DT_BOOL) &&
+               SAME(REFIT_FP8_E4M3, RF_DT_FP8_E4M3) && SAME(REFIT_INT64, RF_DT_INT64),
+               "refit.h dtypes must match rf_dtype");
+_Static_assert(SAME(REFIT_TRAINER, REFIT__RPC__CLIENT_KIND__CLIENT_TRAINER) &&
+               SAME(REFIT_ENGINE, REFIT__RPC__CLIENT_KIND__CLIENT_ENGINE) &&
+               SAME(REFIT_CTL, REFIT__RPC__CLIENT_KIND__CLIENT_CTL), "client kinds");
+_Static_assert(SAME(REFIT_EVENT_INSTALLING, REFIT__RPC__EVENT_KIND__EVENT_INSTALLING) &&
+               SAME(REFIT_EVENT_ABORTED, REFIT__RPC__EVENT_KIND__EVENT_ABORTED), "event kinds");
+
+#define MAX_ANSWER (64u << 20) /* status documents can be large */
+#define ERR_MAX 1024
+
+typedef struct host_alloc {
+    void *p;
+    size_t len;
+} host_alloc;
+
+typedef struct event {
+    int kind;
+    uint64_t version;
+} event;
+
+struct refit_client {
+    int fd;
+    int kind;
+    uint64_t next_id;
+    bool broken; /* the daemon closed the connection or the stream is out of step */
+    rf_wire_reader reader;
+    Refit__Rpc__Response **answers; /* decoded, not yet claimed */
+    size_t nanswers, cap_answers;
+    event *events;
+    size_t nevents, cap_events;
+    host_alloc *allocs;
+    size_t nallocs, cap_allocs;
+    char err[ERR_MAX];
+};
+
+static __thread char tls_err[ERR_MAX];
+
+static int fail(refit_client *c, int code, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+
+static int fail(refit_client *c, int code, const char *fmt, ...)
+{
+    va_list ap;
+
+    va_start(ap, fmt);
+    vsnprintf(tls_err, sizeof(tls_err), fmt, ap);
+    va_end(ap);
+    if (c)
+        memcpy(c->err, tls_err, sizeof(c->err));
+    return code;
+}
+
+const char *refit_last_error(const refit_client *c)
+{
+    return c ? c->err : tls_err;
+}
+
+static int64_t now_ms(void)
+{
+    struct timespec ts;
+
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+static int push_event(refit_client *c, const Refit__Rpc__Event *e)
+{
+    if (c->nevents == c->cap_events) {
+        size_t n = c->cap_events ? c->cap_events * 2 : 16;
+        event *ne = realloc(c->events, n * sizeof(*ne));
+
+        if (ne == NULL)
+            return -ENOMEM;
+        c->events = ne;
+        c->cap_events = n;
+    }
+    c->events[c->nevents++] = (event){(int)e->kind, e->version};
+    return 0;
+}
+
+static int on_frame(void *ctx, const uint8_t *body, uint32_t len)
+{
+    refit_client *c = ctx;
+    Refit__Rpc__Response *r = refit__rpc__response__unpack(NULL, len, body);
+
+    if (r == NULL)
+        return fail(c, -EBADMSG, "malformed answer from the daemon (%u bytes): is the "
+                    "socket a refit daemon of the same release?", len);
+    if (r->id == 0 && r->event != NULL) {
+        int rc = push_event(c, r->event);
+
+        refit__rpc__response__free_unpacked(r, NULL);
+        return rc;
+    }
+    if (c->nanswers == c->cap_answers) {
+        size_t n = c->cap_answers ? c->cap_answers * 2 : 8;
+        Refit__Rpc__Response **na = realloc(c->answers, n * sizeof(*na));
+
+        if (na == NULL) {
+            refit__rpc__response__free_unpacked(r, NULL);
+            return -ENOMEM;
+        }
+        c->answers = na;
+        c->cap_answers = n;
+    }
+    c->answers[c->nanswers++] = r;
+    return 0;
+}
+
+/* Reads what arrives within timeout_ms (< 0: until something does). 0, -ETIMEDOUT, or a
+ * connection error with the message set. */
+static int pump(refit_client *c, int timeout_ms)
+{
+    struct pollfd pfd = {c->fd, POLLIN, 0};
+    uint8_t buf[65536];
+    ssize_t n;
+    int rc;
+
+    if (c->broken)
+        return fail(c, -ENOTCONN, "the connection to the daemon is closed: connect again");
+    rc = poll(&pfd, 1, timeout_ms);
+    if (rc < 0)
+        return errno == EINTR ? 0 : fail(c, -errno, "poll: %s", strerror(errno));
+    if (rc == 0)
+        return -ETIMEDOUT;
+    n = recv(c->fd, buf, sizeof(buf), 0);
+    if (n < 0) {
+        if (errno == EINTR || errno == EAGAIN)
+            return 0;
+        c->broken = true;
+        return fail(c, -errno, "reading from the daemon: %s", strerror(errno));
+    }
+    if (n == 0) {
+        c->broken = true;
+        return fail(c, -ECONNRESET, "the daemon closed the connection");
+    }
+    rc = rf_wire_reader_feed(&c->reader, buf, (size_t)n, on_frame, c);
+    if (rc < 0) {
+        c->broken = true;
+        if (rc == -EMSGSIZE)
+            return fail(c, rc, "answer from the daemon larger than %u bytes", MAX_ANSWER);
+        if (rc == -ENOMEM)
+            return fail(c, rc, "out of memory reading from the daemon");
+        return rc;
+    }
+    return 0;
+}
+
+static int remaining(int64_t deadline)
+{
+    int64_t left;
+
+    if (deadline < 0)
+        return -1;
+    left = deadline - now_ms();
+    return left < 0 ? 0 : (int)left;
+}
+
+/* Waits for the answer to id. A connection-level error (id 0) fails the call with the
+ * daemon's message; answers to earlier calls that timed out are dropped. */
+static int await(refit_client *c, uint64_t id, int timeout_ms, Refit__Rpc__Response **out)
+{
+    int64_t deadline = timeout_ms < 0 ? -1 : now_ms() + timeout_ms;
+    size_t i;
+    int rc;
+
+    *out = NULL;
+    for (;;) {
+        Refit__Rpc__Response *found = NULL;
+        size_t j = 0;
+
+        /* Keep nothing but what we look for: answers to timed-out calls are stale. */
+        for (i = 0; i < c->nanswers; i++) {
+            Refit__Rpc__Response *r = c->answers[i];
+
+            if (found == NULL && (r->id == id || (r->id == 0 && r->code < 0)))
+                found = r;
+            else if (found != NULL)
+                c->answers[j++] = r;
+            else
+                refit__rpc__response__free_unpacked(r, NULL);
+        }
+        c->nanswers = j;
+        if (found != NULL) {
+            if (found->code < 0) {
+                rc = fail(c, found->code, "%s",
+                          found->message ? found->message : strerror(-found->code));
+                if (found->id == 0)
+                    c->broken = true;
+                refit__rpc__response__free_unpacked(found, NULL);
+                return rc;
+            }
+            *out = found;
+            return 0;
+        }
+        rc = pump(c, remaining(deadline));
+        if (rc == -ETIMEDOUT)
+            return fail(c, rc, "no answer from the daemon within %d ms", timeout_ms);
+        if (rc < 0)
+            return rc;
+    }
+}
+
+/* Sends req (with passfd) and waits for its answer; *out may be NULL when only the code
+ * matters. */
+static int call(refit_client *c, Refit__Rpc__Request *req, int passfd, int timeout_ms,
+                Refit__Rpc__Response **out)
+{
+    Refit__Rpc__Response *r = NULL;
+    rf_err err = {0};
+    int rc;
+
+    if (c == NULL)
+        return fail(NULL, -EINVAL, "no client: connect first");
+    if (c->broken)
+        return fail(c, -ENOTCONN, "the connection to the daemon is closed: connect again");
+    req->id = ++c->next_id;
+    rc = rf_rpc_send(c->fd, req, passfd, &err);
+    if (rc < 0) {
+        c->broken = true;
+        return fail(c, rc, "%s", err.msg);
+    }
+    rc = await(c, req->id, timeout_ms, &r);
+    if (rc == 0 && out)
+        *out = r;
+    else if (r)
+        refit__rpc__response__free_unpacked(r, NULL);
+    return rc;
+}
+
+static int simple(refit_client *c, Refit__Rpc__Request *req, int timeout_ms)
+{
+    return call(c, req, -1, timeout_ms, NULL);
+}
+
+static void client_free(refit_client *c)
+{
+    size_t i;
+
+    if (c->fd >= 0)
+        close(c->fd);
+    rf_wire_reader_reset(&c->reader);
+    for (i = 0; i < c->nanswers; i++)
+        refit__rpc__response__free_unpacked(c->answers[i], NULL);
+    for (i = 0; i < c->nallocs; i++)
+        munmap(c->allocs[i].p, c->allocs[i].len);
+    free(c->answers);
+    free(c->events);
+    free(c->allocs);
+    free(c);
+}
+
+int refit_connect(const char *socket_path, const char *name, int rank, int kind,
+                  refit_client **out)
+{
+    Refit__Rpc__Request req = REFIT__RPC__REQUEST__INIT;
+    Refit__Rpc__Hello hello = REFIT__RPC__HELLO__INIT;
+    refit_client *c = NULL;
+    rf_err err = {0};
+    const char *path = socket_path;
+    int rc;
+
+    if (out == NULL)
+        return fail(NULL, -EINVAL, "refit_connect: out is NULL");
+    *out = NULL;
+    if (kind != REFIT_TRAINER && kind != REFIT_ENGINE && kind != REFIT_CTL)
+        return fail(NULL, -EINVAL, "unknown client kind %d: REFIT_TRAINER, REFIT_ENGINE or "
+                    "REFIT_CTL", kind);
+    if (path == NULL)
+        path = getenv("REFIT_SOCKET");
+    if (path == NULL || path[0] == '\0')
+        path = kind == REFIT_ENGINE ? REFIT_SOCKET_RECEIVER : REFIT_SOCKET_PUBLISHER;
+    c = calloc(1, sizeof(*c));
+    if (c == NULL)
+        return fail(NULL, -ENOMEM, "out of memory");
+    c->fd = -1;
+    c->kind = kind;
+    rf_wire_reader_init(&c->reader, MAX_ANSWER);
+    rc = rf_rpc_dial(path, &c->fd, &err);
+    if (rc < 0) {
+        fail(NULL, rc, "%s", err.msg);
+        goto out;
+    }
+    hello.protocol_version = RF_RPC_PROTOCOL_VERSION;
+    hello.name = (char *)(name ? name : "");
+    hello.rank = rank;
+    hello.kind = (Refit__Rpc__ClientKind)kind;
+    hello.pid = getpid();
+    req.body_case = REFIT__RPC__REQUEST__BODY_HELLO;
+    req.hello = &hello;
+    rc = simple(c, &req, 30000);
+    if (rc < 0) {
+        fail(NULL, rc, "%s: %s", path, c->err);
+        goto out;
+    }
+    *out = c;
+    c = NULL;
+out:
+    if (c)
+        client_free(c);
+    return rc;
+}
+
+int refit_region_memfd(refit_client *c, int fd, uint64_t size, uint32_t *region)
+{
+    Refit__Rpc__Request req = REFIT__RPC__REQUEST__INIT;
+    Refit__Rpc__RegisterRegion m = REFIT__RPC__REGISTER_REGION__INIT;
+    Refit__Rpc__Response *r = NULL;
+    int rc;
+
+    if (c == NULL || region == NULL || fd < 0)
+        return fail(c, -EINVAL, "refit_region_memfd: needs a client, a memfd and a region "
+                    "pointer");
+    /* The daemon maps the memfd and refuses one that could shrink under it. A memfd made
+     * without MFD_ALLOW_SEALING fails here and the daemon's answer says so. */
+    (void)fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK);
+    m.size = size;
+    m.device = "host";
+    m.kind = REFIT__RPC__MEM_KIND__MEM_MEMFD;
+    req.body_case = REFIT__RPC__REQUEST__BODY_REGISTER_REGION;
+    req.register_region = &m;
+    rc = call(c, &req, fd, 30000, &r);
+    if (rc == 0) {
+        *region = r->region;
+        refit__rpc__response__free_unpacked(r, NULL);
+    }
+    return rc;
+}
+
+int refit_alloc_host(refit_client *c, uint64_t size, void **ptr, uint32_t *region)
+{
+    void *p = MAP_FAILED;
+    int fd = -1, rc;
+
+    if (c == NULL || ptr == NULL || region == NULL || size == 0)
+        return fail(c, -EINVAL, "refit_alloc_host: needs a client, a size > 0 and out "
+                    "pointers");
+    if (c->nallocs == c->cap_allocs) {
+        size_t n = c->cap_allocs ? c->cap_allocs * 2 : 8;
+        host_alloc *na = realloc(c->allocs, n * sizeof(*na));
+
+        if (na == NULL)
+            return fail(c, -ENOMEM, "out of memory");
+        c->allocs = na;
+        c->cap_allocs = n;
+    }
+    fd = memfd_create("refit", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+    if (fd < 0) {
+        rc = fail(c, -errno, "memfd_create: %s", strerror(errno));
+        goto out;
+    }
+    if (ftruncate(fd, (off_t)size) < 0) {
+        rc = fail(c, -errno, "cannot size a memfd to %llu bytes: %s",
+                  (unsigned long long)size, strerror(errno));
+        goto out;
+    }
+    p = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (p == MAP_FAILED) {
+        rc = fail(c, -errno, "cannot map %llu bytes: %s", (unsigned long long)size,
+                  strerror(errno));
+        goto out;
+    }
+    rc = refit_region_memfd(c, fd, size, region);
+    if (rc < 0)
+        goto out;
+    c->allocs[c->nallocs++] = (host_alloc){p, size};
+    *ptr = p;
+    p = MAP_FAILED;
+out:
+    if (p != MAP_FAILED)
+        munmap(p, size);
+    if (fd >= 0)
+        close(fd);
+    return rc;
+}
+
+int refit_add_piece(refit_client *c, const char *tensor, int dtype, int ndim,
+                    const int64_t *shape, uint32_t region, uint64_t offset,
+                    const int64_t *start, const int64_t *extent, const int64_t *strides)
+{
+    Refit__Rpc__Request req = REFIT__RPC__REQUEST__INIT;
+    Refit__Rpc__RegisterPiece m = REFIT__RPC__REGISTER_PIECE__INIT;
+    int64_t dense[RF_MAX_DIMS];
+    int d;
+
+    if (c == NULL || tensor == NULL || shape == NULL || start == NULL || extent == NULL)
+        return fail(c, -EINVAL, "refit_add_piece: needs a client, a tensor name, shape, start "
+                    "and extent");
+    if (ndim < 1 || ndim > RF_MAX_DIMS)
+        return fail(c, -EINVAL, "tensor %s: ndim %d, 1 to %d are supported", tensor, ndim,
+                    RF_MAX_DIMS);
+    if (dtype < 0)
+        return fail(c, -EINVAL, "tensor %s: unknown dtype %d", tensor, dtype);
+    if (strides == NULL) {
+        /* Row-major over the box: the common case of a piece stored densely. */
+        int64_t s = 1;
+
+        for (d = ndim - 1; d >= 0; d--) {
+            dense[d] = s;
+            s *= extent[d] > 0 ? extent[d] : 1;
+        }
+        strides = dense;
+    }
+    m.tensor = (char *)tensor;
+    m.dtype = (uint32_t)dtype;
+    m.n_shape = m.n_start = m.n_extent = m.n_strides = (size_t)ndim;
+    m.shape = (int64_t *)shape;
+    m.start = (int64_t *)start;
+    m.extent = (int64_t *)extent;
+    m.strides = (int64_t *)strides;
+    m.region = region;
+    m.offset = offset;
+    req.body_case = REFIT__RPC__REQUEST__BODY_REGISTER_PIECE;
+    req.register_piece = &m;
+    return simple(c, &req, 30000);
+}
+
+int refit_seal(refit_client *c)
+{
+    Refit__Rpc__Request req = REFIT__RPC__REQUEST__INIT;
+    Refit__Rpc__Seal m = REFIT__RPC__SEAL__INIT;
+
+    req.body_case = REFIT__RPC__REQUEST__BODY_SEAL;
+    req.seal = &m;
+    return simple(c, &req, 60000);
+}
+
+int refit_publish(refit_client *c, uint64_t version)
+{
+    Refit__Rpc__Request req = REFIT__RPC__REQUEST__INIT;
+    Refit__Rpc__Publish m = REFIT__RPC__PUBLISH__INIT;
+
+    m.version = version;
+    req.body_case = REFIT__RPC__REQUEST__BODY_PUBLISH;
+    req.publish = &m;
+    return simple(c, &req, 30000);
+}
+
+int refit_wait_released(refit_client *c, uint64_t version, int timeout_ms)
+{
+    Refit__Rpc__Request req = REFIT__RPC__REQUEST__INIT;
+    Refit__Rpc__WaitReleased m = REFIT__RPC__WAIT_RELEASED__INIT;
+
+    m.version = version;
+    req.body_case = REFIT__RPC__REQUEST__BODY_WAIT_RELEASED;
+    req.wait_released = &m;
+    return simple(c, &req, timeout_ms);
+}
+
+int refit_wait_version(refit_client *c, uint64_t version, int timeout_ms)
+{
+    Refit__Rpc__Request req = REFIT__RPC__REQUEST__INIT;
+    Refit__Rpc__WaitVersion m = REFIT__RPC__WAIT_VERSION__INIT;
+
+    m.version = version;
+    req.body_case = REFIT__RPC__REQUEST__BODY_WAIT_VERSION;
+    req.wait_version = &m;
+    return simple(c, &req, timeout_ms);
+}
+
+int refit_next_event(refit_client *c, int timeout_ms, int *event, uint64_t *version)
+{
+    int64_t deadline = timeout_ms < 0 ? -1 : now_ms() + timeout_ms;
+    int rc;
+
+    if (c == NULL || event == NULL || version == NULL)
+        return fail(c, -EINVAL, "refit_next_event: needs a client and out pointers");
+    while (c->nevents == 0) {
+        rc = pump(c, remaining(deadline));
+        if (rc == -ETIMEDOUT)
+            return fail(c, rc, "no event within %d ms", timeout_ms);
+        if (rc < 0)
+            return rc;
+    }
+    *event = c->events[0].kind;
+    *version = c->events[0].version;
+    memmove(c->events, c->events + 1, (c->nevents - 1) * sizeof(*c->events));
+    c->nevents--;
+    return 0;
+}
+
+int refit_status_json(refit_client *c, char **json)
+{
+    Refit__Rpc__Request req = REFIT__RPC__REQUEST__INIT;
+    Refit__Rpc__Status m = REFIT__RPC__STATUS__INIT;
+    Refit__Rpc__Response *r = NULL;
+    int rc;
+
+    if (json == NULL)
+        return fail(c, -EINVAL, "refit_status_json: json is NULL");
+    req.body_case = REFIT__RPC__REQUEST__BODY_STATUS;
+    req.status = &m;
+    rc = call(c, &req, -1, 30000, &r);
+    if (rc < 0)
+        return rc;
+    *json = strdup(r->status_json ? r->status_json : "{}");
+    refit__rpc__response__free_unpacked(r, NULL);
+    return *json ? 0 : fail(c, -ENOMEM, "out of memory");
+}
+
+int refit_trigger(refit_client *c, uint64_t version)
+{
+    Refit__Rpc__Request req = REFIT__RPC__REQUEST__INIT;
+    Refit__Rpc__Refit m = REFIT__RPC__REFIT__INIT;
+
+    m.version = version;
+    req.body_case = REFIT__RPC__REQUEST__BODY_REFIT;
+    req.refit = &m;
+    return simple(c, &req, 30000);
+}
+
+int refit_wait(refit_client *c, uint64_t version, int timeout_ms)
+{
+    Refit__Rpc__Request req = REFIT__RPC__REQUEST__INIT;
+    Refit__Rpc__Wait m = REFIT__RPC__WAIT__INIT;
+
+    m.version = version;
+    req.body_case = REFIT__RPC__REQUEST__BODY_WAIT;
+    req.wait = &m;
+    return simple(c, &req, timeout_ms);
+}
+
+int refit_close(refit_client *c)
+{
+    if (c)
+        client_free(c);
+    return 0;
+}

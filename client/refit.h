@@ -1,0 +1,77 @@
+/* client/refit.h - librefit: the blocking C API trainers, engines and refitctl use to talk to
+ * their local refit daemon over its Unix socket. Every call returns 0 or a negative errno;
+ * refit_last_error says what was wrong. One client is used by one thread at a time. */
+#ifndef REFIT_H
+#define REFIT_H
+
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define REFIT_SOCKET_PUBLISHER "/run/refit/publisherd.sock"
+#define REFIT_SOCKET_RECEIVER "/run/refit/receiverd.sock"
+
+/* Client kinds */
+enum { REFIT_TRAINER = 1, REFIT_ENGINE = 2, REFIT_CTL = 3 };
+
+/* Events pushed to engines */
+enum { REFIT_EVENT_INSTALLING = 1, REFIT_EVENT_COMMITTED = 2, REFIT_EVENT_ABORTED = 3 };
+
+/* dtypes (the values of rf_dtype) */
+enum {
+    REFIT_BF16 = 0, REFIT_FP16, REFIT_FP32, REFIT_FP64, REFIT_FP8_E4M3, REFIT_FP8_E5M2,
+    REFIT_INT8, REFIT_UINT8, REFIT_INT16, REFIT_INT32, REFIT_INT64, REFIT_BOOL
+};
+
+typedef struct refit_client refit_client;
+
+/* Connects and says Hello. socket_path NULL: $REFIT_SOCKET, else the publisher's socket for
+ * trainers and refitctl, the receiver's for engines. name may be NULL. On failure *out is NULL
+ * and refit_last_error(NULL) holds the message. */
+int refit_connect(const char *socket_path, const char *name, int rank, int kind,
+                  refit_client **out);
+/* The message of this client's last failed call; with NULL, of the last failed call of this
+ * thread (refit_connect). Never NULL. */
+const char *refit_last_error(const refit_client *c);
+
+/* Registers host memory: size bytes of the memfd fd from its start (librefit seals it against
+ * shrinking; fd stays the caller's). *region is the id pieces name. */
+int refit_region_memfd(refit_client *c, int fd, uint64_t size, uint32_t *region);
+/* Allocates size bytes of shared host memory (memfd + mmap), registers it and returns the
+ * mapping; it stays mapped until refit_close. */
+int refit_alloc_host(refit_client *c, uint64_t size, void **ptr, uint32_t *region);
+/* Registers one piece: the box (start, extent) of tensor (dtype, global shape of ndim dims)
+ * that lies at offset bytes in region, with element strides per dim. */
+int refit_add_piece(refit_client *c, const char *tensor, int dtype, int ndim,
+                    const int64_t *shape, uint32_t region, uint64_t offset,
+                    const int64_t *start, const int64_t *extent, const int64_t *strides);
+/* Ends registration: the daemon checks the pieces as a whole. */
+int refit_seal(refit_client *c);
+
+/* Trainers: the weights of version are final. */
+int refit_publish(refit_client *c, uint64_t version);
+/* Trainers: blocks until version is committed everywhere (the weights may be overwritten).
+ * timeout_ms < 0 waits forever; -ETIMEDOUT after it; -ECANCELED when the refit aborted. */
+int refit_wait_released(refit_client *c, uint64_t version, int timeout_ms);
+/* Engines: blocks until version (or a later one) is committed; -ECANCELED on its abort. */
+int refit_wait_version(refit_client *c, uint64_t version, int timeout_ms);
+/* Engines: the next pushed event (REFIT_EVENT_*) and its version; -ETIMEDOUT when none came. */
+int refit_next_event(refit_client *c, int timeout_ms, int *event, uint64_t *version);
+
+/* refitctl: the daemon's status document (malloc'd; the caller frees it). */
+int refit_status_json(refit_client *c, char **json);
+/* refitctl: trigger a refit to version. */
+int refit_trigger(refit_client *c, uint64_t version);
+/* refitctl: wait until version is committed (-ECANCELED when it aborted). */
+int refit_wait(refit_client *c, uint64_t version, int timeout_ms);
+
+/* Closes the connection (the daemon drops this client's registration) and frees c. */
+int refit_close(refit_client *c);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif

@@ -1,0 +1,490 @@
+/* client/refitctl/cmd_plan.c - `refitctl plan`: runs the planner offline on a synthetic model
+ * and two layouts, and reports transfers, loads, imbalance and a predicted refit time. */
+#include <errno.h>
+#include <getopt.h>
+#include <jansson.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/resource.h>
+#include <time.h>
+
+#include "ctl.h"
+#include "layout.h"
+#include "model.h"
+#include "plan.h"
+
+#define TOP_N 5
+
+static void plan_usage(FILE *f)
+{
+    fprintf(f,
+            "usage: refitctl plan --model NAME|FILE --src LAYOUT --dst LAYOUT [options]\n"
+            "\n"
+            "Plans a refit from a trainer layout to an engine layout of a synthetic model, on\n"
+            "this machine, without daemons, and prints what the plan would move.\n"
+            "\n"
+            "  --model NAME|FILE   qwen3-0.6b, qwen3-4b, qwen3-30b-a3b, deepseek-v3, or a JSON file\n"
+            "                      with HF config.json keys\n"
+            "  --src LAYOUT        trainer parallelism, e.g. tp=2,pp=2,ep=4,dp=2\n"
+            "  --dst LAYOUT        engine parallelism, e.g. tp=4,dp=4\n"
+            "  --staging-mib N     staging budget per GPU in MiB (default 256)\n"
+            "  --direct-min-mib N  smallest contiguous transfer sent direct, MiB (default 4)\n"
+            "  --link-gbps X       bandwidth of each GPU's link in Gbit/s (default 400)\n"
+            "  --gpus-per-node N   GPUs per node on both sides, for link loads (default 8)\n"
+            "  --explain           add per-tensor-class, top sender, receiver and link tables\n"
+            "  --json              print one JSON object instead of text\n"
+            "\n"
+            "Predicted time: every GPU sends and receives at once over its own link of\n"
+            "--link-gbps, so a refit takes as long as the busiest GPU needs for its bytes:\n"
+            "  predicted = max over GPUs of max(bytes sent, bytes received) / (link_gbps*1e9/8).\n"
+            "It ignores latency, staging copies and node-level (NIC, switch) limits; max link\n"
+            "bytes shows how much one node pair carries.\n"
+            "\n"
+            "Exit status: 0 planned, 1 the plan failed (uncovered bytes), 2 bad arguments,\n"
+            "model or layout.\n");
+}
+
+typedef struct plan_args {
+    const char *model, *src, *dst;
+    double staging_mib, direct_min_mib, link_gbps;
+    int gpus_per_node;
+    int explain, json;
+} plan_args;
+
+static double now(void)
+{
+    struct timespec ts;
+
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+static double peak_rss_bytes(void)
+{
+    struct rusage ru;
+
+    getrusage(RUSAGE_SELF, &ru);
+    return (double)ru.ru_maxrss * 1024.0; /* KiB on Linux */
+}
+
+static int parse_num(const char *opt, const char *s, double lo, double hi, double *out)
+{
+    char *end;
+    double v;
+
+    errno = 0;
+    v = strtod(s, &end);
+    if (errno || end == s || *end != '\0' || !(v >= lo && v <= hi)) {
+        fprintf(stderr, "refitctl plan: %s '%s' is not a number in [%g, %g]\n", opt, s, lo, hi);
+        return -EINVAL;
+    }
+    *out = v;
+    return 0;
+}
+
+static int parse_args(int argc, char **argv, plan_args *a)
+{
+    static const struct option opts[] = {
+        {"model", required_argument, NULL, 'm'},
+        {"src", required_argument, NULL, 's'},
+        {"dst", required_argument, NULL, 'd'},
+        {"staging-mib", required_argument, NULL, 'S'},
+        {"direct-min-mib", required_argument, NULL, 'D'},
+        {"link-gbps", required_argument, NULL, 'l'},
+        {"gpus-per-node", required_argument, NULL, 'g'},
+        {"explain", no_argument, NULL, 'e'},
+        {"json", no_argument, NULL, 'j'},
+        {"help", no_argument, NULL, 'h'},
+        {NULL, 0, NULL, 0},
+    };
+    double g = 8;
+    int c;
+
+    memset(a, 0, sizeof(*a));
+    a->staging_mib = 256;
+    a->direct_min_mib = 4;
+    a->link_gbps = 400;
+    optind = 1;
+    opterr = 0;
+    while ((c = getopt_long(argc, argv, "", opts, NULL)) != -1) {
+        switch (c) {
+        case 'm': a->model = optarg; break;
+        case 's': a->src = optarg; break;
+        case 'd': a->dst = optarg; break;
+        case 'S':
+            if (parse_num("--staging-mib", optarg, 1.0 / 256, 1 << 20, &a->staging_mib))
+                return 2;
+            break;
+        case 'D':
+            if (parse_num("--direct-min-mib", optarg, 0, 1 << 20, &a->direct_min_mib))
+                return 2;
+            break;
+        case 'l':
+            if (parse_num("--link-gbps", optarg, 1e-3, 1e6, &a->link_gbps))
+                return 2;
+            break;
+        case 'g':
+            if (parse_num("--gpus-per-node", optarg, 1, 1 << 16, &g))
+                return 2;
+            break;
+        case 'e': a->explain = 1; break;
+        case 'j': a->json = 1; break;
+        case 'h': plan_usage(stdout); return 0;
+        default:
+            fprintf(stderr, "refitctl plan: unknown or incomplete option '%s'; see "
+                    "`refitctl plan --help`\n", argv[optind - 1]);
+            return 2;
+        }
+    }
+    a->gpus_per_node = (int)g;
+    if (optind < argc) {
+        fprintf(stderr, "refitctl plan: unexpected argument '%s'\n", argv[optind]);
+        return 2;
+    }
+    if (a->model == NULL || a->src == NULL || a->dst == NULL) {
+        fprintf(stderr, "refitctl plan: --model, --src and --dst are required; see "
+                "`refitctl plan --help`\n");
+        return 2;
+    }
+    return -1;
+}
+
+static void fmt_bytes(double b, char *buf, size_t len)
+{
+    static const char *u[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB"};
+    int i = 0;
+
+    while (b >= 1024 && i < 5) {
+        b /= 1024;
+        i++;
+    }
+    snprintf(buf, len, i ? "%.2f %s" : "%.0f %s", b, u[i]);
+}
+
+/* The class of a tensor: its name with layer and expert numbers replaced by '*'. */
+static void tensor_class(const char *name, char *out, size_t len)
+{
+    size_t o = 0;
+
+    for (const char *p = name; *p && o + 2 < len;) {
+        if ((p == name || p[-1] == '.') && *p >= '0' && *p <= '9') {
+            while (*p >= '0' && *p <= '9')
+                p++;
+            out[o++] = '*';
+            continue;
+        }
+        out[o++] = *p++;
+    }
+    out[o] = '\0';
+}
+
+typedef struct kv {
+    uint64_t key, val;
+} kv;
+
+static int cmp_val_desc(const void *a, const void *b)
+{
+    const kv *x = a, *y = b;
+
+    if (x->val != y->val)
+        return x->val < y->val ? 1 : -1;
+    return (x->key > y->key) - (x->key < y->key);
+}
+
+static int cmp_key(const void *a, const void *b)
+{
+    const kv *x = a, *y = b;
+
+    return (x->key > y->key) - (x->key < y->key);
+}
+
+typedef struct tclass {
+    char name[RF_NAME_MAX];
+    uint64_t tensors, transfers, bytes, direct_bytes;
+} tclass;
+
+static int explain(const rf_plan *pl, double bps, json_t *jo)
+{
+    const rf_inv *inv = rf_plan_inv(pl);
+    uint32_t nt = rf_inv_ntensors(inv), ne = rf_inv_nendpoints(inv), nm = rf_plan_nmsgs(pl);
+    uint32_t *cls = calloc((size_t)nt + 1, sizeof(*cls));
+    tclass *cl = NULL;
+    kv *ep = calloc((size_t)ne + 1, sizeof(*ep)), *links = calloc((size_t)nm + 1, sizeof(*links));
+    size_t ncl = 0, nlinks = 0;
+    char c[RF_NAME_MAX], b1[32], b2[32];
+    json_t *ja = NULL;
+    int rc = 0;
+
+    if (cls == NULL || ep == NULL || links == NULL) {
+        fprintf(stderr, "refitctl plan: out of memory for --explain\n");
+        rc = -ENOMEM;
+        goto out;
+    }
+    for (uint32_t t = 0; t < nt; t++) {
+        size_t k;
+        tensor_class(rf_inv_tensor(inv, t)->name, c, sizeof(c));
+        for (k = 0; k < ncl && strcmp(cl[k].name, c) != 0; k++)
+            ;
+        if (k == ncl) {
+            tclass *q = realloc(cl, (ncl + 1) * sizeof(*cl));
+            if (q == NULL) {
+                rc = -ENOMEM;
+                goto out;
+            }
+            cl = q;
+            memset(&cl[ncl], 0, sizeof(*cl));
+            snprintf(cl[ncl].name, sizeof(cl[ncl].name), "%s", c);
+            ncl++;
+        }
+        cls[t] = (uint32_t)k;
+        cl[k].tensors++;
+    }
+    for (uint32_t mi = 0; mi < nm; mi++) {
+        const rf_msg *m = rf_plan_msg(pl, mi);
+        for (uint32_t k = 0; k < m->count; k++) {
+            const rf_xfer *x = rf_plan_xfer(pl, (uint64_t)m->first + k);
+            tclass *q = &cl[cls[rf_inv_piece_tensor(inv, RF_DST, x->dst)]];
+            q->transfers++;
+            q->bytes += x->bytes;
+            if (m->kind == RF_XFER_DIRECT)
+                q->direct_bytes += x->bytes;
+        }
+        links[nlinks].key = ((uint64_t)rf_inv_endpoint(inv, m->src_ep)->node << 32) |
+                            rf_inv_endpoint(inv, m->dst_ep)->node;
+        links[nlinks++].val = m->bytes;
+    }
+    /* Links: sum message bytes per node pair. */
+    qsort(links, nlinks, sizeof(*links), cmp_key);
+    {
+        size_t w = 0;
+        for (size_t i = 0; i < nlinks; i++) {
+            if (w > 0 && links[w - 1].key == links[i].key)
+                links[w - 1].val += links[i].val;
+            else
+                links[w++] = links[i];
+        }
+        nlinks = w;
+    }
+    qsort(links, nlinks, sizeof(*links), cmp_val_desc);
+
+    if (jo) {
+        ja = json_array();
+        for (size_t k = 0; k < ncl; k++)
+            json_array_append_new(ja, json_pack("{s:s, s:I, s:I, s:I, s:I}", "class", cl[k].name,
+                                                "tensors", (json_int_t)cl[k].tensors,
+                                                "transfers", (json_int_t)cl[k].transfers,
+                                                "bytes", (json_int_t)cl[k].bytes,
+                                                "direct_bytes", (json_int_t)cl[k].direct_bytes));
+        json_object_set_new(jo, "classes", ja);
+    } else {
+        printf("\nper tensor class:\n  %-48s %8s %10s %12s %8s\n", "class", "tensors",
+               "transfers", "bytes", "direct");
+        for (size_t k = 0; k < ncl; k++) {
+            fmt_bytes((double)cl[k].bytes, b1, sizeof(b1));
+            printf("  %-48s %8llu %10llu %12s %7.1f%%\n", cl[k].name,
+                   (unsigned long long)cl[k].tensors, (unsigned long long)cl[k].transfers, b1,
+                   cl[k].bytes ? 100.0 * (double)cl[k].direct_bytes / (double)cl[k].bytes : 0.0);
+        }
+    }
+    for (int side = 0; side < 2; side++) {
+        size_t n = 0;
+        const char *what = side ? "receivers" : "senders";
+        for (uint32_t e = 0; e < ne; e++) {
+            if ((int)rf_inv_endpoint(inv, e)->side != side)
+                continue;
+            ep[n].key = e;
+            ep[n++].val = side ? rf_plan_recv_bytes(pl, e) : rf_plan_sent_bytes(pl, e);
+        }
+        qsort(ep, n, sizeof(*ep), cmp_val_desc);
+        if (jo) {
+            ja = json_array();
+            for (size_t i = 0; i < n && i < TOP_N; i++)
+                json_array_append_new(ja, json_pack("{s:I, s:I, s:I}", "endpoint",
+                                                    (json_int_t)ep[i].key, "node",
+                                                    (json_int_t)rf_inv_endpoint(inv, (uint32_t)ep[i].key)->node,
+                                                    "bytes", (json_int_t)ep[i].val));
+            json_object_set_new(jo, side ? "top_receivers" : "top_senders", ja);
+        } else {
+            printf("\ntop %s:\n", what);
+            for (size_t i = 0; i < n && i < TOP_N; i++) {
+                fmt_bytes((double)ep[i].val, b1, sizeof(b1));
+                printf("  endpoint %-6llu node %-5u %12s  %.3f s\n", (unsigned long long)ep[i].key,
+                       rf_inv_endpoint(inv, (uint32_t)ep[i].key)->node, b1, (double)ep[i].val / bps);
+            }
+        }
+    }
+    if (jo) {
+        ja = json_array();
+        for (size_t i = 0; i < nlinks && i < TOP_N; i++)
+            json_array_append_new(ja, json_pack("{s:I, s:I, s:I}", "src_node",
+                                                (json_int_t)(links[i].key >> 32), "dst_node",
+                                                (json_int_t)(links[i].key & 0xffffffffu), "bytes",
+                                                (json_int_t)links[i].val));
+        json_object_set_new(jo, "top_links", ja);
+    } else {
+        printf("\ntop links (source node -> destination node):\n");
+        for (size_t i = 0; i < nlinks && i < TOP_N; i++) {
+            fmt_bytes((double)links[i].val, b2, sizeof(b2));
+            printf("  %5llu -> %-5llu %12s\n", (unsigned long long)(links[i].key >> 32),
+                   (unsigned long long)(links[i].key & 0xffffffffu), b2);
+        }
+    }
+out:
+    free(cls);
+    free(cl);
+    free(ep);
+    free(links);
+    return rc;
+}
+
+int rf_ctl_plan(int argc, char **argv)
+{
+    plan_args a;
+    rf_model *m = NULL;
+    rf_inv *inv = NULL;
+    rf_plan *pl = NULL;
+    rf_par ps, pd;
+    rf_plan_opts o;
+    rf_err err;
+    json_t *jo = NULL;
+    double t0, t1, bps, pred = 0;
+    uint64_t maxep = 0;
+    char id[65] = "", b1[32], b2[32], b3[32];
+    int rc;
+
+    rf_err_clear(&err);
+    rc = parse_args(argc, argv, &a);
+    if (rc >= 0)
+        return rc;
+    rc = 2;
+    if (rf_model_load(a.model, &m, &err) < 0) {
+        fprintf(stderr, "refitctl plan: %s\n", err.msg);
+        goto out;
+    }
+    if (rf_par_parse(a.src, RF_SRC, m, &ps, &err) < 0 ||
+        rf_par_parse(a.dst, RF_DST, m, &pd, &err) < 0) {
+        fprintf(stderr, "%s\n", err.msg);
+        goto out;
+    }
+    inv = rf_inv_new();
+    if (inv == NULL || rf_model_build_inv(m, &ps, &pd, a.gpus_per_node, inv, &err) < 0) {
+        fprintf(stderr, "refitctl plan: %s\n", inv ? err.msg : "out of memory");
+        rc = 1;
+        goto out;
+    }
+    o.staging_bytes = (uint64_t)(a.staging_mib * 1024 * 1024);
+    o.direct_min_bytes = (uint64_t)(a.direct_min_mib * 1024 * 1024);
+    t0 = now();
+    if (rf_plan_build(inv, &o, &pl, &err) < 0) {
+        rc = err.code == -EINVAL && strncmp(err.msg, "plan: staging", 13) == 0 ? 2 : 1;
+        if (a.json) {
+            jo = json_pack("{s:b, s:s}", "covered", 0, "error", err.msg);
+            json_dumpf(jo, stdout, JSON_COMPACT);
+            printf("\n");
+        }
+        fprintf(stderr, "refitctl plan: %s\n", err.msg);
+        goto out;
+    }
+    t1 = now();
+    bps = a.link_gbps * 1e9 / 8;
+    for (uint32_t e = 0; e < rf_inv_nendpoints(inv); e++) {
+        uint64_t s = rf_plan_sent_bytes(pl, e), r = rf_plan_recv_bytes(pl, e);
+        if (s > maxep)
+            maxep = s;
+        if (r > maxep)
+            maxep = r;
+    }
+    pred = (double)maxep / bps;
+    rf_plan_id_hex(pl, id);
+    const rf_plan_stats *st = rf_plan_stats_get(pl);
+    double simb = st->mean_sender_bytes > 0 ? (double)st->max_sender_bytes / st->mean_sender_bytes : 0;
+    double rimb = st->mean_receiver_bytes > 0 ? (double)st->max_receiver_bytes / st->mean_receiver_bytes : 0;
+    if (a.json) {
+        jo = json_object();
+        json_object_set_new(jo, "model", json_string(rf_model_name(m)));
+        json_object_set_new(jo, "src", json_string(a.src));
+        json_object_set_new(jo, "dst", json_string(a.dst));
+        json_object_set_new(jo, "covered", json_true());
+        json_object_set_new(jo, "plan_id", json_string(id));
+#define JI(k, v) json_object_set_new(jo, k, json_integer((json_int_t)(v)))
+#define JR(k, v) json_object_set_new(jo, k, json_real(v))
+        JI("tensors", st->tensors);
+        JI("src_pieces", st->src_pieces);
+        JI("dst_pieces", st->dst_pieces);
+        JI("transfers", st->transfers);
+        JI("direct_transfers", st->direct_transfers);
+        JI("packed_transfers", st->packed_transfers);
+        JI("messages", st->messages);
+        JI("rounds", st->rounds);
+        JI("dst_bytes", st->dst_bytes);
+        JI("direct_bytes", st->direct_bytes);
+        JI("packed_bytes", st->packed_bytes);
+        JI("runs", st->runs);
+        JI("max_sender_bytes", st->max_sender_bytes);
+        JR("mean_sender_bytes", st->mean_sender_bytes);
+        JI("max_receiver_bytes", st->max_receiver_bytes);
+        JR("mean_receiver_bytes", st->mean_receiver_bytes);
+        JI("max_link_bytes", st->max_link_bytes);
+        JI("max_staging_bytes", st->max_staging_bytes);
+        JR("sender_imbalance", simb);
+        JR("receiver_imbalance", rimb);
+        JR("link_gbps", a.link_gbps);
+        JI("staging_bytes", o.staging_bytes);
+        JR("predicted_seconds", pred);
+        JR("plan_seconds", t1 - t0);
+        JI("plan_memory_bytes", rf_plan_memory(pl));
+        JI("inventory_memory_bytes", rf_inv_memory(inv));
+        JI("peak_rss_bytes", (uint64_t)peak_rss_bytes());
+#undef JI
+#undef JR
+        if (a.explain && explain(pl, bps, jo) < 0) {
+            rc = 1;
+            goto out;
+        }
+        json_dumpf(jo, stdout, JSON_COMPACT);
+        printf("\n");
+        rc = 0;
+        goto out;
+    }
+    printf("model        %s (%u tensors, ", rf_model_name(m), st->tensors);
+    fmt_bytes((double)rf_model_bytes(m), b1, sizeof(b1));
+    printf("%s)\n", b1);
+    printf("layouts      trainer %s (%d GPUs) -> engine %s (%d GPUs), %d GPUs per node\n", a.src,
+           rf_par_world(&ps, RF_SRC), a.dst, rf_par_world(&pd, RF_DST), a.gpus_per_node);
+    printf("pieces       %llu source, %llu destination\n", (unsigned long long)st->src_pieces,
+           (unsigned long long)st->dst_pieces);
+    fmt_bytes((double)st->direct_bytes, b1, sizeof(b1));
+    fmt_bytes((double)st->packed_bytes, b2, sizeof(b2));
+    fmt_bytes((double)st->dst_bytes, b3, sizeof(b3));
+    printf("transfers    %llu (%llu direct, %s; %llu packed, %s), %s in all\n",
+           (unsigned long long)st->transfers, (unsigned long long)st->direct_transfers, b1,
+           (unsigned long long)st->packed_transfers, b2, b3);
+    printf("messages     %llu in %llu rounds; memory runs %llu\n", (unsigned long long)st->messages,
+           (unsigned long long)st->rounds, (unsigned long long)st->runs);
+    fmt_bytes((double)st->max_sender_bytes, b1, sizeof(b1));
+    fmt_bytes(st->mean_sender_bytes, b2, sizeof(b2));
+    printf("per sender   max %s, mean %s, imbalance %.3f\n", b1, b2, simb);
+    fmt_bytes((double)st->max_receiver_bytes, b1, sizeof(b1));
+    fmt_bytes(st->mean_receiver_bytes, b2, sizeof(b2));
+    printf("per receiver max %s, mean %s, imbalance %.3f\n", b1, b2, rimb);
+    fmt_bytes((double)st->max_link_bytes, b1, sizeof(b1));
+    fmt_bytes((double)st->max_staging_bytes, b2, sizeof(b2));
+    printf("per link     max %s; staging per GPU and round max %s (budget %.0f MiB)\n", b1, b2,
+           a.staging_mib);
+    fmt_bytes(peak_rss_bytes(), b1, sizeof(b1));
+    printf("plan build   %.3f s, peak memory %s\n", t1 - t0, b1);
+    printf("predicted    %.3f s at %g Gbit/s per GPU\n", pred, a.link_gbps);
+    printf("plan id      %s\n", id);
+    if (a.explain && explain(pl, bps, NULL) < 0) {
+        rc = 1;
+        goto out;
+    }
+    rc = 0;
+out:
+    json_decref(jo);
+    rf_plan_free(pl);
+    rf_inv_free(inv);
+    rf_model_free(m);
+    return rc;
+}

@@ -1,0 +1,48 @@
+/* common/copy.h - batched box gather (piece memory -> dense row-major staging) and scatter
+ * (staging -> piece memory) on the host, with the semantics the CUDA kernels share, and a
+ * reference executor that runs a whole plan inside one process. */
+#ifndef RF_COPY_H
+#define RF_COPY_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "err.h"
+#include "layout.h"
+#include "plan.h"
+
+/* One box copy: the elements of `sub` (global coordinates, inside `piece`) of a piece whose
+ * origin lies at base + offset with element strides `strides`, to or from staging at
+ * staging_off as sub's elements in row-major order. */
+typedef struct rf_copy_desc {
+    uint8_t *base;          /* region base */
+    uint64_t offset;        /* bytes from base to the piece's origin */
+    uint64_t staging_off;   /* bytes from the staging buffer's start */
+    uint32_t esize;         /* bytes per element */
+    uint32_t ndim;
+    rf_box piece;           /* the piece's box */
+    int64_t strides[RF_MAX_DIMS];
+    rf_box sub;             /* the box to copy, inside piece */
+} rf_copy_desc;
+
+/* Fills d from a piece of the inventory's geometry. */
+void rf_copy_desc_set(rf_copy_desc *d, void *base, const rf_piece *p, int ndim, size_t esize,
+                      const rf_box *sub, uint64_t staging_off);
+/* Bytes one descriptor moves. */
+uint64_t rf_copy_desc_bytes(const rf_copy_desc *d);
+
+/* Piece memory -> staging, for every descriptor. -EINVAL (nothing copied) when a descriptor
+ * is malformed: ndim outside 1..RF_MAX_DIMS, esize 0, a negative stride, or sub not inside
+ * the piece; err names the descriptor. */
+int rf_copy_gather(const rf_copy_desc *d, size_t n, void *staging, rf_err *err);
+/* Staging -> piece memory, for every descriptor; same checks. */
+int rf_copy_scatter(const rf_copy_desc *d, size_t n, const void *staging, rf_err *err);
+
+/* Executes a whole plan in this process: src_bases[r] / dst_bases[r] are the base pointers of
+ * region r (global region ids; an entry of the other side may be NULL). Direct transfers are
+ * copied straight, packed ones gathered into a staging buffer per message and scattered.
+ * -EINVAL when a region a transfer needs has no base, -ENOMEM without staging memory. */
+int rf_copy_exec_plan_host(const rf_plan *plan, void *const *src_bases, void *const *dst_bases,
+                           rf_err *err);
+
+#endif

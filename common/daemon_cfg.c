@@ -1,0 +1,208 @@
+/* common/daemon_cfg.c - key tables of the two daemons and their cross-key checks. */
+#include "daemon_cfg.h"
+
+#include <errno.h>
+#include <stddef.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+static const char *const transport_names[] = { "tcp", "nccl", NULL };
+static const char *const verify_names[] = { "off", "sample", "full", NULL };
+static const char *const level_names[] = { "error", "warn", "info", "debug", NULL };
+
+#define OFF(f) offsetof(rf_daemon_cfg, f)
+#define KSTR(n, def, fl, help) { #n, RF_CFG_STRING, OFF(n), def, 0, 0, 0, 0, NULL, fl, help }
+#define KADDR(n, def, lo, fl, help) \
+    { #n, RF_CFG_HOSTPORT, OFF(n), def, lo, 65535, 0, 0, NULL, fl, help }
+#define KINT(n, def, lo, hi, help) { #n, RF_CFG_INT, OFF(n), def, lo, hi, 0, 0, NULL, 0, help }
+#define KBOOL(n, def, help) { #n, RF_CFG_BOOL, OFF(n), def, 0, 0, 0, 0, NULL, 0, help }
+#define KENUM(n, def, names, help) \
+    { #n, RF_CFG_ENUM, OFF(n), def, 0, 0, 0, 0, names, 0, help }
+
+/* Keys common to both daemons, in help order. Defaults that depend on the role come from the
+ * role's own lines below. */
+#define COMMON_KEYS(sock, status)                                                              \
+    KSTR(node, "", RF_CFG_EMPTY_OK,                                                            \
+         "Name of this node in the cluster, unique among all daemons; empty means the host "   \
+         "name."),                                                                             \
+    KINT(publishers, "1", 1, 65536,                                                           \
+         "Number of refit-publisherd daemons in the cluster, the coordinator included. The "   \
+         "coordinator waits for all of them before planning."),                                \
+    KINT(receivers, "1", 1, 65536,                                                            \
+         "Number of refit-receiverd daemons in the cluster."),                                 \
+    KINT(clients, "1", 1, 4096,                                                               \
+         "Number of local clients (trainer ranks or engine workers) this daemon waits for "    \
+         "before it reports its inventory."),                                                  \
+    KINT(index, "0", 0, 65535,                                                                \
+         "This daemon's index among the daemons of its role, 0 .. publishers-1 or "            \
+         "receivers-1."),                                                                      \
+    KSTR(socket, sock, 0, "Path of the local RPC socket for clients and refitctl (mode 0660)."), \
+    { "socket_uids", RF_CFG_UIDS, OFF(socket_uids), "", 0, 0, 0, 0, NULL, 0,                   \
+      "Users (names or uids, comma separated) allowed on the local socket besides the "       \
+      "daemon's own user; checked with SO_PEERCRED." },                                        \
+    KADDR(data_listen, "127.0.0.1:0", 0, 0,                                                    \
+          "Address for data connections from peers (tcp transport, NCCL bootstrap); port 0 "   \
+          "picks a free port. Use an address the other nodes can reach."),                    \
+    KADDR(status_listen, status, 0, RF_CFG_EMPTY_OK,                                          \
+          "HTTP address of /metrics (Prometheus) and /status (JSON); \"\" disables it."),      \
+    KSTR(cluster_key_file, "/etc/refit/cluster.key", 0,                                        \
+         "File with the cluster's shared secret, used to authenticate every control "         \
+         "connection (HMAC-SHA256). Same content on every node, readable only by the daemon."), \
+    KENUM(transport, "tcp", transport_names,                                                   \
+          "How bytes move: nccl (GPU to GPU) or tcp (host memory over sockets; machines "      \
+          "without GPUs, tests). Must be the same on every daemon."),                          \
+    KINT(staging_mib, "256", 1, 65536,                                                         \
+         "Staging budget per GPU and round, MiB: the most extra GPU memory a refit uses."),    \
+    KINT(direct_min_kib, "1024", 0, 1048576,                                                   \
+         "Runs contiguous on both sides and at least this large (KiB) are sent directly "      \
+         "between client buffers instead of through staging."),                               \
+    KENUM(verify, "sample", verify_names,                                                      \
+          "Digest check of transferred bytes before commit: off, sample (a sample of each "    \
+          "transfer) or full."),                                                               \
+    KINT(heartbeat_ms, "1000", 10, 60000, "Interval of heartbeats on control connections, ms."), \
+    KINT(peer_timeout_ms, "10000", 100, 3600000,                                               \
+         "A peer silent this long is declared dead, ms; must exceed heartbeat_ms."),          \
+    KINT(refit_timeout_s, "600", 1, 86400,                                                     \
+         "A refit not done by then is aborted and the committed version stays, seconds."),    \
+    KENUM(log_level, "info", level_names, "Log level: error, warn, info or debug."),          \
+    KINT(max_frame_mib, "64", 1, 2048,                                                         \
+         "Largest control message accepted from a peer or client, MiB.")
+
+static const rf_cfg_key publisherd_keys[] = {
+    KBOOL(coordinator, "false",
+          "This publisherd is the coordinator: it listens on coordinator_addr and runs the "
+          "cluster (membership, plan, quorum, commit). Exactly one daemon sets it."),
+    KADDR(coordinator_addr, "127.0.0.1:7470", 0, 0,
+          "Coordinator address: the coordinator listens on it, every other daemon connects "
+          "to it."),
+    COMMON_KEYS("/run/refit/publisherd.sock", "127.0.0.1:9464"),
+};
+
+static const rf_cfg_key receiverd_keys[] = {
+    KADDR(coordinator_addr, "127.0.0.1:7470", 1, 0,
+          "Address of the coordinator (a refit-publisherd) to connect to."),
+    COMMON_KEYS("/run/refit/receiverd.sock", "127.0.0.1:9465"),
+};
+
+static const char *const publisherd_sections[] = { "common", "publisherd", NULL };
+static const char *const receiverd_sections[] = { "common", "receiverd", NULL };
+
+static int finish(rf_daemon_cfg *c, rf_err *err)
+{
+    char host[256];
+    int count = c->role == RF_DAEMON_PUBLISHER ? c->publishers : c->receivers;
+
+    if (c->node == NULL || c->node[0] == '\0') {
+        char *copy;
+
+        if (gethostname(host, sizeof(host)) != 0 || host[0] == '\0')
+            return rf_err_set(err, -EINVAL, "'node' is not set and the host name is unknown; "
+                              "set node to a name unique in the cluster");
+        host[sizeof(host) - 1] = '\0';
+        copy = strdup(host);
+        if (copy == NULL)
+            return rf_err_set(err, -ENOMEM, "out of memory setting 'node'");
+        free(c->node);
+        c->node = copy;
+    }
+    if (c->index >= count)
+        return rf_err_set(err, -EINVAL, "'index' is %d but there are %d %s (index counts from 0)",
+                          c->index, count,
+                          c->role == RF_DAEMON_PUBLISHER ? "publishers" : "receivers");
+    if (c->peer_timeout_ms <= c->heartbeat_ms)
+        return rf_err_set(err, -EINVAL,
+                          "'peer_timeout_ms' (%d) must be larger than 'heartbeat_ms' (%d), or "
+                          "every peer is declared dead between two heartbeats",
+                          c->peer_timeout_ms, c->heartbeat_ms);
+    if (!c->coordinator) {
+        const char *colon = strrchr(c->coordinator_addr, ':');
+
+        if (colon != NULL && strcmp(colon, ":0") == 0)
+            return rf_err_set(err, -EINVAL, "'coordinator_addr' %s has port 0, which only a "
+                              "coordinator may listen on; give the coordinator's real port",
+                              c->coordinator_addr);
+    }
+    return 0;
+}
+
+static int finish_publisherd(void *obj, rf_err *err)
+{
+    rf_daemon_cfg *c = obj;
+
+    c->role = RF_DAEMON_PUBLISHER;
+    return finish(c, err);
+}
+
+static int finish_receiverd(void *obj, rf_err *err)
+{
+    rf_daemon_cfg *c = obj;
+
+    c->role = RF_DAEMON_RECEIVER;
+    return finish(c, err);
+}
+
+const rf_cfg_table rf_daemon_cfg_publisherd = {
+    .program = "refit-publisherd",
+    .version = RF_VERSION,
+    .default_config = "/etc/refit/publisherd.conf",
+    .sections = publisherd_sections,
+    .keys = publisherd_keys,
+    .nkeys = sizeof(publisherd_keys) / sizeof(publisherd_keys[0]),
+    .finish = finish_publisherd,
+};
+
+const rf_cfg_table rf_daemon_cfg_receiverd = {
+    .program = "refit-receiverd",
+    .version = RF_VERSION,
+    .default_config = "/etc/refit/receiverd.conf",
+    .sections = receiverd_sections,
+    .keys = receiverd_keys,
+    .nkeys = sizeof(receiverd_keys) / sizeof(receiverd_keys[0]),
+    .finish = finish_receiverd,
+};
+
+static const rf_cfg_table *table_of(int role)
+{
+    return role == RF_DAEMON_RECEIVER ? &rf_daemon_cfg_receiverd : &rf_daemon_cfg_publisherd;
+}
+
+int rf_daemon_cfg_load(rf_daemon_cfg *c, int role, int argc, char **argv, rf_cfg_next *next,
+                       rf_err *err)
+{
+    const rf_cfg_table *t = table_of(role);
+    const char *path = t->default_config;
+    int rc;
+
+    memset(c, 0, sizeof(*c));
+    c->role = role;
+    for (int i = 1; i < argc; i++) {
+        if (strcmp(argv[i], "--config") == 0 && i + 1 < argc)
+            path = argv[i + 1];
+        else if (strncmp(argv[i], "--config=", 9) == 0)
+            path = argv[i] + 9;
+    }
+    c->config_path = strdup(path);
+    if (c->config_path == NULL)
+        return rf_err_set(err, -ENOMEM, "out of memory loading the configuration");
+    rc = rf_cfg_load(t, c, argc, argv, next, err);
+    c->role = role;
+    return rc;
+}
+
+void rf_daemon_cfg_free(rf_daemon_cfg *c)
+{
+    rf_cfg_free(table_of(c->role), c);
+    free(c->config_path);
+    c->config_path = NULL;
+}
+
+const char *rf_transport_name(int transport)
+{
+    return transport == RF_TRANSPORT_NCCL ? "nccl" : "tcp";
+}
+
+const char *rf_verify_name(int verify)
+{
+    return verify >= RF_VERIFY_OFF && verify <= RF_VERIFY_FULL ? verify_names[verify] : "?";
+}

@@ -1,0 +1,41 @@
+/* common/node.h - one daemon's membership in the cluster, shared by refit-publisherd and
+ * refit-receiverd: it serves the local clients (registry), reports the inventory and
+ * readiness to the coordinator, receives its plan slice, runs the data path on Start and
+ * reports Done, and applies Commit and Abort to its clients. */
+#ifndef RF_NODE_H
+#define RF_NODE_H
+
+#include <jansson.h>
+#include <uv.h>
+
+#include "daemon_cfg.h"
+#include "err.h"
+#include "metrics.h"
+#include "peer.h"
+
+typedef struct rf_node rf_node;
+
+/* Adds daemon-specific members to the status document (the coordinator's cluster view). */
+typedef void (*rf_node_status_hook)(json_t *status, void *arg);
+
+typedef struct rf_node_opts {
+    const rf_daemon_cfg *cfg;
+    const rf_peer_key *key;
+    uint64_t daemon_id;
+    rf_metrics *metrics; /* the daemon's registry; node families are added to it */
+} rf_node_opts;
+
+/* Opens the local socket, the data listener and the connection to the coordinator. */
+int rf_node_start(uv_loop_t *loop, const rf_node_opts *opts, rf_node **out, rf_err *err);
+/* Closes everything; handles finish closing while the loop runs. */
+void rf_node_close(rf_node *n);
+
+void rf_node_set_status_hook(rf_node *n, rf_node_status_hook fn, void *arg);
+/* The status document (caller decrefs), built on the loop thread. */
+json_t *rf_node_status(rf_node *n);
+/* The last status document rendered by the loop, safe to call from any thread. */
+char *rf_node_status_snapshot(rf_node *n);
+/* A one-line summary for systemd's STATUS=. */
+void rf_node_status_line(rf_node *n, char *buf, size_t len);
+
+#endif

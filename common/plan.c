@@ -1,0 +1,1420 @@
+/* common/plan.c - the reshard planner: cuts every destination piece along the boundaries of the
+ * source pieces that overlap it, picks one holder per cell balancing sender and link loads,
+ * then groups the transfers into messages per endpoint pair and schedules them in rounds. */
+#include "plan.h"
+
+#include <sodium.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define MiB (1024ull * 1024ull)
+/* Smallest accepted staging budget: a round must hold at least one element of any dtype. */
+#define MIN_STAGING 4096ull
+
+struct rf_plan {
+    const rf_inv *inv;
+    rf_plan_opts opts;
+    uint8_t id[32];
+    rf_xfer *xfers;
+    uint64_t nxfers;
+    rf_msg *msgs;
+    uint32_t nmsgs;
+    uint32_t nrounds;
+    rf_box *boxes;
+    uint32_t nboxes;
+    uint32_t nendpoints;
+    uint64_t *sent; /* per endpoint id */
+    uint64_t *recv;
+    rf_plan_stats st;
+};
+
+void rf_plan_opts_default(rf_plan_opts *o)
+{
+    o->staging_bytes = 256 * MiB;
+    o->direct_min_bytes = 4 * MiB;
+}
+
+/* ---- small growable arrays and hash tables ------------------------------------------------ */
+
+static int grow(void **p, uint64_t *cap, uint64_t need, size_t elem)
+{
+    uint64_t c = *cap ? *cap : 64;
+    void *q;
+
+    if (need <= *cap)
+        return 0;
+    while (c < need)
+        c *= 2;
+    q = realloc(*p, c * elem);
+    if (q == NULL)
+        return -ENOMEM;
+    *p = q;
+    *cap = c;
+    return 0;
+}
+
+static uint64_t mix64(uint64_t x)
+{
+    x ^= x >> 33;
+    x *= 0xff51afd7ed558ccdull;
+    x ^= x >> 33;
+    x *= 0xc4ceb9fe1a85ec53ull;
+    x ^= x >> 33;
+    return x;
+}
+
+/* Box table: boxes interned by value (unused dims normalised to [0:1]). */
+typedef struct boxtab {
+    rf_box *boxes;
+    uint64_t n, cap;
+    uint32_t *slots; /* index + 1, 0 = empty */
+    uint64_t nslots;
+} boxtab;
+
+static uint64_t box_hash(const rf_box *b)
+{
+    uint64_t h = 0;
+
+    for (int d = 0; d < RF_MAX_DIMS; d++)
+        h = (h ^ (uint64_t)b->start[d]) * 0x100000001b3ull ^ (uint64_t)b->extent[d] * 0x9e3779b97f4a7c15ull;
+    return mix64(h);
+}
+
+static int boxtab_rehash(boxtab *t, uint64_t nslots)
+{
+    uint32_t *s = calloc(nslots, sizeof(*s));
+
+    if (s == NULL)
+        return -ENOMEM;
+    for (uint64_t i = 0; i < t->n; i++) {
+        uint64_t j = box_hash(&t->boxes[i]) & (nslots - 1);
+        while (s[j])
+            j = (j + 1) & (nslots - 1);
+        s[j] = (uint32_t)(i + 1);
+    }
+    free(t->slots);
+    t->slots = s;
+    t->nslots = nslots;
+    return 0;
+}
+
+static int boxtab_intern(boxtab *t, const rf_box *b, uint32_t *id)
+{
+    uint64_t j;
+    int rc;
+
+    if ((t->n + 1) * 2 > t->nslots) {
+        rc = boxtab_rehash(t, t->nslots ? t->nslots * 2 : 1024);
+        if (rc)
+            return rc;
+    }
+    j = box_hash(b) & (t->nslots - 1);
+    while (t->slots[j]) {
+        uint32_t i = t->slots[j] - 1;
+        if (memcmp(&t->boxes[i], b, sizeof(*b)) == 0) {
+            *id = i;
+            return 0;
+        }
+        j = (j + 1) & (t->nslots - 1);
+    }
+    if (t->n >= UINT32_MAX - 1)
+        return -E2BIG;
+    rc = grow((void **)&t->boxes, &t->cap, t->n + 1, sizeof(rf_box));
+    if (rc)
+        return rc;
+    t->boxes[t->n] = *b;
+    t->slots[j] = (uint32_t)(t->n + 1);
+    *id = (uint32_t)t->n++;
+    return 0;
+}
+
+/* Link loads keyed by (source node, destination node). */
+typedef struct linktab {
+    uint64_t *keys; /* key + 1, 0 = empty */
+    uint64_t *vals;
+    uint64_t n, nslots;
+} linktab;
+
+static uint64_t *linktab_find(const linktab *t, uint64_t key)
+{
+    uint64_t j;
+
+    if (t->nslots == 0)
+        return NULL;
+    j = mix64(key + 1) & (t->nslots - 1);
+    while (t->keys[j]) {
+        if (t->keys[j] == key + 1)
+            return &t->vals[j];
+        j = (j + 1) & (t->nslots - 1);
+    }
+    return NULL;
+}
+
+/* The load counter of a link, added at 0 if new. Pointers stay valid until the next
+ * insertion of a new key. */
+static int linktab_slot(linktab *t, uint64_t key, uint64_t **val)
+{
+    uint64_t j;
+
+    if ((*val = linktab_find(t, key)) != NULL)
+        return 0;
+    if ((t->n + 1) * 2 > t->nslots) {
+        uint64_t ns = t->nslots ? t->nslots * 2 : 256;
+        uint64_t *k = calloc(ns, sizeof(*k)), *v = calloc(ns, sizeof(*v));
+        if (k == NULL || v == NULL) {
+            free(k);
+            free(v);
+            return -ENOMEM;
+        }
+        for (uint64_t i = 0; i < t->nslots; i++) {
+            if (!t->keys[i])
+                continue;
+            j = mix64(t->keys[i]) & (ns - 1);
+            while (k[j])
+                j = (j + 1) & (ns - 1);
+            k[j] = t->keys[i];
+            v[j] = t->vals[i];
+        }
+        free(t->keys);
+        free(t->vals);
+        t->keys = k;
+        t->vals = v;
+        t->nslots = ns;
+    }
+    j = mix64(key + 1) & (t->nslots - 1);
+    while (t->keys[j])
+        j = (j + 1) & (t->nslots - 1);
+    t->keys[j] = key + 1;
+    t->n++;
+    *val = &t->vals[j];
+    return 0;
+}
+
+/* Stable LSD radix sort of (key, val) pairs by key, 16 bits a pass over the bits in use. */
+static int radix_sort(uint64_t *key, uint32_t *val, uint64_t n, int bits)
+{
+    uint64_t *k2 = NULL, *cnt = NULL;
+    uint32_t *v2 = NULL;
+    int rc = 0;
+
+    if (n < 2 || bits <= 0)
+        return 0;
+    k2 = malloc(n * sizeof(*k2));
+    v2 = malloc(n * sizeof(*v2));
+    cnt = malloc(65536 * sizeof(*cnt));
+    if (k2 == NULL || v2 == NULL || cnt == NULL) {
+        rc = -ENOMEM;
+        goto out;
+    }
+    for (int shift = 0; shift < bits; shift += 16) {
+        uint64_t sum = 0;
+        memset(cnt, 0, 65536 * sizeof(*cnt));
+        for (uint64_t i = 0; i < n; i++)
+            cnt[(key[i] >> shift) & 0xffff]++;
+        for (int b = 0; b < 65536; b++) {
+            uint64_t c = cnt[b];
+            cnt[b] = sum;
+            sum += c;
+        }
+        for (uint64_t i = 0; i < n; i++) {
+            uint64_t o = cnt[(key[i] >> shift) & 0xffff]++;
+            k2[o] = key[i];
+            v2[o] = val[i];
+        }
+        memcpy(key, k2, n * sizeof(*key));
+        memcpy(val, v2, n * sizeof(*val));
+    }
+out:
+    free(k2);
+    free(v2);
+    free(cnt);
+    return rc;
+}
+
+static int bits_for(uint64_t n) /* bits needed for values 0..n-1 */
+{
+    int b = 0;
+
+    while (b < 64 && (n - 1) >> b)
+        b++;
+    return b;
+}
+
+/* ---- the digest ------------------------------------------------------------------------ */
+
+/* Values are written as LEB128 varints: the digest is over a faithful, compact encoding. */
+typedef struct hbuf {
+    crypto_generichash_state st;
+    uint8_t buf[16384];
+    size_t n;
+} hbuf;
+
+static void hb_flush(hbuf *h)
+{
+    crypto_generichash_update(&h->st, h->buf, h->n);
+    h->n = 0;
+}
+
+static inline void hb_u64(hbuf *h, uint64_t v)
+{
+    if (h->n > sizeof(h->buf) - 16)
+        hb_flush(h);
+    while (v >= 0x80) {
+        h->buf[h->n++] = (uint8_t)(v | 0x80);
+        v >>= 7;
+    }
+    h->buf[h->n++] = (uint8_t)v;
+}
+
+static void hb_bytes(hbuf *h, const void *p, size_t len)
+{
+    hb_u64(h, len);
+    hb_flush(h);
+    crypto_generichash_update(&h->st, p, len);
+}
+
+static void hb_piece(hbuf *h, const rf_piece *p, int ndim)
+{
+    hb_u64(h, p->tensor);
+    hb_u64(h, p->region);
+    hb_u64(h, p->offset);
+    for (int d = 0; d < ndim; d++) {
+        hb_u64(h, (uint64_t)p->box.start[d]);
+        hb_u64(h, (uint64_t)p->box.extent[d]);
+        hb_u64(h, (uint64_t)p->strides[d]);
+    }
+}
+
+void rf_plan_digest(const rf_inv *inv, const rf_plan_opts *opts, uint8_t out[32])
+{
+    static const char tag[] = "refit-plan-v1";
+    hbuf hb, *h = &hb;
+    uint32_t nt = rf_inv_ntensors(inv);
+    rf_piece p;
+
+    h->n = 0;
+    crypto_generichash_init(&h->st, NULL, 0, 32);
+    hb_bytes(h, tag, sizeof(tag));
+    hb_u64(h, opts->staging_bytes);
+    hb_u64(h, opts->direct_min_bytes);
+    hb_u64(h, nt);
+    for (uint32_t t = 0; t < nt; t++) {
+        const rf_tensor *tt = rf_inv_tensor(inv, t);
+        hb_bytes(h, tt->name, strlen(tt->name));
+        hb_u64(h, (uint64_t)tt->dtype);
+        hb_u64(h, (uint64_t)tt->ndim);
+        for (int d = 0; d < tt->ndim; d++)
+            hb_u64(h, (uint64_t)tt->shape[d]);
+    }
+    hb_u64(h, rf_inv_nendpoints(inv));
+    for (uint32_t e = 0; e < rf_inv_nendpoints(inv); e++) {
+        const rf_endpoint *ep = rf_inv_endpoint(inv, e);
+        hb_u64(h, (uint64_t)ep->side);
+        hb_u64(h, ep->node);
+    }
+    hb_u64(h, rf_inv_nregions(inv));
+    for (uint32_t r = 0; r < rf_inv_nregions(inv); r++) {
+        const rf_region *rg = rf_inv_region(inv, r);
+        hb_u64(h, rg->endpoint);
+        hb_u64(h, rg->size);
+    }
+    for (int s = RF_SRC; s <= RF_DST; s++) {
+        uint32_t np = rf_inv_npieces(inv, (rf_side)s);
+        hb_u64(h, np);
+        for (uint32_t i = 0; i < np; i++) {
+            rf_inv_piece(inv, (rf_side)s, i, &p);
+            hb_piece(h, &p, rf_inv_tensor(inv, p.tensor)->ndim);
+        }
+    }
+    hb_flush(h);
+    crypto_generichash_final(&h->st, out, 32);
+}
+
+/* ---- building ------------------------------------------------------------------------- */
+
+/* Per tensor, the source pieces sorted by their start along one "key" dim, with the largest
+ * extent along it, so that a destination box finds its overlapping sources by binary search. */
+typedef struct srcidx {
+    uint64_t *first;  /* per tensor, into ids/kstart; first[nt] = total */
+    uint32_t *ids;
+    int64_t *kstart;  /* start along the key dim, sorted within a tensor */
+    int64_t *maxext;  /* per tensor: largest extent along the key dim */
+    uint8_t *kdim;    /* per tensor: the key dim */
+} srcidx;
+
+/* A candidate source for one destination piece. */
+typedef struct cand {
+    uint32_t id;
+    uint32_t ep;
+    uint64_t link;     /* (src node << 32) | dst node */
+    uint64_t *linkp;   /* that link's load */
+    const rf_piece *pp; /* the piece: in the builder's cache, or in own */
+    rf_piece own;
+    int32_t lo[RF_MAX_DIMS], hi[RF_MAX_DIMS]; /* cell ranges covered, per dim */
+} cand;
+
+typedef struct builder {
+    const rf_inv *inv;
+    rf_plan *plan;
+    uint64_t half;
+    srcidx si;
+    uint64_t *load;   /* sender load per endpoint */
+    linktab links;
+    boxtab boxes;
+    uint64_t nx, capx;
+    uint64_t *pairkey; /* per transfer: src endpoint index << 32 | dst endpoint index (dense) */
+    uint64_t capk;
+    uint32_t *epidx;  /* endpoint id -> dense index within its side */
+    uint32_t nsrc_ep, ndst_ep;
+    uint32_t *node;   /* endpoint id -> node */
+    uint32_t *nodeidx; /* endpoint id -> dense node index within its side */
+    uint32_t nsrc_node, ndst_node;
+    uint64_t *linkmat; /* dense link loads [src node idx][dst node idx], or NULL: hash */
+    uint32_t *sidx_ep, *didx_ep; /* dense endpoint index -> endpoint id, per side */
+    uint32_t *src_ep;  /* source piece -> endpoint */
+    rf_piece *src_cache; /* every source piece, when they are few enough */
+    /* scratch for one destination piece */
+    cand *cands;
+    uint64_t ncand, capcand;
+    int64_t *cuts[RF_MAX_DIMS];
+    uint64_t capcuts[RF_MAX_DIMS];
+    int ncuts[RF_MAX_DIMS];
+    int32_t *holder;
+    uint8_t *done;
+    uint64_t capcells, capdone;
+    int32_t *hs; /* holders of one cell */
+    uint64_t caphs;
+} builder;
+
+static int cmp_i64(const void *a, const void *b)
+{
+    int64_t x = *(const int64_t *)a, y = *(const int64_t *)b;
+
+    return (x > y) - (x < y);
+}
+
+static int build_srcidx(builder *b, rf_err *err)
+{
+    const rf_inv *inv = b->inv;
+    uint32_t nt = rf_inv_ntensors(inv), ns = rf_inv_npieces(inv, RF_SRC);
+    srcidx *si = &b->si;
+    uint64_t *fill = NULL, *key = NULL;
+    uint32_t *val = NULL;
+    int64_t (*lo)[RF_MAX_DIMS] = NULL; /* per tensor scratch: distinct-start heuristic */
+    rf_piece p;
+    int rc = 0;
+
+    si->first = calloc((uint64_t)nt + 1, sizeof(*si->first));
+    si->ids = malloc(((uint64_t)ns + 1) * sizeof(*si->ids));
+    si->kstart = malloc(((uint64_t)ns + 1) * sizeof(*si->kstart));
+    si->maxext = calloc((uint64_t)nt + 1, sizeof(*si->maxext));
+    si->kdim = calloc((uint64_t)nt + 1, 1);
+    fill = calloc((uint64_t)nt + 1, sizeof(*fill));
+    if (!si->first || !si->ids || !si->kstart || !si->maxext || !si->kdim || !fill) {
+        rc = rf_err_set(err, -ENOMEM, "plan: out of memory indexing %u source pieces", ns);
+        goto out;
+    }
+    for (uint32_t i = 0; i < ns; i++)
+        si->first[rf_inv_piece_tensor(inv, RF_SRC, i) + 1]++;
+    for (uint32_t t = 0; t < nt; t++)
+        si->first[t + 1] += si->first[t];
+    /* The key dim of a tensor is the one along which its source pieces are split the most:
+     * the first dim where two pieces start at different places is a good enough proxy and
+     * costs one pass. */
+    lo = malloc(((uint64_t)nt + 1) * sizeof(*lo));
+    if (lo == NULL) {
+        rc = rf_err_set(err, -ENOMEM, "plan: out of memory indexing %u source pieces", ns);
+        goto out;
+    }
+    memset(si->kdim, 0xff, nt);
+    for (uint32_t i = 0; i < ns; i++) {
+        uint32_t t;
+        rf_inv_piece(inv, RF_SRC, i, &p);
+        t = p.tensor;
+        if (fill[t] == 0) {
+            memcpy(lo[t], p.box.start, sizeof(lo[t]));
+        } else if (si->kdim[t] == 0xff) {
+            for (int d = 0; d < RF_MAX_DIMS; d++) {
+                if (p.box.start[d] != lo[t][d]) {
+                    si->kdim[t] = (uint8_t)d;
+                    break;
+                }
+            }
+        }
+        fill[t]++;
+    }
+    for (uint32_t t = 0; t < nt; t++) {
+        if (si->kdim[t] == 0xff)
+            si->kdim[t] = 0;
+        fill[t] = si->first[t];
+    }
+    for (uint32_t i = 0; i < ns; i++) {
+        uint32_t t;
+        int k;
+        rf_inv_piece(inv, RF_SRC, i, &p);
+        t = p.tensor;
+        k = si->kdim[t];
+        si->ids[fill[t]] = i;
+        si->kstart[fill[t]] = p.box.start[k];
+        fill[t]++;
+        if (p.box.extent[k] > si->maxext[t])
+            si->maxext[t] = p.box.extent[k];
+    }
+    /* Sort each tensor's group by start (stable: by piece id among equal starts). One radix
+     * sort over (tensor, start) keeps this linear. */
+    key = malloc(((uint64_t)ns + 1) * sizeof(*key));
+    val = malloc(((uint64_t)ns + 1) * sizeof(*val));
+    if (key == NULL || val == NULL) {
+        rc = rf_err_set(err, -ENOMEM, "plan: out of memory indexing %u source pieces", ns);
+        goto out;
+    }
+    {
+        int64_t maxs = 0;
+        int sb, tb;
+        for (uint32_t i = 0; i < ns; i++)
+            if (si->kstart[i] > maxs)
+                maxs = si->kstart[i];
+        sb = bits_for((uint64_t)maxs + 1);
+        tb = bits_for((uint64_t)nt + 1);
+        if (sb + tb <= 64) {
+            uint64_t pos = 0;
+            for (uint32_t t = 0; t < nt; t++)
+                for (; pos < si->first[t + 1]; pos++)
+                    key[pos] = ((uint64_t)t << sb) | (uint64_t)si->kstart[pos];
+            for (uint32_t i = 0; i < ns; i++)
+                val[i] = si->ids[i];
+            rc = radix_sort(key, val, ns, sb + tb);
+            if (rc) {
+                rf_err_set(err, rc, "plan: out of memory sorting %u source pieces", ns);
+                goto out;
+            }
+            for (uint32_t i = 0; i < ns; i++) {
+                si->ids[i] = val[i];
+                si->kstart[i] = (int64_t)(key[i] & (sb == 64 ? ~0ull : ((1ull << sb) - 1)));
+            }
+        } else {
+            /* Coordinates too large for one key: fall back to sorting by start only within
+             * each tensor through the same path, tensor by tensor. */
+            for (uint32_t t = 0; t < nt; t++) {
+                uint64_t a = si->first[t], n = si->first[t + 1] - a;
+                for (uint64_t i = 0; i < n; i++) {
+                    key[i] = (uint64_t)si->kstart[a + i];
+                    val[i] = si->ids[a + i];
+                }
+                rc = radix_sort(key, val, n, sb);
+                if (rc) {
+                    rf_err_set(err, rc, "plan: out of memory sorting %u source pieces", ns);
+                    goto out;
+                }
+                for (uint64_t i = 0; i < n; i++) {
+                    si->kstart[a + i] = (int64_t)key[i];
+                    si->ids[a + i] = val[i];
+                }
+            }
+        }
+    }
+out:
+    free(fill);
+    free(key);
+    free(val);
+    free(lo);
+    return rc;
+}
+
+static void box_norm(rf_box *b, int ndim)
+{
+    for (int d = ndim; d < RF_MAX_DIMS; d++) {
+        b->start[d] = 0;
+        b->extent[d] = 1;
+    }
+}
+
+static int emit(builder *b, const cand *c, const rf_piece *dp, uint32_t dst, uint32_t dst_ep,
+                int ndim, size_t esize, const rf_box *box, rf_err *err)
+{
+    rf_plan *pl = b->plan;
+    uint64_t bytes = (uint64_t)rf_box_numel(box, ndim) * esize;
+    /* Contiguous here means one byte range in row-major order of the box on both sides. */
+    bool direct = bytes >= pl->opts.direct_min_bytes &&
+                  rf_piece_contiguous(c->pp, ndim, esize, box, NULL) &&
+                  rf_piece_contiguous(dp, ndim, esize, box, NULL);
+    uint64_t run;
+    uint32_t bid;
+    int rc;
+
+    if (!direct && bytes > b->half) {
+        /* Split along the outermost dim of extent > 1 into slabs that fit half the budget;
+         * a single slab that is still too large is split again along the next dim. */
+        int d = 0;
+        uint64_t slab;
+        rf_box sub = *box;
+        while (d < ndim && box->extent[d] == 1)
+            d++;
+        slab = bytes / (uint64_t)box->extent[d];
+        if (slab <= b->half) {
+            int64_t k = (int64_t)(b->half / slab);
+            for (int64_t s = 0; s < box->extent[d]; s += k) {
+                sub.start[d] = box->start[d] + s;
+                sub.extent[d] = box->extent[d] - s < k ? box->extent[d] - s : k;
+                rc = emit(b, c, dp, dst, dst_ep, ndim, esize, &sub, err);
+                if (rc)
+                    return rc;
+            }
+        } else {
+            for (int64_t s = 0; s < box->extent[d]; s++) {
+                sub.start[d] = box->start[d] + s;
+                sub.extent[d] = 1;
+                rc = emit(b, c, dp, dst, dst_ep, ndim, esize, &sub, err);
+                if (rc)
+                    return rc;
+            }
+        }
+        return 0;
+    }
+    rc = boxtab_intern(&b->boxes, box, &bid);
+    if (rc == 0)
+        rc = grow((void **)&pl->xfers, &b->capx, b->nx + 1, sizeof(rf_xfer));
+    if (rc == 0)
+        rc = grow((void **)&b->pairkey, &b->capk, b->nx + 1, sizeof(uint64_t));
+    if (rc)
+        return rf_err_set(err, rc, "plan: out of memory after %llu transfers",
+                          (unsigned long long)b->nx);
+    pl->xfers[b->nx] = (rf_xfer){.src = c->id, .dst = dst, .box = bid,
+                                 .msg = direct ? RF_XFER_DIRECT : RF_XFER_PACKED,
+                                 .msg_off = 0, .bytes = bytes};
+    b->pairkey[b->nx] = ((uint64_t)b->epidx[c->ep] << 32) | b->epidx[dst_ep];
+    b->nx++;
+    pl->sent[c->ep] += bytes;
+    pl->recv[dst_ep] += bytes;
+    if (direct) {
+        pl->st.direct_bytes += bytes;
+        pl->st.direct_transfers++;
+    } else {
+        pl->st.packed_bytes += bytes;
+        pl->st.packed_transfers++;
+    }
+    pl->st.runs += rf_piece_runs(c->pp, ndim, esize, box, &run);
+    pl->st.runs += rf_piece_runs(dp, ndim, esize, box, &run);
+    return 0;
+}
+
+/* The holder that keeps the largest of its sender's and its link's load lowest; ties go to
+ * the lower sender load, then to the lower piece id (candidates are in piece-id order of
+ * the index, so the scan order decides the rest deterministically). */
+static int pick(builder *b, const int32_t *hs, int nh, uint64_t bytes)
+{
+    int best = -1;
+    uint64_t bcost = 0, bsend = 0;
+    uint32_t bid = 0;
+
+    for (int i = 0; i < nh; i++) {
+        const cand *c = &b->cands[hs[i]];
+        uint64_t s = b->load[c->ep] + bytes;
+        uint64_t l = *c->linkp + bytes;
+        uint64_t cost = s > l ? s : l;
+        if (best < 0 || cost < bcost || (cost == bcost && (s < bsend ||
+                                          (s == bsend && c->id < bid)))) {
+            best = hs[i];
+            bcost = cost;
+            bsend = s;
+            bid = c->id;
+        }
+    }
+    return best;
+}
+
+static int charge(builder *b, const cand *c, uint64_t bytes, rf_err *err)
+{
+    (void)err;
+    *c->linkp += bytes;
+    b->load[c->ep] += bytes;
+    return 0;
+}
+
+static int uncovered(builder *b, const rf_tensor *t, const rf_box *box, uint32_t dst_ep,
+                     rf_err *err)
+{
+    char bs[256];
+
+    (void)b;
+    rf_box_format(box, t->ndim, bs, sizeof(bs));
+    return rf_err_set(err, -EINVAL,
+                      "no source holds %s %s (destination piece on endpoint %u); check that "
+                      "the training side registered every shard of this tensor",
+                      t->name, bs, dst_ep);
+}
+
+static int add_cut(builder *b, int d, int64_t v)
+{
+    if (grow((void **)&b->cuts[d], &b->capcuts[d], (uint64_t)b->ncuts[d] + 1, sizeof(int64_t)))
+        return -ENOMEM;
+    b->cuts[d][b->ncuts[d]++] = v;
+    return 0;
+}
+
+static int find_cut(const int64_t *c, int n, int64_t v)
+{
+    int lo = 0, hi = n - 1;
+
+    while (lo < hi) {
+        int m = (lo + hi) / 2;
+        if (c[m] < v)
+            lo = m + 1;
+        else
+            hi = m;
+    }
+    return lo;
+}
+
+static int plan_piece(builder *b, uint32_t dst, rf_err *err)
+{
+    const rf_inv *inv = b->inv;
+    srcidx *si = &b->si;
+    rf_piece dp;
+    const rf_tensor *t;
+    size_t esize;
+    uint32_t dst_ep, dst_node;
+    rf_box x;
+    uint64_t a, z, lo, hi, ncells = 1;
+    int ndim, k, nfull = 0;
+    int rc = 0;
+
+    rf_inv_piece(inv, RF_DST, dst, &dp);
+    t = rf_inv_tensor(inv, dp.tensor);
+    ndim = t->ndim;
+    esize = rf_dtype_size(t->dtype);
+    dst_ep = rf_inv_piece_endpoint(inv, RF_DST, dst);
+    dst_node = b->node[dst_ep];
+    box_norm(&dp.box, ndim);
+
+    /* Candidates: sources of the tensor whose key-dim interval can reach the box. */
+    a = si->first[dp.tensor];
+    z = si->first[dp.tensor + 1];
+    k = si->kdim[dp.tensor];
+    {
+        int64_t qlo = dp.box.start[k] - si->maxext[dp.tensor] + 1;
+        int64_t qhi = dp.box.start[k] + dp.box.extent[k];
+        uint64_t l = a, h = z;
+        while (l < h) {
+            uint64_t m = (l + h) / 2;
+            if (si->kstart[m] < qlo)
+                l = m + 1;
+            else
+                h = m;
+        }
+        lo = l;
+        h = z;
+        while (l < h) {
+            uint64_t m = (l + h) / 2;
+            if (si->kstart[m] < qhi)
+                l = m + 1;
+            else
+                h = m;
+        }
+        hi = l;
+    }
+    b->ncand = 0;
+    for (uint64_t i = lo; i < hi; i++) {
+        cand *c;
+        if (grow((void **)&b->cands, &b->capcand, b->ncand + 1, sizeof(cand)))
+            return rf_err_set(err, -ENOMEM, "plan: out of memory");
+        c = &b->cands[b->ncand];
+        if (b->src_cache) {
+            c->pp = &b->src_cache[si->ids[i]];
+        } else {
+            rf_inv_piece(inv, RF_SRC, si->ids[i], &c->own);
+            box_norm(&c->own.box, ndim);
+            c->pp = &c->own;
+        }
+        if (!rf_box_intersect(&c->pp->box, &dp.box, ndim, &x))
+            continue;
+        c->id = si->ids[i];
+        c->ep = b->src_ep[c->id];
+        c->link = ((uint64_t)b->node[c->ep] << 32) | dst_node;
+        b->ncand++;
+    }
+    /* The array may have moved while growing. */
+    if (b->src_cache == NULL)
+        for (uint64_t i = 0; i < b->ncand; i++)
+            b->cands[i].pp = &b->cands[i].own;
+    /* Link load pointers, taken once every link exists (the hash table may grow). */
+    if (b->linkmat) {
+        for (uint64_t i = 0; i < b->ncand; i++)
+            b->cands[i].linkp = &b->linkmat[(uint64_t)b->nodeidx[b->cands[i].ep] * b->ndst_node +
+                                            b->nodeidx[dst_ep]];
+    } else {
+        for (int pass = 0; pass < 2; pass++)
+            for (uint64_t i = 0; i < b->ncand; i++)
+                if (linktab_slot(&b->links, b->cands[i].link, &b->cands[i].linkp))
+                    return rf_err_set(err, -ENOMEM, "plan: out of memory for link loads");
+    }
+
+    /* Fast path: sources that hold the whole box need no cutting. */
+    if (grow((void **)&b->hs, &b->caphs, b->ncand + 1, sizeof(int32_t)))
+        return rf_err_set(err, -ENOMEM, "plan: out of memory");
+    for (uint64_t i = 0; i < b->ncand; i++)
+        if (rf_box_contains(&b->cands[i].pp->box, &dp.box, ndim))
+            b->hs[nfull++] = (int32_t)i;
+    if (nfull > 0) {
+        uint64_t bytes = (uint64_t)rf_box_numel(&dp.box, ndim) * esize;
+        int w = nfull == 1 ? b->hs[0] : pick(b, b->hs, nfull, bytes);
+        rc = charge(b, &b->cands[w], bytes, err);
+        if (rc == 0)
+            rc = emit(b, &b->cands[w], &dp, dst, dst_ep, ndim, esize, &dp.box, err);
+        return rc;
+    }
+
+    /* Cut the box along every source boundary inside it. */
+    for (int d = 0; d < ndim; d++) {
+        int64_t s = dp.box.start[d], e = s + dp.box.extent[d];
+        b->ncuts[d] = 0;
+        if (add_cut(b, d, s) || add_cut(b, d, e))
+            return rf_err_set(err, -ENOMEM, "plan: out of memory");
+        for (uint64_t i = 0; i < b->ncand; i++) {
+            int64_t cs = b->cands[i].pp->box.start[d], ce = cs + b->cands[i].pp->box.extent[d];
+            if (cs > s && cs < e && add_cut(b, d, cs))
+                return rf_err_set(err, -ENOMEM, "plan: out of memory");
+            if (ce > s && ce < e && add_cut(b, d, ce))
+                return rf_err_set(err, -ENOMEM, "plan: out of memory");
+        }
+        qsort(b->cuts[d], (size_t)b->ncuts[d], sizeof(int64_t), cmp_i64);
+        {
+            int n = 1;
+            for (int i = 1; i < b->ncuts[d]; i++)
+                if (b->cuts[d][i] != b->cuts[d][n - 1])
+                    b->cuts[d][n++] = b->cuts[d][i];
+            b->ncuts[d] = n;
+        }
+        ncells *= (uint64_t)(b->ncuts[d] - 1);
+    }
+    for (uint64_t i = 0; i < b->ncand; i++) {
+        cand *c = &b->cands[i];
+        for (int d = 0; d < ndim; d++) {
+            int64_t s = c->pp->box.start[d], e = s + c->pp->box.extent[d];
+            int64_t bs = dp.box.start[d], be = bs + dp.box.extent[d];
+            c->lo[d] = find_cut(b->cuts[d], b->ncuts[d], s > bs ? s : bs);
+            c->hi[d] = find_cut(b->cuts[d], b->ncuts[d], e < be ? e : be);
+        }
+    }
+    if (grow((void **)&b->holder, &b->capcells, ncells, sizeof(int32_t)) ||
+        grow((void **)&b->done, &b->capdone, ncells, 1))
+        return rf_err_set(err, -ENOMEM, "plan: out of memory cutting a piece into %llu cells",
+                          (unsigned long long)ncells);
+
+    /* Holders per cell, in row-major cell order. */
+    {
+        int32_t idx[RF_MAX_DIMS] = {0};
+        int32_t *hs = b->hs;
+        for (uint64_t cell = 0; cell < ncells; cell++) {
+            int nh = 0;
+            uint64_t numel = 1;
+            for (uint64_t i = 0; i < b->ncand; i++) {
+                const cand *c = &b->cands[i];
+                int in = 1;
+                for (int d = 0; d < ndim && in; d++)
+                    in = idx[d] >= c->lo[d] && idx[d] < c->hi[d];
+                if (in)
+                    hs[nh++] = (int32_t)i;
+            }
+            for (int d = 0; d < ndim; d++)
+                numel *= (uint64_t)(b->cuts[d][idx[d] + 1] - b->cuts[d][idx[d]]);
+            b->holder[cell] = nh == 0 ? -1 : pick(b, hs, nh, numel * esize);
+            if (nh > 0) {
+                rc = charge(b, &b->cands[b->holder[cell]], numel * esize, err);
+                if (rc)
+                    return rc;
+            }
+            for (int d = ndim - 1; d >= 0; d--) {
+                if (++idx[d] < b->ncuts[d] - 1)
+                    break;
+                idx[d] = 0;
+            }
+        }
+    }
+
+    /* Merge: grow a box from each first unmerged cell, innermost dim first, while the whole
+     * slab added has the same holder and is unmerged. */
+    memset(b->done, 0, ncells);
+    {
+        int64_t cstride[RF_MAX_DIMS];
+        int32_t idx[RF_MAX_DIMS] = {0};
+        cstride[ndim - 1] = 1;
+        for (int d = ndim - 2; d >= 0; d--)
+            cstride[d] = cstride[d + 1] * (b->ncuts[d + 1] - 1);
+        for (uint64_t cell = 0; cell < ncells; cell++) {
+            if (!b->done[cell]) {
+                int32_t h = b->holder[cell];
+                int32_t ext[RF_MAX_DIMS];
+                rf_box box;
+                for (int d = 0; d < ndim; d++)
+                    ext[d] = 1;
+                for (int d = ndim - 1; d >= 0; d--) {
+                    for (;;) {
+                        /* try to add the slab at idx[d] + ext[d] */
+                        int32_t j[RF_MAX_DIMS];
+                        int ok = idx[d] + ext[d] < b->ncuts[d] - 1;
+                        if (!ok)
+                            break;
+                        memcpy(j, idx, sizeof(j));
+                        j[d] = idx[d] + ext[d];
+                        for (;;) {
+                            uint64_t ci = 0;
+                            int e;
+                            for (int q = 0; q < ndim; q++)
+                                ci += (uint64_t)j[q] * (uint64_t)cstride[q];
+                            if (b->done[ci] || b->holder[ci] != h) {
+                                ok = 0;
+                                break;
+                            }
+                            for (e = ndim - 1; e >= 0; e--) {
+                                if (e == d)
+                                    continue;
+                                if (++j[e] < idx[e] + ext[e])
+                                    break;
+                                j[e] = idx[e];
+                            }
+                            if (e < 0)
+                                break;
+                        }
+                        if (!ok)
+                            break;
+                        ext[d]++;
+                    }
+                }
+                {
+                    int32_t j[RF_MAX_DIMS];
+                    memcpy(j, idx, sizeof(j));
+                    for (;;) {
+                        uint64_t ci = 0;
+                        int e;
+                        for (int q = 0; q < ndim; q++)
+                            ci += (uint64_t)j[q] * (uint64_t)cstride[q];
+                        b->done[ci] = 1;
+                        for (e = ndim - 1; e >= 0; e--) {
+                            if (++j[e] < idx[e] + ext[e])
+                                break;
+                            j[e] = idx[e];
+                        }
+                        if (e < 0)
+                            break;
+                    }
+                }
+                for (int d = 0; d < ndim; d++) {
+                    box.start[d] = b->cuts[d][idx[d]];
+                    box.extent[d] = b->cuts[d][idx[d] + ext[d]] - box.start[d];
+                }
+                box_norm(&box, ndim);
+                if (h < 0)
+                    return uncovered(b, t, &box, dst_ep, err);
+                rc = emit(b, &b->cands[h], &dp, dst, dst_ep, ndim, esize, &box, err);
+                if (rc)
+                    return rc;
+            }
+            for (int d = ndim - 1; d >= 0; d--) {
+                if (++idx[d] < b->ncuts[d] - 1)
+                    break;
+                idx[d] = 0;
+            }
+        }
+    }
+    return 0;
+}
+
+/* Groups transfers into messages, schedules rounds, and sorts everything into its final
+ * order. Transfers are in destination-piece order when this starts. */
+static int schedule(builder *b, rf_err *err)
+{
+    rf_plan *pl = b->plan;
+    uint64_t n = b->nx, nm = 0, capm = 0;
+    uint32_t *perm = NULL, *mperm = NULL, *newidx = NULL;
+    uint64_t *mkey = NULL, *cursor = NULL;
+    uint64_t **use = NULL, *usecap = NULL, *hint = NULL;
+    rf_msg *m = NULL;
+    rf_xfer *y = NULL;
+    uint32_t ne = rf_inv_nendpoints(b->inv), R = 0;
+    int pbits = bits_for(b->nsrc_ep ? b->nsrc_ep : 1) + 32, db, rc = 0;
+
+    if (n >= UINT32_MAX) {
+        rc = rf_err_set(err, -E2BIG, "plan: %llu transfers exceed the 32-bit transfer index",
+                        (unsigned long long)n);
+        goto out;
+    }
+    perm = malloc((n + 1) * sizeof(*perm));
+    if (perm == NULL)
+        goto nomem;
+    for (uint64_t i = 0; i < n; i++)
+        perm[i] = (uint32_t)i;
+    /* pairkey holds (src idx << 32 | dst idx); compress to contiguous bits first. */
+    db = bits_for(b->ndst_ep ? b->ndst_ep : 1);
+    {
+        for (uint64_t i = 0; i < n; i++)
+            b->pairkey[i] = ((b->pairkey[i] >> 32) << db) | (b->pairkey[i] & 0xffffffffu);
+        pbits = pbits - 32 + db;
+    }
+    rc = radix_sort(b->pairkey, perm, n, pbits);
+    if (rc)
+        goto nomem;
+
+    /* Messages: one per direct transfer, packed ones filled up to half the budget. */
+    {
+        uint32_t cur = UINT32_MAX; /* open packed message of the current pair */
+        for (uint64_t i = 0; i < n; i++) {
+            rf_xfer *x = &pl->xfers[perm[i]];
+            uint32_t se = b->sidx_ep[b->pairkey[i] >> db];
+            uint32_t de = b->didx_ep[b->pairkey[i] & ((1ull << db) - 1)];
+            if (cur != UINT32_MAX && (m[cur].src_ep != se || m[cur].dst_ep != de))
+                cur = UINT32_MAX;
+            if (x->msg == RF_XFER_PACKED && cur != UINT32_MAX &&
+                m[cur].bytes + x->bytes <= b->half) {
+                x->msg = cur;
+                x->msg_off = m[cur].bytes;
+                m[cur].bytes += x->bytes;
+                m[cur].count++;
+                continue;
+            }
+            if (nm >= UINT32_MAX - 1) {
+                rc = rf_err_set(err, -E2BIG, "plan: more than 2^32 messages");
+                goto out;
+            }
+            if (grow((void **)&m, &capm, nm + 1, sizeof(*m)))
+                goto nomem;
+            m[nm] = (rf_msg){.src_ep = se, .dst_ep = de, .round = 0, .kind = x->msg,
+                             .first = 0, .count = 1, .bytes = x->bytes};
+            if (x->msg == RF_XFER_PACKED)
+                cur = (uint32_t)nm;
+            x->msg = (uint32_t)nm;
+            x->msg_off = 0;
+            nm++;
+        }
+    }
+
+    free(b->pairkey);
+    b->pairkey = NULL;
+
+    /* Rounds: packed messages first fit under half the budget on both ends. */
+    use = calloc((uint64_t)ne + 1, sizeof(*use));
+    usecap = calloc((uint64_t)ne + 1, sizeof(*usecap));
+    hint = calloc((uint64_t)ne + 1, sizeof(*hint));
+    if (!use || !usecap || !hint)
+        goto nomem;
+    for (uint64_t i = 0; i < nm; i++) {
+        uint32_t s = m[i].src_ep, d = m[i].dst_ep;
+        uint64_t r;
+        if (m[i].kind != RF_XFER_PACKED)
+            continue;
+        r = hint[s] > hint[d] ? hint[s] : hint[d];
+        for (;; r++) {
+            uint64_t us = r < R ? use[s][r] : 0, ud = r < R ? use[d][r] : 0;
+            if (us + m[i].bytes <= b->half && ud + m[i].bytes <= b->half)
+                break;
+        }
+        if (r >= R) {
+            for (uint32_t e = 0; e < ne; e++) {
+                uint64_t old = usecap[e];
+                if (grow((void **)&use[e], &usecap[e], r + 1, sizeof(uint64_t)))
+                    goto nomem;
+                memset(use[e] + old, 0, (usecap[e] - old) * sizeof(uint64_t));
+            }
+            R = (uint32_t)r + 1;
+        }
+        m[i].round = (uint32_t)r;
+        use[s][r] += m[i].bytes;
+        use[d][r] += m[i].bytes;
+        while (hint[s] < R && use[s][hint[s]] >= b->half)
+            hint[s]++;
+        while (hint[d] < R && use[d][hint[d]] >= b->half)
+            hint[d]++;
+    }
+    for (uint32_t e = 0; e < ne; e++)
+        for (uint32_t r = 0; r < R; r++)
+            if (use[e][r] > pl->st.max_staging_bytes)
+                pl->st.max_staging_bytes = use[e][r];
+    /* Direct messages spread where the larger of their two ends' round loads is least. */
+    if (R == 0 && nm > 0) {
+        for (uint32_t e = 0; e < ne; e++) {
+            if (grow((void **)&use[e], &usecap[e], 1, sizeof(uint64_t)))
+                goto nomem;
+            use[e][0] = 0;
+        }
+        R = 1;
+    }
+    for (uint64_t i = 0; i < nm; i++) {
+        uint32_t s = m[i].src_ep, d = m[i].dst_ep, best = 0;
+        uint64_t bc = UINT64_MAX;
+        if (m[i].kind != RF_XFER_DIRECT)
+            continue;
+        for (uint32_t r = 0; r < R; r++) {
+            uint64_t c = use[s][r] > use[d][r] ? use[s][r] : use[d][r];
+            if (c < bc) {
+                bc = c;
+                best = r;
+            }
+        }
+        m[i].round = best;
+        use[s][best] += m[i].bytes;
+        use[d][best] += m[i].bytes;
+    }
+
+    /* Final message order: (round, src, dst, creation order). */
+    mkey = malloc((nm + 1) * sizeof(*mkey));
+    mperm = malloc((nm + 1) * sizeof(*mperm));
+    newidx = malloc((nm + 1) * sizeof(*newidx));
+    cursor = malloc((nm + 1) * sizeof(*cursor));
+    if (!mkey || !mperm || !newidx || !cursor)
+        goto nomem;
+    {
+        int eb = bits_for(ne ? ne : 1), rb = bits_for(R ? R : 1);
+        if (2 * eb + rb > 64) {
+            rc = rf_err_set(err, -E2BIG, "plan: %u rounds of %u endpoints do not fit the sort key",
+                            R, ne);
+            goto out;
+        }
+        for (uint64_t i = 0; i < nm; i++) {
+            mkey[i] = ((uint64_t)m[i].round << (2 * eb)) | ((uint64_t)m[i].src_ep << eb) |
+                      m[i].dst_ep;
+            mperm[i] = (uint32_t)i;
+        }
+        rc = radix_sort(mkey, mperm, nm, 2 * eb + rb);
+        if (rc)
+            goto nomem;
+    }
+    pl->msgs = malloc((nm + 1) * sizeof(*pl->msgs));
+    if (pl->msgs == NULL)
+        goto nomem;
+    {
+        uint64_t first = 0;
+        for (uint64_t i = 0; i < nm; i++) {
+            pl->msgs[i] = m[mperm[i]];
+            pl->msgs[i].first = (uint32_t)first;
+            newidx[mperm[i]] = (uint32_t)i;
+            cursor[i] = first;
+            first += pl->msgs[i].count;
+        }
+    }
+    free(mkey);
+    mkey = NULL;
+    y = malloc((n + 1) * sizeof(*y));
+    if (y == NULL)
+        goto nomem;
+    for (uint64_t i = 0; i < n; i++) {
+        rf_xfer x = pl->xfers[perm[i]];
+        x.msg = newidx[x.msg];
+        y[cursor[x.msg]++] = x;
+    }
+    free(pl->xfers);
+    pl->xfers = y;
+    y = NULL;
+    pl->nmsgs = (uint32_t)nm;
+    pl->nrounds = nm ? R : 0;
+    goto out;
+nomem:
+    rc = rf_err_set(err, -ENOMEM, "plan: out of memory scheduling %llu transfers",
+                    (unsigned long long)n);
+out:
+    free(perm);
+    free(mperm);
+    free(newidx);
+    free(mkey);
+    free(cursor);
+    free(m);
+    free(y);
+    if (use)
+        for (uint32_t e = 0; e < ne; e++)
+            free(use[e]);
+    free(use);
+    free(usecap);
+    free(hint);
+    return rc;
+}
+
+static void builder_free(builder *b)
+{
+    free(b->si.first);
+    free(b->si.ids);
+    free(b->si.kstart);
+    free(b->si.maxext);
+    free(b->si.kdim);
+    free(b->load);
+    free(b->links.keys);
+    free(b->links.vals);
+    free(b->boxes.slots);
+    free(b->boxes.boxes);
+    free(b->pairkey);
+    free(b->epidx);
+    free(b->node);
+    free(b->nodeidx);
+    free(b->linkmat);
+    free(b->sidx_ep);
+    free(b->didx_ep);
+    free(b->src_ep);
+    free(b->src_cache);
+    free(b->cands);
+    for (int d = 0; d < RF_MAX_DIMS; d++)
+        free(b->cuts[d]);
+    free(b->holder);
+    free(b->done);
+    free(b->hs);
+}
+
+static int cmp_u32(const void *a, const void *b)
+{
+    uint32_t x = *(const uint32_t *)a, y = *(const uint32_t *)b;
+
+    return (x > y) - (x < y);
+}
+
+/* Dense per-side endpoint and node numbering, link loads, source piece endpoints, and a copy
+ * of the source pieces when they fit in a modest amount of memory. */
+#define SRC_CACHE_MAX (256ull * MiB)
+#define LINKMAT_MAX (1ull << 22)
+static int setup(builder *b, rf_err *err)
+{
+    const rf_inv *inv = b->inv;
+    uint32_t ne = rf_inv_nendpoints(inv), ns = rf_inv_npieces(inv, RF_SRC);
+    uint32_t *nodes[2] = {NULL, NULL}, nn[2] = {0, 0};
+    int rc = 0;
+
+    b->sidx_ep = malloc(((uint64_t)ne + 1) * sizeof(uint32_t));
+    b->didx_ep = malloc(((uint64_t)ne + 1) * sizeof(uint32_t));
+    b->nodeidx = malloc(((uint64_t)ne + 1) * sizeof(uint32_t));
+    b->src_ep = malloc(((uint64_t)ns + 1) * sizeof(uint32_t));
+    nodes[0] = malloc(((uint64_t)ne + 1) * sizeof(uint32_t));
+    nodes[1] = malloc(((uint64_t)ne + 1) * sizeof(uint32_t));
+    if (!b->sidx_ep || !b->didx_ep || !b->nodeidx || !b->src_ep || !nodes[0] || !nodes[1])
+        goto nomem;
+    for (uint32_t e = 0; e < ne; e++) {
+        const rf_endpoint *ep = rf_inv_endpoint(inv, e);
+        b->node[e] = ep->node;
+        if (ep->side == RF_SRC) {
+            b->sidx_ep[b->nsrc_ep] = e;
+            b->epidx[e] = b->nsrc_ep++;
+        } else {
+            b->didx_ep[b->ndst_ep] = e;
+            b->epidx[e] = b->ndst_ep++;
+        }
+        nodes[ep->side][nn[ep->side]++] = ep->node;
+    }
+    for (int s = 0; s < 2; s++) {
+        uint32_t w = 0;
+        qsort(nodes[s], nn[s], sizeof(uint32_t), cmp_u32);
+        for (uint32_t i = 0; i < nn[s]; i++)
+            if (w == 0 || nodes[s][w - 1] != nodes[s][i])
+                nodes[s][w++] = nodes[s][i];
+        nn[s] = w;
+    }
+    b->nsrc_node = nn[0];
+    b->ndst_node = nn[1];
+    for (uint32_t e = 0; e < ne; e++) {
+        const rf_endpoint *ep = rf_inv_endpoint(inv, e);
+        uint32_t *f = bsearch(&ep->node, nodes[ep->side], nn[ep->side], sizeof(uint32_t), cmp_u32);
+        b->nodeidx[e] = (uint32_t)(f - nodes[ep->side]);
+    }
+    if ((uint64_t)nn[0] * nn[1] <= LINKMAT_MAX) {
+        b->linkmat = calloc((uint64_t)nn[0] * nn[1] + 1, sizeof(uint64_t));
+        if (b->linkmat == NULL)
+            goto nomem;
+    }
+    for (uint32_t i = 0; i < ns; i++)
+        b->src_ep[i] = rf_inv_piece_endpoint(inv, RF_SRC, i);
+    if ((uint64_t)ns * sizeof(rf_piece) <= SRC_CACHE_MAX) {
+        b->src_cache = malloc(((uint64_t)ns + 1) * sizeof(rf_piece));
+        if (b->src_cache == NULL)
+            goto nomem;
+        for (uint32_t i = 0; i < ns; i++) {
+            rf_inv_piece(inv, RF_SRC, i, &b->src_cache[i]);
+            box_norm(&b->src_cache[i].box, rf_inv_tensor(inv, b->src_cache[i].tensor)->ndim);
+        }
+    }
+    goto out;
+nomem:
+    rc = rf_err_set(err, -ENOMEM, "plan: out of memory setting up for %u endpoints", ne);
+out:
+    free(nodes[0]);
+    free(nodes[1]);
+    return rc;
+}
+
+int rf_plan_build(const rf_inv *inv, const rf_plan_opts *opts, rf_plan **out, rf_err *err)
+{
+    builder b;
+    rf_plan *pl = NULL;
+    rf_plan_opts def;
+    uint32_t ne, nd;
+    int rc = 0;
+
+    memset(&b, 0, sizeof(b));
+    *out = NULL;
+    if (opts == NULL) {
+        rf_plan_opts_default(&def);
+        opts = &def;
+    }
+    if (opts->staging_bytes < MIN_STAGING) {
+        rc = rf_err_set(err, -EINVAL,
+                        "plan: staging budget of %llu bytes is below the minimum of %llu; "
+                        "raise staging_bytes",
+                        (unsigned long long)opts->staging_bytes, MIN_STAGING);
+        goto out;
+    }
+    if (sodium_init() < 0) {
+        rc = rf_err_set(err, -EIO, "plan: libsodium failed to initialise");
+        goto out;
+    }
+    pl = calloc(1, sizeof(*pl));
+    ne = rf_inv_nendpoints(inv);
+    nd = rf_inv_npieces(inv, RF_DST);
+    if (pl == NULL)
+        goto nomem;
+    pl->inv = inv;
+    pl->opts = *opts;
+    pl->nendpoints = ne;
+    pl->sent = calloc((uint64_t)ne + 1, sizeof(uint64_t));
+    pl->recv = calloc((uint64_t)ne + 1, sizeof(uint64_t));
+    b.inv = inv;
+    b.plan = pl;
+    b.half = opts->staging_bytes / 2;
+    b.load = calloc((uint64_t)ne + 1, sizeof(uint64_t));
+    b.epidx = calloc((uint64_t)ne + 1, sizeof(uint32_t));
+    b.node = calloc((uint64_t)ne + 1, sizeof(uint32_t));
+    if (!pl->sent || !pl->recv || !b.load || !b.epidx || !b.node)
+        goto nomem;
+    rc = setup(&b, err);
+    if (rc)
+        goto out;
+    rc = build_srcidx(&b, err);
+    if (rc)
+        goto out;
+    for (uint32_t i = 0; i < nd; i++) {
+        rc = plan_piece(&b, i, err);
+        if (rc)
+            goto out;
+    }
+    pl->nxfers = b.nx;
+    rc = schedule(&b, err);
+    if (rc)
+        goto out;
+    pl->boxes = b.boxes.boxes;
+    pl->nboxes = (uint32_t)b.boxes.n;
+    b.boxes.boxes = NULL;
+    /* Shrink the transfer array: it was grown by doubling. */
+    {
+        rf_xfer *x = realloc(pl->xfers, (pl->nxfers + 1) * sizeof(*x));
+        if (x)
+            pl->xfers = x;
+    }
+
+    pl->st.tensors = rf_inv_ntensors(inv);
+    pl->st.src_pieces = rf_inv_npieces(inv, RF_SRC);
+    pl->st.dst_pieces = nd;
+    pl->st.transfers = pl->nxfers;
+    pl->st.messages = pl->nmsgs;
+    pl->st.rounds = pl->nrounds;
+    {
+        uint64_t tot_s = 0, tot_r = 0;
+        for (uint32_t e = 0; e < ne; e++) {
+            tot_s += pl->sent[e];
+            tot_r += pl->recv[e];
+            if (pl->sent[e] > pl->st.max_sender_bytes)
+                pl->st.max_sender_bytes = pl->sent[e];
+            if (pl->recv[e] > pl->st.max_receiver_bytes)
+                pl->st.max_receiver_bytes = pl->recv[e];
+        }
+        pl->st.mean_sender_bytes = b.nsrc_ep ? (double)tot_s / b.nsrc_ep : 0.0;
+        pl->st.mean_receiver_bytes = b.ndst_ep ? (double)tot_r / b.ndst_ep : 0.0;
+        pl->st.dst_bytes = tot_r;
+        for (uint64_t i = 0; i < b.links.nslots; i++)
+            if (b.links.keys[i] && b.links.vals[i] > pl->st.max_link_bytes)
+                pl->st.max_link_bytes = b.links.vals[i];
+        if (b.linkmat)
+            for (uint64_t i = 0; i < (uint64_t)b.nsrc_node * b.ndst_node; i++)
+                if (b.linkmat[i] > pl->st.max_link_bytes)
+                    pl->st.max_link_bytes = b.linkmat[i];
+    }
+    rf_plan_digest(inv, opts, pl->id);
+    *out = pl;
+    pl = NULL;
+    goto out;
+nomem:
+    rc = rf_err_set(err, -ENOMEM, "plan: out of memory");
+out:
+    builder_free(&b);
+    rf_plan_free(pl);
+    return rc;
+}
+
+void rf_plan_free(rf_plan *plan)
+{
+    if (plan == NULL)
+        return;
+    free(plan->xfers);
+    free(plan->msgs);
+    free(plan->boxes);
+    free(plan->sent);
+    free(plan->recv);
+    free(plan);
+}
+
+const uint8_t *rf_plan_id(const rf_plan *plan)
+{
+    return plan->id;
+}
+
+void rf_plan_id_hex(const rf_plan *plan, char out[65])
+{
+    sodium_bin2hex(out, 65, plan->id, 32);
+}
+
+const rf_inv *rf_plan_inv(const rf_plan *plan)
+{
+    return plan->inv;
+}
+
+uint64_t rf_plan_nxfers(const rf_plan *plan)
+{
+    return plan->nxfers;
+}
+
+uint32_t rf_plan_nmsgs(const rf_plan *plan)
+{
+    return plan->nmsgs;
+}
+
+uint32_t rf_plan_nrounds(const rf_plan *plan)
+{
+    return plan->nrounds;
+}
+
+const rf_xfer *rf_plan_xfer(const rf_plan *plan, uint64_t i)
+{
+    return i < plan->nxfers ? &plan->xfers[i] : NULL;
+}
+
+const rf_msg *rf_plan_msg(const rf_plan *plan, uint32_t i)
+{
+    return i < plan->nmsgs ? &plan->msgs[i] : NULL;
+}
+
+const rf_box *rf_plan_box(const rf_plan *plan, uint32_t i)
+{
+    return i < plan->nboxes ? &plan->boxes[i] : NULL;
+}
+
+const rf_plan_stats *rf_plan_stats_get(const rf_plan *plan)
+{
+    return &plan->st;
+}
+
+size_t rf_plan_memory(const rf_plan *plan)
+{
+    return sizeof(*plan) + plan->nxfers * sizeof(rf_xfer) + plan->nmsgs * sizeof(rf_msg) +
+           plan->nboxes * sizeof(rf_box) + 2 * (size_t)plan->nendpoints * sizeof(uint64_t);
+}
+
+uint64_t rf_plan_sent_bytes(const rf_plan *plan, uint32_t ep)
+{
+    return ep < plan->nendpoints ? plan->sent[ep] : 0;
+}
+
+uint64_t rf_plan_recv_bytes(const rf_plan *plan, uint32_t ep)
+{
+    return ep < plan->nendpoints ? plan->recv[ep] : 0;
+}

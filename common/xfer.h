@@ -1,0 +1,145 @@
+/* common/xfer.h - the data path's transport interface: the job a daemon runs for one refit (its
+ * slice of the plan, resolved to local memory) and the vtable every transport implements. */
+#ifndef RF_XFER_H
+#define RF_XFER_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include <uv.h>
+
+#include "err.h"
+#include "layout.h"
+#include "plan.h"
+
+/* One transfer, seen from the local side: the sub-box `box` of the local piece, whose
+ * memory is `base` (the mapped start of the piece's region). In a packed message the box's
+ * elements lie, row-major and dense, at msg_off in the payload; a direct message has exactly
+ * one item, contiguous in local memory, whose bytes are the whole payload. */
+typedef struct rf_xfer_item {
+    uint8_t *base;
+    rf_piece piece;
+    int ndim;
+    size_t esize;
+    rf_box box;
+    uint64_t msg_off, bytes;
+} rf_xfer_item;
+
+/* One message of the plan, local side. seq is the message's index in the global plan, the
+ * same on both ends, and names the message on the wire. */
+typedef struct rf_xfer_msg {
+    uint32_t seq;
+    uint32_t round, kind; /* kind: rf_xfer_kind */
+    bool send;            /* this daemon sends it, else receives it */
+    uint32_t peer;        /* index into the transport's peer table */
+    uint64_t bytes;
+    uint32_t nitems;
+    rf_xfer_item *items;
+} rf_xfer_msg;
+
+/* Everything one daemon sends and receives in one refit. Messages are sorted by round; a
+ * daemon sends its messages to one peer in the order they appear here, and its peers'
+ * jobs list them in the same order (both come from the one plan). */
+typedef struct rf_xfer_job {
+    uint64_t version;
+    uint32_t nrounds, nmsgs;
+    rf_xfer_msg *msgs;
+    /* This daemon's staging budget, 0 for none: the plan's budget per endpoint times the
+     * endpoints this daemon drives. One round's packed payloads (sent and received, a
+     * message to itself counted twice) must fit in it; two rounds are in flight at once
+     * when they fit together. */
+    uint64_t staging_bytes;
+    double timeout_s; /* deadline for the whole job, from rf_xfer_run; > 0 */
+    int verify;             /* 0 off, 1 full: digest every message's payload */
+} rf_xfer_job;
+
+/* What a job did. With verify = 1, digest_sent is the XOR over the messages this daemon sent
+ * of BLAKE2b-256(seq as 4 bytes little-endian || payload), digest_recv the same over the
+ * messages it received: the XOR of every daemon's digest_sent equals the XOR of every
+ * daemon's digest_recv when every byte arrived as sent. */
+typedef struct rf_xfer_result {
+    int code; /* 0 or a negative errno */
+    char error[256];
+    uint64_t bytes_sent, bytes_recv; /* payload bytes */
+    double seconds;
+    uint8_t digest_sent[32], digest_recv[32];
+    uint64_t peak_staging; /* most staging bytes held at once */
+} rf_xfer_result;
+
+typedef struct rf_xfer_transport rf_xfer_transport;
+
+/* Called on the loop thread when a job ends, successfully or not; res is valid during the
+ * call. The transport accepts the next job from inside the callback. */
+typedef void (*rf_xfer_done_cb)(rf_xfer_transport *t, const rf_xfer_result *res, void *arg);
+/* Called on the loop thread once the transport's memory is released. */
+typedef void (*rf_xfer_close_cb)(void *arg);
+
+typedef struct rf_xfer_ops {
+    const char *name;
+    /* The world: this daemon's index and every peer's data address (npeers entries, self
+     * included). Loop thread, no job running (-EBUSY otherwise). Connections to peers whose
+     * address changed are closed; the others are kept. */
+    int (*set_peers)(rf_xfer_transport *t, uint32_t self, uint32_t npeers,
+                     const char *const *addrs, rf_err *err);
+    /* Starts job on a worker thread; done is called on the loop thread when it ends. The job
+     * and the memory it names stay valid and untouched until then. A job that cannot start
+     * (invalid, another one running) returns the error and done is never called. */
+    int (*run)(rf_xfer_transport *t, const rf_xfer_job *job, rf_xfer_done_cb done, void *arg,
+               rf_err *err);
+    /* Makes the running job fail promptly with -ECANCELED (no-op when none runs). */
+    void (*abort)(rf_xfer_transport *t);
+    /* Aborts any running job (its done runs first) and releases the transport; cb, which may
+     * be NULL, runs once everything is freed. The loop must keep running until then. */
+    void (*close)(rf_xfer_transport *t, rf_xfer_close_cb cb, void *arg);
+} rf_xfer_ops;
+
+/* Every transport starts with this header. */
+struct rf_xfer_transport {
+    const rf_xfer_ops *ops;
+};
+
+static inline const char *rf_xfer_name(const rf_xfer_transport *t)
+{
+    return t->ops->name;
+}
+static inline int rf_xfer_set_peers(rf_xfer_transport *t, uint32_t self, uint32_t npeers,
+                                    const char *const *addrs, rf_err *err)
+{
+    return t->ops->set_peers(t, self, npeers, addrs, err);
+}
+static inline int rf_xfer_run(rf_xfer_transport *t, const rf_xfer_job *job,
+                              rf_xfer_done_cb done, void *arg, rf_err *err)
+{
+    return t->ops->run(t, job, done, arg, err);
+}
+static inline void rf_xfer_abort(rf_xfer_transport *t)
+{
+    t->ops->abort(t);
+}
+static inline void rf_xfer_close(rf_xfer_transport *t, rf_xfer_close_cb cb, void *arg)
+{
+    t->ops->close(t, cb, arg);
+}
+
+/* Checks a job's structure, whatever the transport (run checks it again, with the deadline):
+ * messages sorted by round and inside nrounds, peers inside the table, seq unique per
+ * direction, items inside their pieces and their message, a direct message one contiguous
+ * item of the message's size, a packed one tiled by its items without gap or overlap, and,
+ * when staging_bytes is set, each round's packed bytes inside it (-ENOSPC). The message
+ * names the offending message's seq. */
+int rf_xfer_job_check(const rf_xfer_job *job, uint32_t npeers, rf_err *err);
+/* Where a direct message's bytes lie in local memory (after rf_xfer_job_check). */
+uint8_t *rf_xfer_direct_ptr(const rf_xfer_msg *m);
+
+/* The tcp transport: host memory over TCP data sockets between daemons. The data listener
+ * is bound at creation on listen_addr ("host:port", "[v6]:port"; port 0 picks one);
+ * rf_xfer_tcp_addr gives the bound address for the daemon's Hello. One connection per peer
+ * pair and direction, made when first needed and kept between jobs; after a failed job all
+ * are closed and the next job reconnects. Staging buffers (at most the budget) are kept
+ * between jobs too, and released by close. */
+int rf_xfer_tcp_new(uv_loop_t *loop, const char *listen_addr, rf_xfer_transport **out,
+                    rf_err *err);
+const char *rf_xfer_tcp_addr(const rf_xfer_transport *t);
+
+#endif

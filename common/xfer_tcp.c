@@ -1,0 +1,1297 @@
+/* common/xfer_tcp.c - the tcp transport: moves a job's messages between daemons' host memory
+ * over TCP data sockets, on a worker thread that drives every peer connection with poll(). */
+#include "xfer.h"
+
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <pthread.h>
+#include <sodium.h>
+#include <stdarg.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/eventfd.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "copy.h"
+#include "macros.h"
+
+
+/* Wire format, little-endian. A connection starts with a hello naming both ends by their
+ * index in the peer table; then frames follow, each a header and `bytes` of payload. */
+#define HELLO_MAGIC 0x48584652u /* "RFXH" */
+#define FRAME_MAGIC 0x46584652u /* "RFXF" */
+#define PROTO_VERSION 1u
+#define HELLO_LEN 16
+#define HDR_LEN 24
+#define ADDR_MAX 300
+/* One sendmsg/recv moves at most this much, so that one busy peer cannot hold the worker. */
+#define IO_CHUNK (16u << 20)
+
+enum { MSG_PENDING = 0, MSG_BUSY, MSG_DONE };
+
+/* One data connection. Outgoing ones carry this daemon's sends to `peer`, incoming ones the
+ * peer's sends to us; `peer` of an incoming one is known once its hello is read. */
+typedef struct conn {
+    int fd;
+    uint32_t peer;
+    bool connecting;   /* outgoing: non-blocking connect in progress */
+    bool hello_done;   /* incoming: hello read */
+    bool active;       /* incoming: delivered bytes of a frame in this job */
+    uint8_t buf[64];   /* outgoing: hello and header to write; incoming: hello or header read */
+    size_t buf_len, buf_done;
+    int64_t cur;       /* message in flight (index into the job), -1 when none */
+    uint64_t done;     /* payload bytes of cur moved */
+    uint8_t *payload;
+} conn;
+
+typedef struct seq_ent {
+    uint32_t seq, idx;
+} seq_ent;
+
+/* State of one job, owned by the worker thread. */
+typedef struct jstate {
+    const rf_xfer_job *job;
+    uint32_t npeers;
+    double deadline;
+    uint32_t *send_first, *send_idx, *send_cur; /* per peer: its sends in job order */
+    uint32_t *recv_open;  /* per peer: receives in admitted rounds not yet done */
+    seq_ent *recv_seq;    /* receives sorted by seq */
+    uint32_t nrecv;
+    uint8_t *state;       /* per message: MSG_PENDING/BUSY/DONE */
+    uint8_t **staging;    /* per message: its payload in staging (packed only) */
+    uint32_t *round_first; /* nrounds + 1 */
+    uint32_t *round_left;
+    uint64_t *round_bytes;
+    uint32_t lo, hi;       /* admitted rounds: [lo, hi), at most two */
+    uint64_t staging_now;
+    rf_copy_desc *desc;
+    uint32_t desc_cap;
+    uint32_t left;         /* messages not done */
+} jstate;
+
+typedef struct tcp {
+    rf_xfer_transport base;
+    uv_loop_t *loop;
+    uv_async_t async;
+    int lfd, efd;
+    char addr[ADDR_MAX];
+    uint32_t self, npeers;
+    char **addrs;
+    conn *out, *in; /* npeers each, indexed by peer */
+    conn *pending;  /* accepted, hello not read yet */
+    size_t npending, cap_pending;
+    /* Staging of even and odd rounds, kept between jobs so that a refit does not fault in
+     * fresh pages every round; never more than the budget together. */
+    uint8_t *arena[2];
+    uint64_t arena_cap[2];
+
+    bool running, closing, handle_closed;
+    atomic_bool abort_req, finished;
+    pthread_t thread;
+    const rf_xfer_job *job;
+    rf_xfer_done_cb done;
+    void *done_arg;
+    rf_xfer_result result; /* written by the worker, read after the join */
+    jstate js;
+    rf_xfer_close_cb close_cb;
+    void *close_arg;
+} tcp;
+
+static double now_s(void)
+{
+    struct timespec ts;
+
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+static void put32(uint8_t *p, uint32_t v)
+{
+    for (int i = 0; i < 4; i++)
+        p[i] = (uint8_t)(v >> (8 * i));
+}
+static void put64(uint8_t *p, uint64_t v)
+{
+    for (int i = 0; i < 8; i++)
+        p[i] = (uint8_t)(v >> (8 * i));
+}
+static uint32_t get32(const uint8_t *p)
+{
+    uint32_t v = 0;
+
+    for (int i = 3; i >= 0; i--)
+        v = (v << 8) | p[i];
+    return v;
+}
+static uint64_t get64(const uint8_t *p)
+{
+    uint64_t v = 0;
+
+    for (int i = 7; i >= 0; i--)
+        v = (v << 8) | p[i];
+    return v;
+}
+
+static void conn_init(conn *c)
+{
+    memset(c, 0, sizeof(*c));
+    c->fd = -1;
+    c->cur = -1;
+}
+
+static void conn_close(conn *c)
+{
+    if (c->fd >= 0)
+        close(c->fd);
+    conn_init(c);
+}
+
+static void close_all_conns(tcp *t)
+{
+    for (uint32_t p = 0; p < t->npeers; p++) {
+        conn_close(&t->out[p]);
+        conn_close(&t->in[p]);
+    }
+    for (size_t i = 0; i < t->npending; i++)
+        conn_close(&t->pending[i]);
+    t->npending = 0;
+}
+
+/* "host:port" or "[v6]:port" into its parts. */
+static int split_addr(const char *a, char *host, size_t hlen, char *port, size_t plen)
+{
+    const char *colon, *h = a;
+    size_t n;
+
+    if (a[0] == '[') {
+        const char *close_br = strchr(a, ']');
+
+        if (!close_br || close_br[1] != ':')
+            return -EINVAL;
+        h = a + 1;
+        n = (size_t)(close_br - h);
+        colon = close_br + 1;
+    } else {
+        colon = strrchr(a, ':');
+        if (!colon)
+            return -EINVAL;
+        n = (size_t)(colon - a);
+    }
+    if (n == 0 || n >= hlen || colon[1] == '\0' || strlen(colon + 1) >= plen)
+        return -EINVAL;
+    memcpy(host, h, n);
+    host[n] = '\0';
+    strcpy(port, colon + 1);
+    return 0;
+}
+
+/* ---- the worker: job state ---- */
+
+static void js_free(jstate *s)
+{
+    free(s->send_first);
+    free(s->send_idx);
+    free(s->send_cur);
+    free(s->recv_open);
+    free(s->recv_seq);
+    free(s->state);
+    free(s->staging);
+    free(s->round_first);
+    free(s->round_left);
+    free(s->round_bytes);
+    free(s->desc);
+    memset(s, 0, sizeof(*s));
+}
+
+static int seq_cmp(const void *a, const void *b)
+{
+    const seq_ent *x = a, *y = b;
+
+    return x->seq < y->seq ? -1 : x->seq > y->seq;
+}
+
+static int js_init(jstate *s, const rf_xfer_job *job, uint32_t npeers)
+{
+    uint32_t i, maxitems = 1, nr = job->nrounds, n = job->nmsgs;
+
+    memset(s, 0, sizeof(*s));
+    s->job = job;
+    s->npeers = npeers;
+    s->send_first = calloc(npeers + 1, sizeof(uint32_t));
+    s->send_cur = calloc(npeers, sizeof(uint32_t));
+    s->send_idx = calloc(n ? n : 1, sizeof(uint32_t));
+    s->recv_open = calloc(npeers, sizeof(uint32_t));
+    s->recv_seq = calloc(n ? n : 1, sizeof(seq_ent));
+    s->state = calloc(n ? n : 1, 1);
+    s->staging = calloc(n ? n : 1, sizeof(uint8_t *));
+    s->round_first = calloc(nr + 1, sizeof(uint32_t));
+    s->round_left = calloc(nr ? nr : 1, sizeof(uint32_t));
+    s->round_bytes = calloc(nr ? nr : 1, sizeof(uint64_t));
+    if (!s->send_first || !s->send_cur || !s->send_idx || !s->recv_open || !s->recv_seq ||
+        !s->state || !s->staging || !s->round_first || !s->round_left || !s->round_bytes)
+        return -ENOMEM;
+    for (i = 0; i < n; i++) {
+        const rf_xfer_msg *m = &job->msgs[i];
+
+        if (m->send)
+            s->send_first[m->peer + 1]++;
+        else
+            s->recv_seq[s->nrecv++] = (seq_ent){m->seq, i};
+        s->round_left[m->round]++;
+        if (m->kind == RF_XFER_PACKED)
+            s->round_bytes[m->round] += m->bytes;
+        if (m->nitems > maxitems)
+            maxitems = m->nitems;
+    }
+    for (uint32_t p = 0; p < npeers; p++)
+        s->send_first[p + 1] += s->send_first[p];
+    for (i = 0; i < n; i++) {
+        const rf_xfer_msg *m = &job->msgs[i];
+
+        if (m->send)
+            s->send_idx[s->send_first[m->peer] + s->send_cur[m->peer]++] = i;
+    }
+    memset(s->send_cur, 0, npeers * sizeof(uint32_t));
+    qsort(s->recv_seq, s->nrecv, sizeof(seq_ent), seq_cmp);
+    /* Messages are sorted by round, so each round is one range of them. */
+    for (i = 0; i < n; i++)
+        s->round_first[job->msgs[i].round + 1] = i + 1;
+    for (uint32_t r = 1; r <= nr; r++)
+        if (s->round_first[r] < s->round_first[r - 1])
+            s->round_first[r] = s->round_first[r - 1];
+    s->desc = calloc(maxitems, sizeof(rf_copy_desc));
+    if (!s->desc)
+        return -ENOMEM;
+    s->desc_cap = maxitems;
+    s->left = n;
+    return 0;
+}
+
+static int find_recv(const jstate *s, uint32_t seq)
+{
+    size_t lo = 0, hi = s->nrecv;
+
+    while (lo < hi) {
+        size_t mid = (lo + hi) / 2;
+
+        if (s->recv_seq[mid].seq < seq)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    return lo < s->nrecv && s->recv_seq[lo].seq == seq ? (int)s->recv_seq[lo].idx : -1;
+}
+
+/* ---- the worker: failing ---- */
+
+static int fail(tcp *t, int code, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+static int fail(tcp *t, int code, const char *fmt, ...)
+{
+    va_list ap;
+
+    if (t->result.code != 0)
+        return t->result.code;
+    t->result.code = code;
+    va_start(ap, fmt);
+    vsnprintf(t->result.error, sizeof(t->result.error), fmt, ap);
+    va_end(ap);
+    return code;
+}
+
+static const char *peer_addr(const tcp *t, uint32_t p)
+{
+    return p < t->npeers ? t->addrs[p] : "?";
+}
+
+/* The first unfinished message, to name in a deadline or abort message. */
+static void describe_outstanding(tcp *t, char *buf, size_t len)
+{
+    const jstate *s = &t->js;
+    const rf_xfer_job *job = s->job;
+
+    snprintf(buf, len, "nothing");
+    for (uint32_t i = 0; i < job->nmsgs; i++) {
+        const rf_xfer_msg *m = &job->msgs[i];
+        const conn *c;
+        uint64_t moved = 0;
+
+        if (s->state[i] == MSG_DONE)
+            continue;
+        c = m->send ? &t->out[m->peer] : &t->in[m->peer];
+        if (c->cur == (int64_t)i)
+            moved = c->done;
+        snprintf(buf, len, "%u messages outstanding, first %s message seq %u (round %u) %s peer "
+                 "%u (%s), %llu of %llu bytes moved", s->left, m->send ? "sending" : "receiving",
+                 m->seq, m->round, m->send ? "to" : "from", m->peer, peer_addr(t, m->peer),
+                 (unsigned long long)moved, (unsigned long long)m->bytes);
+        return;
+    }
+}
+
+/* ---- the worker: rounds and staging ---- */
+
+static void digest_msg(const rf_xfer_msg *m, const uint8_t *payload, uint8_t acc[32])
+{
+    crypto_generichash_state st;
+    uint8_t seq[4], h[32];
+
+    put32(seq, m->seq);
+    crypto_generichash_init(&st, NULL, 0, sizeof(h));
+    crypto_generichash_update(&st, seq, sizeof(seq));
+    if (m->bytes > 0)
+        crypto_generichash_update(&st, payload, m->bytes);
+    crypto_generichash_final(&st, h, sizeof(h));
+    for (int i = 0; i < 32; i++)
+        acc[i] ^= h[i];
+}
+
+static void fill_desc(jstate *s, const rf_xfer_msg *m)
+{
+    for (uint32_t k = 0; k < m->nitems; k++) {
+        const rf_xfer_item *it = &m->items[k];
+
+        rf_copy_desc_set(&s->desc[k], it->base, &it->piece, it->ndim, it->esize, &it->box,
+                         it->msg_off);
+    }
+}
+
+/* Admits rounds while at most two are open and their packed payloads fit in the budget
+ * together (one always fits: rf_xfer_job_check saw to it); retires finished rounds. */
+static int window_update(tcp *t)
+{
+    jstate *s = &t->js;
+    const rf_xfer_job *job = s->job;
+
+    for (;;) {
+        bool changed = false;
+
+        while (s->lo < s->hi && s->round_left[s->lo] == 0) {
+            s->staging_now -= s->round_bytes[s->lo];
+            s->lo++;
+            changed = true;
+        }
+        while (s->hi < job->nrounds && s->hi < s->lo + 2 &&
+               (s->hi == s->lo || job->staging_bytes == 0 ||
+                s->staging_now + s->round_bytes[s->hi] <= job->staging_bytes)) {
+            uint32_t r = s->hi, slot = r & 1;
+            uint64_t off = 0;
+
+            if (s->round_bytes[r] > t->arena_cap[slot]) {
+                /* Rounds r - 2 and before are retired: the slot is free. */
+                free(t->arena[slot]);
+                t->arena_cap[slot] = 0;
+                t->arena[slot] = malloc(s->round_bytes[r]);
+                if (!t->arena[slot])
+                    return fail(t, -ENOMEM, "out of memory for %llu bytes of staging in round "
+                                "%u", (unsigned long long)s->round_bytes[r], r);
+                t->arena_cap[slot] = s->round_bytes[r];
+            }
+            s->staging_now += s->round_bytes[r];
+            if (s->staging_now > t->result.peak_staging)
+                t->result.peak_staging = s->staging_now;
+            for (uint32_t i = s->round_first[r]; i < s->round_first[r + 1]; i++) {
+                const rf_xfer_msg *m = &job->msgs[i];
+
+                if (m->kind == RF_XFER_PACKED) {
+                    s->staging[i] = t->arena[slot] + off;
+                    off += m->bytes;
+                }
+                if (!m->send)
+                    s->recv_open[m->peer]++;
+            }
+            s->hi++;
+            changed = true;
+        }
+        if (!changed)
+            return 0;
+    }
+}
+
+static int msg_done(tcp *t, uint32_t i)
+{
+    jstate *s = &t->js;
+    const rf_xfer_msg *m = &s->job->msgs[i];
+
+    s->state[i] = MSG_DONE;
+    s->round_left[m->round]--;
+    s->left--;
+    if (!m->send)
+        s->recv_open[m->peer]--;
+    return window_update(t);
+}
+
+/* ---- the worker: connections ---- */
+
+static int start_connect(tcp *t, uint32_t p, uint32_t seq)
+{
+    conn *c = &t->out[p];
+    char host[ADDR_MAX], port[32];
+    struct addrinfo hints, *ai = NULL;
+    int fd = -1, one = 1, rc;
+
+    if (split_addr(t->addrs[p], host, sizeof(host), port, sizeof(port)) < 0)
+        return fail(t, -EINVAL, "peer %u has data address '%s', not host:port; check its "
+                    "Hello", p, t->addrs[p]);
+    memset(&hints, 0, sizeof(hints));
+    hints.ai_socktype = SOCK_STREAM;
+    hints.ai_flags = AI_NUMERICSERV;
+    rc = getaddrinfo(host, port, &hints, &ai);
+    if (rc != 0) {
+        rc = fail(t, -EHOSTUNREACH, "resolving peer %u (%s) for message seq %u: %s", p,
+                  t->addrs[p], seq, gai_strerror(rc));
+        goto out;
+    }
+    fd = socket(ai->ai_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+    if (fd < 0) {
+        rc = fail(t, -errno, "socket for peer %u (%s): %s", p, t->addrs[p], strerror(errno));
+        goto out;
+    }
+    setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+    if (connect(fd, ai->ai_addr, ai->ai_addrlen) < 0 && errno != EINPROGRESS) {
+        rc = fail(t, -errno, "connect to peer %u (%s) for message seq %u: %s", p, t->addrs[p],
+                  seq, strerror(errno));
+        goto out;
+    }
+    conn_init(c);
+    c->fd = fd;
+    c->peer = p;
+    c->connecting = true;
+    put32(c->buf, HELLO_MAGIC);
+    put32(c->buf + 4, PROTO_VERSION);
+    put32(c->buf + 8, t->self);
+    put32(c->buf + 12, p);
+    c->buf_len = HELLO_LEN;
+    fd = -1;
+    rc = 0;
+out:
+    if (fd >= 0)
+        close(fd);
+    if (ai)
+        freeaddrinfo(ai);
+    return rc;
+}
+
+/* A kept outgoing connection is dead when the peer closed it (its job failed): we never
+ * receive on it, so anything readable is EOF, a reset, or junk. */
+static bool conn_alive(const conn *c)
+{
+    uint8_t b;
+    ssize_t n = recv(c->fd, &b, 1, MSG_PEEK | MSG_DONTWAIT);
+
+    return n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK);
+}
+
+static int prepare_send(tcp *t, conn *c, uint32_t i)
+{
+    jstate *s = &t->js;
+    const rf_xfer_msg *m = &s->job->msgs[i];
+    rf_err err;
+    uint8_t *h;
+    int rc;
+
+    if (m->kind == RF_XFER_PACKED) {
+        fill_desc(s, m);
+        rf_err_clear(&err);
+        rc = rf_copy_gather(s->desc, m->nitems, s->staging[i], &err);
+        if (rc < 0)
+            return fail(t, rc, "packing message seq %u for peer %u: %s", m->seq, m->peer,
+                        err.msg);
+        c->payload = s->staging[i];
+    } else {
+        c->payload = rf_xfer_direct_ptr(m);
+    }
+    if (s->job->verify)
+        digest_msg(m, c->payload, t->result.digest_sent);
+    h = c->buf + c->buf_len;
+    put32(h, FRAME_MAGIC);
+    put32(h + 4, m->seq);
+    put64(h + 8, s->job->version);
+    put64(h + 16, m->bytes);
+    c->buf_len += HDR_LEN;
+    c->cur = i;
+    c->done = 0;
+    s->state[i] = MSG_BUSY;
+    return 0;
+}
+
+/* The next message for this connection when its round is open. */
+static int64_t next_send(const jstate *s, uint32_t p)
+{
+    uint32_t k = s->send_first[p] + s->send_cur[p];
+
+    if (k >= s->send_first[p + 1] || s->job->msgs[s->send_idx[k]].round >= s->hi)
+        return -1;
+    return s->send_idx[k];
+}
+
+static bool send_wanted(const tcp *t, const conn *c)
+{
+    return c->connecting || c->buf_done < c->buf_len || c->cur >= 0 ||
+           next_send(&t->js, c->peer) >= 0;
+}
+
+static int send_progress(tcp *t, conn *c)
+{
+    jstate *s = &t->js;
+    uint32_t p = c->peer;
+
+    if (c->connecting) {
+        int soerr = 0;
+        socklen_t len = sizeof(soerr);
+        int64_t nx = next_send(s, p);
+        uint32_t seq = nx >= 0 ? s->job->msgs[nx].seq : 0;
+
+        if (getsockopt(c->fd, SOL_SOCKET, SO_ERROR, &soerr, &len) < 0)
+            soerr = errno;
+        if (soerr == EINPROGRESS || soerr == EALREADY)
+            return 0;
+        if (soerr != 0)
+            return fail(t, -soerr, "connect to peer %u (%s) for message seq %u: %s; is its "
+                        "daemon up?", p, t->addrs[p], seq, strerror(soerr));
+        c->connecting = false;
+    }
+    for (;;) {
+        struct iovec iov[2];
+        struct msghdr mh;
+        int niov = 0;
+        ssize_t n;
+        int64_t nx;
+        int rc;
+
+        if (c->cur < 0) {
+            nx = next_send(s, p);
+            if (nx < 0 && c->buf_done == c->buf_len)
+                return 0;
+            if (nx >= 0) {
+                s->send_cur[p]++;
+                if ((rc = prepare_send(t, c, (uint32_t)nx)) < 0)
+                    return rc;
+            }
+        }
+        if (c->buf_done < c->buf_len) {
+            iov[niov].iov_base = c->buf + c->buf_done;
+            iov[niov++].iov_len = c->buf_len - c->buf_done;
+        }
+        if (c->cur >= 0) {
+            uint64_t want = s->job->msgs[c->cur].bytes - c->done;
+
+            if (want > 0) {
+                iov[niov].iov_base = c->payload + c->done;
+                iov[niov++].iov_len = want < IO_CHUNK ? want : IO_CHUNK;
+            }
+        }
+        if (niov > 0) {
+            memset(&mh, 0, sizeof(mh));
+            mh.msg_iov = iov;
+            mh.msg_iovlen = (size_t)niov;
+            n = sendmsg(c->fd, &mh, MSG_NOSIGNAL | MSG_DONTWAIT);
+            if (n < 0) {
+                if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)
+                    return 0;
+                if (c->cur >= 0) {
+                    const rf_xfer_msg *m = &s->job->msgs[c->cur];
+
+                    return fail(t, -errno, "sending message seq %u (round %u) to peer %u (%s): "
+                                "%s after %llu of %llu bytes", m->seq, m->round, p,
+                                t->addrs[p], strerror(errno), (unsigned long long)c->done,
+                                (unsigned long long)m->bytes);
+                }
+                return fail(t, -errno, "sending to peer %u (%s): %s", p, t->addrs[p],
+                            strerror(errno));
+            }
+            if ((size_t)n <= c->buf_len - c->buf_done) {
+                c->buf_done += (size_t)n;
+            } else {
+                n -= (ssize_t)(c->buf_len - c->buf_done);
+                c->buf_done = c->buf_len;
+                c->done += (uint64_t)n;
+            }
+        }
+        if (c->buf_done == c->buf_len) {
+            c->buf_len = c->buf_done = 0;
+            if (c->cur >= 0 && c->done == s->job->msgs[c->cur].bytes) {
+                uint32_t i = (uint32_t)c->cur;
+
+                t->result.bytes_sent += s->job->msgs[i].bytes;
+                c->cur = -1;
+                if ((rc = msg_done(t, i)) < 0)
+                    return rc;
+            }
+        }
+    }
+}
+
+static bool recv_wanted(const tcp *t, const conn *c)
+{
+    return c->cur >= 0 || c->buf_done > 0 || t->js.recv_open[c->peer] > 0;
+}
+
+/* The first message still expected from p, to name when its connection breaks. */
+static uint32_t expected_seq(const tcp *t, uint32_t p)
+{
+    const rf_xfer_job *job = t->js.job;
+
+    for (uint32_t i = 0; i < job->nmsgs; i++)
+        if (!job->msgs[i].send && job->msgs[i].peer == p && t->js.state[i] != MSG_DONE)
+            return job->msgs[i].seq;
+    return 0;
+}
+
+static int parse_header(tcp *t, conn *c)
+{
+    jstate *s = &t->js;
+    uint32_t p = c->peer, magic = get32(c->buf), seq = get32(c->buf + 4);
+    uint64_t version = get64(c->buf + 8), bytes = get64(c->buf + 16);
+    const rf_xfer_msg *m;
+    int i;
+
+    if (magic != FRAME_MAGIC)
+        return fail(t, -EPROTO, "bad frame header from peer %u (%s): magic 0x%08x, expected "
+                    "message seq %u; the stream is corrupt", p, t->addrs[p], magic,
+                    expected_seq(t, p));
+    if (version != s->job->version)
+        return fail(t, -ESTALE, "frame for message seq %u from peer %u (%s) carries version "
+                    "%llu, this job is version %llu; data of another refit is never installed",
+                    seq, p, t->addrs[p], (unsigned long long)version,
+                    (unsigned long long)s->job->version);
+    i = find_recv(s, seq);
+    if (i < 0 || s->job->msgs[i].peer != p)
+        return fail(t, -EPROTO, "peer %u (%s) sent message seq %u, which this daemon does not "
+                    "expect from it; the plans differ", p, t->addrs[p], seq);
+    m = &s->job->msgs[i];
+    if (s->state[i] != MSG_PENDING)
+        return fail(t, -EPROTO, "peer %u (%s) sent message seq %u twice", p, t->addrs[p], seq);
+    if (m->round >= s->hi)
+        return fail(t, -EPROTO, "peer %u (%s) sent message seq %u of round %u before round %u "
+                    "was done; it sends out of round order", p, t->addrs[p], seq, m->round,
+                    s->lo);
+    if (bytes != m->bytes)
+        return fail(t, -EPROTO, "peer %u (%s) sent message seq %u with %llu bytes, the plan "
+                    "says %llu; the plans differ", p, t->addrs[p], seq,
+                    (unsigned long long)bytes, (unsigned long long)m->bytes);
+    c->cur = i;
+    c->done = 0;
+    c->payload = m->kind == RF_XFER_PACKED ? s->staging[i] : rf_xfer_direct_ptr(m);
+    s->state[i] = MSG_BUSY;
+    return 0;
+}
+
+static int finish_recv(tcp *t, conn *c)
+{
+    jstate *s = &t->js;
+    uint32_t i = (uint32_t)c->cur;
+    const rf_xfer_msg *m = &s->job->msgs[i];
+    rf_err err;
+    int rc;
+
+    if (s->job->verify)
+        digest_msg(m, c->payload, t->result.digest_recv);
+    if (m->kind == RF_XFER_PACKED) {
+        fill_desc(s, m);
+        rf_err_clear(&err);
+        rc = rf_copy_scatter(s->desc, m->nitems, s->staging[i], &err);
+        if (rc < 0)
+            return fail(t, rc, "unpacking message seq %u from peer %u: %s", m->seq, m->peer,
+                        err.msg);
+    }
+    t->result.bytes_recv += m->bytes;
+    c->cur = -1;
+    return msg_done(t, i);
+}
+
+/* An incoming connection broke. One that brought nothing in this job is a leftover of an
+ * earlier one (its peer failed and will reconnect): drop it quietly. */
+static int recv_broken(tcp *t, conn *c, int e)
+{
+    uint32_t p = c->peer;
+    const char *why = e ? strerror(e) : "connection closed by the peer";
+
+    if (!c->active && c->cur < 0 && c->buf_done == 0) {
+        conn_close(c);
+        return 0;
+    }
+    if (c->cur >= 0) {
+        const rf_xfer_msg *m = &t->js.job->msgs[c->cur];
+
+        return fail(t, e ? -e : -ECONNRESET, "receiving message seq %u (round %u) from peer %u "
+                    "(%s): %s after %llu of %llu bytes", m->seq, m->round, p, t->addrs[p], why,
+                    (unsigned long long)c->done, (unsigned long long)m->bytes);
+    }
+    return fail(t, e ? -e : -ECONNRESET, "receiving from peer %u (%s), message seq %u expected: "
+                "%s%s", p, t->addrs[p], expected_seq(t, p), why,
+                c->buf_done ? " inside a frame header" : "");
+}
+
+static int recv_progress(tcp *t, conn *c)
+{
+    jstate *s = &t->js;
+
+    for (;;) {
+        uint8_t *dst;
+        size_t want;
+        ssize_t n;
+        int rc;
+
+        if (c->cur >= 0) {
+            uint64_t left = s->job->msgs[c->cur].bytes - c->done;
+
+            if (left == 0) {
+                if ((rc = finish_recv(t, c)) < 0)
+                    return rc;
+                continue;
+            }
+            dst = c->payload + c->done;
+            want = left < IO_CHUNK ? left : IO_CHUNK;
+        } else {
+            if (c->buf_done == 0 && s->recv_open[c->peer] == 0)
+                return 0;
+            dst = c->buf + c->buf_done;
+            want = HDR_LEN - c->buf_done;
+        }
+        n = recv(c->fd, dst, want, MSG_DONTWAIT);
+        if (n < 0) {
+            if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)
+                return 0;
+            return recv_broken(t, c, errno);
+        }
+        if (n == 0)
+            return recv_broken(t, c, 0);
+        c->active = true;
+        if (c->cur >= 0) {
+            c->done += (uint64_t)n;
+        } else {
+            c->buf_done += (size_t)n;
+            if (c->buf_done == HDR_LEN) {
+                c->buf_done = 0;
+                if ((rc = parse_header(t, c)) < 0)
+                    return rc;
+            }
+        }
+    }
+}
+
+/* Reads the hello of an accepted connection; once known, it becomes the incoming connection
+ * of its peer, replacing an older one (which the peer abandoned when it reconnected). A
+ * connection that is not one of ours is dropped, without failing the job. */
+static void hello_progress(tcp *t, size_t k)
+{
+    conn *c = &t->pending[k];
+    ssize_t n = recv(c->fd, c->buf + c->buf_done, HELLO_LEN - c->buf_done, MSG_DONTWAIT);
+    uint32_t from;
+
+    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR))
+        return;
+    if (n <= 0) {
+        conn_close(c);
+        return;
+    }
+    c->buf_done += (size_t)n;
+    if (c->buf_done < HELLO_LEN)
+        return;
+    from = get32(c->buf + 8);
+    if (get32(c->buf) != HELLO_MAGIC || get32(c->buf + 4) != PROTO_VERSION ||
+        from >= t->npeers || get32(c->buf + 12) != t->self) {
+        conn_close(c);
+        return;
+    }
+    conn_close(&t->in[from]);
+    t->in[from] = *c;
+    t->in[from].peer = from;
+    t->in[from].hello_done = true;
+    t->in[from].buf_done = 0;
+    conn_init(c);
+}
+
+static void accept_all(tcp *t)
+{
+    for (;;) {
+        int fd = accept4(t->lfd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC), one = 1;
+
+        if (fd < 0)
+            return;
+        setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+        if (t->npending == t->cap_pending) {
+            size_t ncap = t->cap_pending ? t->cap_pending * 2 : 8;
+            conn *n = realloc(t->pending, ncap * sizeof(*n));
+
+            if (!n) {
+                close(fd);
+                return;
+            }
+            t->pending = n;
+            t->cap_pending = ncap;
+        }
+        conn_init(&t->pending[t->npending]);
+        t->pending[t->npending++].fd = fd;
+    }
+}
+
+static void compact_pending(tcp *t)
+{
+    size_t j = 0;
+
+    for (size_t i = 0; i < t->npending; i++)
+        if (t->pending[i].fd >= 0)
+            t->pending[j++] = t->pending[i];
+    t->npending = j;
+}
+
+/* ---- the worker: the job ---- */
+
+enum { PF_EVENT, PF_LISTEN, PF_PENDING, PF_IN, PF_OUT };
+
+static int run_job(tcp *t)
+{
+    jstate *s = &t->js;
+    const rf_xfer_job *job = t->job;
+    struct pollfd *pfd = NULL;
+    uint32_t *pref = NULL;
+    uint8_t *pkind = NULL;
+    size_t cap = 0;
+    char what[200];
+    int rc;
+
+    if ((rc = js_init(s, job, t->npeers)) < 0)
+        return fail(t, rc, "out of memory for a job of %u messages", job->nmsgs);
+    s->deadline = now_s() + job->timeout_s;
+    if (job->staging_bytes > 0 && t->arena_cap[0] + t->arena_cap[1] > job->staging_bytes) {
+        for (int k = 0; k < 2; k++) {
+            free(t->arena[k]);
+            t->arena[k] = NULL;
+            t->arena_cap[k] = 0;
+        }
+    }
+    for (uint32_t p = 0; p < t->npeers; p++) {
+        conn *c = &t->out[p];
+
+        c->cur = -1;
+        c->buf_len = c->buf_done = 0;
+        if (c->fd >= 0 && !conn_alive(c))
+            conn_close(c);
+        t->in[p].active = false;
+    }
+    if ((rc = window_update(t)) < 0)
+        goto out;
+    while (s->left > 0) {
+        size_t need = 2 + t->npending + 2 * (size_t)t->npeers, n = 0;
+        double left_s;
+        int pr;
+
+        if (atomic_load(&t->abort_req)) {
+            describe_outstanding(t, what, sizeof(what));
+            rc = fail(t, -ECANCELED, "aborted with %s", what);
+            goto out;
+        }
+        left_s = s->deadline - now_s();
+        if (left_s <= 0) {
+            describe_outstanding(t, what, sizeof(what));
+            rc = fail(t, -ETIMEDOUT, "deadline of %.1f s passed with %s", job->timeout_s, what);
+            goto out;
+        }
+        if (need > cap) {
+            free(pfd);
+            free(pref);
+            free(pkind);
+            pfd = malloc(need * sizeof(*pfd));
+            pref = malloc(need * sizeof(*pref));
+            pkind = malloc(need);
+            if (!pfd || !pref || !pkind) {
+                rc = fail(t, -ENOMEM, "out of memory polling %u peers", t->npeers);
+                goto out;
+            }
+            cap = need;
+        }
+        pfd[n] = (struct pollfd){.fd = t->efd, .events = POLLIN};
+        pkind[n++] = PF_EVENT;
+        pfd[n] = (struct pollfd){.fd = t->lfd, .events = POLLIN};
+        pkind[n++] = PF_LISTEN;
+        for (size_t k = 0; k < t->npending; k++) {
+            pfd[n] = (struct pollfd){.fd = t->pending[k].fd, .events = POLLIN};
+            pref[n] = (uint32_t)k;
+            pkind[n++] = PF_PENDING;
+        }
+        for (uint32_t p = 0; p < t->npeers; p++) {
+            conn *c = &t->out[p];
+
+            if (c->fd < 0 && next_send(s, p) >= 0) {
+                if ((rc = start_connect(t, p, job->msgs[next_send(s, p)].seq)) < 0)
+                    goto out;
+            }
+            if (c->fd >= 0 && send_wanted(t, c)) {
+                pfd[n] = (struct pollfd){.fd = c->fd, .events = POLLOUT};
+                pref[n] = p;
+                pkind[n++] = PF_OUT;
+            }
+            c = &t->in[p];
+            if (c->fd >= 0 && recv_wanted(t, c)) {
+                pfd[n] = (struct pollfd){.fd = c->fd, .events = POLLIN};
+                pref[n] = p;
+                pkind[n++] = PF_IN;
+            }
+        }
+        pr = poll(pfd, n, left_s < 1.0 ? (int)(left_s * 1000) + 1 : 1000);
+        if (pr < 0) {
+            if (errno == EINTR)
+                continue;
+            rc = fail(t, -errno, "poll over %u peers: %s", t->npeers, strerror(errno));
+            goto out;
+        }
+        for (size_t k = 0; k < n; k++) {
+            if (pfd[k].revents == 0)
+                continue;
+            switch (pkind[k]) {
+            case PF_EVENT:
+            case PF_LISTEN:
+                break;
+            case PF_PENDING:
+                hello_progress(t, pref[k]);
+                break;
+            case PF_OUT:
+                if ((rc = send_progress(t, &t->out[pref[k]])) < 0)
+                    goto out;
+                break;
+            case PF_IN:
+                if (t->in[pref[k]].fd >= 0 && (rc = recv_progress(t, &t->in[pref[k]])) < 0)
+                    goto out;
+                break;
+            }
+        }
+        compact_pending(t);
+        if (pfd[1].revents)
+            accept_all(t);
+    }
+    rc = 0;
+out:
+    free(pfd);
+    free(pref);
+    free(pkind);
+    js_free(s);
+    return rc;
+}
+
+static void *worker_main(void *arg)
+{
+    tcp *t = arg;
+    double t0 = now_s();
+
+    if (run_job(t) < 0) {
+        /* A failed job leaves streams mid-frame or with stale frames: start over. */
+        close_all_conns(t);
+    }
+    t->result.seconds = now_s() - t0;
+    atomic_store(&t->finished, true);
+    uv_async_send(&t->async);
+    return NULL;
+}
+
+/* ---- the loop thread ---- */
+
+static void free_tcp(tcp *t)
+{
+    for (uint32_t p = 0; p < t->npeers; p++)
+        free(t->addrs[p]);
+    free(t->addrs);
+    free(t->out);
+    free(t->in);
+    free(t->pending);
+    free(t->arena[0]);
+    free(t->arena[1]);
+    free(t);
+}
+
+static void on_closed(uv_handle_t *h)
+{
+    tcp *t = container_of((uv_async_t *)h, tcp, async);
+    rf_xfer_close_cb cb = t->close_cb;
+    void *arg = t->close_arg;
+
+    free_tcp(t);
+    if (cb)
+        cb(arg);
+}
+
+static void finish_close(tcp *t)
+{
+    if (t->handle_closed)
+        return;
+    t->handle_closed = true;
+    close_all_conns(t);
+    if (t->lfd >= 0)
+        close(t->lfd);
+    if (t->efd >= 0)
+        close(t->efd);
+    t->lfd = t->efd = -1;
+    uv_close((uv_handle_t *)&t->async, on_closed);
+}
+
+static void on_async(uv_async_t *a)
+{
+    tcp *t = container_of(a, tcp, async);
+    rf_xfer_result res;
+    rf_xfer_done_cb done;
+    void *arg;
+
+    if (!t->running || !atomic_load(&t->finished))
+        return;
+    pthread_join(t->thread, NULL);
+    t->running = false;
+    res = t->result;
+    done = t->done;
+    arg = t->done_arg;
+    t->done = NULL;
+    t->job = NULL;
+    if (done)
+        done(&t->base, &res, arg);
+    if (t->closing && !t->running)
+        finish_close(t);
+}
+
+static int tcp_set_peers(rf_xfer_transport *base, uint32_t self, uint32_t npeers,
+                         const char *const *addrs, rf_err *err)
+{
+    tcp *t = (tcp *)base;
+    char **naddrs = NULL;
+    conn *nout = NULL, *nin = NULL;
+    bool same_world = self == t->self && npeers == t->npeers;
+    uint32_t p;
+    int rc = 0;
+
+    if (t->running || t->closing)
+        return rf_err_set(err, -EBUSY, "xfer tcp: cannot change peers while a job runs");
+    if (npeers == 0 || self >= npeers)
+        return rf_err_set(err, -EINVAL, "xfer tcp: this daemon's index %u is outside a peer "
+                          "table of %u", self, npeers);
+    naddrs = calloc(npeers, sizeof(*naddrs));
+    nout = malloc(npeers * sizeof(*nout));
+    nin = malloc(npeers * sizeof(*nin));
+    if (!naddrs || !nout || !nin) {
+        rc = rf_err_set(err, -ENOMEM, "xfer tcp: out of memory for %u peers", npeers);
+        goto out;
+    }
+    for (p = 0; p < npeers; p++) {
+        char host[ADDR_MAX], port[32];
+
+        if (!addrs[p] || split_addr(addrs[p], host, sizeof(host), port, sizeof(port)) < 0) {
+            rc = rf_err_set(err, -EINVAL, "xfer tcp: peer %u has data address '%s', not "
+                            "host:port", p, addrs[p] ? addrs[p] : "(null)");
+            goto out;
+        }
+        if (!(naddrs[p] = strdup(addrs[p]))) {
+            rc = rf_err_set(err, -ENOMEM, "xfer tcp: out of memory for %u peers", npeers);
+            goto out;
+        }
+    }
+    /* Connections survive when the world keeps its shape and the peer its address. */
+    for (p = 0; p < npeers; p++) {
+        conn_init(&nout[p]);
+        conn_init(&nin[p]);
+        if (same_world && strcmp(naddrs[p], t->addrs[p]) == 0) {
+            nout[p] = t->out[p];
+            nin[p] = t->in[p];
+            conn_init(&t->out[p]);
+            conn_init(&t->in[p]);
+        }
+    }
+    close_all_conns(t);
+    for (p = 0; p < t->npeers; p++)
+        free(t->addrs[p]);
+    free(t->addrs);
+    free(t->out);
+    free(t->in);
+    t->addrs = naddrs;
+    t->out = nout;
+    t->in = nin;
+    t->self = self;
+    t->npeers = npeers;
+    naddrs = NULL;
+    nout = nin = NULL;
+out:
+    if (naddrs) {
+        for (p = 0; p < npeers; p++)
+            free(naddrs[p]);
+        free(naddrs);
+    }
+    free(nout);
+    free(nin);
+    return rc;
+}
+
+static int tcp_run(rf_xfer_transport *base, const rf_xfer_job *job, rf_xfer_done_cb done,
+                   void *arg, rf_err *err)
+{
+    tcp *t = (tcp *)base;
+    uint64_t drain;
+    int rc;
+
+    if (t->closing)
+        return rf_err_set(err, -ECANCELED, "xfer tcp: the transport is closing");
+    if (t->running)
+        return rf_err_set(err, -EBUSY, "xfer tcp: a job (version %llu) is still running",
+                          (unsigned long long)t->job->version);
+    if (t->npeers == 0)
+        return rf_err_set(err, -EINVAL, "xfer tcp: no peer table; call set_peers first");
+    if (!(job->timeout_s > 0))
+        return rf_err_set(err, -EINVAL, "xfer tcp: job for version %llu has no deadline "
+                          "(timeout %g s); set timeout_s", (unsigned long long)job->version,
+                          job->timeout_s);
+    if ((rc = rf_xfer_job_check(job, t->npeers, err)) < 0)
+        return rc;
+    memset(&t->result, 0, sizeof(t->result));
+    /* An abort meant for the previous job must not hit this one. */
+    while (read(t->efd, &drain, sizeof(drain)) > 0)
+        ;
+    atomic_store(&t->abort_req, false);
+    atomic_store(&t->finished, false);
+    t->job = job;
+    t->done = done;
+    t->done_arg = arg;
+    rc = pthread_create(&t->thread, NULL, worker_main, t);
+    if (rc != 0) {
+        t->job = NULL;
+        return rf_err_set(err, -rc, "xfer tcp: starting the worker thread: %s", strerror(rc));
+    }
+    t->running = true;
+    return 0;
+}
+
+static void tcp_abort(rf_xfer_transport *base)
+{
+    tcp *t = (tcp *)base;
+    uint64_t one = 1;
+
+    if (!t->running)
+        return;
+    atomic_store(&t->abort_req, true);
+    if (write(t->efd, &one, sizeof(one)) < 0) {
+        /* The counter is saturated, so the worker is being woken anyway. */
+    }
+}
+
+static void tcp_close(rf_xfer_transport *base, rf_xfer_close_cb cb, void *arg)
+{
+    tcp *t = (tcp *)base;
+
+    if (t->closing)
+        return;
+    t->closing = true;
+    t->close_cb = cb;
+    t->close_arg = arg;
+    if (t->running)
+        tcp_abort(base);
+    else
+        finish_close(t);
+}
+
+static const rf_xfer_ops tcp_ops = {
+    .name = "tcp",
+    .set_peers = tcp_set_peers,
+    .run = tcp_run,
+    .abort = tcp_abort,
+    .close = tcp_close,
+};
+
+static int bind_listener(tcp *t, const char *listen_addr, rf_err *err)
+{
+    char host[ADDR_MAX], port[32], hbuf[NI_MAXHOST], sbuf[NI_MAXSERV];
+    struct addrinfo hints, *ai = NULL;
+    struct sockaddr_storage ss;
+    socklen_t sl = sizeof(ss);
+    int fd = -1, one = 1, rc;
+
+    if (split_addr(listen_addr, host, sizeof(host), port, sizeof(port)) < 0)
+        return rf_err_set(err, -EINVAL, "xfer tcp: listen address '%s' is not host:port "
+                          "(use [addr]:port for IPv6, port 0 for any)", listen_addr);
+    memset(&hints, 0, sizeof(hints));
+    hints.ai_socktype = SOCK_STREAM;
+    hints.ai_flags = AI_PASSIVE | AI_NUMERICSERV;
+    rc = getaddrinfo(host, port, &hints, &ai);
+    if (rc != 0)
+        return rf_err_set(err, -EINVAL, "xfer tcp: resolving listen address '%s': %s",
+                          listen_addr, gai_strerror(rc));
+    fd = socket(ai->ai_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+    if (fd < 0) {
+        rc = rf_err_set(err, -errno, "xfer tcp: socket for %s: %s", listen_addr,
+                        strerror(errno));
+        goto out;
+    }
+    setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+    if (bind(fd, ai->ai_addr, ai->ai_addrlen) < 0 || listen(fd, SOMAXCONN) < 0 ||
+        getsockname(fd, (struct sockaddr *)&ss, &sl) < 0) {
+        rc = rf_err_set(err, -errno, "xfer tcp: cannot listen on %s: %s; pick a free data "
+                        "port", listen_addr, strerror(errno));
+        goto out;
+    }
+    rc = getnameinfo((struct sockaddr *)&ss, sl, hbuf, sizeof(hbuf), sbuf, sizeof(sbuf),
+                     NI_NUMERICHOST | NI_NUMERICSERV);
+    if (rc != 0) {
+        rc = rf_err_set(err, -EINVAL, "xfer tcp: naming the bound address of %s: %s",
+                        listen_addr, gai_strerror(rc));
+        goto out;
+    }
+    snprintf(t->addr, sizeof(t->addr), ss.ss_family == AF_INET6 ? "[%s]:%s" : "%s:%s", hbuf,
+             sbuf);
+    t->lfd = fd;
+    fd = -1;
+    rc = 0;
+out:
+    if (fd >= 0)
+        close(fd);
+    freeaddrinfo(ai);
+    return rc;
+}
+
+int rf_xfer_tcp_new(uv_loop_t *loop, const char *listen_addr, rf_xfer_transport **out,
+                    rf_err *err)
+{
+    tcp *t = NULL;
+    int rc;
+
+    *out = NULL;
+    if (sodium_init() < 0)
+        return rf_err_set(err, -EIO, "xfer tcp: libsodium failed to initialise");
+    t = calloc(1, sizeof(*t));
+    if (!t)
+        return rf_err_set(err, -ENOMEM, "xfer tcp: out of memory");
+    t->base.ops = &tcp_ops;
+    t->loop = loop;
+    t->lfd = t->efd = -1;
+    atomic_init(&t->abort_req, false);
+    atomic_init(&t->finished, false);
+    if ((rc = bind_listener(t, listen_addr, err)) < 0)
+        goto fail;
+    t->efd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    if (t->efd < 0) {
+        rc = rf_err_set(err, -errno, "xfer tcp: eventfd: %s", strerror(errno));
+        goto fail;
+    }
+    rc = uv_async_init(loop, &t->async, on_async);
+    if (rc < 0) {
+        rf_err_set(err, rc, "xfer tcp: uv_async_init: %s", uv_strerror(rc));
+        goto fail;
+    }
+    *out = &t->base;
+    return 0;
+fail:
+    if (t->lfd >= 0)
+        close(t->lfd);
+    if (t->efd >= 0)
+        close(t->efd);
+    free(t);
+    return rc;
+}
+
+const char *rf_xfer_tcp_addr(const rf_xfer_transport *base)
+{
+    const tcp *t = (const tcp *)base;
+
+    return t->addr;
+}

@@ -1,0 +1,817 @@
+/* publisherd/coordinator.c - membership, plan, quorum, Start/Done/Commit/Abort. The only
+ * writer of cluster state; every other daemon follows it. */
+#define RF_LOG_MODULE "coordinator"
+#include "coordinator.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+#include "log.h"
+#include "macros.h"
+#include "plan.h"
+#include "slice.h"
+
+/* Abort waits this long for every member's Done of the aborted version before the next refit
+ * may start (a member that never answers is also handled by its heartbeat timeout). */
+#define ABORT_SETTLE_MS 5000
+/* Plan slices are cut into frames of at most this many transfers (well under max_frame). */
+#define SLICE_FRAME_XFERS 100000
+
+typedef enum { ST_IDLE, ST_RUNNING, ST_ABORTING } coord_state;
+
+typedef struct member {
+    rf_peer *peer;
+    uint64_t daemon_id;
+    char node[64];
+    char data_addr[128];
+    uint8_t *inv;      /* the member's Inventory, packed */
+    size_t inv_len;
+    bool inv_complete;
+    uint64_t inv_gen;
+    uint64_t ready;    /* publishers: highest version all its trainers published */
+    bool done, done_ok;
+    uint64_t done_bytes;
+    double done_transfer_s;
+    uint8_t digest[32];
+    bool has_digest;
+} member;
+
+/* A plan build on the worker pool: inputs copied in, slices out. */
+typedef struct build_job {
+    uv_work_t work;
+    rf_coord *c;
+    uint64_t plan_gen;
+    uint32_t nmembers;
+    uint8_t **invs;
+    size_t *inv_lens;
+    uint64_t *gens;
+    rf_slice_peer *peers;
+    rf_side *sides;
+    rf_plan_opts opts;
+    /* results */
+    int rc;
+    rf_err err;
+    uint8_t plan_id[32];
+    rf_plan_stats stats;
+    double seconds;
+    Refit__PlanSlice ***slices;
+    size_t *nslices;
+} build_job;
+
+struct rf_coord {
+    uv_loop_t *loop;
+    const rf_daemon_cfg *cfg;
+    rf_peer_listener *listener;
+    uint32_t npub, nmembers;
+    member *m;
+    uv_timer_t deadline;
+    int closing;
+
+    uint64_t plan_gen;     /* bumps at every inventory change */
+    build_job *building;   /* a build in flight */
+    bool plan_ready;
+    uint8_t plan_id[32];
+    rf_plan_stats stats;
+    double plan_seconds;
+
+    coord_state state;
+    uint64_t version;      /* running or aborting */
+    uint64_t committed;
+    uint64_t trigger;      /* operator-requested version */
+    double t_first_ready, t_start;
+    char last_error[256];
+    struct {
+        uint64_t version;
+        char result[16];
+        uint64_t bytes;
+        double quorum_s, transfer_s, commit_s, total_s;
+    } last;
+
+    rf_metric *m_refits, *m_stage, *m_members, *m_tensors, *m_transfers, *m_committed;
+};
+
+static double now_s(void)
+{
+    return (double)uv_hrtime() / 1e9;
+}
+
+static const char *member_name(const rf_coord *c, uint32_t i, char *buf, size_t len)
+{
+    snprintf(buf, len, "%s %u (%s)", i < c->npub ? "publisher" : "receiver",
+             i < c->npub ? i : i - c->npub, c->m[i].node[0] ? c->m[i].node : "never seen");
+    return buf;
+}
+
+static void send_to(rf_coord *c, uint32_t i, const Refit__Envelope *env)
+{
+    char name[128];
+    int rc;
+
+    if (!c->m[i].peer)
+        return;
+    rc = rf_peer_send(c->m[i].peer, env);
+    if (rc < 0)
+        RF_WARN("sending to %s failed: %s", member_name(c, i, name, sizeof(name)),
+                uv_strerror(rc));
+}
+
+static void broadcast(rf_coord *c, const Refit__Envelope *env)
+{
+    uint32_t i;
+
+    for (i = 0; i < c->nmembers; i++)
+        send_to(c, i, env);
+}
+
+static void try_start(rf_coord *c);
+static void schedule_build(rf_coord *c);
+static void coord_release(rf_coord *c);
+
+/* ---- commit and abort --------------------------------------------------------------------- */
+
+static void finish_abort(rf_coord *c)
+{
+    c->state = ST_IDLE;
+    uv_timer_stop(&c->deadline);
+    try_start(c);
+}
+
+static void abort_refit(rf_coord *c, const char *reason)
+{
+    Refit__Envelope env = REFIT__ENVELOPE__INIT;
+    Refit__Abort ab = REFIT__ABORT__INIT;
+    uint32_t i;
+
+    if (c->state != ST_RUNNING)
+        return;
+    RF_WARN("aborting the refit of version %llu: %s", (unsigned long long)c->version, reason);
+    snprintf(c->last_error, sizeof(c->last_error), "version %llu aborted: %s",
+             (unsigned long long)c->version, reason);
+    ab.version = c->version;
+    ab.reason = (char *)reason;
+    env.body_case = REFIT__ENVELOPE__BODY_ABORT;
+    env.abort = &ab;
+    broadcast(c, &env);
+    c->last.version = c->version;
+    snprintf(c->last.result, sizeof(c->last.result), "aborted");
+    c->last.total_s = now_s() - c->t_start;
+    rf_metric_add(c->m_refits, 1, "aborted");
+    /* Trainers must publish again (their publish of this version failed), and an operator
+     * trigger is consumed: a persistent failure must not loop. */
+    for (i = 0; i < c->npub; i++)
+        c->m[i].ready = c->committed;
+    c->trigger = c->committed;
+    c->state = ST_ABORTING;
+    uv_timer_stop(&c->deadline);
+    uv_timer_start(&c->deadline, (uv_timer_cb)finish_abort, ABORT_SETTLE_MS, 0);
+}
+
+static void commit_refit(rf_coord *c)
+{
+    Refit__Envelope env = REFIT__ENVELOPE__INIT;
+    Refit__Commit cm = REFIT__COMMIT__INIT;
+    double end = now_s();
+    uint8_t x[32] = {0};
+    uint64_t bytes = 0;
+    double transfer = 0;
+    uint32_t i, k;
+
+    for (i = 0; i < c->nmembers; i++) {
+        if (c->m[i].has_digest)
+            for (k = 0; k < 32; k++)
+                x[k] ^= c->m[i].digest[k];
+        if (i < c->npub)
+            bytes += c->m[i].done_bytes;
+        if (c->m[i].done_transfer_s > transfer)
+            transfer = c->m[i].done_transfer_s;
+    }
+    if (c->cfg->verify != RF_VERIFY_OFF) {
+        for (k = 0; k < 32 && x[k] == 0; k++)
+            ;
+        if (k < 32) {
+            abort_refit(c, "verification failed: the digests of the bytes sent and the bytes "
+                        "received differ");
+            return;
+        }
+    }
+    cm.version = c->version;
+    env.body_case = REFIT__ENVELOPE__BODY_COMMIT;
+    env.commit = &cm;
+    broadcast(c, &env);
+    uv_timer_stop(&c->deadline);
+    c->committed = c->version;
+    c->state = ST_IDLE;
+    c->last.version = c->version;
+    snprintf(c->last.result, sizeof(c->last.result), "committed");
+    c->last.bytes = bytes;
+    c->last.quorum_s = c->t_first_ready > 0 ? c->t_start - c->t_first_ready : 0;
+    c->last.transfer_s = transfer;
+    c->last.commit_s = end - c->t_start;
+    c->last.total_s = c->last.quorum_s + c->last.commit_s;
+    rf_metric_add(c->m_refits, 1, "committed");
+    rf_metric_set(c->m_committed, (double)c->committed);
+    rf_metric_observe(c->m_stage, c->last.quorum_s, "publish_quorum");
+    rf_metric_observe(c->m_stage, c->last.transfer_s, "transfer");
+    rf_metric_observe(c->m_stage, c->last.commit_s, "start_to_commit");
+    RF_INFO("refit %llu committed: %llu bytes, quorum %.3f s, transfer %.3f s, start->commit "
+            "%.3f s (%.2f GB/s)", (unsigned long long)c->version, (unsigned long long)bytes,
+            c->last.quorum_s, transfer, c->last.commit_s,
+            c->last.commit_s > 0 ? (double)bytes / c->last.commit_s / 1e9 : 0.0);
+    c->t_first_ready = 0;
+    try_start(c);
+}
+
+static void on_deadline(uv_timer_t *t)
+{
+    rf_coord *c = container_of(t, rf_coord, deadline);
+    char reason[512], name[128];
+    size_t off;
+    uint32_t i;
+
+    if (c->state == ST_ABORTING) {
+        finish_abort(c);
+        return;
+    }
+    off = (size_t)snprintf(reason, sizeof(reason), "no Done within %d s from:",
+                           c->cfg->refit_timeout_s);
+    for (i = 0; i < c->nmembers && off < sizeof(reason); i++)
+        if (!c->m[i].done)
+            off += (size_t)snprintf(reason + off, sizeof(reason) - off, " %s",
+                                    member_name(c, i, name, sizeof(name)));
+    abort_refit(c, reason);
+}
+
+/* ---- starting a refit --------------------------------------------------------------------- */
+
+static void try_start(rf_coord *c)
+{
+    Refit__Envelope env = REFIT__ENVELOPE__INIT;
+    Refit__Start st = REFIT__START__INIT;
+    uint64_t target = UINT64_MAX;
+    uint32_t i;
+
+    if (c->closing || c->state != ST_IDLE || !c->plan_ready)
+        return;
+    for (i = 0; i < c->nmembers; i++)
+        if (!c->m[i].peer)
+            return;
+    for (i = 0; i < c->npub; i++)
+        if (c->m[i].ready < target)
+            target = c->m[i].ready;
+    if (c->trigger > c->committed && (target <= c->committed || c->trigger > target))
+        target = c->trigger;
+    if (target == UINT64_MAX || target <= c->committed)
+        return;
+
+    c->state = ST_RUNNING;
+    c->version = target;
+    c->t_start = now_s();
+    for (i = 0; i < c->nmembers; i++) {
+        c->m[i].done = c->m[i].done_ok = c->m[i].has_digest = false;
+        c->m[i].done_bytes = 0;
+        c->m[i].done_transfer_s = 0;
+    }
+    st.version = target;
+    st.plan_id.data = c->plan_id;
+    st.plan_id.len = 32;
+    env.body_case = REFIT__ENVELOPE__BODY_START;
+    env.start = &st;
+    RF_INFO("starting the refit of version %llu", (unsigned long long)target);
+    broadcast(c, &env);
+    uv_timer_start(&c->deadline, on_deadline, (uint64_t)c->cfg->refit_timeout_s * 1000 + 1000,
+                   0);
+}
+
+/* ---- the plan ------------------------------------------------------------------------------- */
+
+static void build_free(build_job *b)
+{
+    uint32_t i;
+    size_t k;
+
+    for (i = 0; i < b->nmembers; i++) {
+        free(b->invs[i]);
+        free((char *)b->peers[i].data_addr);
+        if (b->slices && b->slices[i]) {
+            for (k = 0; k < b->nslices[i]; k++)
+                rf_slice_msg_free(b->slices[i][k]);
+            free(b->slices[i]);
+        }
+    }
+    free(b->invs);
+    free(b->inv_lens);
+    free(b->gens);
+    free(b->peers);
+    free(b->sides);
+    free(b->slices);
+    free(b->nslices);
+    free(b);
+}
+
+static void build_work(uv_work_t *w)
+{
+    build_job *b = container_of(w, build_job, work);
+    Refit__Inventory **invs = calloc(b->nmembers, sizeof(*invs));
+    rf_slice_map map = {0};
+    rf_inv *inv = NULL;
+    rf_plan *plan = NULL;
+    double t0 = now_s();
+    uint32_t i;
+
+    b->slices = calloc(b->nmembers, sizeof(*b->slices));
+    b->nslices = calloc(b->nmembers, sizeof(*b->nslices));
+    if (!invs || !b->slices || !b->nslices) {
+        b->rc = rf_err_set(&b->err, -ENOMEM, "out of memory building the plan");
+        goto out;
+    }
+    for (i = 0; i < b->nmembers; i++) {
+        invs[i] = refit__inventory__unpack(NULL, b->inv_lens[i], b->invs[i]);
+        if (!invs[i]) {
+            b->rc = rf_err_set(&b->err, -EPROTO, "inventory of member %u does not unpack", i);
+            goto out;
+        }
+    }
+    b->rc = rf_slice_merge(invs, b->sides, b->nmembers, &inv, &map, &b->err);
+    if (b->rc < 0)
+        goto out;
+    b->rc = rf_plan_build(inv, &b->opts, &plan, &b->err);
+    if (b->rc < 0)
+        goto out;
+    memcpy(b->plan_id, rf_plan_id(plan), 32);
+    b->stats = *rf_plan_stats_get(plan);
+    for (i = 0; i < b->nmembers; i++) {
+        b->rc = rf_slice_build(plan, &map, i, b->peers, b->gens[i], SLICE_FRAME_XFERS,
+                               &b->slices[i], &b->nslices[i]);
+        if (b->rc < 0) {
+            rf_err_set(&b->err, b->rc, "building the plan slice of member %u failed", i);
+            goto out;
+        }
+    }
+    b->seconds = now_s() - t0;
+out:
+    for (i = 0; invs && i < b->nmembers; i++)
+        if (invs[i])
+            refit__inventory__free_unpacked(invs[i], NULL);
+    free(invs);
+    rf_plan_free(plan);
+    rf_inv_free(inv);
+    rf_slice_map_free(&map);
+}
+
+static void build_after(uv_work_t *w, int status)
+{
+    build_job *b = container_of(w, build_job, work);
+    rf_coord *c = b->c;
+    char id[65];
+    uint32_t i, k;
+
+    c->building = NULL;
+    if (c->closing) {
+        build_free(b);
+        coord_release(c);
+        return;
+    }
+    if (status < 0 || b->plan_gen != c->plan_gen) {
+        build_free(b);
+        schedule_build(c);
+        return;
+    }
+    if (b->rc < 0) {
+        RF_ERROR("the plan failed: %s", b->err.msg);
+        snprintf(c->last_error, sizeof(c->last_error), "plan failed: %s", b->err.msg);
+        for (i = 0; i < c->nmembers; i++) {
+            Refit__Envelope env = REFIT__ENVELOPE__INIT;
+            Refit__Error e = REFIT__ERROR__INIT;
+
+            e.code = b->rc;
+            e.message = c->last_error;
+            env.body_case = REFIT__ENVELOPE__BODY_ERROR;
+            env.error = &e;
+            send_to(c, i, &env);
+        }
+        build_free(b);
+        return;
+    }
+    memcpy(c->plan_id, b->plan_id, 32);
+    c->stats = b->stats;
+    c->plan_seconds = b->seconds;
+    for (i = 0; i < c->nmembers; i++) {
+        for (k = 0; k < b->nslices[i]; k++) {
+            Refit__Envelope env = REFIT__ENVELOPE__INIT;
+
+            env.body_case = REFIT__ENVELOPE__BODY_PLAN_SLICE;
+            env.plan_slice = b->slices[i][k];
+            send_to(c, i, &env);
+        }
+    }
+    for (i = 0; i < 32; i++)
+        snprintf(id + 2 * i, 3, "%02x", c->plan_id[i]);
+    RF_INFO("plan %.16s built in %.3f s: %u tensors, %llu transfers, %llu messages, %llu "
+            "rounds, %llu bytes", id, c->plan_seconds, c->stats.tensors,
+            (unsigned long long)c->stats.transfers, (unsigned long long)c->stats.messages,
+            (unsigned long long)c->stats.rounds, (unsigned long long)c->stats.dst_bytes);
+    rf_metric_set(c->m_tensors, c->stats.tensors);
+    rf_metric_set(c->m_transfers, (double)c->stats.transfers);
+    c->plan_ready = true;
+    build_free(b);
+    try_start(c);
+}
+
+static void schedule_build(rf_coord *c)
+{
+    build_job *b;
+    uint32_t i;
+
+    if (c->building || c->closing)
+        return;
+    for (i = 0; i < c->nmembers; i++)
+        if (!c->m[i].peer || !c->m[i].inv_complete)
+            return;
+    b = calloc(1, sizeof(*b));
+    if (!b)
+        goto nomem;
+    b->c = c;
+    b->plan_gen = c->plan_gen;
+    b->nmembers = c->nmembers;
+    b->invs = calloc(c->nmembers, sizeof(*b->invs));
+    b->inv_lens = calloc(c->nmembers, sizeof(*b->inv_lens));
+    b->gens = calloc(c->nmembers, sizeof(*b->gens));
+    b->peers = calloc(c->nmembers, sizeof(*b->peers));
+    b->sides = calloc(c->nmembers, sizeof(*b->sides));
+    if (!b->invs || !b->inv_lens || !b->gens || !b->peers || !b->sides)
+        goto nomem;
+    for (i = 0; i < c->nmembers; i++) {
+        b->invs[i] = malloc(c->m[i].inv_len ? c->m[i].inv_len : 1);
+        b->peers[i].data_addr = strdup(c->m[i].data_addr);
+        if (!b->invs[i] || !b->peers[i].data_addr)
+            goto nomem;
+        memcpy(b->invs[i], c->m[i].inv, c->m[i].inv_len);
+        b->inv_lens[i] = c->m[i].inv_len;
+        b->gens[i] = c->m[i].inv_gen;
+        b->peers[i].daemon_id = c->m[i].daemon_id;
+        b->peers[i].role = i < c->npub ? REFIT__ROLE__ROLE_PUBLISHER : REFIT__ROLE__ROLE_RECEIVER;
+        b->sides[i] = i < c->npub ? RF_SRC : RF_DST;
+    }
+    rf_plan_opts_default(&b->opts);
+    b->opts.staging_bytes = (uint64_t)c->cfg->staging_mib << 20;
+    b->opts.direct_min_bytes = (uint64_t)c->cfg->direct_min_kib << 10;
+    c->building = b;
+    if (uv_queue_work(c->loop, &b->work, build_work, build_after) < 0) {
+        c->building = NULL;
+        goto nomem;
+    }
+    RF_INFO("all %u daemons registered: building the plan", c->nmembers);
+    return;
+nomem:
+    RF_ERROR("out of memory starting the plan build");
+    if (b)
+        build_free(b);
+}
+
+static void invalidate_plan(rf_coord *c, const char *why)
+{
+    c->plan_gen++;
+    c->plan_ready = false;
+    if (c->state == ST_RUNNING)
+        abort_refit(c, why);
+}
+
+/* ---- member connections -------------------------------------------------------------------- */
+
+static int member_of(rf_coord *c, const rf_peer *p)
+{
+    uint32_t i;
+
+    for (i = 0; i < c->nmembers; i++)
+        if (c->m[i].peer == p)
+            return (int)i;
+    return -1;
+}
+
+static void reject(rf_peer *p, const char *fmt, const char *a, uint32_t b)
+{
+    Refit__Envelope env = REFIT__ENVELOPE__INIT;
+    Refit__Error e = REFIT__ERROR__INIT;
+    char msg[256];
+
+    snprintf(msg, sizeof(msg), fmt, a, b);
+    RF_WARN("refusing %s: %s", rf_peer_remote(p), msg);
+    e.code = -EINVAL;
+    e.message = msg;
+    env.body_case = REFIT__ENVELOPE__BODY_ERROR;
+    env.error = &e;
+    rf_peer_send(p, &env);
+    rf_peer_close(p, msg);
+}
+
+static void peer_up(rf_peer *p, const Refit__Hello *h)
+{
+    rf_coord *c = rf_peer_data(p);
+    uint32_t slot;
+    member *m;
+
+    if (h->role == REFIT__ROLE__ROLE_PUBLISHER) {
+        if (h->index >= c->npub) {
+            reject(p, "%s index %u is outside the configured publishers", "publisher", h->index);
+            return;
+        }
+        slot = h->index;
+    } else if (h->role == REFIT__ROLE__ROLE_RECEIVER) {
+        if (h->index >= c->nmembers - c->npub) {
+            reject(p, "%s index %u is outside the configured receivers", "receiver", h->index);
+            return;
+        }
+        slot = c->npub + h->index;
+    } else {
+        reject(p, "role %s%u cannot join as a member", "", (uint32_t)h->role);
+        return;
+    }
+    m = &c->m[slot];
+    if (m->peer) {
+        reject(p, "%s index %u is already connected (two daemons share an index?)",
+               slot < c->npub ? "publisher" : "receiver", h->index);
+        return;
+    }
+    m->peer = p;
+    if (m->daemon_id != h->daemon_id) {
+        /* A new process: whatever its predecessor said no longer holds. */
+        free(m->inv);
+        m->inv = NULL;
+        m->inv_len = 0;
+        m->inv_complete = false;
+        m->ready = c->committed;
+    }
+    m->daemon_id = h->daemon_id;
+    snprintf(m->node, sizeof(m->node), "%s", h->node);
+    snprintf(m->data_addr, sizeof(m->data_addr), "%s", h->data_addr);
+    RF_INFO("%s %u (%s) joined from %s", slot < c->npub ? "publisher" : "receiver", h->index,
+            h->node, rf_peer_remote(p));
+    rf_metric_add(c->m_members, 1);
+    invalidate_plan(c, "a daemon joined");
+    schedule_build(c);
+}
+
+static void on_inventory(rf_coord *c, uint32_t i, const Refit__Inventory *inv)
+{
+    member *mb = &c->m[i];
+    size_t len = refit__inventory__get_packed_size(inv);
+    uint8_t *buf = malloc(len ? len : 1);
+    char name[128];
+
+    if (!buf) {
+        RF_ERROR("out of memory storing an inventory");
+        return;
+    }
+    refit__inventory__pack(inv, buf);
+    free(mb->inv);
+    mb->inv = buf;
+    mb->inv_len = len;
+    mb->inv_complete = inv->complete;
+    mb->inv_gen = inv->generation;
+    RF_INFO("inventory of %s: %s, %zu pieces", member_name(c, i, name, sizeof(name)),
+            inv->complete ? "complete" : "incomplete", inv->n_pieces);
+    invalidate_plan(c, "an inventory changed (a client left or re-registered)");
+    schedule_build(c);
+}
+
+static void on_done(rf_coord *c, uint32_t i, const Refit__Done *d)
+{
+    member *mb = &c->m[i];
+    char name[128], reason[512];
+    uint32_t k;
+
+    if ((c->state != ST_RUNNING && c->state != ST_ABORTING) || d->version != c->version)
+        return;
+    mb->done = true;
+    mb->done_ok = d->ok;
+    mb->done_bytes = d->bytes;
+    mb->done_transfer_s = d->times ? d->times->transfer_s : 0;
+    mb->has_digest = d->digest.len == 32;
+    if (mb->has_digest)
+        memcpy(mb->digest, d->digest.data, 32);
+    if (c->state == ST_ABORTING) {
+        for (k = 0; k < c->nmembers; k++)
+            if (c->m[k].peer && !c->m[k].done)
+                return;
+        finish_abort(c);
+        return;
+    }
+    if (!d->ok) {
+        snprintf(reason, sizeof(reason), "%s: %s", member_name(c, i, name, sizeof(name)),
+                 d->error);
+        abort_refit(c, reason);
+        return;
+    }
+    for (k = 0; k < c->nmembers; k++)
+        if (!c->m[k].done)
+            return;
+    commit_refit(c);
+}
+
+static void peer_envelope(rf_peer *p, const Refit__Envelope *env)
+{
+    rf_coord *c = rf_peer_data(p);
+    int i = member_of(c, p);
+
+    if (i < 0)
+        return;
+    switch (env->body_case) {
+    case REFIT__ENVELOPE__BODY_INVENTORY:
+        on_inventory(c, (uint32_t)i, env->inventory);
+        break;
+    case REFIT__ENVELOPE__BODY_READY:
+        if ((uint32_t)i >= c->npub)
+            break;
+        if (env->ready->version > c->m[i].ready) {
+            c->m[i].ready = env->ready->version;
+            if (c->t_first_ready == 0)
+                c->t_first_ready = now_s();
+        }
+        try_start(c);
+        break;
+    case REFIT__ENVELOPE__BODY_TRIGGER:
+        if (env->trigger->version > c->trigger) {
+            RF_INFO("operator trigger of version %llu", (unsigned long long)env->trigger->version);
+            c->trigger = env->trigger->version;
+            if (c->t_first_ready == 0)
+                c->t_first_ready = now_s();
+        }
+        try_start(c);
+        break;
+    case REFIT__ENVELOPE__BODY_DONE:
+        on_done(c, (uint32_t)i, env->done);
+        break;
+    case REFIT__ENVELOPE__BODY_ERROR:
+        RF_WARN("member %d reports: %s", i, env->error->message);
+        break;
+    default:
+        RF_WARN("unexpected message %d from member %d", env->body_case, i);
+        break;
+    }
+}
+
+static void peer_down(rf_peer *p, const char *reason)
+{
+    rf_coord *c = rf_peer_data(p);
+    char name[128], why[384];
+    int i;
+
+    if (!c)
+        return;
+    i = member_of(c, p);
+    if (i < 0)
+        return;
+    RF_WARN("lost %s: %s", member_name(c, (uint32_t)i, name, sizeof(name)), reason);
+    c->m[i].peer = NULL;
+    c->m[i].inv_complete = false;
+    rf_metric_add(c->m_members, -1);
+    snprintf(why, sizeof(why), "lost %s: %s", name, reason);
+    if (c->state == ST_ABORTING && !c->m[i].done) {
+        uint32_t k;
+
+        c->m[i].done = true;
+        for (k = 0; k < c->nmembers; k++)
+            if (c->m[k].peer && !c->m[k].done)
+                break;
+        if (k == c->nmembers)
+            finish_abort(c);
+    }
+    invalidate_plan(c, why);
+}
+
+/* ---- status and life cycle --------------------------------------------------------------- */
+
+void rf_coord_status(json_t *status, void *arg)
+{
+    rf_coord *c = arg;
+    json_t *cl = json_object(), *members = json_array(), *plan, *last;
+    static const char *states[] = {"idle", "running", "aborting"};
+    char id[65] = "";
+    uint32_t i;
+
+    for (i = 0; i < c->nmembers; i++) {
+        const member *m = &c->m[i];
+
+        json_array_append_new(members, json_pack(
+            "{s:s, s:i, s:s, s:b, s:b, s:I}", "role", i < c->npub ? "publisher" : "receiver",
+            "index", (int)(i < c->npub ? i : i - c->npub), "node", m->node, "connected",
+            m->peer != NULL, "inventory_complete", m->inv_complete, "ready",
+            (json_int_t)m->ready));
+    }
+    if (c->plan_ready)
+        for (i = 0; i < 32; i++)
+            snprintf(id + 2 * i, 3, "%02x", c->plan_id[i]);
+    plan = json_pack("{s:s, s:b, s:i, s:I, s:I, s:I, s:I, s:I, s:I, s:f}", "id", id, "ready",
+                     c->plan_ready, "tensors", (int)c->stats.tensors, "transfers",
+                     (json_int_t)c->stats.transfers, "messages", (json_int_t)c->stats.messages,
+                     "rounds", (json_int_t)c->stats.rounds, "dst_bytes",
+                     (json_int_t)c->stats.dst_bytes, "direct_bytes",
+                     (json_int_t)c->stats.direct_bytes, "max_sender_bytes",
+                     (json_int_t)c->stats.max_sender_bytes, "build_s", c->plan_seconds);
+    last = json_pack("{s:I, s:s, s:I, s:f, s:f, s:f, s:f}", "version",
+                     (json_int_t)c->last.version, "result", c->last.result[0] ? c->last.result
+                     : "none", "bytes", (json_int_t)c->last.bytes, "publish_quorum_s",
+                     c->last.quorum_s, "transfer_s", c->last.transfer_s, "start_to_commit_s",
+                     c->last.commit_s, "total_s", c->last.total_s);
+    json_object_set_new(cl, "state", json_string(states[c->state]));
+    json_object_set_new(cl, "version_in_flight", c->state == ST_IDLE ? json_null()
+                        : json_integer((json_int_t)c->version));
+    json_object_set_new(cl, "committed", json_integer((json_int_t)c->committed));
+    json_object_set_new(cl, "members", members);
+    json_object_set_new(cl, "plan", plan);
+    json_object_set_new(cl, "last_refit", last);
+    json_object_set_new(cl, "last_error", json_string(c->last_error));
+    json_object_set_new(status, "cluster", cl);
+}
+
+int rf_coord_start(uv_loop_t *loop, const rf_daemon_cfg *cfg, const rf_peer_key *key,
+                   uint64_t daemon_id, rf_metrics *metrics, rf_coord **out, rf_err *err)
+{
+    rf_peer_config pc = {0};
+    rf_coord *c = calloc(1, sizeof(*c));
+    int rc = 0;
+
+    if (!c)
+        return rf_err_set(err, -ENOMEM, "out of memory");
+    c->loop = loop;
+    c->cfg = cfg;
+    c->npub = (uint32_t)cfg->publishers;
+    c->nmembers = (uint32_t)(cfg->publishers + cfg->receivers);
+    c->m = calloc(c->nmembers, sizeof(*c->m));
+    if (!c->m) {
+        free(c);
+        return rf_err_set(err, -ENOMEM, "out of memory");
+    }
+    rc |= rf_metrics_counter(metrics, &c->m_refits, "refit_cluster_refits_total",
+                             "Refits decided by the coordinator, by result", "result");
+    rc |= rf_metrics_histogram(metrics, &c->m_stage, "refit_cluster_stage_seconds",
+                               "Cluster refit stages as the coordinator saw them", "stage",
+                               rf_metrics_seconds_buckets, rf_metrics_seconds_nbuckets);
+    rc |= rf_metrics_gauge(metrics, &c->m_members, "refit_members_connected",
+                           "Daemons connected to the coordinator", NULL);
+    rc |= rf_metrics_gauge(metrics, &c->m_tensors, "refit_plan_tensors",
+                           "Tensors in the current plan", NULL);
+    rc |= rf_metrics_gauge(metrics, &c->m_transfers, "refit_plan_transfers",
+                           "Transfers in the current plan", NULL);
+    rc |= rf_metrics_gauge(metrics, &c->m_committed, "refit_cluster_committed_version",
+                           "Version the cluster committed last", NULL);
+    if (rc < 0) {
+        free(c->m);
+        free(c);
+        return rf_err_set(err, -EINVAL, "registering the coordinator's metrics failed");
+    }
+    uv_timer_init(loop, &c->deadline);
+    pc.key = key;
+    pc.role = REFIT__ROLE__ROLE_COORDINATOR;
+    pc.node = cfg->node;
+    pc.daemon_id = daemon_id;
+    pc.index = 0;
+    pc.max_frame = (uint32_t)cfg->max_frame_mib << 20;
+    pc.heartbeat_ms = (uint64_t)cfg->heartbeat_ms;
+    pc.timeout_ms = (uint64_t)cfg->peer_timeout_ms;
+    pc.cb.on_up = peer_up;
+    pc.cb.on_envelope = peer_envelope;
+    pc.cb.on_down = peer_down;
+    pc.data = c;
+    rc = rf_peer_listen(loop, cfg->coordinator_addr, &pc, &c->listener, err);
+    if (rc < 0) {
+        uv_close((uv_handle_t *)&c->deadline, NULL);
+        free(c->m);
+        free(c);
+        return rc;
+    }
+    RF_INFO("coordinator listening on %s for %u publishers and %u receivers",
+            cfg->coordinator_addr, c->npub, c->nmembers - c->npub);
+    *out = c;
+    return 0;
+}
+
+static void coord_release(rf_coord *c)
+{
+    uint32_t i;
+
+    if (--c->closing > 0)
+        return;
+    for (i = 0; i < c->nmembers; i++)
+        free(c->m[i].inv);
+    free(c->m);
+    free(c);
+}
+
+static void deadline_closed(uv_handle_t *h)
+{
+    coord_release(container_of((uv_timer_t *)h, rf_coord, deadline));
+}
+
+void rf_coord_close(rf_coord *c)
+{
+    uint32_t i;
+
+    /* Peers still closing must not call back into c. */
+    for (i = 0; i < c->nmembers; i++)
+        if (c->m[i].peer)
+            rf_peer_set_data(c->m[i].peer, NULL);
+    c->closing = c->building ? 2 : 1;
+    rf_peer_listener_close(c->listener);
+    uv_close((uv_handle_t *)&c->deadline, deadline_closed);
+}

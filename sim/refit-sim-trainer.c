@@ -1,0 +1,137 @@
+/* sim/refit-sim-trainer.c - simulated trainer ranks: register a model's shards with
+ * refit-publisherd, then for each version write weights that encode (version, tensor, index),
+ * publish and wait until the cluster committed them. */
+#include <errno.h>
+#include <getopt.h>
+#include <jansson.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "sim.h"
+
+static void usage(FILE *f)
+{
+    fprintf(f,
+            "Usage: refit-sim-trainer --model NAME|FILE --layout LAYOUT [options]\n"
+            "  --socket PATH      publisherd socket (default $REFIT_SOCKET or %s)\n"
+            "  --model NAME|FILE  qwen3-0.6b, qwen3-4b, qwen3-30b-a3b, deepseek-v3 or a JSON spec\n"
+            "  --shrink N         divide the model's large dims by N (same structure, less memory)\n"
+            "  --layout LAYOUT    trainer parallelism, e.g. tp=2,pp=2,ep=4,dp=2\n"
+            "  --ranks A-B        the ranks this process plays (default: all)\n"
+            "  --start V          first version (default 1)\n"
+            "  --versions K       versions to publish (default 1)\n"
+            "  --retries R        publishes of one version after aborts (default 5)\n"
+            "  --timeout-ms T     wait for a release at most T ms (default 120000)\n"
+            "  --report           print the cluster's refit summary after each version\n",
+            REFIT_SOCKET_PUBLISHER);
+}
+
+/* Prints one row of the refit table from the coordinator's status (when this trainer's daemon
+ * is the coordinator; other publishers have no cluster view). */
+static void report(refit_client *c, uint64_t version)
+{
+    char *txt = NULL;
+    json_t *st, *last;
+
+    if (refit_status_json(c, &txt) < 0)
+        return;
+    st = json_loads(txt, 0, NULL);
+    free(txt);
+    last = st ? json_object_get(json_object_get(st, "cluster"), "last_refit") : NULL;
+    if (last) {
+        double bytes = (double)json_integer_value(json_object_get(last, "bytes"));
+        double commit = json_real_value(json_object_get(last, "start_to_commit_s"));
+        double quorum = json_real_value(json_object_get(last, "publish_quorum_s"));
+        double xfer = json_real_value(json_object_get(last, "transfer_s"));
+
+        printf("refit %-4llu %12.0f bytes  quorum %7.3f s  transfer %7.3f s  start->commit "
+               "%7.3f s  %6.2f GB/s\n", (unsigned long long)version, bytes, quorum, xfer,
+               commit, commit > 0 ? bytes / commit / 1e9 : 0.0);
+    }
+    json_decref(st);
+}
+
+int main(int argc, char **argv)
+{
+    static const struct option opts[] = {
+        {"socket", 1, 0, 's'},   {"model", 1, 0, 'm'},    {"shrink", 1, 0, 'k'},
+        {"layout", 1, 0, 'l'},   {"ranks", 1, 0, 'r'},    {"start", 1, 0, 'v'},
+        {"versions", 1, 0, 'n'}, {"retries", 1, 0, 'R'},  {"timeout-ms", 1, 0, 't'},
+        {"report", 0, 0, 'p'},   {"help", 0, 0, 'h'},     {0, 0, 0, 0}};
+    const char *socket = getenv("REFIT_SOCKET"), *model = NULL, *layout = "", *ranks = NULL;
+    int shrink = 1, retries = 5, timeout_ms = 120000, do_report = 0, o, i, status = 1;
+    uint64_t start = 1, versions = 1, v;
+    sim s;
+
+    if (!socket)
+        socket = REFIT_SOCKET_PUBLISHER;
+    while ((o = getopt_long(argc, argv, "", opts, NULL)) != -1) {
+        switch (o) {
+        case 's': socket = optarg; break;
+        case 'm': model = optarg; break;
+        case 'k': shrink = atoi(optarg); break;
+        case 'l': layout = optarg; break;
+        case 'r': ranks = optarg; break;
+        case 'v': start = strtoull(optarg, NULL, 10); break;
+        case 'n': versions = strtoull(optarg, NULL, 10); break;
+        case 'R': retries = atoi(optarg); break;
+        case 't': timeout_ms = atoi(optarg); break;
+        case 'p': do_report = 1; break;
+        case 'h': usage(stdout); return 0;
+        default: usage(stderr); return 2;
+        }
+    }
+    if (!model || start == 0) {
+        usage(stderr);
+        return 2;
+    }
+    setvbuf(stdout, NULL, _IOLBF, 0);
+    if (sim_setup(&s, RF_SRC, model, shrink, layout, ranks, socket) < 0)
+        return 2;
+    if (sim_register(&s, timeout_ms) < 0)
+        goto out;
+    printf("trainer ranks %d-%d: registered %llu bytes of %s\n", s.first, s.first + s.count - 1,
+           (unsigned long long)s.bytes, rf_model_name(s.model));
+
+    for (v = start; v < start + versions; v++) {
+        int attempt, rc = 0;
+
+        sim_fill(&s, v);
+        for (attempt = 0; attempt <= retries; attempt++) {
+            double t0 = sim_now();
+
+            rc = 0;
+            for (i = 0; i < s.count && rc == 0; i++)
+                rc = refit_publish(s.ranks[i].c, v);
+            for (i = 0; i < s.count && rc == 0; i++)
+                rc = refit_wait_released(s.ranks[i].c, v, timeout_ms);
+            if (rc == 0) {
+                printf("trainer ranks %d-%d: version %llu released after %.3f s\n", s.first,
+                       s.first + s.count - 1, (unsigned long long)v, sim_now() - t0);
+                if (do_report)
+                    report(s.ranks[0].c, v);
+                break;
+            }
+            fprintf(stderr, "trainer ranks %d-%d: version %llu not released (attempt %d): %s\n",
+                    s.first, s.first + s.count - 1, (unsigned long long)v, attempt + 1,
+                    refit_last_error(s.ranks[i - 1].c));
+            if (rc == -ECONNRESET || rc == -EPIPE || rc == -ENOTCONN) {
+                /* The daemon went away: register again once it is back. */
+                if (sim_register(&s, timeout_ms) < 0)
+                    goto out;
+            } else {
+                usleep(200 * 1000);
+            }
+        }
+        if (rc != 0) {
+            fprintf(stderr, "trainer: giving up on version %llu\n", (unsigned long long)v);
+            goto out;
+        }
+    }
+    status = 0;
+out:
+    sim_close(&s);
+    return status;
+}

@@ -1,0 +1,378 @@
+/* sim/sim.c - simulated clients' shared part: registration of a model's ranks and the
+ * (version, tensor, index) pattern. */
+#include "sim.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <time.h>
+#include <unistd.h>
+
+double sim_now(void)
+{
+    struct timespec ts;
+
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
+}
+
+static uint64_t mix(uint64_t x)
+{
+    x ^= x >> 33;
+    x *= 0xff51afd7ed558ccdULL;
+    x ^= x >> 33;
+    x *= 0xc4ceb9fe1a85ec53ULL;
+    x ^= x >> 33;
+    return x;
+}
+
+static uint64_t name_salt(const char *s)
+{
+    uint64_t h = 1469598103934665603ULL;
+
+    for (; *s; s++)
+        h = (h ^ (uint8_t)*s) * 1099511628211ULL;
+    return h;
+}
+
+/* The value of element gidx of a tensor at a version: its low bytes are what the element
+ * holds, whatever the dtype (the bytes need not be a meaningful number). */
+static inline uint64_t pattern(uint64_t salt, uint64_t version, uint64_t gidx)
+{
+    return mix(salt ^ (version * 0x9e3779b97f4a7c15ULL) ^ (gidx * 0xd6e8feb86659fd93ULL));
+}
+
+static int parse_ranks(const char *s, int world, int *first, int *count)
+{
+    int a, b;
+
+    if (s == NULL || strcmp(s, "all") == 0) {
+        *first = 0;
+        *count = world;
+        return 0;
+    }
+    if (sscanf(s, "%d-%d", &a, &b) == 2 || (sscanf(s, "%d", &a) == 1 && (b = a, 1))) {
+        if (a < 0 || b < a || b >= world) {
+            fprintf(stderr, "ranks %s lie outside the layout's %d ranks\n", s, world);
+            return -1;
+        }
+        *first = a;
+        *count = b - a + 1;
+        return 0;
+    }
+    fprintf(stderr, "--ranks takes A-B, A or all, not '%s'\n", s);
+    return -1;
+}
+
+static int sink_region(void *ctx, uint32_t local, uint64_t size)
+{
+    sim_rank *r = ctx;
+    sim_region *n = realloc(r->regions, (local + 1) * sizeof(*n));
+
+    if (!n)
+        return -ENOMEM;
+    r->regions = n;
+    memset(&n[local], 0, sizeof(n[local]));
+    n[local].size = size;
+    n[local].fd = -1;
+    if (local + 1 > r->nregions)
+        r->nregions = local + 1;
+    return 0;
+}
+
+static int sink_piece(void *ctx, const rf_piece *p)
+{
+    sim_rank *r = ctx;
+
+    if (r->npieces == r->cap_pieces) {
+        uint32_t cap = r->cap_pieces ? r->cap_pieces * 2 : 256;
+        rf_piece *n = realloc(r->pieces, cap * sizeof(*n));
+
+        if (!n)
+            return -ENOMEM;
+        r->pieces = n;
+        r->cap_pieces = cap;
+    }
+    r->pieces[r->npieces++] = *p;
+    return 0;
+}
+
+int sim_setup(sim *s, rf_side side, const char *model, int shrink, const char *layout,
+              const char *ranks, const char *socket)
+{
+    rf_err err = {0};
+    rf_model *m = NULL;
+    uint32_t t;
+    int i;
+
+    memset(s, 0, sizeof(*s));
+    s->socket = socket;
+    s->side = side;
+    if (rf_model_load(model, &m, &err) < 0) {
+        fprintf(stderr, "%s\n", err.msg);
+        return -1;
+    }
+    if (shrink > 1) {
+        rf_model *small = NULL;
+
+        if (rf_model_shrink(m, shrink, &small, &err) < 0) {
+            fprintf(stderr, "%s\n", err.msg);
+            rf_model_free(m);
+            return -1;
+        }
+        rf_model_free(m);
+        m = small;
+    }
+    s->model = m;
+    if (rf_par_parse(layout, side, m, &s->par, &err) < 0) {
+        fprintf(stderr, "%s\n", err.msg);
+        return -1;
+    }
+    if (parse_ranks(ranks, rf_par_world(&s->par, side), &s->first, &s->count) < 0)
+        return -1;
+    s->tensor_salt = calloc(rf_model_ntensors(m), sizeof(*s->tensor_salt));
+    s->ranks = calloc((size_t)s->count, sizeof(*s->ranks));
+    if (!s->tensor_salt || !s->ranks)
+        return -1;
+    for (t = 0; t < rf_model_ntensors(m); t++)
+        s->tensor_salt[t] = name_salt(rf_model_tensor(m, t)->name);
+    for (i = 0; i < s->count; i++) {
+        sim_rank *r = &s->ranks[i];
+        rf_rank_sink sink = {r, sink_region, sink_piece};
+        uint32_t k;
+
+        r->rank = s->first + i;
+        if (rf_model_rank(m, &s->par, side, r->rank, &sink, &err) < 0) {
+            fprintf(stderr, "rank %d: %s\n", r->rank, err.msg);
+            return -1;
+        }
+        for (k = 0; k < r->nregions; k++) {
+            sim_region *g = &r->regions[k];
+
+            g->fd = memfd_create("refit-sim", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+            if (g->fd < 0 || ftruncate(g->fd, (off_t)g->size) < 0 ||
+                fcntl(g->fd, F_ADD_SEALS, F_SEAL_SHRINK) < 0) {
+                perror("memfd");
+                return -1;
+            }
+            g->base = mmap(NULL, g->size, PROT_READ | PROT_WRITE, MAP_SHARED, g->fd, 0);
+            if (g->base == MAP_FAILED) {
+                perror("mmap");
+                return -1;
+            }
+        }
+        for (k = 0; k < r->npieces; k++) {
+            const rf_tensor *tn = rf_model_tensor(m, r->pieces[k].tensor);
+
+            s->bytes += (uint64_t)rf_box_numel(&r->pieces[k].box, tn->ndim) *
+                        rf_dtype_size(tn->dtype);
+        }
+    }
+    return 0;
+}
+
+static int register_rank(sim *s, sim_rank *r)
+{
+    char name[64];
+    uint32_t k;
+    int rc;
+
+    snprintf(name, sizeof(name), "%s-%d", s->side == RF_SRC ? "trainer" : "engine", r->rank);
+    rc = refit_connect(s->socket, name, r->rank, s->side == RF_SRC ? REFIT_TRAINER
+                                                                    : REFIT_ENGINE, &r->c);
+    if (rc < 0)
+        return rc;
+    for (k = 0; k < r->nregions; k++) {
+        rc = refit_region_memfd(r->c, r->regions[k].fd, r->regions[k].size, &r->regions[k].id);
+        if (rc < 0)
+            goto fail;
+    }
+    for (k = 0; k < r->npieces; k++) {
+        const rf_piece *p = &r->pieces[k];
+        const rf_tensor *t = rf_model_tensor(s->model, p->tensor);
+
+        rc = refit_add_piece(r->c, t->name, t->dtype, t->ndim, t->shape,
+                             r->regions[p->region].id, p->offset, p->box.start, p->box.extent,
+                             p->strides);
+        if (rc < 0)
+            goto fail;
+    }
+    rc = refit_seal(r->c);
+    if (rc < 0)
+        goto fail;
+    return 0;
+fail:
+    fprintf(stderr, "rank %d: %s\n", r->rank, refit_last_error(r->c));
+    refit_close(r->c);
+    r->c = NULL;
+    return rc;
+}
+
+int sim_register(sim *s, int timeout_ms)
+{
+    double deadline = sim_now() + timeout_ms / 1000.0;
+    int i, rc;
+
+    for (i = 0; i < s->count; i++) {
+        sim_rank *r = &s->ranks[i];
+
+        if (r->c) {
+            refit_close(r->c);
+            r->c = NULL;
+        }
+        for (;;) {
+            rc = register_rank(s, r);
+            if (rc == 0)
+                break;
+            /* Only a daemon that is not there (yet) is worth waiting for. */
+            if ((rc != -ENOENT && rc != -ECONNREFUSED && rc != -ECONNRESET) ||
+                sim_now() > deadline) {
+                fprintf(stderr, "rank %d: cannot register with %s: %s\n", r->rank, s->socket,
+                        strerror(-rc));
+                return rc;
+            }
+            usleep(100 * 1000);
+        }
+    }
+    return 0;
+}
+
+void sim_close(sim *s)
+{
+    int i;
+    uint32_t k;
+
+    for (i = 0; s->ranks && i < s->count; i++) {
+        sim_rank *r = &s->ranks[i];
+
+        if (r->c)
+            refit_close(r->c);
+        for (k = 0; k < r->nregions; k++) {
+            if (r->regions[k].base && r->regions[k].base != MAP_FAILED)
+                munmap(r->regions[k].base, r->regions[k].size);
+            if (r->regions[k].fd >= 0)
+                close(r->regions[k].fd);
+        }
+        free(r->regions);
+        free(r->pieces);
+    }
+    free(s->ranks);
+    free(s->tensor_salt);
+    rf_model_free(s->model);
+}
+
+/* Visits every element of a piece: for each innermost row, the global flat index of its first
+ * element and the byte address of it. */
+typedef void (*row_fn)(void *ctx, uint8_t *addr, uint64_t gidx, int64_t n, size_t esize,
+                       int64_t stride, uint64_t salt);
+
+static void for_rows(const sim *s, const sim_rank *r, const rf_piece *p, row_fn fn, void *ctx)
+{
+    const rf_tensor *t = rf_model_tensor(s->model, p->tensor);
+    size_t es = rf_dtype_size(t->dtype);
+    int nd = t->ndim, d;
+    int64_t idx[RF_MAX_DIMS] = {0};
+    uint8_t *base = r->regions[p->region].base;
+
+    for (;;) {
+        uint64_t gidx = 0, off = p->offset;
+
+        for (d = 0; d < nd; d++) {
+            gidx = gidx * (uint64_t)t->shape[d] + (uint64_t)(p->box.start[d] + idx[d]);
+            off += (uint64_t)(idx[d] * p->strides[d]) * es;
+        }
+        fn(ctx, base + off, gidx, p->box.extent[nd - 1], es, p->strides[nd - 1],
+           s->tensor_salt[p->tensor]);
+        for (d = nd - 2; d >= 0; d--) {
+            if (++idx[d] < p->box.extent[d])
+                break;
+            idx[d] = 0;
+        }
+        if (d < 0)
+            return;
+    }
+}
+
+static void fill_row(void *ctx, uint8_t *addr, uint64_t gidx, int64_t n, size_t es,
+                     int64_t stride, uint64_t salt)
+{
+    uint64_t version = *(uint64_t *)ctx;
+    int64_t i;
+
+    for (i = 0; i < n; i++) {
+        uint64_t v = pattern(salt, version, gidx + (uint64_t)i);
+
+        memcpy(addr + (size_t)(i * stride) * es, &v, es);
+    }
+}
+
+void sim_fill(sim *s, uint64_t version)
+{
+    int i;
+    uint32_t k;
+
+    for (i = 0; i < s->count; i++)
+        for (k = 0; k < s->ranks[i].npieces; k++)
+            for_rows(s, &s->ranks[i], &s->ranks[i].pieces[k], fill_row, &version);
+}
+
+void sim_fill_garbage(sim *s)
+{
+    int i;
+    uint32_t k;
+
+    for (i = 0; i < s->count; i++)
+        for (k = 0; k < s->ranks[i].nregions; k++)
+            memset(s->ranks[i].regions[k].base, 0xee, s->ranks[i].regions[k].size);
+}
+
+typedef struct verify_ctx {
+    const sim *s;
+    const rf_piece *p;
+    int rank;
+    uint64_t version, wrong;
+    int max_report, reported;
+} verify_ctx;
+
+static void verify_row(void *ctx, uint8_t *addr, uint64_t gidx, int64_t n, size_t es,
+                       int64_t stride, uint64_t salt)
+{
+    verify_ctx *v = ctx;
+    int64_t i;
+
+    for (i = 0; i < n; i++) {
+        uint64_t want = pattern(salt, v->version, gidx + (uint64_t)i), got = 0;
+
+        memcpy(&got, addr + (size_t)(i * stride) * es, es);
+        if (memcmp(&got, &want, es) == 0)
+            continue;
+        if (v->reported++ < v->max_report) {
+            const rf_tensor *t = rf_model_tensor(v->s->model, v->p->tensor);
+
+            fprintf(stderr, "rank %d: %s element %llu holds %0*llx, version %llu has %0*llx\n",
+                    v->rank, t->name, (unsigned long long)(gidx + (uint64_t)i), (int)es * 2,
+                    (unsigned long long)got, (unsigned long long)v->version, (int)es * 2,
+                    (unsigned long long)(es < 8 ? want & ((1ULL << (es * 8)) - 1) : want));
+        }
+        v->wrong++;
+    }
+}
+
+uint64_t sim_verify(sim *s, uint64_t version, int max_report)
+{
+    verify_ctx v = {s, NULL, 0, version, 0, max_report, 0};
+    int i;
+    uint32_t k;
+
+    for (i = 0; i < s->count; i++) {
+        v.rank = s->ranks[i].rank;
+        for (k = 0; k < s->ranks[i].npieces; k++) {
+            v.p = &s->ranks[i].pieces[k];
+            for_rows(s, &s->ranks[i], v.p, verify_row, &v);
+        }
+    }
+    return v.wrong;
+}

@@ -1,0 +1,58 @@
+/* sim/sim.h - what the simulated trainer and engine share: a model's ranks registered through
+ * librefit with memory of their own, and the weight pattern that encodes (version, tensor,
+ * global index) so that every installed byte can be checked. */
+#ifndef RF_SIM_H
+#define RF_SIM_H
+
+#include <stdint.h>
+
+#include "layout.h"
+#include "model.h"
+#include "refit.h"
+
+typedef struct sim_region {
+    int fd;          /* memfd, kept so the region can be registered again after a reconnect */
+    uint8_t *base;
+    uint64_t size;
+    uint32_t id;     /* the daemon's region id */
+} sim_region;
+
+typedef struct sim_rank {
+    int rank;
+    refit_client *c;
+    uint32_t nregions;
+    sim_region *regions;
+    uint32_t npieces, cap_pieces;
+    rf_piece *pieces; /* region = local region index, tensor = model tensor index */
+} sim_rank;
+
+typedef struct sim {
+    const char *socket;
+    rf_side side;
+    rf_model *model;
+    rf_par par;
+    uint64_t *tensor_salt; /* per model tensor, from its name */
+    int first, count;      /* the ranks this process plays */
+    sim_rank *ranks;
+    uint64_t bytes;        /* bytes of all pieces of this process */
+} sim;
+
+/* Parses the common options; prints usage and returns -1 on bad input. */
+int sim_setup(sim *s, rf_side side, const char *model, int shrink, const char *layout,
+              const char *ranks, const char *socket);
+/* Connects every rank, registers its memory and pieces, seals. Retries the connection until
+ * timeout_ms passes (the daemon may still be starting). */
+int sim_register(sim *s, int timeout_ms);
+void sim_close(sim *s);
+
+/* Writes the pattern of version into every piece (trainers), or a filler that no version
+ * produces (engines, before the first refit). */
+void sim_fill(sim *s, uint64_t version);
+void sim_fill_garbage(sim *s);
+/* Checks every byte of every piece against version; returns the number of wrong elements and
+ * prints the first few. */
+uint64_t sim_verify(sim *s, uint64_t version, int max_report);
+
+double sim_now(void);
+
+#endif

@@ -1,0 +1,838 @@
+/* tests/unit/test_plan.c - the planner on random and real layouts, executed in host memory and
+ * checked byte for byte; determinism, replica dedup, fail-closed coverage, and refitctl plan. */
+#include <criterion/criterion.h>
+#include <jansson.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "copy.h"
+#include "layout.h"
+#include "model.h"
+#include "plan.h"
+
+/* ---- a cluster in host memory ------------------------------------------------------------ */
+
+typedef struct hpiece {
+    uint32_t tensor, ep;
+    rf_box box;
+    int64_t strides[RF_MAX_DIMS];
+    uint64_t foot; /* bytes spanned */
+    uint64_t offset;
+    uint32_t region;
+} hpiece;
+
+typedef struct cluster {
+    rf_inv *inv;
+    uint8_t **bases; /* per global region */
+    uint32_t nregions;
+} cluster;
+
+static uint64_t rng_state;
+
+static uint64_t rnd(void)
+{
+    rng_state ^= rng_state << 13;
+    rng_state ^= rng_state >> 7;
+    rng_state ^= rng_state << 17;
+    return rng_state;
+}
+
+static int64_t rndi(int64_t lo, int64_t hi) /* inclusive */
+{
+    return lo + (int64_t)(rnd() % (uint64_t)(hi - lo + 1));
+}
+
+static uint8_t pattern(uint32_t tensor, uint64_t lin, int byte)
+{
+    uint64_t x = (lin + 1) * 0x9e3779b97f4a7c15ull ^ ((uint64_t)tensor << 40);
+    x ^= x >> 29;
+    x *= 0xbf58476d1ce4e5b9ull;
+    x ^= x >> 32;
+    return (uint8_t)(x >> (8 * byte));
+}
+
+static uint64_t linear(const rf_tensor *t, const int64_t *idx)
+{
+    uint64_t l = 0;
+
+    for (int d = 0; d < t->ndim; d++)
+        l = l * (uint64_t)t->shape[d] + (uint64_t)idx[d];
+    return l;
+}
+
+/* Strides for a box: row-major, transposed (a random dim order) and/or padded. */
+static uint64_t make_strides(int ndim, const rf_box *b, int mode, int64_t *strides)
+{
+    int order[RF_MAX_DIMS];
+    int64_t acc = 1, foot = 0;
+
+    for (int d = 0; d < ndim; d++)
+        order[d] = d;
+    if (mode & 1) {
+        for (int d = ndim - 1; d > 0; d--) {
+            int j = (int)rndi(0, d), tmp = order[d];
+            order[d] = order[j];
+            order[j] = tmp;
+        }
+    }
+    for (int d = 0; d < RF_MAX_DIMS; d++)
+        strides[d] = d < ndim ? 0 : 1;
+    for (int k = ndim - 1; k >= 0; k--) {
+        int d = order[k];
+        strides[d] = acc;
+        acc *= b->extent[d] + ((mode & 2) ? rndi(0, 2) : 0);
+    }
+    for (int d = 0; d < ndim; d++)
+        foot += (b->extent[d] - 1) * strides[d];
+    return (uint64_t)foot + 1;
+}
+
+static void add_hpiece(hpiece **ps, size_t *n, uint32_t tensor, uint32_t ep, int ndim,
+                       const rf_box *box, int mode, size_t esize)
+{
+    hpiece *p;
+
+    *ps = realloc(*ps, (*n + 1) * sizeof(**ps));
+    cr_assert_not_null(*ps);
+    p = &(*ps)[(*n)++];
+    memset(p, 0, sizeof(*p));
+    p->tensor = tensor;
+    p->ep = ep;
+    p->box = *box;
+    for (int d = ndim; d < RF_MAX_DIMS; d++) {
+        p->box.start[d] = 0;
+        p->box.extent[d] = 1;
+    }
+    p->foot = make_strides(ndim, &p->box, mode, p->strides) * esize;
+}
+
+/* Places the pieces of one side into regions (two per endpoint, pieces alternating, each at
+ * a 16-byte aligned offset) and adds regions and pieces to the inventory. */
+static void place(cluster *c, hpiece *ps, size_t n, const uint32_t *eps, uint32_t nep,
+                  rf_side side)
+{
+    uint64_t *used = calloc((size_t)nep * 2, sizeof(uint64_t));
+    uint32_t *rid = calloc((size_t)nep * 2, sizeof(uint32_t));
+    rf_err err;
+
+    cr_assert_not_null(used);
+    for (size_t i = 0; i < n; i++) {
+        uint32_t slot = ps[i].ep * 2 + (uint32_t)(i & 1);
+        ps[i].offset = (used[slot] + 15) & ~15ull;
+        used[slot] = ps[i].offset + ps[i].foot;
+        ps[i].region = slot;
+    }
+    for (uint32_t s = 0; s < nep * 2; s++) {
+        cr_assert_eq(rf_inv_add_region(c->inv, eps[s / 2], used[s] + 1, &rid[s], &err), 0,
+                     "%s", err.msg);
+        c->bases = realloc(c->bases, (rid[s] + 1) * sizeof(*c->bases));
+        c->bases[rid[s]] = calloc(used[s] + 1, 1);
+        c->nregions = rid[s] + 1;
+    }
+    for (size_t i = 0; i < n; i++) {
+        rf_piece p;
+        memset(&p, 0, sizeof(p));
+        p.tensor = ps[i].tensor;
+        p.region = rid[ps[i].region];
+        p.offset = ps[i].offset;
+        p.box = ps[i].box;
+        memcpy(p.strides, ps[i].strides, sizeof(p.strides));
+        cr_assert_eq(rf_inv_add_piece(c->inv, &p, NULL, &err), 0, "%s", err.msg);
+    }
+    (void)side;
+    free(used);
+    free(rid);
+}
+
+/* Calls fn for every element index of box. */
+#define FOR_EACH_INDEX(box, ndim, idx)                                                         \
+    for (int64_t idx[RF_MAX_DIMS], _go = (memcpy(idx, (box)->start, sizeof(idx)), 1); _go;    \
+         _go = next_index(box, ndim, idx))
+
+static int next_index(const rf_box *b, int ndim, int64_t *idx)
+{
+    for (int d = ndim - 1; d >= 0; d--) {
+        if (++idx[d] < b->start[d] + b->extent[d])
+            return 1;
+        idx[d] = b->start[d];
+    }
+    return 0;
+}
+
+static void fill_sources(cluster *c)
+{
+    rf_piece p;
+
+    for (uint32_t i = 0; i < rf_inv_npieces(c->inv, RF_SRC); i++) {
+        rf_inv_piece(c->inv, RF_SRC, i, &p);
+        const rf_tensor *t = rf_inv_tensor(c->inv, p.tensor);
+        size_t es = rf_dtype_size(t->dtype);
+        FOR_EACH_INDEX(&p.box, t->ndim, idx) {
+            uint8_t *m = c->bases[p.region] + rf_piece_byte_offset(&p, t->ndim, es, idx);
+            uint64_t l = linear(t, idx);
+            for (size_t b = 0; b < es; b++)
+                m[b] = pattern(p.tensor, l, (int)b);
+        }
+    }
+}
+
+/* Every destination byte holds the pattern of its tensor and index. */
+static void check_destinations(cluster *c)
+{
+    rf_piece p;
+    uint64_t bad = 0;
+
+    for (uint32_t i = 0; i < rf_inv_npieces(c->inv, RF_DST); i++) {
+        rf_inv_piece(c->inv, RF_DST, i, &p);
+        const rf_tensor *t = rf_inv_tensor(c->inv, p.tensor);
+        size_t es = rf_dtype_size(t->dtype);
+        FOR_EACH_INDEX(&p.box, t->ndim, idx) {
+            const uint8_t *m = c->bases[p.region] + rf_piece_byte_offset(&p, t->ndim, es, idx);
+            uint64_t l = linear(t, idx);
+            for (size_t b = 0; b < es; b++)
+                bad += m[b] != pattern(p.tensor, l, (int)b);
+        }
+    }
+    cr_assert_eq(bad, 0, "%llu destination bytes wrong", (unsigned long long)bad);
+}
+
+/* Structure of the plan: each destination element written by exactly one transfer, every
+ * box inside both pieces, messages and rounds well formed. */
+static void check_plan(const rf_plan *pl, const rf_plan_opts *o)
+{
+    const rf_inv *inv = rf_plan_inv(pl);
+    uint32_t nd = rf_inv_npieces(inv, RF_DST), ne = rf_inv_nendpoints(inv);
+    uint8_t **cnt = calloc(nd + 1, sizeof(*cnt));
+    uint64_t *sent = calloc(ne + 1, sizeof(uint64_t)), *recv = calloc(ne + 1, sizeof(uint64_t));
+    uint64_t next = 0;
+    rf_piece sp, dp;
+
+    for (uint32_t i = 0; i < nd; i++) {
+        rf_inv_piece(inv, RF_DST, i, &dp);
+        cnt[i] = calloc((size_t)rf_box_numel(&dp.box, rf_inv_tensor(inv, dp.tensor)->ndim), 1);
+    }
+    for (uint32_t mi = 0; mi < rf_plan_nmsgs(pl); mi++) {
+        const rf_msg *m = rf_plan_msg(pl, mi);
+        uint64_t off = 0;
+        if (mi > 0) {
+            const rf_msg *q = rf_plan_msg(pl, mi - 1);
+            cr_assert(q->round < m->round || (q->round == m->round &&
+                      (q->src_ep < m->src_ep || (q->src_ep == m->src_ep && q->dst_ep <= m->dst_ep))),
+                      "messages out of order at %u", mi);
+        }
+        cr_assert_eq(m->first, next);
+        cr_assert(m->count >= 1);
+        cr_assert(m->round < rf_plan_nrounds(pl));
+        next += m->count;
+        if (m->kind == RF_XFER_DIRECT)
+            cr_assert_eq(m->count, 1);
+        else
+            cr_assert(m->bytes <= o->staging_bytes / 2, "packed message of %llu bytes",
+                      (unsigned long long)m->bytes);
+        for (uint32_t k = 0; k < m->count; k++) {
+            const rf_xfer *x = rf_plan_xfer(pl, m->first + k);
+            const rf_box *b = rf_plan_box(pl, x->box);
+            rf_inv_piece(inv, RF_SRC, x->src, &sp);
+            rf_inv_piece(inv, RF_DST, x->dst, &dp);
+            const rf_tensor *t = rf_inv_tensor(inv, dp.tensor);
+            cr_assert_eq(sp.tensor, dp.tensor);
+            cr_assert_eq(x->msg, mi);
+            cr_assert_eq(rf_inv_piece_endpoint(inv, RF_SRC, x->src), m->src_ep);
+            cr_assert_eq(rf_inv_piece_endpoint(inv, RF_DST, x->dst), m->dst_ep);
+            cr_assert(rf_box_contains(&sp.box, b, t->ndim), "source read outside its piece");
+            cr_assert(rf_box_contains(&dp.box, b, t->ndim), "write outside its piece");
+            cr_assert_eq(x->bytes, (uint64_t)rf_box_numel(b, t->ndim) * rf_dtype_size(t->dtype));
+            if (m->kind == RF_XFER_PACKED)
+                cr_assert_eq(x->msg_off, off);
+            off += x->bytes;
+            sent[m->src_ep] += x->bytes;
+            recv[m->dst_ep] += x->bytes;
+            FOR_EACH_INDEX(b, t->ndim, idx) {
+                uint64_t l = 0;
+                for (int d = 0; d < t->ndim; d++)
+                    l = l * (uint64_t)dp.box.extent[d] + (uint64_t)(idx[d] - dp.box.start[d]);
+                cr_assert_eq(cnt[x->dst][l]++, 0, "destination element written twice");
+            }
+        }
+        cr_assert_eq(off, m->bytes);
+    }
+    cr_assert_eq(next, rf_plan_nxfers(pl));
+    for (uint32_t i = 0; i < nd; i++) {
+        rf_inv_piece(inv, RF_DST, i, &dp);
+        int64_t n = rf_box_numel(&dp.box, rf_inv_tensor(inv, dp.tensor)->ndim);
+        for (int64_t j = 0; j < n; j++)
+            cr_assert_eq(cnt[i][j], 1, "destination piece %u element %lld written %d times", i,
+                         (long long)j, cnt[i][j]);
+        free(cnt[i]);
+    }
+    for (uint32_t e = 0; e < ne; e++) {
+        cr_assert_eq(sent[e], rf_plan_sent_bytes(pl, e));
+        cr_assert_eq(recv[e], rf_plan_recv_bytes(pl, e));
+    }
+    /* Staging per endpoint and round stays within half the budget. */
+    {
+        uint32_t R = rf_plan_nrounds(pl);
+        uint64_t *use = calloc((size_t)R * ne + 1, sizeof(uint64_t));
+        for (uint32_t mi = 0; mi < rf_plan_nmsgs(pl); mi++) {
+            const rf_msg *m = rf_plan_msg(pl, mi);
+            if (m->kind != RF_XFER_PACKED)
+                continue;
+            use[(size_t)m->round * ne + m->src_ep] += m->bytes;
+            use[(size_t)m->round * ne + m->dst_ep] += m->bytes;
+        }
+        for (size_t i = 0; i < (size_t)R * ne; i++)
+            cr_assert(use[i] <= o->staging_bytes / 2);
+        free(use);
+    }
+    free(cnt);
+    free(sent);
+    free(recv);
+}
+
+static void check_same(const rf_plan *a, const rf_plan *b)
+{
+    cr_assert_eq(memcmp(rf_plan_id(a), rf_plan_id(b), 32), 0);
+    cr_assert_eq(rf_plan_nxfers(a), rf_plan_nxfers(b));
+    cr_assert_eq(rf_plan_nmsgs(a), rf_plan_nmsgs(b));
+    cr_assert_eq(rf_plan_nrounds(a), rf_plan_nrounds(b));
+    for (uint64_t i = 0; i < rf_plan_nxfers(a); i++) {
+        const rf_xfer *x = rf_plan_xfer(a, i), *y = rf_plan_xfer(b, i);
+        cr_assert_eq(memcmp(x, y, sizeof(*x)), 0, "transfer %llu differs", (unsigned long long)i);
+        cr_assert(rf_box_equal(rf_plan_box(a, x->box), rf_plan_box(b, y->box), RF_MAX_DIMS));
+    }
+    for (uint32_t i = 0; i < rf_plan_nmsgs(a); i++)
+        cr_assert_eq(memcmp(rf_plan_msg(a, i), rf_plan_msg(b, i), sizeof(rf_msg)), 0);
+}
+
+static void cluster_free(cluster *c)
+{
+    for (uint32_t r = 0; r < c->nregions; r++)
+        free(c->bases[r]);
+    free(c->bases);
+    rf_inv_free(c->inv);
+}
+
+/* Random meshes: per tensor a mesh of 1-3 dims with Shard/Replicate placements on each
+ * side, plus, on the source side, a few extra pieces with random boxes (overlapping
+ * holders). */
+static void random_cluster(cluster *c, uint64_t seed)
+{
+    static const rf_dtype dts[] = {RF_DT_BF16, RF_DT_FP32, RF_DT_INT8, RF_DT_INT64};
+    uint32_t nsrc, ndst, nt;
+    uint32_t seps[8], deps[8];
+    hpiece *sp = NULL, *dp = NULL;
+    size_t ns = 0, nd = 0;
+    rf_err err;
+
+    rng_state = seed * 2654435761u + 1;
+    nsrc = (uint32_t)rndi(1, 6);
+    ndst = (uint32_t)rndi(1, 6);
+    nt = (uint32_t)rndi(1, 6);
+    memset(c, 0, sizeof(*c));
+    c->inv = rf_inv_new();
+    cr_assert_not_null(c->inv);
+    for (uint32_t i = 0; i < nsrc; i++)
+        cr_assert_eq(rf_inv_add_endpoint(c->inv, RF_SRC, i / 2, &seps[i], &err), 0);
+    for (uint32_t i = 0; i < ndst; i++)
+        cr_assert_eq(rf_inv_add_endpoint(c->inv, RF_DST, 100 + i / 3, &deps[i], &err), 0);
+    for (uint32_t t = 0; t < nt; t++) {
+        int ndim = (int)rndi(1, 3);
+        int64_t shape[RF_MAX_DIMS];
+        char name[64];
+        uint32_t tid;
+        rf_dtype dt = dts[rndi(0, 3)];
+        for (int d = 0; d < ndim; d++)
+            shape[d] = rndi(1, ndim == 1 ? 300 : 24);
+        snprintf(name, sizeof(name), "model.layers.%u.w", t);
+        cr_assert_eq(rf_inv_add_tensor(c->inv, name, dt, ndim, shape, &tid, &err), 0, "%s",
+                     err.msg);
+        for (int side = 0; side < 2; side++) {
+            int mnd = (int)rndi(1, 3);
+            int64_t mesh[3], coord[3] = {0};
+            int plc[3];
+            uint32_t nep = side ? ndst : nsrc, base = (uint32_t)rndi(0, 5);
+            int mode = side ? (int)rndi(0, 3) : (int)rndi(0, 1) * 2;
+            int64_t world = 1;
+            for (int k = 0; k < mnd; k++) {
+                mesh[k] = rndi(1, 3);
+                plc[k] = rndi(0, 2) == 0 ? RF_REPLICATE : (int)rndi(0, ndim - 1);
+                world *= mesh[k];
+            }
+            for (int64_t r = 0; r < world; r++) {
+                rf_box b;
+                int64_t q = r;
+                for (int k = mnd - 1; k >= 0; k--) {
+                    coord[k] = q % mesh[k];
+                    q /= mesh[k];
+                }
+                if (!rf_placement_box(ndim, shape, mnd, mesh, plc, coord, &b))
+                    continue;
+                if (side)
+                    add_hpiece(&dp, &nd, tid, (uint32_t)((base + r) % nep), ndim, &b, mode,
+                               rf_dtype_size(dt));
+                else
+                    add_hpiece(&sp, &ns, tid, (uint32_t)((base + r) % nep), ndim, &b, mode,
+                               rf_dtype_size(dt));
+            }
+        }
+        /* Extra overlapping source boxes. */
+        for (int e = (int)rndi(0, 2); e > 0; e--) {
+            rf_box b;
+            memset(&b, 0, sizeof(b));
+            for (int d = 0; d < ndim; d++) {
+                b.start[d] = rndi(0, shape[d] - 1);
+                b.extent[d] = rndi(1, shape[d] - b.start[d]);
+            }
+            add_hpiece(&sp, &ns, tid, (uint32_t)rndi(0, nsrc - 1), ndim, &b, (int)rndi(0, 3),
+                       rf_dtype_size(dt));
+        }
+    }
+    place(c, sp, ns, seps, nsrc, RF_SRC);
+    place(c, dp, nd, deps, ndst, RF_DST);
+    cr_assert_eq(rf_inv_check_dst_overlap(c->inv, &err), 0, "%s", err.msg);
+    free(sp);
+    free(dp);
+}
+
+Test(plan, random_layouts_execute_exactly)
+{
+    static const rf_plan_opts optsets[] = {
+        {.staging_bytes = 256ull << 20, .direct_min_bytes = 4ull << 20},
+        {.staging_bytes = 4096, .direct_min_bytes = 64},
+        {.staging_bytes = 8192, .direct_min_bytes = 1},
+    };
+
+    for (uint64_t seed = 1; seed <= 150; seed++) {
+        const rf_plan_opts *o = &optsets[seed % 3];
+        cluster c;
+        rf_plan *a = NULL, *b = NULL;
+        rf_err err;
+        random_cluster(&c, seed);
+        cr_assert_eq(rf_plan_build(c.inv, o, &a, &err), 0, "seed %llu: %s",
+                     (unsigned long long)seed, err.msg);
+        check_plan(a, o);
+        fill_sources(&c);
+        cr_assert_eq(rf_copy_exec_plan_host(a, (void *const *)c.bases, (void *const *)c.bases,
+                                            &err), 0, "%s", err.msg);
+        check_destinations(&c);
+        cr_assert_eq(rf_plan_build(c.inv, o, &b, &err), 0, "%s", err.msg);
+        check_same(a, b);
+        {
+            const rf_plan_stats *st = rf_plan_stats_get(a);
+            cr_assert_eq(st->transfers, rf_plan_nxfers(a));
+            cr_assert_eq(st->direct_bytes + st->packed_bytes, st->dst_bytes);
+            cr_assert_eq(st->direct_transfers + st->packed_transfers, st->transfers);
+            cr_assert(st->runs >= 2 * st->transfers);
+            cr_assert(st->max_staging_bytes <= o->staging_bytes / 2);
+        }
+        rf_plan_free(a);
+        rf_plan_free(b);
+        cluster_free(&c);
+    }
+}
+
+/* Small staging forces splitting and many rounds; direct_min 1 makes contiguous boxes go
+ * direct. One tensor both ways so each path is certainly taken. */
+Test(plan, split_direct_and_rounds)
+{
+    cluster c;
+    rf_plan *pl = NULL;
+    rf_plan_opts o = {.staging_bytes = 4096, .direct_min_bytes = 1024};
+    int64_t shape[2] = {64, 64};
+    uint32_t tid, s, d0, d1;
+    hpiece *sp = NULL, *dp = NULL;
+    size_t ns = 0, nd = 0;
+    rf_box full, half;
+    rf_err err;
+    uint32_t seps[1], deps[2];
+
+    memset(&c, 0, sizeof(c));
+    c.inv = rf_inv_new();
+    cr_assert_eq(rf_inv_add_tensor(c.inv, "w", RF_DT_FP32, 2, shape, &tid, &err), 0);
+    cr_assert_eq(rf_inv_add_endpoint(c.inv, RF_SRC, 0, &s, &err), 0);
+    cr_assert_eq(rf_inv_add_endpoint(c.inv, RF_DST, 1, &d0, &err), 0);
+    cr_assert_eq(rf_inv_add_endpoint(c.inv, RF_DST, 1, &d1, &err), 0);
+    seps[0] = s;
+    deps[0] = d0;
+    deps[1] = d1;
+    rf_box_full(&full, 2, shape);
+    half = full;
+    half.extent[1] = 32;
+    add_hpiece(&sp, &ns, tid, 0, 2, &full, 0, 4);
+    add_hpiece(&dp, &nd, tid, 0, 2, &full, 0, 4); /* contiguous: direct, 16 KiB */
+    add_hpiece(&dp, &nd, tid, 1, 2, &half, 0, 4); /* strided in the source: packed, split */
+    place(&c, sp, ns, seps, 1, RF_SRC);
+    place(&c, dp, nd, deps, 2, RF_DST);
+    cr_assert_eq(rf_plan_build(c.inv, &o, &pl, &err), 0, "%s", err.msg);
+    check_plan(pl, &o);
+    const rf_plan_stats *st = rf_plan_stats_get(pl);
+    cr_assert_eq(st->direct_transfers, 1);
+    cr_assert_eq(st->direct_bytes, 64 * 64 * 4);
+    cr_assert_eq(st->packed_bytes, 64 * 32 * 4);
+    cr_assert_eq(st->packed_transfers, 4, "8 KiB split into 2 KiB slabs");
+    cr_assert_eq(rf_plan_nrounds(pl), 4);
+    cr_assert_eq(st->max_staging_bytes, 2048);
+    fill_sources(&c);
+    cr_assert_eq(rf_copy_exec_plan_host(pl, (void *const *)c.bases, (void *const *)c.bases, &err),
+                 0, "%s", err.msg);
+    check_destinations(&c);
+    rf_plan_free(pl);
+    free(sp);
+    free(dp);
+    cluster_free(&c);
+}
+
+Test(plan, uncovered_byte_names_tensor_and_box)
+{
+    rf_inv *inv = rf_inv_new();
+    int64_t shape[2] = {128, 128};
+    uint32_t tid, s, d, rs, rd;
+    rf_piece p;
+    rf_plan *pl = NULL;
+    rf_err err;
+
+    cr_assert_eq(rf_inv_add_tensor(inv, "model.layers.0.mlp.up_proj.weight", RF_DT_BF16, 2, shape,
+                                   &tid, &err), 0);
+    cr_assert_eq(rf_inv_add_endpoint(inv, RF_SRC, 0, &s, &err), 0);
+    for (int i = 0; i < 5; i++)
+        cr_assert_eq(rf_inv_add_endpoint(inv, RF_DST, 1, &d, &err), 0);
+    cr_assert_eq(rf_inv_add_region(inv, s, 1 << 20, &rs, &err), 0);
+    cr_assert_eq(rf_inv_add_region(inv, d, 1 << 20, &rd, &err), 0);
+    memset(&p, 0, sizeof(p));
+    p.tensor = tid;
+    p.region = rs;
+    rf_box_full(&p.box, 2, shape);
+    p.box.start[0] = 64;
+    p.box.extent[0] = 64;
+    p.strides[0] = 128;
+    p.strides[1] = 1;
+    cr_assert_eq(rf_inv_add_piece(inv, &p, NULL, &err), 0, "%s", err.msg);
+    p.region = rd;
+    rf_box_full(&p.box, 2, shape);
+    cr_assert_eq(rf_inv_add_piece(inv, &p, NULL, &err), 0, "%s", err.msg);
+    cr_assert_eq(rf_plan_build(inv, NULL, &pl, &err), -EINVAL);
+    cr_assert_null(pl);
+    cr_assert(strstr(err.msg, "no source holds model.layers.0.mlp.up_proj.weight [0:64, 0:128] "
+                              "(destination piece on endpoint 5)") != NULL, "%s", err.msg);
+    rf_inv_free(inv);
+}
+
+Test(plan, staging_below_minimum_is_refused)
+{
+    rf_inv *inv = rf_inv_new();
+    rf_plan *pl = NULL;
+    rf_plan_opts o = {.staging_bytes = 100, .direct_min_bytes = 1};
+    rf_err err;
+
+    cr_assert_eq(rf_plan_build(inv, &o, &pl, &err), -EINVAL);
+    cr_assert(strstr(err.msg, "staging") != NULL, "%s", err.msg);
+    rf_plan_opts_default(&o);
+    cr_assert_eq(rf_plan_build(inv, &o, &pl, &err), 0, "%s", err.msg);
+    cr_assert_eq(rf_plan_nxfers(pl), 0);
+    cr_assert_eq(rf_plan_nrounds(pl), 0);
+    cr_assert_eq(rf_plan_xfer(pl, 0), NULL);
+    cr_assert_eq(rf_plan_msg(pl, 0), NULL);
+    cr_assert_eq(rf_plan_sent_bytes(pl, 7), 0);
+    rf_plan_free(pl);
+    rf_inv_free(inv);
+}
+
+/* The id covers the options and every piece: a changed inventory changes it. */
+Test(plan, id_changes_with_inputs)
+{
+    cluster c;
+    rf_plan_opts o;
+    uint8_t a[32], b[32];
+    char hex[65];
+    rf_plan *pl = NULL;
+    rf_err err;
+
+    random_cluster(&c, 7);
+    rf_plan_opts_default(&o);
+    rf_plan_digest(c.inv, &o, a);
+    cr_assert_eq(rf_plan_build(c.inv, &o, &pl, &err), 0, "%s", err.msg);
+    cr_assert_eq(memcmp(a, rf_plan_id(pl), 32), 0);
+    rf_plan_id_hex(pl, hex);
+    cr_assert_eq(strlen(hex), 64);
+    cr_assert(rf_plan_memory(pl) > 0);
+    o.staging_bytes *= 2;
+    rf_plan_digest(c.inv, &o, b);
+    cr_assert_neq(memcmp(a, b, 32), 0);
+    rf_plan_free(pl);
+    cluster_free(&c);
+}
+
+/* Trainer DP 8, engine DP 1: each byte read once, sender loads within one transfer. */
+Test(plan, replica_dedup_random)
+{
+    rf_inv *inv = rf_inv_new();
+    uint32_t seps[8], dep[2], rs[8], rd[2], tid;
+    rf_plan *pl = NULL;
+    rf_err err;
+    uint64_t total = 0, maxx = 0, lo = UINT64_MAX, hi = 0, sum = 0;
+
+    rng_state = 99;
+    for (int i = 0; i < 8; i++) {
+        cr_assert_eq(rf_inv_add_endpoint(inv, RF_SRC, (uint32_t)i, &seps[i], &err), 0);
+        cr_assert_eq(rf_inv_add_region(inv, seps[i], 1ull << 30, &rs[i], &err), 0);
+    }
+    for (int i = 0; i < 2; i++) {
+        cr_assert_eq(rf_inv_add_endpoint(inv, RF_DST, 100 + (uint32_t)i, &dep[i], &err), 0);
+        cr_assert_eq(rf_inv_add_region(inv, dep[i], 1ull << 30, &rd[i], &err), 0);
+    }
+    uint64_t soff = 0, doff[2] = {0, 0};
+    for (int t = 0; t < 200; t++) {
+        int64_t shape[2] = {rndi(2, 64) * 2, rndi(1, 64)};
+        char name[32];
+        rf_piece p;
+        snprintf(name, sizeof(name), "t%d", t);
+        cr_assert_eq(rf_inv_add_tensor(inv, name, RF_DT_BF16, 2, shape, &tid, &err), 0);
+        memset(&p, 0, sizeof(p));
+        p.tensor = tid;
+        p.strides[0] = shape[1];
+        p.strides[1] = 1;
+        rf_box_full(&p.box, 2, shape);
+        p.offset = soff;
+        for (int i = 0; i < 8; i++) {
+            p.region = rs[i];
+            cr_assert_eq(rf_inv_add_piece(inv, &p, NULL, &err), 0, "%s", err.msg);
+        }
+        soff += (uint64_t)(shape[0] * shape[1] * 2);
+        total += (uint64_t)(shape[0] * shape[1] * 2);
+        for (int i = 0; i < 2; i++) { /* engine TP 2 on dim 0 */
+            p.box.start[0] = i * shape[0] / 2;
+            p.box.extent[0] = shape[0] / 2;
+            p.region = rd[i];
+            p.offset = doff[i];
+            doff[i] += (uint64_t)(shape[0] / 2 * shape[1] * 2);
+            cr_assert_eq(rf_inv_add_piece(inv, &p, NULL, &err), 0, "%s", err.msg);
+        }
+    }
+    cr_assert_eq(rf_plan_build(inv, NULL, &pl, &err), 0, "%s", err.msg);
+    for (uint64_t i = 0; i < rf_plan_nxfers(pl); i++)
+        if (rf_plan_xfer(pl, i)->bytes > maxx)
+            maxx = rf_plan_xfer(pl, i)->bytes;
+    for (int i = 0; i < 8; i++) {
+        uint64_t s = rf_plan_sent_bytes(pl, seps[i]);
+        sum += s;
+        lo = s < lo ? s : lo;
+        hi = s > hi ? s : hi;
+    }
+    cr_assert_eq(sum, total, "bytes read %llu, model %llu", (unsigned long long)sum,
+                 (unsigned long long)total);
+    cr_assert(hi - lo <= maxx, "sender loads %llu..%llu, largest transfer %llu",
+              (unsigned long long)lo, (unsigned long long)hi, (unsigned long long)maxx);
+    rf_plan_free(pl);
+    rf_inv_free(inv);
+}
+
+/* ---- real layouts through model.h ------------------------------------------------------ */
+
+static rf_inv *model_inv(const char *name, int shrink, const char *src, const char *dst,
+                         rf_model **mout)
+{
+    rf_model *m = NULL, *s = NULL;
+    rf_par ps, pd;
+    rf_inv *inv = rf_inv_new();
+    rf_err err;
+
+    cr_assert_eq(rf_model_load(name, &m, &err), 0, "%s", err.msg);
+    if (shrink > 1) {
+        cr_assert_eq(rf_model_shrink(m, shrink, &s, &err), 0, "%s", err.msg);
+        rf_model_free(m);
+        m = s;
+    }
+    cr_assert_eq(rf_par_parse(src, RF_SRC, m, &ps, &err), 0, "%s", err.msg);
+    cr_assert_eq(rf_par_parse(dst, RF_DST, m, &pd, &err), 0, "%s", err.msg);
+    cr_assert_eq(rf_model_build_inv(m, &ps, &pd, 8, inv, &err), 0, "%s", err.msg);
+    *mout = m;
+    return inv;
+}
+
+static void execute_inv(rf_inv *inv)
+{
+    cluster c = {.inv = inv};
+    rf_plan_opts o = {.staging_bytes = 1 << 16, .direct_min_bytes = 4096};
+    rf_plan *pl = NULL;
+    rf_err err;
+
+    c.nregions = rf_inv_nregions(inv);
+    c.bases = calloc(c.nregions, sizeof(*c.bases));
+    for (uint32_t r = 0; r < c.nregions; r++) {
+        c.bases[r] = calloc(rf_inv_region(inv, r)->size + 1, 1);
+        cr_assert_not_null(c.bases[r]);
+    }
+    cr_assert_eq(rf_plan_build(inv, &o, &pl, &err), 0, "%s", err.msg);
+    check_plan(pl, &o);
+    fill_sources(&c);
+    cr_assert_eq(rf_copy_exec_plan_host(pl, (void *const *)c.bases, (void *const *)c.bases, &err),
+                 0, "%s", err.msg);
+    check_destinations(&c);
+    rf_plan_free(pl);
+    cluster_free(&c);
+}
+
+static const char qwen_4kv[] =
+    "{\"model_type\": \"qwen3\", \"name\": \"qwen3-4kv\", \"hidden_size\": 1024, "
+    "\"intermediate_size\": 3072, \"num_hidden_layers\": 2, \"num_attention_heads\": 16, "
+    "\"num_key_value_heads\": 4, \"head_dim\": 128, \"vocab_size\": 4096, "
+    "\"tie_word_embeddings\": false, \"torch_dtype\": \"bfloat16\"}";
+
+Test(plan_model, qwen3_4_kv_heads_tp8_both_sides)
+{
+    char path[] = "/tmp/rf_test_plan_XXXXXX";
+    int fd = mkstemp(path);
+    FILE *f = fdopen(fd, "w");
+    rf_model *m = NULL;
+    rf_inv *inv;
+
+    cr_assert_not_null(f);
+    fputs(qwen_4kv, f);
+    fclose(f);
+    inv = model_inv(path, 8, "tp=8", "tp=8", &m);
+    unlink(path);
+    execute_inv(inv);
+    rf_model_free(m);
+}
+
+Test(plan_model, qwen3_30b_a3b_shrunk_executes)
+{
+    rf_model *m = NULL;
+    rf_inv *inv = model_inv("qwen3-30b-a3b", 64, "tp=2,ep=4,dp=2", "tp=4,dp=4", &m);
+
+    execute_inv(inv);
+    rf_model_free(m);
+}
+
+Test(plan_model, qwen3_30b_a3b_full_size_covered, .timeout = 60)
+{
+    rf_model *m = NULL;
+    rf_inv *inv = model_inv("qwen3-30b-a3b", 1, "tp=2,ep=4,dp=2", "tp=4,dp=4", &m);
+    rf_plan *pl = NULL;
+    rf_err err;
+    const rf_plan_stats *st;
+
+    cr_assert_eq(rf_plan_build(inv, NULL, &pl, &err), 0, "%s", err.msg);
+    st = rf_plan_stats_get(pl);
+    uint64_t held = 0;
+    for (uint32_t i = 0; i < rf_inv_npieces(inv, RF_DST); i++) {
+        rf_piece p;
+        rf_inv_piece(inv, RF_DST, i, &p);
+        const rf_tensor *t = rf_inv_tensor(inv, p.tensor);
+        held += (uint64_t)rf_box_numel(&p.box, t->ndim) * rf_dtype_size(t->dtype);
+    }
+    cr_assert_eq(st->dst_bytes, held, "every destination byte is planned");
+    cr_assert(st->dst_bytes >= 4 * rf_model_bytes(m), "engine dp=4 holds the model 4 times");
+    cr_assert_eq(st->direct_bytes + st->packed_bytes, st->dst_bytes);
+    cr_assert(st->max_sender_bytes >= st->mean_sender_bytes);
+    cr_assert(st->max_staging_bytes <= 128ull << 20);
+    rf_plan_free(pl);
+    rf_inv_free(inv);
+    rf_model_free(m);
+}
+
+Test(plan_model, trainer_dp8_engine_dp1_reads_each_byte_once)
+{
+    rf_model *m = NULL;
+    rf_inv *inv = model_inv("qwen3-0.6b", 1, "dp=8", "", &m);
+    rf_plan *pl = NULL;
+    rf_err err;
+    uint64_t sum = 0, lo = UINT64_MAX, hi = 0, maxx = 0;
+
+    cr_assert_eq(rf_plan_build(inv, NULL, &pl, &err), 0, "%s", err.msg);
+    for (uint32_t e = 0; e < rf_inv_nendpoints(inv); e++) {
+        if (rf_inv_endpoint(inv, e)->side != RF_SRC)
+            continue;
+        uint64_t s = rf_plan_sent_bytes(pl, e);
+        sum += s;
+        lo = s < lo ? s : lo;
+        hi = s > hi ? s : hi;
+    }
+    for (uint64_t i = 0; i < rf_plan_nxfers(pl); i++)
+        if (rf_plan_xfer(pl, i)->bytes > maxx)
+            maxx = rf_plan_xfer(pl, i)->bytes;
+    cr_assert_eq(sum, rf_model_bytes(m));
+    cr_assert(hi - lo <= maxx, "sender loads %llu..%llu, largest transfer %llu",
+              (unsigned long long)lo, (unsigned long long)hi, (unsigned long long)maxx);
+    rf_plan_free(pl);
+    rf_inv_free(inv);
+    rf_model_free(m);
+}
+
+/* ---- refitctl plan as a process -------------------------------------------------------- */
+
+static int run_ctl(const char *args, char *out, size_t len)
+{
+    const char *build = getenv("REFIT_BUILD");
+    char cmd[1024];
+    size_t n = 0;
+    FILE *p;
+
+    snprintf(cmd, sizeof(cmd), "%s/refitctl %s 2>&1", build && *build ? build : "build", args);
+    p = popen(cmd, "r");
+    cr_assert_not_null(p);
+    while (n + 1 < len) {
+        size_t k = fread(out + n, 1, len - 1 - n, p);
+        if (k == 0)
+            break;
+        n += k;
+    }
+    out[n] = '\0';
+    int st = pclose(p);
+    return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+}
+
+Test(refitctl, plan_json)
+{
+    static char out[1 << 16];
+    json_t *j;
+    json_error_t je;
+
+    cr_assert_eq(run_ctl("plan --model qwen3-0.6b --src tp=2,dp=4 --dst tp=4 --json", out,
+                         sizeof(out)), 0, "%s", out);
+    j = json_loads(out, 0, &je);
+    cr_assert_not_null(j, "not JSON: %s (%s)", out, je.text);
+    cr_assert(json_is_true(json_object_get(j, "covered")));
+    cr_assert(json_integer_value(json_object_get(j, "tensors")) > 100);
+    cr_assert(json_integer_value(json_object_get(j, "transfers")) > 0);
+    cr_assert(json_integer_value(json_object_get(j, "dst_bytes")) > 0);
+    cr_assert(json_integer_value(json_object_get(j, "max_sender_bytes")) > 0);
+    cr_assert(json_integer_value(json_object_get(j, "max_receiver_bytes")) > 0);
+    cr_assert(json_number_value(json_object_get(j, "predicted_seconds")) > 0);
+    cr_assert(json_is_number(json_object_get(j, "plan_seconds")));
+    cr_assert_eq(strlen(json_string_value(json_object_get(j, "plan_id"))), 64);
+    json_decref(j);
+}
+
+Test(refitctl, plan_text_explain_and_help)
+{
+    static char out[1 << 16];
+
+    cr_assert_eq(run_ctl("plan --model qwen3-0.6b --src tp=2 --dst tp=2,dp=2 --explain", out,
+                         sizeof(out)), 0, "%s", out);
+    cr_assert(strstr(out, "transfers") != NULL, "%s", out);
+    cr_assert(strstr(out, "predicted") != NULL, "%s", out);
+    cr_assert(strstr(out, "top senders") != NULL, "%s", out);
+    cr_assert_eq(run_ctl("--help", out, sizeof(out)), 0);
+    cr_assert(strstr(out, "plan") != NULL, "%s", out);
+    cr_assert_eq(run_ctl("plan --help", out, sizeof(out)), 0);
+    cr_assert(strstr(out, "--link-gbps") != NULL, "%s", out);
+    cr_assert_eq(run_ctl("nosuchcommand", out, sizeof(out)), 2);
+}
+
+Test(refitctl, bad_layout_exits_2)
+{
+    static char out[1 << 16];
+
+    cr_assert_eq(run_ctl("plan --model qwen3-0.6b --src tp=3 --dst tp=2", out, sizeof(out)), 2,
+                 "%s", out);
+    cr_assert(strchr(out, '\n') == strrchr(out, '\n'), "one line expected: %s", out);
+    cr_assert_eq(run_ctl("plan --model no-such-model --src tp=1 --dst tp=1", out, sizeof(out)), 2,
+                 "%s", out);
+    cr_assert_eq(run_ctl("plan --model qwen3-0.6b --src tp=1 --dst tp=1 --staging-mib 0", out,
+                         sizeof(out)), 2, "%s", out);
+    cr_assert_eq(run_ctl("plan --src tp=1 --dst tp=1", out, sizeof(out)), 2, "%s", out);
+}

@@ -1,0 +1,737 @@
+/* tests/unit/test_registry.c - the daemon-side registry driven on a loop thread while librefit
+ * calls it from the test's thread: real sockets, real memfds, every refusal checked. */
+#include <criterion/criterion.h>
+#include <fcntl.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include "refit.h"
+#include "registry.h"
+#include "rpc.h"
+#include "wire.h"
+
+typedef struct harness {
+    uv_loop_t loop;
+    uv_async_t async;
+    uv_timer_t timer;
+    pthread_t th;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    void (*fn)(void *);
+    void *arg;
+    bool done, stop;
+    rf_registry *reg;
+    char dir[64], path[128];
+    /* recorded by callbacks */
+    int n_inventory, n_change, n_ready, n_refit;
+    uint64_t ready, refit, timer_version;
+    int timer_kind; /* 0 abort, RF_REG_* notify */
+    bool refuse_refit, refuse_wait;
+} harness;
+
+static harness H;
+
+static void bump(int *counter)
+{
+    pthread_mutex_lock(&H.mu);
+    (*counter)++;
+    pthread_cond_broadcast(&H.cv);
+    pthread_mutex_unlock(&H.mu);
+}
+
+static void cb_inventory(rf_registry *r, void *ud) { (void)r; (void)ud; bump(&H.n_inventory); }
+static void cb_change(rf_registry *r, void *ud) { (void)r; (void)ud; bump(&H.n_change); }
+
+static void cb_ready(rf_registry *r, uint64_t v, void *ud)
+{
+    (void)r;
+    (void)ud;
+    H.ready = v;
+    bump(&H.n_ready);
+}
+
+static int cb_status(rf_registry *r, char **json, rf_err *err, void *ud)
+{
+    json_t *j = rf_registry_status(r);
+
+    (void)ud;
+    if (j == NULL)
+        return rf_err_set(err, -ENOMEM, "no status");
+    *json = json_dumps(j, JSON_COMPACT);
+    json_decref(j);
+    return 0;
+}
+
+static int cb_refit(rf_registry *r, uint64_t v, rf_err *err, void *ud)
+{
+    (void)r;
+    (void)ud;
+    if (H.refuse_refit)
+        return rf_err_set(err, -EBUSY, "a refit is already running");
+    H.refit = v;
+    bump(&H.n_refit);
+    return 0;
+}
+
+static int cb_wait(rf_registry *r, uint64_t v, rf_err *err, void *ud)
+{
+    (void)r;
+    (void)ud;
+    if (H.refuse_wait)
+        return rf_err_set(err, -EINVAL, "version %llu was never triggered",
+                          (unsigned long long)v);
+    return 0;
+}
+
+static void async_cb(uv_async_t *a)
+{
+    (void)a;
+    pthread_mutex_lock(&H.mu);
+    if (H.fn) {
+        H.fn(H.arg);
+        H.fn = NULL;
+        H.done = true;
+    }
+    if (H.stop) {
+        rf_registry_close(H.reg);
+        H.reg = NULL;
+        uv_close((uv_handle_t *)&H.async, NULL);
+        uv_close((uv_handle_t *)&H.timer, NULL);
+    }
+    pthread_cond_broadcast(&H.cv);
+    pthread_mutex_unlock(&H.mu);
+}
+
+static void *loop_main(void *arg)
+{
+    (void)arg;
+    uv_run(&H.loop, UV_RUN_DEFAULT);
+    return NULL;
+}
+
+/* Runs fn(arg) on the loop thread and waits for it. */
+static void on_loop(void (*fn)(void *), void *arg)
+{
+    pthread_mutex_lock(&H.mu);
+    H.fn = fn;
+    H.arg = arg;
+    H.done = false;
+    uv_async_send(&H.async);
+    while (!H.done)
+        pthread_cond_wait(&H.cv, &H.mu);
+    pthread_mutex_unlock(&H.mu);
+}
+
+/* Waits up to 5 s for *counter to reach n. */
+static void wait_count(int *counter, int n)
+{
+    struct timespec ts;
+
+    clock_gettime(CLOCK_REALTIME, &ts);
+    ts.tv_sec += 5;
+    pthread_mutex_lock(&H.mu);
+    while (*counter < n)
+        if (pthread_cond_timedwait(&H.cv, &H.mu, &ts) != 0)
+            break;
+    cr_assert_geq(*counter, n, "callback did not come");
+    pthread_mutex_unlock(&H.mu);
+}
+
+static void open_registry(rf_side side, unsigned expected)
+{
+    static const rf_registry_cb cb = {cb_inventory, cb_change, cb_ready, cb_status, cb_refit,
+                                      cb_wait};
+    rf_registry_opts o = {0};
+    rf_err err = {0};
+
+    o.socket_path = H.path;
+    o.side = side;
+    o.expected_clients = expected;
+    cr_assert_eq(rf_registry_open(&H.loop, &o, &cb, NULL, &H.reg, &err), 0, "%s", err.msg);
+    pthread_create(&H.th, NULL, loop_main, NULL);
+}
+
+static void setup(void)
+{
+    memset(&H, 0, sizeof(H));
+    pthread_mutex_init(&H.mu, NULL);
+    pthread_cond_init(&H.cv, NULL);
+    snprintf(H.dir, sizeof(H.dir), "/tmp/rf_reg_XXXXXX");
+    cr_assert(mkdtemp(H.dir));
+    snprintf(H.path, sizeof(H.path), "%s/d.sock", H.dir);
+    uv_loop_init(&H.loop);
+    uv_async_init(&H.loop, &H.async, async_cb);
+    uv_timer_init(&H.loop, &H.timer);
+}
+
+static void teardown(void)
+{
+    pthread_mutex_lock(&H.mu);
+    H.stop = true;
+    pthread_mutex_unlock(&H.mu);
+    uv_async_send(&H.async);
+    if (H.reg)
+        pthread_join(H.th, NULL);
+    uv_run(&H.loop, UV_RUN_DEFAULT);
+    cr_assert_eq(uv_loop_close(&H.loop), 0, "loop closed with handles open");
+    rmdir(H.dir);
+}
+
+TestSuite(registry, .init = setup, .fini = teardown);
+
+static refit_client *conn(const char *name, int rank, int kind)
+{
+    refit_client *c = NULL;
+    int rc = refit_connect(H.path, name, rank, kind, &c);
+
+    cr_assert_eq(rc, 0, "connect %s: %s", name, refit_last_error(NULL));
+    return c;
+}
+
+#define OK(call, c) cr_assert_eq((call), 0, "%s: %s", #call, refit_last_error(c))
+#define FAILS(call, c, code, text)                                                        \
+    do {                                                                                  \
+        int rc_ = (call);                                                                 \
+        cr_assert_eq(rc_, (code), "%s returned %d: %s", #call, rc_, refit_last_error(c)); \
+        cr_assert(strstr(refit_last_error(c), (text)), "%s: message '%s' lacks '%s'",     \
+                  #call, refit_last_error(c), (text));                                    \
+    } while (0)
+
+/* Things read on the loop thread. */
+typedef struct probe {
+    uint32_t ntensors, nregions, npieces, nendpoints;
+    uint64_t generation;
+    bool complete;
+    const char *ep0;
+    uint32_t region;
+    uint8_t fill;
+    size_t len;
+} probe;
+
+static void do_probe(void *arg)
+{
+    probe *p = arg;
+    const rf_inv *inv = rf_registry_inv(H.reg);
+
+    p->ntensors = rf_inv_ntensors(inv);
+    p->nregions = rf_inv_nregions(inv);
+    p->nendpoints = rf_inv_nendpoints(inv);
+    p->npieces = rf_inv_npieces(inv, RF_SRC) + rf_inv_npieces(inv, RF_DST);
+    p->generation = rf_registry_generation(H.reg);
+    p->complete = rf_registry_complete(H.reg);
+    p->ep0 = p->nendpoints ? rf_registry_endpoint_device(H.reg, 0) : NULL;
+    if (p->len) {
+        cr_assert_eq(rf_registry_region_kind(H.reg, p->region), RF_MEM_MEMFD);
+        memset(rf_registry_region_base(H.reg, p->region), p->fill, p->len);
+    }
+}
+
+static probe get_probe(void)
+{
+    probe p = {0};
+
+    on_loop(do_probe, &p);
+    return p;
+}
+
+static const int64_t shape2[2] = {4, 8};
+
+/* Registers tensor "w" [4, 8] fp32 split in two row halves from two regions. */
+static void register_halves(refit_client *c, float **mem)
+{
+    const int64_t s0[2] = {0, 0}, s1[2] = {2, 0}, ext[2] = {2, 8};
+    void *a, *b;
+    uint32_t ra, rb;
+
+    OK(refit_alloc_host(c, 64, &a, &ra), c);
+    OK(refit_alloc_host(c, 64, &b, &rb), c);
+    OK(refit_add_piece(c, "w", REFIT_FP32, 2, shape2, ra, 0, s0, ext, NULL), c);
+    OK(refit_add_piece(c, "w", REFIT_FP32, 2, shape2, rb, 0, s1, ext, NULL), c);
+    if (mem) {
+        mem[0] = a;
+        mem[1] = b;
+    }
+}
+
+static void call_release(void *arg) { rf_registry_release(H.reg, *(uint64_t *)arg); }
+
+static void timer_cb(uv_timer_t *t)
+{
+    (void)t;
+    if (H.timer_kind == 0)
+        rf_registry_abort(H.reg, H.timer_version, "receiver 3 timed out");
+    else
+        rf_registry_notify(H.reg, (rf_reg_event)H.timer_kind, H.timer_version,
+                           "receiver 3 timed out");
+}
+
+/* Schedules an abort (kind 0) or notify on the loop 100 ms from now, so that the test's
+ * thread is blocked in a wait when it comes. */
+typedef struct later { int kind; uint64_t version; } later;
+static void do_later(void *arg)
+{
+    later *l = arg;
+
+    H.timer_kind = l->kind;
+    H.timer_version = l->version;
+    uv_timer_start(&H.timer, timer_cb, 100, 0);
+}
+static void schedule(int kind, uint64_t version)
+{
+    later l = {kind, version};
+
+    on_loop(do_later, &l);
+}
+
+Test(registry, trainers_register_publish_and_are_released)
+{
+    refit_client *t0, *t1;
+    float *mem[2];
+    uint64_t v = 1;
+    probe p;
+
+    open_registry(RF_SRC, 2);
+    t0 = conn("t0", 0, REFIT_TRAINER);
+    t1 = conn("t1", 1, REFIT_TRAINER);
+    register_halves(t0, mem);
+    {
+        const int64_t st[1] = {0}, ext[1] = {3};
+        const int64_t sh[1] = {3};
+        void *m;
+        uint32_t r;
+
+        OK(refit_alloc_host(t1, 12, &m, &r), t1);
+        OK(refit_add_piece(t1, "b", REFIT_FP32, 1, sh, r, 0, st, ext, NULL), t1);
+    }
+    OK(refit_seal(t0), t0);
+    p = get_probe();
+    cr_assert_eq(p.complete, false);
+    cr_assert_eq(H.n_inventory, 0);
+    OK(refit_seal(t1), t1);
+    wait_count(&H.n_inventory, 1);
+    p = get_probe();
+    cr_assert(p.complete);
+    cr_assert_eq(p.ntensors, 2);
+    cr_assert_eq(p.nregions, 3);
+    cr_assert_eq(p.npieces, 3);
+    cr_assert_eq(p.nendpoints, 1, "one host endpoint per daemon");
+    cr_assert_str_eq(p.ep0, "host");
+    /* The daemon's mapping is the trainer's memory. */
+    p.region = 1;
+    p.len = 64;
+    p.fill = 0x3f;
+    on_loop(do_probe, &p);
+    cr_assert_eq(((uint8_t *)mem[1])[63], 0x3f);
+    cr_assert_eq(((uint8_t *)mem[0])[0], 0);
+
+    OK(refit_publish(t0, 1), t0);
+    cr_assert_eq(H.n_ready, 0, "ready only when every trainer published");
+    OK(refit_publish(t1, 1), t1);
+    wait_count(&H.n_ready, 1);
+    cr_assert_eq(H.ready, 1);
+    FAILS(refit_wait_released(t0, 1, 50), t0, -ETIMEDOUT, "no answer from the daemon");
+    on_loop(call_release, &v);
+    OK(refit_wait_released(t0, 1, 2000), t0);
+    OK(refit_wait_released(t1, 1, 2000), t1);
+    FAILS(refit_publish(t0, 1), t0, -EINVAL, "versions must increase");
+
+    /* Version 2 aborts while t0 waits: the error names the reason; publishing 2 again
+     * re-arms ready. */
+    OK(refit_publish(t0, 2), t0);
+    OK(refit_publish(t1, 2), t1);
+    wait_count(&H.n_ready, 2);
+    schedule(0, 2);
+    FAILS(refit_wait_released(t0, 2, 5000), t0, -ECANCELED,
+          "refit of version 2 aborted: receiver 3 timed out");
+    OK(refit_publish(t0, 2), t0);
+    wait_count(&H.n_ready, 3);
+    cr_assert_eq(H.ready, 2);
+    refit_close(t0);
+    refit_close(t1);
+}
+
+Test(registry, client_leaving_drops_its_regions_and_reregisters)
+{
+    refit_client *t0, *t1;
+    probe p;
+
+    open_registry(RF_SRC, 2);
+    t0 = conn("t0", 0, REFIT_TRAINER);
+    t1 = conn("t1", 1, REFIT_TRAINER);
+    register_halves(t0, NULL);
+    register_halves(t1, NULL);
+    OK(refit_seal(t0), t0);
+    OK(refit_seal(t1), t1);
+    wait_count(&H.n_inventory, 1);
+    cr_assert_eq(get_probe().nregions, 4);
+    refit_close(t1);
+    wait_count(&H.n_change, 1);
+    p = get_probe();
+    cr_assert_not(p.complete);
+    cr_assert_eq(p.nregions, 2, "the departed client's regions are gone");
+    cr_assert_eq(p.npieces, 2);
+    t1 = conn("t1 again", 1, REFIT_TRAINER);
+    register_halves(t1, NULL);
+    OK(refit_seal(t1), t1);
+    wait_count(&H.n_inventory, 2);
+    p = get_probe();
+    cr_assert(p.complete);
+    cr_assert_eq(p.npieces, 4);
+    refit_close(t0);
+    refit_close(t1);
+}
+
+Test(registry, registration_errors_name_the_problem)
+{
+    const int64_t z2[2] = {0, 0}, ext[2] = {2, 8}, big[2] = {5, 8}, st1[2] = {3, 0};
+    const int64_t other[2] = {8, 4}, strides_far[2] = {100, 1};
+    refit_client *t0, *t1;
+    uint32_t r0, region;
+    int fd, unsealed;
+    void *m;
+    probe before, after;
+
+    open_registry(RF_SRC, 2);
+    t0 = conn("t0", 0, REFIT_TRAINER);
+    OK(refit_alloc_host(t0, 64, &m, &r0), t0);
+    before = get_probe();
+    FAILS(refit_add_piece(t0, "w", REFIT_FP32, 2, shape2, 7, 0, z2, ext, NULL), t0, -ENOENT,
+          "names unknown region 7");
+    FAILS(refit_add_piece(t0, "w", REFIT_FP32, 2, shape2, r0, 0, st1, ext, NULL), t0, -EINVAL,
+          "lies outside its shape");
+    FAILS(refit_add_piece(t0, "w", REFIT_FP32, 2, shape2, r0, 0, z2, big, NULL), t0, -EINVAL,
+          "lies outside its shape");
+    FAILS(refit_add_piece(t0, "w", REFIT_FP32, 2, shape2, r0, 0, z2, ext, strides_far), t0,
+          -EINVAL, "lies outside its registered region");
+    FAILS(refit_add_piece(t0, "w", REFIT_FP32, 2, shape2, r0, 8, z2, ext, NULL), t0, -EINVAL,
+          "lies outside its registered region");
+    FAILS(refit_add_piece(t0, "w", 99, 2, shape2, r0, 0, z2, ext, NULL), t0, -EINVAL,
+          "unknown dtype 99");
+    FAILS(refit_add_piece(t0, "w", REFIT_FP32, 9, shape2, r0, 0, z2, ext, NULL), t0, -EINVAL,
+          "ndim 9");
+    after = get_probe();
+    cr_assert_eq(after.ntensors, before.ntensors, "nothing half-registered");
+    cr_assert_eq(after.npieces, 0);
+    OK(refit_add_piece(t0, "w", REFIT_FP32, 2, shape2, r0, 0, z2, ext, NULL), t0);
+    FAILS(refit_add_piece(t0, "w", REFIT_BF16, 2, shape2, r0, 0, z2, ext, NULL), t0, -EINVAL,
+          "tensor w registered as");
+    t1 = conn("t1", 1, REFIT_TRAINER);
+    OK(refit_alloc_host(t1, 64, &m, &region), t1);
+    FAILS(refit_add_piece(t1, "w", REFIT_FP32, 2, other, region, 0, z2, ext, NULL), t1,
+          -EINVAL, "tensor w registered as");
+
+    /* Memory: a memfd smaller than claimed, an unsealed one, size 0. */
+    fd = memfd_create("small", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+    cr_assert(ftruncate(fd, 100) == 0);
+    FAILS(refit_region_memfd(t1, fd, 4096, &region), t1, -EINVAL,
+          "memfd is 100 bytes, smaller than the region claimed");
+    unsealed = memfd_create("unsealed", MFD_CLOEXEC);
+    cr_assert(ftruncate(unsealed, 4096) == 0);
+    FAILS(refit_region_memfd(t1, unsealed, 4096, &region), t1, -EINVAL,
+          "not sealed against shrinking");
+    FAILS(refit_region_memfd(t1, fd, 0, &region), t1, -EINVAL, "size 0");
+    close(fd);
+    close(unsealed);
+    after = get_probe();
+    cr_assert_eq(after.nregions, 2);
+    cr_assert_eq(after.npieces, 1);
+
+    /* After seal nothing more is taken; publish needs a seal first. */
+    FAILS(refit_publish(t1, 1), t1, -EINVAL, "before Seal");
+    OK(refit_seal(t0), t0);
+    FAILS(refit_add_piece(t0, "w", REFIT_FP32, 2, shape2, r0, 0, z2, ext, NULL), t0, -EBUSY,
+          "after Seal");
+    FAILS(refit_alloc_host(t0, 64, &m, &region), t0, -EBUSY, "after Seal");
+    refit_close(t0);
+    refit_close(t1);
+}
+
+Test(registry, hello_refusals)
+{
+    refit_client *c = NULL, *t0, *t1;
+
+    open_registry(RF_SRC, 2);
+    FAILS(refit_connect(H.path, "e", 0, REFIT_ENGINE, &c), NULL, -EINVAL,
+          "engine client connected to the publisher daemon");
+    cr_assert_null(c);
+    FAILS(refit_connect(H.path, "t", -1, REFIT_TRAINER, &c), NULL, -EINVAL, "negative");
+    FAILS(refit_connect(H.path, "t", 0, 7, &c), NULL, -EINVAL, "unknown client kind 7");
+    t0 = conn("t0", 0, REFIT_TRAINER);
+    FAILS(refit_connect(H.path, "dup", 0, REFIT_TRAINER, &c), NULL, -EADDRINUSE,
+          "rank 0 is already connected (client 't0'");
+    t1 = conn("t1", 1, REFIT_TRAINER);
+    FAILS(refit_connect(H.path, "t2", 2, REFIT_TRAINER, &c), NULL, -EUSERS,
+          "expects 2 trainer clients");
+    FAILS(refit_connect("/nonexistent/x.sock", "t", 0, REFIT_TRAINER, &c), NULL, -ENOENT,
+          "is the daemon running");
+    /* ctl clients do not count against the expected trainers. */
+    c = conn("ctl", 0, REFIT_CTL);
+    refit_close(c);
+    refit_close(t0);
+    refit_close(t1);
+}
+
+static int grab(void *ctx, const uint8_t *b, uint32_t len)
+{
+    *(Refit__Rpc__Response **)ctx = refit__rpc__response__unpack(NULL, len, b);
+    return 0;
+}
+
+/* Raw requests the C API never sends: before Hello, Hello twice, a CUDA region here. */
+static Refit__Rpc__Response *raw_call(int fd, Refit__Rpc__Request *q)
+{
+    rf_wire_reader rd;
+    Refit__Rpc__Response *out = NULL;
+    uint8_t buf[4096];
+    ssize_t n;
+
+    rf_wire_reader_init(&rd, 0);
+    cr_assert_eq(rf_rpc_send(fd, q, -1, NULL), 0);
+    while (out == NULL && (n = recv(fd, buf, sizeof(buf), 0)) > 0)
+        cr_assert_eq(rf_wire_reader_feed(&rd, buf, (size_t)n, grab, &out), 0);
+    rf_wire_reader_reset(&rd);
+    cr_assert_not_null(out);
+    return out;
+}
+
+static void expect_raw(int fd, Refit__Rpc__Request *q, int code, const char *text)
+{
+    Refit__Rpc__Response *r = raw_call(fd, q);
+
+    cr_assert_eq(r->id, q->id);
+    cr_assert_eq(r->code, code, "code %d: %s", r->code, r->message);
+    cr_assert(strstr(r->message, text), "'%s' lacks '%s'", r->message, text);
+    refit__rpc__response__free_unpacked(r, NULL);
+}
+
+Test(registry, protocol_refusals)
+{
+    Refit__Rpc__Request q = REFIT__RPC__REQUEST__INIT;
+    Refit__Rpc__Hello h = REFIT__RPC__HELLO__INIT;
+    Refit__Rpc__Seal seal = REFIT__RPC__SEAL__INIT;
+    Refit__Rpc__RegisterRegion rr = REFIT__RPC__REGISTER_REGION__INIT;
+    uint8_t handle[64] = {1};
+    int fd;
+
+    open_registry(RF_DST, 1);
+    cr_assert_eq(rf_rpc_dial(H.path, &fd, NULL), 0);
+    q.id = 1;
+    q.body_case = REFIT__RPC__REQUEST__BODY_SEAL;
+    q.seal = &seal;
+    expect_raw(fd, &q, -EPROTO, "say Hello first");
+    q.id = 2;
+    q.body_case = REFIT__RPC__REQUEST__BODY_HELLO;
+    q.hello = &h;
+    h.protocol_version = 99;
+    h.kind = REFIT__RPC__CLIENT_KIND__CLIENT_ENGINE;
+    expect_raw(fd, &q, -EPROTONOSUPPORT, "protocol version 99");
+    h.protocol_version = RF_RPC_PROTOCOL_VERSION;
+    q.id = 3;
+    expect_raw(fd, &q, 0, "welcome");
+    q.id = 4;
+    expect_raw(fd, &q, -EISCONN, "Hello sent twice");
+    q.id = 5;
+    q.body_case = REFIT__RPC__REQUEST__BODY_REGISTER_REGION;
+    q.register_region = &rr;
+    rr.kind = REFIT__RPC__MEM_KIND__MEM_CUDA_IPC;
+    rr.device = "GPU-0b5c";
+    rr.size = 1024;
+    rr.ipc_handle.data = handle;
+    rr.ipc_handle.len = sizeof(handle);
+    expect_raw(fd, &q, -ENOTSUP, "cuda_ipc is not supported");
+    q.id = 6;
+    rr.device = "host";
+    expect_raw(fd, &q, -EINVAL, "host memory is a memfd");
+    q.id = 7;
+    rr.device = "";
+    expect_raw(fd, &q, -EINVAL, "region device must be");
+    q.id = 8;
+    rr.kind = REFIT__RPC__MEM_KIND__MEM_MEMFD;
+    rr.device = "host";
+    expect_raw(fd, &q, -EBADF, "without a file descriptor");
+    close(fd);
+}
+
+Test(registry, engine_overlap_refused_at_seal)
+{
+    const int64_t sh[1] = {16}, s0[1] = {0}, s8[1] = {8}, e8[1] = {8};
+    refit_client *e0, *e1;
+    uint32_t r;
+    void *m;
+
+    open_registry(RF_DST, 2);
+    e0 = conn("e0", 0, REFIT_ENGINE);
+    e1 = conn("e1", 1, REFIT_ENGINE);
+    OK(refit_alloc_host(e0, 64, &m, &r), e0);
+    /* Two tensors written to the same 32 bytes. */
+    OK(refit_add_piece(e0, "a", REFIT_FP32, 1, sh, r, 0, s0, e8, NULL), e0);
+    OK(refit_add_piece(e0, "b", REFIT_FP32, 1, sh, r, 16, s8, e8, NULL), e0);
+    /* An unfinished overlap of e0 must not fail e1's seal. */
+    OK(refit_alloc_host(e1, 64, &m, &r), e1);
+    OK(refit_add_piece(e1, "a", REFIT_FP32, 1, sh, r, 0, s8, e8, NULL), e1);
+    OK(refit_seal(e1), e1);
+    FAILS(refit_seal(e0), e0, -EINVAL, "seal refused");
+    cr_assert(strstr(refit_last_error(e0), "a ") && strstr(refit_last_error(e0), "b "),
+              "both pieces named: %s", refit_last_error(e0));
+    cr_assert(strstr(refit_last_error(e0), "register them again"));
+    wait_count(&H.n_change, 1);
+    cr_assert_eq(get_probe().npieces, 1, "e0's pieces dropped");
+    OK(refit_add_piece(e0, "b", REFIT_FP32, 1, sh, 0, 32, s8, e8, NULL), e0);
+    OK(refit_seal(e0), e0);
+    wait_count(&H.n_inventory, 1);
+    cr_assert_eq(get_probe().npieces, 2);
+    refit_close(e0);
+    refit_close(e1);
+}
+
+typedef struct notify_args { int ev; uint64_t v; } notify_args;
+static void call_notify(void *arg)
+{
+    notify_args *n = arg;
+
+    rf_registry_notify(H.reg, (rf_reg_event)n->ev, n->v, "r");
+}
+
+Test(registry, engines_get_events_and_version_waits)
+{
+    const int64_t sh[1] = {4}, s0[1] = {0};
+    refit_client *e0, *t;
+    notify_args n;
+    uint64_t version;
+    int ev;
+    uint32_t r;
+    void *m;
+
+    open_registry(RF_DST, 1);
+    e0 = conn("e0", 0, REFIT_ENGINE);
+    OK(refit_alloc_host(e0, 16, &m, &r), e0);
+    OK(refit_add_piece(e0, "x", REFIT_FP32, 1, sh, r, 0, s0, sh, NULL), e0);
+    OK(refit_seal(e0), e0);
+    FAILS(refit_next_event(e0, 20, &ev, &version), e0, -ETIMEDOUT, "no event");
+    n = (notify_args){RF_REG_INSTALLING, 1};
+    on_loop(call_notify, &n);
+    n = (notify_args){RF_REG_COMMITTED, 1};
+    on_loop(call_notify, &n);
+    OK(refit_wait_version(e0, 1, 2000), e0);
+    OK(refit_next_event(e0, 2000, &ev, &version), e0);
+    cr_assert_eq(ev, REFIT_EVENT_INSTALLING);
+    cr_assert_eq(version, 1);
+    OK(refit_next_event(e0, 2000, &ev, &version), e0);
+    cr_assert_eq(ev, REFIT_EVENT_COMMITTED);
+    schedule(RF_REG_ABORTED, 2);
+    FAILS(refit_wait_version(e0, 2, 5000), e0, -ECANCELED,
+          "refit of version 2 aborted: receiver 3 timed out");
+    OK(refit_next_event(e0, 2000, &ev, &version), e0);
+    cr_assert_eq(ev, REFIT_EVENT_ABORTED);
+    cr_assert_eq(version, 2);
+    schedule(RF_REG_COMMITTED, 3);
+    OK(refit_wait_version(e0, 3, 5000), e0);
+    FAILS(refit_publish(e0, 4), e0, -EPERM, "Publish is for trainers");
+    FAILS(refit_wait_released(e0, 4, 100), e0, -EPERM, "WaitReleased is for trainers");
+    t = conn("ctl", 0, REFIT_CTL);
+    FAILS(refit_wait_version(t, 4, 100), t, -EPERM, "WaitVersion is for engines");
+    FAILS(refit_seal(t), t, -EPERM, "Seal is for trainer and engine clients");
+    refit_close(t);
+    refit_close(e0);
+}
+
+Test(registry, ctl_status_trigger_wait)
+{
+    refit_client *c;
+    char *json = NULL;
+    json_t *j;
+    notify_args n;
+
+    open_registry(RF_SRC, 1);
+    c = conn("refitctl", 0, REFIT_CTL);
+    OK(refit_status_json(c, &json), c);
+    j = json_loads(json, 0, NULL);
+    cr_assert_not_null(j, "%s", json);
+    cr_assert_str_eq(json_string_value(json_object_get(j, "side")), "trainers");
+    cr_assert_eq(json_integer_value(json_object_get(j, "expected_clients")), 1);
+    cr_assert_eq(json_array_size(json_object_get(j, "clients")), 1);
+    json_decref(j);
+    free(json);
+    OK(refit_trigger(c, 5), c);
+    wait_count(&H.n_refit, 1);
+    cr_assert_eq(H.refit, 5);
+    H.refuse_refit = true;
+    FAILS(refit_trigger(c, 6), c, -EBUSY, "refit 6: a refit is already running");
+    schedule(RF_REG_COMMITTED, 5);
+    OK(refit_wait(c, 5, 5000), c);
+    OK(refit_wait(c, 4, 100), c); /* already committed */
+    schedule(RF_REG_ABORTED, 6);
+    FAILS(refit_wait(c, 6, 5000), c, -ECANCELED, "refit of version 6 aborted");
+    H.refuse_wait = true;
+    FAILS(refit_wait(c, 7, 100), c, -EINVAL, "version 7 was never triggered");
+    n = (notify_args){RF_REG_COMMITTED, 7};
+    on_loop(call_notify, &n);
+    OK(refit_wait(c, 7, 100), c);
+    refit_close(c);
+}
+
+Test(registry, daemon_without_ctl_callbacks_refuses)
+{
+    rf_registry_opts o = {0};
+    rf_registry_cb cb = {0};
+    refit_client *c;
+    char *json;
+    rf_err err = {0};
+
+    o.socket_path = H.path;
+    o.side = RF_DST;
+    o.expected_clients = 0;
+    cr_assert_eq(rf_registry_open(&H.loop, &o, &cb, NULL, &H.reg, &err), -EINVAL);
+    cr_assert(strstr(err.msg, "expects 0 clients"), "%s", err.msg);
+    o.expected_clients = 1;
+    cr_assert_eq(rf_registry_open(&H.loop, &o, &cb, NULL, &H.reg, &err), 0, "%s", err.msg);
+    pthread_create(&H.th, NULL, loop_main, NULL);
+    c = conn("ctl", 0, REFIT_CTL);
+    FAILS(refit_status_json(c, &json), c, -ENOTSUP, "does not serve status");
+    FAILS(refit_trigger(c, 1), c, -ENOTSUP, "send them to the coordinator");
+    refit_close(c);
+}
+
+Test(registry, bad_frame_from_one_client_others_served)
+{
+    uint8_t junk[] = {0, 0, 0, 2, 0xff, 0xff};
+    refit_client *e0, *e1;
+    probe p;
+
+    open_registry(RF_DST, 2);
+    e0 = conn("e0", 0, REFIT_ENGINE);
+    e1 = conn("e1", 1, REFIT_ENGINE);
+    {
+        /* librefit's fd is private; reach it through a fresh raw client instead. */
+        int fd;
+        Refit__Rpc__Response *r;
+
+        cr_assert_eq(rf_rpc_dial(H.path, &fd, NULL), 0);
+        cr_assert_eq(send(fd, junk, sizeof(junk), 0), (ssize_t)sizeof(junk));
+        {
+            rf_wire_reader rd;
+            uint8_t buf[1024];
+            ssize_t n;
+
+            rf_wire_reader_init(&rd, 0);
+            r = NULL;
+            while (r == NULL && (n = recv(fd, buf, sizeof(buf), 0)) > 0)
+                rf_wire_reader_feed(&rd, buf, (size_t)n, grab, &r);
+            rf_wire_reader_reset(&rd);
+        }
+        cr_assert_not_null(r);
+        cr_assert_eq(r->code, -EBADMSG);
+        refit__rpc__response__free_unpacked(r, NULL);
+        close(fd);
+    }
+    register_halves(e0, NULL);
+    OK(refit_seal(e0), e0);
+    p = get_probe();
+    cr_assert_eq(p.npieces, 2);
+    refit_close(e0);
+    refit_close(e1);
+}

@@ -1,0 +1,1134 @@
+/* tests/unit/test_xfer.c - the tcp transport between several instances in one process over
+ * 127.0.0.1: jobs by hand and from real plans checked byte for byte, rounds under a tiny
+ * staging budget, verification digests, dead peers, stale versions, deadlines and aborts. */
+#include <criterion/criterion.h>
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <time.h>
+#include <unistd.h>
+#include <uv.h>
+
+#include "layout.h"
+#include "macros.h"
+#include "model.h"
+#include "plan.h"
+#include "xfer.h"
+
+#define MAXD 4
+
+/* ---- a world of transports on one loop -------------------------------------------------- */
+
+typedef struct world {
+    uv_loop_t loop;
+    uv_timer_t guard, poke;
+    int n;
+    rf_xfer_transport *t[MAXD];
+    rf_xfer_result res[MAXD];
+    bool got[MAXD];
+    int pending, closing;
+    void (*poke_fn)(struct world *w);
+    int poke_target;
+} world;
+
+static void on_guard(uv_timer_t *h)
+{
+    (void)h;
+    cr_assert_fail("a job did not finish within 30 s: the transport hangs");
+}
+
+static void world_init_loop(world *w)
+{
+    memset(w, 0, sizeof(*w));
+    cr_assert_eq(uv_loop_init(&w->loop), 0);
+    uv_timer_init(&w->loop, &w->guard);
+    uv_timer_init(&w->loop, &w->poke);
+}
+
+static const char *addr_of(world *w, int i)
+{
+    return rf_xfer_tcp_addr(w->t[i]);
+}
+
+static void world_set_peers(world *w)
+{
+    const char *addrs[MAXD];
+    rf_err err;
+
+    for (int i = 0; i < w->n; i++)
+        addrs[i] = addr_of(w, i);
+    for (int i = 0; i < w->n; i++)
+        cr_assert_eq(rf_xfer_set_peers(w->t[i], (uint32_t)i, (uint32_t)w->n, addrs, &err), 0,
+                     "%s", err.msg);
+}
+
+static void world_open(world *w, int n)
+{
+    rf_err err;
+
+    world_init_loop(w);
+    w->n = n;
+    for (int i = 0; i < n; i++) {
+        cr_assert_eq(rf_xfer_tcp_new(&w->loop, "127.0.0.1:0", &w->t[i], &err), 0, "%s",
+                     err.msg);
+        cr_assert_str_eq(rf_xfer_name(w->t[i]), "tcp");
+        cr_assert(strncmp(addr_of(w, i), "127.0.0.1:", 10) == 0, "%s", addr_of(w, i));
+        cr_assert_neq(strcmp(addr_of(w, i), "127.0.0.1:0"), 0);
+    }
+    world_set_peers(w);
+}
+
+static void on_done(rf_xfer_transport *t, const rf_xfer_result *res, void *arg)
+{
+    world *w = arg;
+
+    for (int i = 0; i < w->n; i++) {
+        if (w->t[i] == t) {
+            cr_assert(!w->got[i], "done called twice for transport %d", i);
+            w->res[i] = *res;
+            w->got[i] = true;
+        }
+    }
+    if (--w->pending == 0)
+        uv_stop(&w->loop);
+}
+
+static void on_poke(uv_timer_t *h)
+{
+    world *w = container_of(h, world, poke);
+
+    w->poke_fn(w);
+}
+
+/* Runs jobs[i] on transport i (NULL: none) until every started job is done; poke, when set,
+ * fires after poke_ms on the loop thread. */
+static void world_run_poke(world *w, rf_xfer_job **jobs, void (*poke)(world *), uint64_t poke_ms)
+{
+    rf_err err;
+
+    memset(w->got, 0, sizeof(w->got));
+    memset(w->res, 0, sizeof(w->res));
+    w->pending = 0;
+    for (int i = 0; i < w->n; i++) {
+        if (!jobs[i])
+            continue;
+        cr_assert_eq(rf_xfer_run(w->t[i], jobs[i], on_done, w, &err), 0, "%s", err.msg);
+        w->pending++;
+    }
+    if (poke) {
+        w->poke_fn = poke;
+        uv_timer_start(&w->poke, on_poke, poke_ms, 0);
+    }
+    uv_timer_start(&w->guard, on_guard, 30000, 0);
+    if (w->pending > 0)
+        uv_run(&w->loop, UV_RUN_DEFAULT);
+    uv_timer_stop(&w->guard);
+    uv_timer_stop(&w->poke);
+}
+
+static void world_run(world *w, rf_xfer_job **jobs)
+{
+    world_run_poke(w, jobs, NULL, 0);
+}
+
+static void on_closed(void *arg)
+{
+    world *w = arg;
+
+    w->closing--;
+}
+
+static void world_close(world *w)
+{
+    for (int i = 0; i < w->n; i++) {
+        if (w->t[i]) {
+            w->closing++;
+            rf_xfer_close(w->t[i], on_closed, w);
+            w->t[i] = NULL;
+        }
+    }
+    uv_close((uv_handle_t *)&w->guard, NULL);
+    uv_close((uv_handle_t *)&w->poke, NULL);
+    uv_run(&w->loop, UV_RUN_DEFAULT);
+    cr_assert_eq(w->closing, 0);
+    cr_assert_eq(uv_loop_close(&w->loop), 0, "handles left open on the loop");
+}
+
+static double now_s(void)
+{
+    struct timespec ts;
+
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+/* ---- data: a pattern per (tensor, element, version) --------------------------------------- */
+
+static uint8_t pattern(uint32_t tensor, uint64_t lin, int byte, uint64_t version)
+{
+    uint64_t x = (lin + 1) * 0x9e3779b97f4a7c15ull ^ ((uint64_t)tensor << 40) ^ (version << 56);
+
+    x ^= x >> 29;
+    x *= 0xbf58476d1ce4e5b9ull;
+    x ^= x >> 32;
+    return (uint8_t)(x >> (8 * byte));
+}
+
+/* Calls fn on every element of box: its global index, row-major linear index in shape. */
+static void for_each(const rf_tensor *t, const rf_box *box,
+                     void (*fn)(void *ctx, const int64_t *idx, uint64_t lin), void *ctx)
+{
+    int64_t idx[RF_MAX_DIMS];
+    int d;
+
+    for (d = 0; d < t->ndim; d++)
+        idx[d] = box->start[d];
+    for (;;) {
+        uint64_t lin = 0;
+
+        for (d = 0; d < t->ndim; d++)
+            lin = lin * (uint64_t)t->shape[d] + (uint64_t)idx[d];
+        fn(ctx, idx, lin);
+        for (d = t->ndim - 1; d >= 0; d--) {
+            if (++idx[d] < box->start[d] + box->extent[d])
+                break;
+            idx[d] = box->start[d];
+        }
+        if (d < 0)
+            return;
+    }
+}
+
+typedef struct elem_ctx {
+    uint8_t *base;
+    const rf_piece *p;
+    const rf_tensor *t;
+    size_t esize;
+    uint64_t version;
+    uint8_t *mask; /* dst: bytes the pieces cover */
+    uint64_t wrong;
+} elem_ctx;
+
+static void fill_elem(void *ctx, const int64_t *idx, uint64_t lin)
+{
+    elem_ctx *c = ctx;
+    uint64_t off = rf_piece_byte_offset(c->p, c->t->ndim, c->esize, idx);
+
+    for (size_t b = 0; b < c->esize; b++)
+        c->base[off + b] = pattern(c->p->tensor, lin, (int)b, c->version);
+}
+
+static void check_elem(void *ctx, const int64_t *idx, uint64_t lin)
+{
+    elem_ctx *c = ctx;
+    uint64_t off = rf_piece_byte_offset(c->p, c->t->ndim, c->esize, idx);
+
+    for (size_t b = 0; b < c->esize; b++) {
+        if (c->base[off + b] != pattern(c->p->tensor, lin, (int)b, c->version))
+            c->wrong++;
+        c->mask[off + b] = 1;
+    }
+}
+
+/* A cluster in host memory: one buffer per region of the inventory. */
+typedef struct cluster {
+    const rf_inv *inv;
+    uint8_t **bases;
+    uint32_t nregions;
+} cluster;
+
+static void cluster_alloc(cluster *c, const rf_inv *inv)
+{
+    c->inv = inv;
+    c->nregions = rf_inv_nregions(inv);
+    c->bases = calloc(c->nregions, sizeof(*c->bases));
+    cr_assert_not_null(c->bases);
+    for (uint32_t r = 0; r < c->nregions; r++) {
+        c->bases[r] = malloc(rf_inv_region(inv, r)->size + 1);
+        cr_assert_not_null(c->bases[r]);
+        memset(c->bases[r], 0xee, rf_inv_region(inv, r)->size + 1);
+    }
+}
+
+static void cluster_free(cluster *c)
+{
+    for (uint32_t r = 0; r < c->nregions; r++)
+        free(c->bases[r]);
+    free(c->bases);
+}
+
+static void fill_sources(cluster *c, uint64_t version)
+{
+    for (uint32_t i = 0; i < rf_inv_npieces(c->inv, RF_SRC); i++) {
+        rf_piece p;
+        elem_ctx e;
+
+        rf_inv_piece(c->inv, RF_SRC, i, &p);
+        e = (elem_ctx){.base = c->bases[p.region], .p = &p,
+                       .t = rf_inv_tensor(c->inv, p.tensor), .version = version};
+        e.esize = rf_dtype_size(e.t->dtype);
+        for_each(e.t, &p.box, fill_elem, &e);
+    }
+}
+
+/* Every destination byte holds the version's pattern; every other byte of a destination
+ * region is untouched (0xee). */
+static void check_destinations(cluster *c, uint64_t version)
+{
+    uint8_t **mask = calloc(c->nregions, sizeof(*mask));
+    uint64_t wrong = 0, stray = 0;
+
+    for (uint32_t i = 0; i < rf_inv_npieces(c->inv, RF_DST); i++) {
+        rf_piece p;
+        elem_ctx e;
+
+        rf_inv_piece(c->inv, RF_DST, i, &p);
+        if (!mask[p.region])
+            mask[p.region] = calloc(rf_inv_region(c->inv, p.region)->size + 1, 1);
+        e = (elem_ctx){.base = c->bases[p.region], .p = &p,
+                       .t = rf_inv_tensor(c->inv, p.tensor), .version = version,
+                       .mask = mask[p.region]};
+        e.esize = rf_dtype_size(e.t->dtype);
+        for_each(e.t, &p.box, check_elem, &e);
+        wrong += e.wrong;
+    }
+    for (uint32_t r = 0; r < c->nregions; r++) {
+        if (!mask[r])
+            continue;
+        for (uint64_t b = 0; b <= rf_inv_region(c->inv, r)->size; b++)
+            if (!mask[r][b] && c->bases[r][b] != 0xee)
+                stray++;
+        free(mask[r]);
+    }
+    free(mask);
+    cr_assert_eq(wrong, 0, "%llu destination bytes wrong", (unsigned long long)wrong);
+    cr_assert_eq(stray, 0, "%llu bytes outside destination pieces written",
+                 (unsigned long long)stray);
+}
+
+/* ---- jobs from a plan ---------------------------------------------------------------------- */
+
+static void job_push(rf_xfer_job *j, const rf_xfer_msg *m)
+{
+    j->msgs = realloc(j->msgs, (j->nmsgs + 1) * sizeof(*j->msgs));
+    cr_assert_not_null(j->msgs);
+    j->msgs[j->nmsgs++] = *m;
+}
+
+static void job_free(rf_xfer_job *j)
+{
+    for (uint32_t i = 0; i < j->nmsgs; i++)
+        free(j->msgs[i].items);
+    free(j->msgs);
+    memset(j, 0, sizeof(*j));
+}
+
+static rf_xfer_msg plan_side(const rf_plan *pl, uint32_t mi, rf_side side, uint8_t **bases,
+                             uint32_t peer)
+{
+    const rf_inv *inv = rf_plan_inv(pl);
+    const rf_msg *pm = rf_plan_msg(pl, mi);
+    rf_xfer_msg m = {.seq = mi, .round = pm->round, .kind = pm->kind, .send = side == RF_SRC,
+                     .peer = peer, .bytes = pm->bytes, .nitems = pm->count};
+
+    m.items = calloc(pm->count ? pm->count : 1, sizeof(*m.items));
+    cr_assert_not_null(m.items);
+    for (uint32_t k = 0; k < pm->count; k++) {
+        const rf_xfer *x = rf_plan_xfer(pl, (uint64_t)pm->first + k);
+        rf_xfer_item *it = &m.items[k];
+        const rf_tensor *t;
+
+        rf_inv_piece(inv, side, side == RF_SRC ? x->src : x->dst, &it->piece);
+        t = rf_inv_tensor(inv, it->piece.tensor);
+        it->base = bases[it->piece.region];
+        it->ndim = t->ndim;
+        it->esize = rf_dtype_size(t->dtype);
+        it->box = *rf_plan_box(pl, x->box);
+        it->msg_off = x->msg_off;
+        it->bytes = x->bytes;
+    }
+    return m;
+}
+
+/* The job of every daemon: ep_daemon maps each endpoint of the plan's inventory to a daemon.
+ * A daemon's staging budget is the plan's per endpoint times its endpoints. */
+static void jobs_from_plan(const rf_plan *pl, const rf_plan_opts *o, const uint32_t *ep_daemon,
+                           int ndaemons, uint8_t **bases, uint64_t version, int verify,
+                           rf_xfer_job *jobs)
+{
+    const rf_inv *inv = rf_plan_inv(pl);
+
+    for (int d = 0; d < ndaemons; d++) {
+        memset(&jobs[d], 0, sizeof(jobs[d]));
+        jobs[d].version = version;
+        jobs[d].nrounds = rf_plan_nrounds(pl);
+        jobs[d].timeout_s = 20;
+        jobs[d].verify = verify;
+    }
+    for (uint32_t e = 0; e < rf_inv_nendpoints(inv); e++)
+        jobs[ep_daemon[e]].staging_bytes += o->staging_bytes;
+    for (uint32_t mi = 0; mi < rf_plan_nmsgs(pl); mi++) {
+        const rf_msg *pm = rf_plan_msg(pl, mi);
+        uint32_t ds = ep_daemon[pm->src_ep], dd = ep_daemon[pm->dst_ep];
+        rf_xfer_msg s = plan_side(pl, mi, RF_SRC, bases, dd);
+        rf_xfer_msg r = plan_side(pl, mi, RF_DST, bases, ds);
+
+        job_push(&jobs[ds], &s);
+        job_push(&jobs[dd], &r);
+    }
+}
+
+static void digests_agree(const world *w)
+{
+    uint8_t s[32] = {0}, r[32] = {0}, zero[32] = {0};
+
+    for (int i = 0; i < w->n; i++) {
+        for (int b = 0; b < 32; b++) {
+            s[b] ^= w->res[i].digest_sent[b];
+            r[b] ^= w->res[i].digest_recv[b];
+        }
+    }
+    cr_assert(memcmp(s, zero, 32) != 0, "verify on, yet no digest was computed");
+    cr_assert(memcmp(s, r, 32) == 0, "XOR of sent digests differs from XOR of received ones");
+}
+
+/* ---- a hand-made inventory: splits, replicas, a transposed store, padding --------------- */
+
+typedef struct builder {
+    rf_inv *inv;
+    uint32_t region[MAXD];
+    uint64_t cursor[MAXD];
+} builder;
+
+#define REGION_BYTES (2u << 20)
+
+static uint32_t add_tensor(builder *b, const char *name, rf_dtype dt, int ndim,
+                           const int64_t *shape)
+{
+    uint32_t id;
+    rf_err err;
+
+    cr_assert_eq(rf_inv_add_tensor(b->inv, name, dt, ndim, shape, &id, &err), 0, "%s",
+                 err.msg);
+    return id;
+}
+
+/* A piece of box on endpoint ep; strides NULL means dense row-major. */
+static void add_piece(builder *b, uint32_t ep, uint32_t tensor, const int64_t *start,
+                      const int64_t *extent, const int64_t *strides)
+{
+    const rf_tensor *t = rf_inv_tensor(b->inv, tensor);
+    size_t es = rf_dtype_size(t->dtype);
+    rf_piece p;
+    uint64_t span = 1;
+    uint32_t id;
+    rf_err err;
+
+    memset(&p, 0, sizeof(p));
+    p.tensor = tensor;
+    p.region = b->region[ep];
+    p.offset = b->cursor[ep];
+    for (int d = 0; d < RF_MAX_DIMS; d++) {
+        p.box.start[d] = d < t->ndim ? start[d] : 0;
+        p.box.extent[d] = d < t->ndim ? extent[d] : 1;
+    }
+    for (int d = t->ndim - 1; d >= 0; d--) {
+        if (strides) {
+            p.strides[d] = strides[d];
+        } else {
+            p.strides[d] = (int64_t)span;
+            span *= (uint64_t)extent[d];
+        }
+    }
+    span = 1;
+    for (int d = 0; d < t->ndim; d++)
+        span += (uint64_t)(extent[d] - 1) * (uint64_t)p.strides[d];
+    b->cursor[ep] += (span * es + 63) & ~63ull;
+    cr_assert_eq(rf_inv_add_piece(b->inv, &p, &id, &err), 0, "%s", err.msg);
+}
+
+/* Endpoints: src 0 (daemon 0), src 1 (daemon 1), dst 2 (daemon 1), dst 3 (daemon 2); daemon 1
+ * so sends to itself too. */
+static const uint32_t hand_ep_daemon[4] = {0, 1, 1, 2};
+
+static rf_inv *hand_inv(void)
+{
+    builder b = {.inv = rf_inv_new()};
+    uint32_t ep, big, tr, cube, norms[12];
+    rf_err err;
+
+    cr_assert_not_null(b.inv);
+    for (int e = 0; e < 4; e++) {
+        cr_assert_eq(rf_inv_add_endpoint(b.inv, e < 2 ? RF_SRC : RF_DST, (uint32_t)e, &ep,
+                                         &err), 0, "%s", err.msg);
+        cr_assert_eq(rf_inv_add_region(b.inv, ep, REGION_BYTES, &b.region[e], &err), 0, "%s",
+                     err.msg);
+    }
+    /* fp32 [256, 512]: row halves on the sources; whole on dst 2 (direct), left columns on
+     * dst 3 (strided on the source side: packed, and split to fit the budget). */
+    big = add_tensor(&b, "model.layers.0.mlp.up_proj.weight", RF_DT_FP32, 2,
+                     (int64_t[]){256, 512});
+    add_piece(&b, 0, big, (int64_t[]){0, 0}, (int64_t[]){128, 512}, NULL);
+    add_piece(&b, 1, big, (int64_t[]){128, 0}, (int64_t[]){128, 512}, NULL);
+    add_piece(&b, 2, big, (int64_t[]){0, 0}, (int64_t[]){256, 512}, NULL);
+    add_piece(&b, 3, big, (int64_t[]){0, 0}, (int64_t[]){256, 256}, NULL);
+    /* bf16 [96, 80]: replicated on both sources; stored transposed on dst 2, right columns
+     * on dst 3. */
+    tr = add_tensor(&b, "model.layers.0.self_attn.o_proj.weight", RF_DT_BF16, 2,
+                    (int64_t[]){96, 80});
+    add_piece(&b, 0, tr, (int64_t[]){0, 0}, (int64_t[]){96, 80}, NULL);
+    add_piece(&b, 1, tr, (int64_t[]){0, 0}, (int64_t[]){96, 80}, NULL);
+    add_piece(&b, 2, tr, (int64_t[]){0, 0}, (int64_t[]){96, 80}, (int64_t[]){1, 96});
+    add_piece(&b, 3, tr, (int64_t[]){0, 40}, (int64_t[]){96, 40}, NULL);
+    /* int64 [3, 5, 7]: split on dim 1 by the sources, padded rows (stride 8) on dst 3. */
+    cube = add_tensor(&b, "model.layers.0.mlp.gate.e_score_correction_bias", RF_DT_INT64, 3,
+                      (int64_t[]){3, 5, 7});
+    add_piece(&b, 0, cube, (int64_t[]){0, 0, 0}, (int64_t[]){3, 2, 7}, NULL);
+    add_piece(&b, 1, cube, (int64_t[]){0, 2, 0}, (int64_t[]){3, 3, 7}, NULL);
+    add_piece(&b, 3, cube, (int64_t[]){0, 0, 0}, (int64_t[]){3, 5, 7}, (int64_t[]){40, 8, 1});
+    /* Many small norms, replicated everywhere: packed together. */
+    for (int i = 0; i < 12; i++) {
+        char name[64];
+
+        snprintf(name, sizeof(name), "model.layers.%d.input_layernorm.weight", i);
+        norms[i] = add_tensor(&b, name, RF_DT_FP16, 1, (int64_t[]){64 + i});
+        add_piece(&b, 0, norms[i], (int64_t[]){0}, (int64_t[]){64 + i}, NULL);
+        add_piece(&b, 1, norms[i], (int64_t[]){0}, (int64_t[]){64 + i}, NULL);
+        add_piece(&b, 2, norms[i], (int64_t[]){0}, (int64_t[]){64 + i}, NULL);
+        add_piece(&b, 3, norms[i], (int64_t[]){0}, (int64_t[]){64 + i}, NULL);
+    }
+    cr_assert_eq(rf_inv_check_dst_overlap(b.inv, &err), 0, "%s", err.msg);
+    return b.inv;
+}
+
+/* Plans inv, runs it twice (versions 1 and 2, connections kept) on ndaemons transports with
+ * verification on, and checks every destination byte and the digests each time. */
+static void run_plan(rf_inv *inv, const rf_plan_opts *o, const uint32_t *ep_daemon,
+                     int ndaemons, uint32_t min_rounds)
+{
+    rf_xfer_job jobs[MAXD], *jp[MAXD];
+    const rf_plan_stats *st;
+    rf_plan *pl = NULL;
+    cluster c;
+    world w;
+    rf_err err;
+
+    cr_assert_eq(rf_plan_build(inv, o, &pl, &err), 0, "%s", err.msg);
+    st = rf_plan_stats_get(pl);
+    cr_assert_geq(rf_plan_nrounds(pl), min_rounds, "only %u rounds", rf_plan_nrounds(pl));
+    cr_assert_gt(st->direct_transfers, 0, "the plan has no direct transfer to test");
+    cr_assert_gt(st->packed_transfers, 0, "the plan has no packed transfer to test");
+    cluster_alloc(&c, inv);
+    world_open(&w, ndaemons);
+    for (uint64_t v = 1; v <= 2; v++) {
+        uint64_t sent = 0, recv = 0;
+
+        fill_sources(&c, v);
+        jobs_from_plan(pl, o, ep_daemon, ndaemons, c.bases, v, 1, jobs);
+        for (int d = 0; d < ndaemons; d++)
+            jp[d] = &jobs[d];
+        world_run(&w, jp);
+        for (int d = 0; d < ndaemons; d++) {
+            cr_assert_eq(w.res[d].code, 0, "daemon %d: %s", d, w.res[d].error);
+            cr_assert_leq(w.res[d].peak_staging, jobs[d].staging_bytes);
+            sent += w.res[d].bytes_sent;
+            recv += w.res[d].bytes_recv;
+        }
+        cr_assert_eq(sent, st->dst_bytes);
+        cr_assert_eq(recv, st->dst_bytes);
+        check_destinations(&c, v);
+        digests_agree(&w);
+        for (int d = 0; d < ndaemons; d++)
+            job_free(&jobs[d]);
+    }
+    world_close(&w);
+    cluster_free(&c);
+    rf_plan_free(pl);
+}
+
+Test(xfer_plan, hand_layout_three_daemons_tiny_budget)
+{
+    rf_inv *inv = hand_inv();
+    rf_plan_opts o = {.staging_bytes = 64 << 10, .direct_min_bytes = 64 << 10};
+
+    run_plan(inv, &o, hand_ep_daemon, 3, 4);
+    rf_inv_free(inv);
+}
+
+Test(xfer_plan, hand_layout_large_budget_one_round)
+{
+    rf_inv *inv = hand_inv();
+    rf_plan_opts o = {.staging_bytes = 64 << 20, .direct_min_bytes = 64 << 10};
+
+    run_plan(inv, &o, hand_ep_daemon, 3, 1);
+    rf_inv_free(inv);
+}
+
+/* A real model layout: qwen3 shrunk, trainer tp=2 on daemons 0-1, engine tp=4 on daemons 2-3
+ * (two engine GPUs per daemon). */
+Test(xfer_plan, qwen3_tp2_to_tp4_four_daemons)
+{
+    rf_model *m = NULL, *s = NULL;
+    rf_par ps, pd;
+    rf_inv *inv = rf_inv_new();
+    rf_plan_opts o = {.staging_bytes = 1 << 20, .direct_min_bytes = 16 << 10};
+    uint32_t *ep_daemon;
+    rf_err err;
+
+    cr_assert_eq(rf_model_load("qwen3-0.6b", &m, &err), 0, "%s", err.msg);
+    cr_assert_eq(rf_model_shrink(m, 16, &s, &err), 0, "%s", err.msg);
+    cr_assert_eq(rf_par_parse("tp=2", RF_SRC, s, &ps, &err), 0, "%s", err.msg);
+    cr_assert_eq(rf_par_parse("tp=4", RF_DST, s, &pd, &err), 0, "%s", err.msg);
+    cr_assert_eq(rf_model_build_inv(s, &ps, &pd, 8, inv, &err), 0, "%s", err.msg);
+    cr_assert_eq(rf_inv_nendpoints(inv), 6);
+    ep_daemon = (uint32_t[]){0, 1, 2, 2, 3, 3};
+    run_plan(inv, &o, ep_daemon, 4, 2);
+    rf_inv_free(inv);
+    rf_model_free(s);
+    rf_model_free(m);
+}
+
+/* ---- jobs by hand ------------------------------------------------------------------------- */
+
+/* A dense row-major 2-D fp32 piece of shape [rows, cols] at base. */
+static rf_xfer_item item2d(uint8_t *base, int64_t rows, int64_t cols, const int64_t *strides,
+                           int64_t r0, int64_t nr, uint64_t msg_off)
+{
+    rf_xfer_item it;
+
+    memset(&it, 0, sizeof(it));
+    it.base = base;
+    it.ndim = 2;
+    it.esize = 4;
+    rf_box_full(&it.piece.box, 2, (int64_t[]){rows, cols});
+    it.piece.strides[0] = strides ? strides[0] : cols;
+    it.piece.strides[1] = strides ? strides[1] : 1;
+    it.box = it.piece.box;
+    it.box.start[0] = r0;
+    it.box.extent[0] = nr;
+    it.msg_off = msg_off;
+    it.bytes = (uint64_t)nr * (uint64_t)cols * 4;
+    return it;
+}
+
+typedef struct pair {
+    float *src, *dst_direct, *dst_t;
+    rf_xfer_item s_items[3], r_items[3];
+    rf_xfer_msg smsgs[2], rmsgs[2];
+    rf_xfer_job sjob, rjob;
+} pair;
+
+#define ROWS 256
+#define COLS 1024
+
+/* Daemon 0 sends a [ROWS, COLS] fp32 matrix to daemon 1 twice: direct into a row-major copy,
+ * and packed (two row slabs in one message) into a transposed store. */
+static void pair_init(pair *p, uint64_t version)
+{
+    size_t n = (size_t)ROWS * COLS;
+
+    memset(p, 0, sizeof(*p));
+    p->src = malloc(n * 4);
+    p->dst_direct = calloc(n, 4);
+    p->dst_t = calloc(n, 4);
+    for (size_t i = 0; i < n; i++)
+        p->src[i] = (float)i + (float)version;
+    p->s_items[0] = item2d((uint8_t *)p->src, ROWS, COLS, NULL, 0, ROWS, 0);
+    p->r_items[0] = item2d((uint8_t *)p->dst_direct, ROWS, COLS, NULL, 0, ROWS, 0);
+    p->s_items[1] = item2d((uint8_t *)p->src, ROWS, COLS, NULL, 0, ROWS / 2, 0);
+    p->s_items[2] = item2d((uint8_t *)p->src, ROWS, COLS, NULL, ROWS / 2, ROWS / 2,
+                           (uint64_t)n * 2);
+    p->r_items[1] = item2d((uint8_t *)p->dst_t, ROWS, COLS, (int64_t[]){1, ROWS}, ROWS / 2,
+                           ROWS / 2, (uint64_t)n * 2);
+    p->r_items[2] = item2d((uint8_t *)p->dst_t, ROWS, COLS, (int64_t[]){1, ROWS}, 0, ROWS / 2,
+                           0);
+    p->smsgs[0] = (rf_xfer_msg){.seq = 10, .round = 0, .kind = RF_XFER_DIRECT, .send = true,
+                                .peer = 1, .bytes = n * 4, .nitems = 1, .items = &p->s_items[0]};
+    p->smsgs[1] = (rf_xfer_msg){.seq = 11, .round = 1, .kind = RF_XFER_PACKED, .send = true,
+                                .peer = 1, .bytes = n * 4, .nitems = 2, .items = &p->s_items[1]};
+    p->rmsgs[0] = p->smsgs[0];
+    p->rmsgs[0].send = false;
+    p->rmsgs[0].peer = 0;
+    p->rmsgs[0].items = &p->r_items[0];
+    p->rmsgs[1] = p->smsgs[1];
+    p->rmsgs[1].send = false;
+    p->rmsgs[1].peer = 0;
+    p->rmsgs[1].items = &p->r_items[1];
+    p->sjob = (rf_xfer_job){.version = version, .nrounds = 2, .nmsgs = 2, .msgs = p->smsgs,
+                            .staging_bytes = 2 * n * 4, .timeout_s = 10, .verify = 1};
+    p->rjob = p->sjob;
+    p->rjob.msgs = p->rmsgs;
+}
+
+static void pair_check(const pair *p)
+{
+    uint64_t wrong = 0;
+
+    for (int64_t r = 0; r < ROWS; r++) {
+        for (int64_t c = 0; c < COLS; c++) {
+            float want = p->src[r * COLS + c];
+
+            wrong += p->dst_direct[r * COLS + c] != want;
+            wrong += p->dst_t[c * ROWS + r] != want;
+        }
+    }
+    cr_assert_eq(wrong, 0, "%llu elements wrong", (unsigned long long)wrong);
+}
+
+static void pair_free(pair *p)
+{
+    free(p->src);
+    free(p->dst_direct);
+    free(p->dst_t);
+}
+
+Test(xfer_hand, direct_and_packed_between_two)
+{
+    pair p;
+    world w;
+
+    pair_init(&p, 7);
+    world_open(&w, 2);
+    world_run(&w, (rf_xfer_job *[]){&p.sjob, &p.rjob});
+    cr_assert_eq(w.res[0].code, 0, "%s", w.res[0].error);
+    cr_assert_eq(w.res[1].code, 0, "%s", w.res[1].error);
+    cr_assert_eq(w.res[0].bytes_sent, 2ull * ROWS * COLS * 4);
+    cr_assert_eq(w.res[1].bytes_recv, 2ull * ROWS * COLS * 4);
+    cr_assert_eq(w.res[0].bytes_recv, 0);
+    /* Only the packed message takes staging, on each side. */
+    cr_assert_eq(w.res[0].peak_staging, (uint64_t)ROWS * COLS * 4);
+    cr_assert_eq(w.res[1].peak_staging, (uint64_t)ROWS * COLS * 4);
+    cr_assert_gt(w.res[1].seconds, 0);
+    pair_check(&p);
+    digests_agree(&w);
+    world_close(&w);
+    pair_free(&p);
+}
+
+/* ---- failures --------------------------------------------------------------------------- */
+
+/* Wire format, as the transport writes it (little-endian). */
+static void put32(uint8_t *p, uint32_t v)
+{
+    for (int i = 0; i < 4; i++)
+        p[i] = (uint8_t)(v >> (8 * i));
+}
+static void put64(uint8_t *p, uint64_t v)
+{
+    for (int i = 0; i < 8; i++)
+        p[i] = (uint8_t)(v >> (8 * i));
+}
+
+static int dial(const char *addr)
+{
+    struct sockaddr_in sa = {.sin_family = AF_INET};
+    const char *colon = strrchr(addr, ':');
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+
+    cr_assert_geq(fd, 0);
+    sa.sin_port = htons((uint16_t)atoi(colon + 1));
+    inet_pton(AF_INET, "127.0.0.1", &sa.sin_addr);
+    cr_assert_eq(connect(fd, (struct sockaddr *)&sa, sizeof(sa)), 0);
+    return fd;
+}
+
+/* A fake peer `from` that says hello to daemon `to` and writes a frame header, then `len`
+ * bytes of payload. */
+static int fake_sender(const char *addr, uint32_t from, uint32_t to, uint32_t magic,
+                       uint32_t seq, uint64_t version, uint64_t bytes, size_t len)
+{
+    uint8_t buf[40];
+    uint8_t *payload = calloc(len + 1, 1);
+    int fd = dial(addr);
+
+    put32(buf, 0x48584652u);
+    put32(buf + 4, 1);
+    put32(buf + 8, from);
+    put32(buf + 12, to);
+    put32(buf + 16, magic);
+    put32(buf + 20, seq);
+    put64(buf + 24, version);
+    put64(buf + 32, bytes);
+    cr_assert_eq(write(fd, buf, sizeof(buf)), (ssize_t)sizeof(buf));
+    if (len)
+        cr_assert_eq(write(fd, payload, len), (ssize_t)len);
+    free(payload);
+    return fd;
+}
+
+/* Daemon 1 receives the pair's messages from daemon 0; daemon 0 then runs its side. */
+static void good_pair_run(world *w, uint64_t version)
+{
+    pair p;
+
+    pair_init(&p, version);
+    world_run(w, (rf_xfer_job *[]){&p.sjob, &p.rjob});
+    cr_assert_eq(w->res[0].code, 0, "%s", w->res[0].error);
+    cr_assert_eq(w->res[1].code, 0, "%s", w->res[1].error);
+    pair_check(&p);
+    pair_free(&p);
+}
+
+Test(xfer_fail, sender_dies_mid_payload_then_good_job)
+{
+    pair p;
+    world w;
+    int fd;
+
+    pair_init(&p, 3);
+    world_open(&w, 2);
+    /* Daemon 0 dies after 1000 bytes of message seq 10. */
+    fd = fake_sender(addr_of(&w, 1), 0, 1, 0x46584652u, 10, 3, p.rmsgs[0].bytes, 1000);
+    close(fd);
+    world_run(&w, (rf_xfer_job *[]){NULL, &p.rjob});
+    cr_assert_eq(w.res[1].code, -ECONNRESET, "%d %s", w.res[1].code, w.res[1].error);
+    cr_assert(strstr(w.res[1].error, "seq 10") && strstr(w.res[1].error, "peer 0") &&
+              strstr(w.res[1].error, "1000 of"), "%s", w.res[1].error);
+    pair_free(&p);
+    good_pair_run(&w, 4);
+    world_close(&w);
+}
+
+Test(xfer_fail, bad_magic_and_unexpected_seq)
+{
+    struct {
+        uint32_t magic, seq;
+        uint64_t bytes;
+        int code;
+        const char *says;
+    } cases[] = {
+        {0xdeadbeef, 10, ROWS * COLS * 4, -EPROTO, "magic 0xdeadbeef"},
+        {0x46584652u, 99, 16, -EPROTO, "seq 99"},
+        {0x46584652u, 10, 16, -EPROTO, "16 bytes"},
+        {0x46584652u, 11, ROWS * COLS * 4, -EPROTO, "round 2"},
+    };
+
+    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+        pair p;
+        world w;
+        int fd;
+
+        pair_init(&p, 3);
+        /* Rounds 0 and 1 are open, so seq 11 moved to round 2 is early. */
+        p.rmsgs[1].round = 2;
+        p.rjob.nrounds = 3;
+        world_open(&w, 2);
+        fd = fake_sender(addr_of(&w, 1), 0, 1, cases[i].magic, cases[i].seq, 3, cases[i].bytes,
+                         0);
+        world_run(&w, (rf_xfer_job *[]){NULL, &p.rjob});
+        close(fd);
+        cr_assert_eq(w.res[1].code, cases[i].code, "case %zu: %s", i, w.res[1].error);
+        cr_assert(strstr(w.res[1].error, cases[i].says) && strstr(w.res[1].error, "peer 0"),
+                  "case %zu: %s", i, w.res[1].error);
+        good_pair_run(&w, 4);
+        world_close(&w);
+        pair_free(&p);
+    }
+}
+
+/* A connection that is not one of ours (bad hello) is dropped without failing the job. */
+Test(xfer_fail, stranger_connection_is_ignored)
+{
+    world w;
+    int fd;
+
+    world_open(&w, 2);
+    fd = dial(addr_of(&w, 1));
+    cr_assert_eq(write(fd, "GET / HTTP/1.0\r\n\r\n", 18), 18);
+    good_pair_run(&w, 1);
+    close(fd);
+    world_close(&w);
+}
+
+Test(xfer_fail, version_mismatch_then_good_job)
+{
+    pair p;
+    world w;
+
+    pair_init(&p, 5);
+    p.rjob.version = 6;
+    world_open(&w, 2);
+    world_run(&w, (rf_xfer_job *[]){&p.sjob, &p.rjob});
+    cr_assert_eq(w.res[1].code, -ESTALE, "%s", w.res[1].error);
+    cr_assert(strstr(w.res[1].error, "version 5") && strstr(w.res[1].error, "seq 10"), "%s",
+              w.res[1].error);
+    /* Nothing of version 5 was installed. */
+    for (size_t i = 0; i < (size_t)ROWS * COLS; i++)
+        cr_assert_eq(p.dst_t[i], 0.0f);
+    pair_free(&p);
+    good_pair_run(&w, 7);
+    good_pair_run(&w, 8);
+    world_close(&w);
+}
+
+Test(xfer_fail, deadline_names_the_missing_message)
+{
+    pair p;
+    world w;
+    double t0;
+
+    pair_init(&p, 1);
+    p.rjob.timeout_s = 0.3;
+    world_open(&w, 2);
+    t0 = now_s();
+    world_run(&w, (rf_xfer_job *[]){NULL, &p.rjob});
+    cr_assert_eq(w.res[1].code, -ETIMEDOUT, "%s", w.res[1].error);
+    cr_assert(now_s() - t0 < 2.0);
+    cr_assert(strstr(w.res[1].error, "seq 10") && strstr(w.res[1].error, "peer 0"), "%s",
+              w.res[1].error);
+    pair_free(&p);
+    good_pair_run(&w, 2);
+    world_close(&w);
+}
+
+static void poke_abort(world *w)
+{
+    rf_xfer_abort(w->t[w->poke_target]);
+}
+
+Test(xfer_fail, abort_is_prompt_then_good_job)
+{
+    pair p;
+    world w;
+    double t0;
+
+    pair_init(&p, 1);
+    p.rjob.timeout_s = 20;
+    world_open(&w, 2);
+    rf_xfer_abort(w.t[1]); /* no job: nothing happens, and the next job is not hit */
+    w.poke_target = 1;
+    t0 = now_s();
+    world_run_poke(&w, (rf_xfer_job *[]){NULL, &p.rjob}, poke_abort, 50);
+    cr_assert_eq(w.res[1].code, -ECANCELED, "%s", w.res[1].error);
+    cr_assert(now_s() - t0 < 2.0, "abort took %.2f s", now_s() - t0);
+    cr_assert(strstr(w.res[1].error, "seq 10"), "%s", w.res[1].error);
+    pair_free(&p);
+    good_pair_run(&w, 2);
+    world_close(&w);
+}
+
+/* The receiver of a large message goes away while the sender is blocked on it: the sender
+ * fails naming the peer and the message; a restarted peer (new address) then works. */
+static void poke_kill(world *w)
+{
+    rf_xfer_close(w->t[w->poke_target], NULL, NULL);
+}
+
+Test(xfer_fail, receiver_dies_while_sender_blocked)
+{
+    size_t n = 32u << 20;
+    uint8_t *big = malloc(n), *sink = malloc(n);
+    rf_xfer_item si, ri, gi;
+    rf_xfer_msg sm, rm[2];
+    rf_xfer_job sj, rj;
+    world w;
+    rf_err err;
+
+    cr_assert(big && sink);
+    memset(big, 0x5a, n);
+    memset(&si, 0, sizeof(si));
+    si.base = big;
+    si.ndim = 1;
+    si.esize = 1;
+    rf_box_full(&si.piece.box, 1, (int64_t[]){(int64_t)n});
+    si.piece.strides[0] = 1;
+    si.box = si.piece.box;
+    si.bytes = n;
+    ri = si;
+    ri.base = sink;
+    gi = ri;
+    sm = (rf_xfer_msg){.seq = 1, .round = 2, .kind = RF_XFER_DIRECT, .send = true, .peer = 1,
+                       .bytes = n, .nitems = 1, .items = &si};
+    /* The receiver first waits, in round 0, for a message daemon 2 never sends, so it does
+     * not read daemon 0's round-2 message and daemon 0 blocks on a full socket. */
+    rm[0] = (rf_xfer_msg){.seq = 0, .round = 0, .kind = RF_XFER_DIRECT, .send = false,
+                          .peer = 2, .bytes = n, .nitems = 1, .items = &gi};
+    rm[1] = sm;
+    rm[1].send = false;
+    rm[1].peer = 0;
+    rm[1].items = &ri;
+    sj = (rf_xfer_job){.version = 1, .nrounds = 3, .nmsgs = 1, .msgs = &sm, .timeout_s = 20};
+    rj = (rf_xfer_job){.version = 1, .nrounds = 3, .nmsgs = 2, .msgs = rm, .timeout_s = 20,
+                       .staging_bytes = 1};
+    world_open(&w, 3);
+    w.poke_target = 1;
+    world_run_poke(&w, (rf_xfer_job *[]){&sj, &rj, NULL}, poke_kill, 200);
+    cr_assert_lt(w.res[0].code, 0);
+    cr_assert(w.res[0].code == -ECONNRESET || w.res[0].code == -EPIPE, "%s", w.res[0].error);
+    cr_assert(strstr(w.res[0].error, "seq 1 ") && strstr(w.res[0].error, "peer 1"), "%s",
+              w.res[0].error);
+    cr_assert_eq(w.res[1].code, -ECANCELED, "%s", w.res[1].error);
+    w.t[1] = NULL;
+    /* Daemon 1 restarts on a new port; daemon 0 reconnects to it. */
+    cr_assert_eq(rf_xfer_tcp_new(&w.loop, "127.0.0.1:0", &w.t[1], &err), 0, "%s", err.msg);
+    world_set_peers(&w);
+    rj.nmsgs = 1;
+    rj.msgs = &rm[1];
+    rm[1].round = 0;
+    sm.round = 0;
+    sj.nrounds = rj.nrounds = 1;
+    memset(sink, 0, n);
+    world_run(&w, (rf_xfer_job *[]){&sj, &rj, NULL});
+    cr_assert_eq(w.res[0].code, 0, "%s", w.res[0].error);
+    cr_assert_eq(w.res[1].code, 0, "%s", w.res[1].error);
+    cr_assert(memcmp(big, sink, n) == 0);
+    world_close(&w);
+    free(big);
+    free(sink);
+}
+
+Test(xfer_fail, close_while_running_reports_then_frees)
+{
+    pair p;
+    world w;
+
+    pair_init(&p, 1);
+    world_open(&w, 2);
+    w.poke_target = 1;
+    world_run_poke(&w, (rf_xfer_job *[]){NULL, &p.rjob}, poke_kill, 30);
+    cr_assert(w.got[1]);
+    cr_assert_eq(w.res[1].code, -ECANCELED, "%s", w.res[1].error);
+    w.t[1] = NULL;
+    world_close(&w);
+    pair_free(&p);
+}
+
+Test(xfer_fail, connect_refused_names_the_peer)
+{
+    pair p;
+    world w;
+    const char *addrs[2];
+    char dead[64];
+    int fd;
+    struct sockaddr_in sa;
+    socklen_t sl = sizeof(sa);
+    rf_err err;
+
+    /* A port that was bound a moment ago and is closed now. */
+    fd = socket(AF_INET, SOCK_STREAM, 0);
+    memset(&sa, 0, sizeof(sa));
+    sa.sin_family = AF_INET;
+    inet_pton(AF_INET, "127.0.0.1", &sa.sin_addr);
+    cr_assert_eq(bind(fd, (struct sockaddr *)&sa, sizeof(sa)), 0);
+    cr_assert_eq(getsockname(fd, (struct sockaddr *)&sa, &sl), 0);
+    snprintf(dead, sizeof(dead), "127.0.0.1:%u", ntohs(sa.sin_port));
+    close(fd);
+    pair_init(&p, 1);
+    world_open(&w, 2);
+    addrs[0] = addr_of(&w, 0);
+    addrs[1] = dead;
+    cr_assert_eq(rf_xfer_set_peers(w.t[0], 0, 2, addrs, &err), 0, "%s", err.msg);
+    world_run(&w, (rf_xfer_job *[]){&p.sjob, NULL});
+    cr_assert_eq(w.res[0].code, -ECONNREFUSED, "%s", w.res[0].error);
+    cr_assert(strstr(w.res[0].error, dead) && strstr(w.res[0].error, "seq 10"), "%s",
+              w.res[0].error);
+    world_set_peers(&w);
+    pair_free(&p);
+    good_pair_run(&w, 2);
+    world_close(&w);
+}
+
+/* ---- refused jobs and bad arguments ----------------------------------------------------- */
+
+Test(xfer_check, refused_jobs)
+{
+    world w;
+    rf_err err;
+    const char *bad_addrs[2] = {"127.0.0.1:1", "no-port"};
+
+    world_open(&w, 2);
+    /* Each mutation of a good job, and the words its error must carry. */
+    for (int c = 0; c < 9; c++) {
+        pair p;
+        rf_xfer_job *j;
+        const char *says = "";
+        int code = -EINVAL;
+
+        pair_init(&p, 1);
+        j = &p.sjob;
+        switch (c) {
+        case 0: p.smsgs[1].round = 0; p.smsgs[0].round = 1; says = "sorted"; break;
+        case 1: p.smsgs[1].peer = 5; says = "peer 5"; break;
+        case 2: p.s_items[2].msg_off -= 4; says = "overlap"; break;
+        case 3: p.smsgs[1].nitems = 1; p.smsgs[1].items = &p.s_items[2]; says = "gap"; break;
+        case 4: p.smsgs[1].seq = 10; says = "twice"; break;
+        case 5: j->staging_bytes = 1000; code = -ENOSPC; says = "budget"; break;
+        case 6:
+            p.s_items[0] = item2d((uint8_t *)p.src, ROWS, COLS, (int64_t[]){1, ROWS}, 0, ROWS, 0);
+            says = "not contiguous";
+            break;
+        case 7: j->timeout_s = 0; says = "deadline"; break;
+        case 8: p.s_items[1].base = NULL; says = "no mapped memory"; break;
+        }
+        rf_err_clear(&err);
+        /* The structural check alone, as a daemon runs it on a fresh slice, needs no
+         * deadline yet. */
+        cr_assert_eq(rf_xfer_job_check(j, 2, &err), c == 7 ? 0 : code, "case %d: %s", c,
+                     err.msg);
+        rf_err_clear(&err);
+        cr_assert_eq(rf_xfer_run(w.t[0], j, on_done, &w, &err), code, "case %d: %s", c, err.msg);
+        cr_assert(strstr(err.msg, says), "case %d: %s", c, err.msg);
+        pair_free(&p);
+    }
+    cr_assert_eq(rf_xfer_set_peers(w.t[0], 2, 2, bad_addrs, &err), -EINVAL);
+    cr_assert_eq(rf_xfer_set_peers(w.t[0], 0, 2, bad_addrs, &err), -EINVAL);
+    cr_assert(strstr(err.msg, "no-port"), "%s", err.msg);
+    world_close(&w);
+}
+
+Test(xfer_check, busy_while_running_and_no_peers)
+{
+    pair p;
+    world w;
+    rf_xfer_transport *lone = NULL;
+    const char *addrs[2];
+    rf_err err;
+
+    pair_init(&p, 1);
+    world_open(&w, 2);
+    p.rjob.timeout_s = 0.2;
+    cr_assert_eq(rf_xfer_run(w.t[1], &p.rjob, on_done, &w, &err), 0, "%s", err.msg);
+    cr_assert_eq(rf_xfer_run(w.t[1], &p.rjob, on_done, &w, &err), -EBUSY);
+    addrs[0] = addr_of(&w, 0);
+    addrs[1] = addr_of(&w, 1);
+    cr_assert_eq(rf_xfer_set_peers(w.t[1], 1, 2, addrs, &err), -EBUSY);
+    w.pending = 1;
+    uv_timer_start(&w.guard, on_guard, 30000, 0);
+    uv_run(&w.loop, UV_RUN_DEFAULT);
+    uv_timer_stop(&w.guard);
+    cr_assert_eq(w.res[1].code, -ETIMEDOUT);
+    /* A transport with no peer table refuses jobs. */
+    cr_assert_eq(rf_xfer_tcp_new(&w.loop, "127.0.0.1:0", &lone, &err), 0, "%s", err.msg);
+    cr_assert_eq(rf_xfer_run(lone, &p.sjob, on_done, &w, &err), -EINVAL);
+    cr_assert(strstr(err.msg, "set_peers"), "%s", err.msg);
+    rf_xfer_close(lone, NULL, NULL);
+    cr_assert_eq(rf_xfer_tcp_new(&w.loop, "nonsense", &lone, &err), -EINVAL);
+    cr_assert_null(lone);
+    /* The port of a running listener is taken. */
+    cr_assert_lt(rf_xfer_tcp_new(&w.loop, addr_of(&w, 0), &lone, &err), 0);
+    cr_assert(strstr(err.msg, "cannot listen"), "%s", err.msg);
+    world_close(&w);
+    pair_free(&p);
+}
+
+Test(xfer_check, ipv6_listener)
+{
+    rf_xfer_transport *t = NULL;
+    uv_loop_t loop;
+    rf_err err;
+    int rc;
+
+    uv_loop_init(&loop);
+    rc = rf_xfer_tcp_new(&loop, "[::1]:0", &t, &err);
+    if (rc == 0) {
+        cr_assert(strncmp(rf_xfer_tcp_addr(t), "[::1]:", 6) == 0, "%s", rf_xfer_tcp_addr(t));
+        rf_xfer_close(t, NULL, NULL);
+    } else {
+        cr_log_warn("no IPv6 loopback here: %s", err.msg);
+    }
+    uv_run(&loop, UV_RUN_DEFAULT);
+    cr_assert_eq(uv_loop_close(&loop), 0);
+}
