@@ -68,6 +68,12 @@ int refit_trigger(refit_client *c, uint64_t version);
 int refit_wait(refit_client *c, uint64_t version, int timeout_ms);
 
 /* Closes the connection (the daemon drops this client's registration) and frees c. */
+/* Engines: make installs wait for this client. Call once, before refit_seal; then, after
+ * reading committed version N (a synchronous refit, a verification), call
+ * refit_consumed(c, N): the next version is installed only once every gated engine of the
+ * cluster has consumed the last one. Ungated engines take installs whenever they come. */
+int refit_gate(refit_client *c);
+int refit_consumed(refit_client *c, uint64_t version);
 int refit_close(refit_client *c);
 
 #ifdef __cplusplus

@@ -1012,8 +1012,16 @@ out:
 
 void rf_chunk(int64_t n, int64_t k, int64_t i, int64_t *start, int64_t *len)
 {
-    int64_t c = (n + k - 1) / k;
-    int64_t s = i * c, e = s + c;
+    int64_t c, s, e;
+
+    if (k < 1 || i < 0 || n < 1) { /* no such part: empty */
+        *start = 0;
+        *len = 0;
+        return;
+    }
+    c = (n + k - 1) / k;
+    s = i * c;
+    e = s + c;
 
     if (s > n)
         s = n;

@@ -164,6 +164,26 @@ static void on_change(rf_registry *r, void *ud)
     refresh_snapshot(n);
 }
 
+static void send_idle(rf_node *n)
+{
+    Refit__Envelope env = REFIT__ENVELOPE__INIT;
+    Refit__Idle idle = REFIT__IDLE__INIT;
+
+    if (n->side != RF_DST)
+        return;
+    idle.version = rf_registry_consumed(n->reg);
+    env.body_case = REFIT__ENVELOPE__BODY_IDLE;
+    env.idle = &idle;
+    send_env(n, &env);
+}
+
+static void on_consumed(rf_registry *r, uint64_t consumed, void *ud)
+{
+    (void)r;
+    (void)consumed;
+    send_idle(ud);
+}
+
 static void on_ready(rf_registry *r, uint64_t version, void *ud)
 {
     rf_node *n = ud;
@@ -275,6 +295,7 @@ static void on_xfer_done(rf_xfer_transport *t, const rf_xfer_result *res, void *
     n->running = false;
     if (n->closing)
         return;
+    rf_registry_hold(n->reg, false);
     if (res->code < 0) {
         snprintf(msg, sizeof(msg), "data path of version %llu failed: %s",
                  (unsigned long long)n->version, res->error);
@@ -328,8 +349,10 @@ static void on_start(rf_node *n, const Refit__Start *s)
         rf_registry_notify(n->reg, RF_REG_INSTALLING, s->version, NULL);
     n->slice.job.version = s->version;
     n->t_begin = now_s();
+    rf_registry_hold(n->reg, true);
     rc = rf_xfer_run(n->xfer, &n->slice.job, on_xfer_done, n, &err);
     if (rc < 0) {
+        rf_registry_hold(n->reg, false);
         snprintf(msg, sizeof(msg), "data path of version %llu could not start: %s",
                  (unsigned long long)s->version, err.msg);
         RF_ERROR("%s", msg);
@@ -470,6 +493,7 @@ static void coord_up(rf_peer *p, const Refit__Hello *hello)
     rf_slice_job_reset(&n->slice);
     send_inventory(n);
     send_ready(n);
+    send_idle(n);
     refresh_snapshot(n);
 }
 
@@ -664,6 +688,7 @@ int rf_node_start(uv_loop_t *loop, const rf_node_opts *opts, rf_node **out, rf_e
     cb.on_ready = on_ready;
     cb.on_status = on_status;
     cb.on_refit = on_refit;
+    cb.on_consumed = on_consumed;
     rc = rf_registry_open(loop, &ro, &cb, n, &n->reg, err);
     if (rc < 0)
         goto fail;
@@ -717,9 +742,13 @@ static void tick_closed(uv_handle_t *h)
     node_free(container_of((uv_timer_t *)h, rf_node, tick));
 }
 
+/* The registry (and the client memory it maps) goes only after the data path stopped. */
 static void xfer_closed(void *arg)
 {
-    node_free(arg);
+    rf_node *n = arg;
+
+    rf_registry_close(n->reg);
+    node_free(n);
 }
 
 void rf_node_close(rf_node *n)
@@ -731,6 +760,5 @@ void rf_node_close(rf_node *n)
     n->closing = 2;
     rf_peer_connector_close(n->conn);
     rf_xfer_close(n->xfer, xfer_closed, n);
-    rf_registry_close(n->reg);
     uv_close((uv_handle_t *)&n->tick, tick_closed);
 }

@@ -231,6 +231,32 @@ out:
     return rc;
 }
 
+/* The same over transfers, with caller-provided scratch of n elements each. */
+static void radix_sort_x(uint64_t *key, rf_xfer *x, uint64_t n, int bits, uint64_t *k2,
+                         rf_xfer *x2, uint64_t *cnt)
+{
+    for (int shift = 0; shift < bits && n > 1; shift += 16) {
+        uint64_t sum = 0;
+        memset(cnt, 0, 65536 * sizeof(*cnt));
+        for (uint64_t i = 0; i < n; i++)
+            cnt[(key[i] >> shift) & 0xffff]++;
+        if (cnt[(key[0] >> shift) & 0xffff] == n)
+            continue; /* one digit value: the pass would not move anything */
+        for (int d = 0; d < 65536; d++) {
+            uint64_t c = cnt[d];
+            cnt[d] = sum;
+            sum += c;
+        }
+        for (uint64_t i = 0; i < n; i++) {
+            uint64_t o = cnt[(key[i] >> shift) & 0xffff]++;
+            k2[o] = key[i];
+            x2[o] = x[i];
+        }
+        memcpy(key, k2, n * sizeof(*key));
+        memcpy(x, x2, n * sizeof(*x));
+    }
+}
+
 static int bits_for(uint64_t n) /* bits needed for values 0..n-1 */
 {
     int b = 0;
@@ -926,42 +952,45 @@ static int schedule(builder *b, rf_err *err)
 {
     rf_plan *pl = b->plan;
     uint64_t n = b->nx, nm = 0, capm = 0;
-    uint32_t *perm = NULL, *mperm = NULL, *newidx = NULL;
-    uint64_t *mkey = NULL, *cursor = NULL;
+    uint32_t *mperm = NULL;
+    uint64_t *mkey = NULL, *cursor = NULL, *k2 = NULL; /* cursor: radix counts */
     uint64_t **use = NULL, *usecap = NULL, *hint = NULL;
     rf_msg *m = NULL;
     rf_xfer *y = NULL;
     uint32_t ne = rf_inv_nendpoints(b->inv), R = 0;
-    int pbits = bits_for(b->nsrc_ep ? b->nsrc_ep : 1) + 32, db, rc = 0;
+    int db, pbits, rc = 0;
 
     if (n >= UINT32_MAX) {
         rc = rf_err_set(err, -E2BIG, "plan: %llu transfers exceed the 32-bit transfer index",
                         (unsigned long long)n);
         goto out;
     }
-    perm = malloc((n + 1) * sizeof(*perm));
-    if (perm == NULL)
-        goto nomem;
-    for (uint64_t i = 0; i < n; i++)
-        perm[i] = (uint32_t)i;
-    /* pairkey holds (src idx << 32 | dst idx); compress to contiguous bits first. */
+    /* Sort the transfers themselves (sequential reads, no index indirection afterwards) by
+     * (source endpoint, destination endpoint, direct after packed), stably, so that the
+     * packed transfers of a pair are adjacent in destination-piece order. */
     db = bits_for(b->ndst_ep ? b->ndst_ep : 1);
-    {
-        for (uint64_t i = 0; i < n; i++)
-            b->pairkey[i] = ((b->pairkey[i] >> 32) << db) | (b->pairkey[i] & 0xffffffffu);
-        pbits = pbits - 32 + db;
-    }
-    rc = radix_sort(b->pairkey, perm, n, pbits);
-    if (rc)
+    pbits = bits_for(b->nsrc_ep ? b->nsrc_ep : 1) + db + 1;
+    for (uint64_t i = 0; i < n; i++)
+        b->pairkey[i] = (((b->pairkey[i] >> 32) << db | (b->pairkey[i] & 0xffffffffu)) << 1) |
+                        (pl->xfers[i].msg == RF_XFER_DIRECT);
+    k2 = malloc((n + 1 > 65536 ? n + 1 : 65536) * sizeof(*k2));
+    cursor = malloc(65536 * sizeof(*cursor));
+    y = malloc((n + 1) * sizeof(*y));
+    if (k2 == NULL || y == NULL || cursor == NULL)
         goto nomem;
+    radix_sort_x(b->pairkey, pl->xfers, n, pbits, k2, y, cursor);
+    free(k2);
+    k2 = NULL;
 
-    /* Messages: one per direct transfer, packed ones filled up to half the budget. */
+    /* Messages: one per direct transfer, packed ones filled up to half the budget; each is
+     * a contiguous block of the sorted transfers. */
     {
         uint32_t cur = UINT32_MAX; /* open packed message of the current pair */
         for (uint64_t i = 0; i < n; i++) {
-            rf_xfer *x = &pl->xfers[perm[i]];
-            uint32_t se = b->sidx_ep[b->pairkey[i] >> db];
-            uint32_t de = b->didx_ep[b->pairkey[i] & ((1ull << db) - 1)];
+            rf_xfer *x = &pl->xfers[i];
+            uint64_t pk = b->pairkey[i] >> 1;
+            uint32_t se = b->sidx_ep[pk >> db];
+            uint32_t de = b->didx_ep[pk & ((1ull << db) - 1)];
             if (cur != UINT32_MAX && (m[cur].src_ep != se || m[cur].dst_ep != de))
                 cur = UINT32_MAX;
             if (x->msg == RF_XFER_PACKED && cur != UINT32_MAX &&
@@ -979,7 +1008,7 @@ static int schedule(builder *b, rf_err *err)
             if (grow((void **)&m, &capm, nm + 1, sizeof(*m)))
                 goto nomem;
             m[nm] = (rf_msg){.src_ep = se, .dst_ep = de, .round = 0, .kind = x->msg,
-                             .first = 0, .count = 1, .bytes = x->bytes};
+                             .first = (uint32_t)i, .count = 1, .bytes = x->bytes};
             if (x->msg == RF_XFER_PACKED)
                 cur = (uint32_t)nm;
             x->msg = (uint32_t)nm;
@@ -1058,9 +1087,7 @@ static int schedule(builder *b, rf_err *err)
     /* Final message order: (round, src, dst, creation order). */
     mkey = malloc((nm + 1) * sizeof(*mkey));
     mperm = malloc((nm + 1) * sizeof(*mperm));
-    newidx = malloc((nm + 1) * sizeof(*newidx));
-    cursor = malloc((nm + 1) * sizeof(*cursor));
-    if (!mkey || !mperm || !newidx || !cursor)
+    if (!mkey || !mperm)
         goto nomem;
     {
         int eb = bits_for(ne ? ne : 1), rb = bits_for(R ? R : 1);
@@ -1084,23 +1111,17 @@ static int schedule(builder *b, rf_err *err)
     {
         uint64_t first = 0;
         for (uint64_t i = 0; i < nm; i++) {
-            pl->msgs[i] = m[mperm[i]];
+            const rf_msg *om = &m[mperm[i]];
+            memcpy(&y[first], &pl->xfers[om->first], (size_t)om->count * sizeof(*y));
+            for (uint32_t k = 0; k < om->count; k++)
+                y[first + k].msg = (uint32_t)i;
+            pl->msgs[i] = *om;
             pl->msgs[i].first = (uint32_t)first;
-            newidx[mperm[i]] = (uint32_t)i;
-            cursor[i] = first;
-            first += pl->msgs[i].count;
+            first += om->count;
         }
     }
     free(mkey);
     mkey = NULL;
-    y = malloc((n + 1) * sizeof(*y));
-    if (y == NULL)
-        goto nomem;
-    for (uint64_t i = 0; i < n; i++) {
-        rf_xfer x = pl->xfers[perm[i]];
-        x.msg = newidx[x.msg];
-        y[cursor[x.msg]++] = x;
-    }
     free(pl->xfers);
     pl->xfers = y;
     y = NULL;
@@ -1111,11 +1132,10 @@ nomem:
     rc = rf_err_set(err, -ENOMEM, "plan: out of memory scheduling %llu transfers",
                     (unsigned long long)n);
 out:
-    free(perm);
     free(mperm);
-    free(newidx);
     free(mkey);
     free(cursor);
+    free(k2);
     free(m);
     free(y);
     if (use)
@@ -1165,8 +1185,18 @@ static int cmp_u32(const void *a, const void *b)
 
 /* Dense per-side endpoint and node numbering, link loads, source piece endpoints, and a copy
  * of the source pieces when they fit in a modest amount of memory. */
-#define SRC_CACHE_MAX (256ull * MiB)
-#define LINKMAT_MAX (1ull << 22)
+static uint64_t src_cache_max = 256ull * MiB;
+static uint64_t linkmat_max = 1ull << 22;
+
+/* For tests: lower the limits so the paths for very large inventories (no source piece
+ * cache, link loads in a hash table) run on small ones. Not thread-safe; call before
+ * building. */
+void rf_plan__set_limits(uint64_t src_cache_bytes, uint64_t link_matrix_entries);
+void rf_plan__set_limits(uint64_t src_cache_bytes, uint64_t link_matrix_entries)
+{
+    src_cache_max = src_cache_bytes;
+    linkmat_max = link_matrix_entries;
+}
 static int setup(builder *b, rf_err *err)
 {
     const rf_inv *inv = b->inv;
@@ -1209,14 +1239,14 @@ static int setup(builder *b, rf_err *err)
         uint32_t *f = bsearch(&ep->node, nodes[ep->side], nn[ep->side], sizeof(uint32_t), cmp_u32);
         b->nodeidx[e] = (uint32_t)(f - nodes[ep->side]);
     }
-    if ((uint64_t)nn[0] * nn[1] <= LINKMAT_MAX) {
+    if ((uint64_t)nn[0] * nn[1] <= linkmat_max) {
         b->linkmat = calloc((uint64_t)nn[0] * nn[1] + 1, sizeof(uint64_t));
         if (b->linkmat == NULL)
             goto nomem;
     }
     for (uint32_t i = 0; i < ns; i++)
         b->src_ep[i] = rf_inv_piece_endpoint(inv, RF_SRC, i);
-    if ((uint64_t)ns * sizeof(rf_piece) <= SRC_CACHE_MAX) {
+    if ((uint64_t)ns * sizeof(rf_piece) <= src_cache_max) {
         b->src_cache = malloc(((uint64_t)ns + 1) * sizeof(rf_piece));
         if (b->src_cache == NULL)
             goto nomem;

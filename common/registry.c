@@ -52,6 +52,8 @@ typedef struct reg_client {
     reg_piece *pieces;
     uint32_t npieces, cap_pieces;
     uint64_t published;
+    bool gated;        /* engines: installs wait for Consumed */
+    uint64_t consumed; /* gated engines: last version they are done with */
     reg_waiter *waiters;
     size_t nwaiters, cap_waiters;
 } reg_client;
@@ -73,6 +75,11 @@ struct rf_registry {
     uint32_t cap_region;
     uint64_t generation, ready, released, committed;
     bool complete, closing;
+    /* While the data path runs, memory of clients that leave stays mapped until it ends. */
+    bool held;
+    rf_mem_ref **deferred;
+    uint32_t ndeferred, cap_deferred;
+    uint64_t consumed; /* last value reported through on_consumed */
 };
 
 static const char *kind_name(int kind)
@@ -295,12 +302,28 @@ static void answer_waiters(rf_registry *r, unsigned kinds, uint64_t lo, uint64_t
     }
 }
 
+static void check_consumed(rf_registry *r);
+
+static void release_ref(rf_registry *r, rf_mem_ref *ref)
+{
+    if (ref == NULL)
+        return;
+    if (r->held && grow((void **)&r->deferred, &r->cap_deferred, r->ndeferred + 1,
+                        sizeof(*r->deferred)) == 0) {
+        r->deferred[r->ndeferred++] = ref;
+        return;
+    }
+    /* Out of memory while held: nothing better than releasing now; the data path then
+     * fails on the unmapped memory only if it still touches this client's regions. */
+    rf_mem_release(r->mem, ref);
+}
+
 static void client_free(reg_client *c)
 {
     uint32_t i;
 
     for (i = 0; i < c->nregions; i++)
-        rf_mem_release(c->reg->mem, c->regions[i].ref);
+        release_ref(c->reg, c->regions[i].ref);
     for (i = 0; i < c->npieces; i++)
         free(c->pieces[i].tensor);
     free(c->regions);
@@ -360,6 +383,7 @@ static void on_close(rf_rpc_conn *conn, void *ud)
     client_free(c);
     if (data)
         changed(r);
+    check_consumed(r);
 }
 
 static void do_hello(rf_registry *r, reg_client *c, uint64_t id, const Refit__Rpc__Hello *h)
@@ -414,8 +438,79 @@ static void do_hello(rf_registry *r, reg_client *c, uint64_t id, const Refit__Rp
     c->kind = h->kind;
     c->rank = h->rank;
     c->pid = h->pid;
+    /* A new engine has nothing to consume: its memory waits for the next commit. */
+    c->consumed = r->committed;
     snprintf(c->name, sizeof(c->name), "%s", h->name && h->name[0] ? h->name : "unnamed");
     rf_rpc_conn_reply(c->conn, id, 0, "welcome");
+}
+
+uint64_t rf_registry_consumed(const rf_registry *r)
+{
+    const reg_client *c;
+    uint64_t min = UINT64_MAX;
+
+    for (c = r->clients; c != NULL; c = c->next)
+        if (c->hello && c->gated && c->consumed < min)
+            min = c->consumed;
+    return min;
+}
+
+static void check_consumed(rf_registry *r)
+{
+    uint64_t now = rf_registry_consumed(r);
+
+    if (now == r->consumed || r->closing)
+        return;
+    r->consumed = now;
+    if (r->cb.on_consumed)
+        r->cb.on_consumed(r, now, r->ud);
+}
+
+static void do_gate(rf_registry *r, reg_client *c, uint64_t id)
+{
+    if (c->kind != REFIT__RPC__CLIENT_KIND__CLIENT_ENGINE) {
+        rf_rpc_conn_reply(c->conn, id, -EPERM, "Gate is for engines, not %s clients",
+                          kind_name(c->kind));
+        return;
+    }
+    if (c->sealed) {
+        rf_rpc_conn_reply(c->conn, id, -EINVAL, "Gate after Seal: gate the client before "
+                          "sealing, so no install can start before the gate holds");
+        return;
+    }
+    c->gated = true;
+    rf_rpc_conn_reply(c->conn, id, 0, "gated: installs wait for Consumed");
+    check_consumed(r);
+}
+
+static void do_consumed(rf_registry *r, reg_client *c, uint64_t id, uint64_t version)
+{
+    if (!c->gated) {
+        rf_rpc_conn_reply(c->conn, id, -EINVAL, "Consumed from a client that is not gated: "
+                          "send Gate before Seal");
+        return;
+    }
+    if (version > r->committed || version < c->consumed) {
+        rf_rpc_conn_reply(c->conn, id, -EINVAL, "Consumed(%" PRIu64 ") outside [%" PRIu64
+                          ", %" PRIu64 "]: only committed versions can be consumed, in order",
+                          version, c->consumed, r->committed);
+        return;
+    }
+    c->consumed = version;
+    rf_rpc_conn_reply(c->conn, id, 0, "consumed");
+    check_consumed(r);
+}
+
+void rf_registry_hold(rf_registry *r, bool hold)
+{
+    uint32_t i;
+
+    r->held = hold;
+    if (hold)
+        return;
+    for (i = 0; i < r->ndeferred; i++)
+        rf_mem_release(r->mem, r->deferred[i]);
+    r->ndeferred = 0;
 }
 
 static bool need_registering(reg_client *c, uint64_t id, const char *what)
@@ -744,6 +839,12 @@ static void on_request(rf_rpc_conn *conn, const Refit__Rpc__Request *q, void *ud
     case REFIT__RPC__REQUEST__BODY_REFIT:
         do_refit(r, c, q->id, q->refit->version);
         break;
+    case REFIT__RPC__REQUEST__BODY_GATE:
+        do_gate(r, c, q->id);
+        break;
+    case REFIT__RPC__REQUEST__BODY_CONSUMED:
+        do_consumed(r, c, q->id, q->consumed->version);
+        break;
     case REFIT__RPC__REQUEST__BODY_WAIT:
         do_wait(r, c, q->id, q->wait->version, WAIT_CTL);
         break;
@@ -774,6 +875,7 @@ int rf_registry_open(uv_loop_t *loop, const rf_registry_opts *opts, const rf_reg
     r->side = opts->side;
     r->expected = opts->expected_clients;
     r->node = opts->node;
+    r->consumed = UINT64_MAX;
     if (cb)
         r->cb = *cb;
     r->ud = ud;
@@ -808,6 +910,9 @@ void rf_registry_close(rf_registry *r)
     r->closing = true;
     rf_rpc_server_close(r->srv); /* on_close frees each client */
     rf_inv_free(r->inv);
+    r->held = false;
+    rf_registry_hold(r, false);
+    free(r->deferred);
     rf_mem_cache_free(r->mem);
     free(r->ep_device);
     free(r->region_ref);

@@ -41,6 +41,9 @@ typedef struct rf_registry_cb {
     /* refitctl wait for version (not committed yet): 0 to let the registry hold the waiter
      * until rf_registry_notify answers it, or refuse with err. May be NULL (accept all). */
     int (*on_wait)(rf_registry *r, uint64_t version, rf_err *err, void *ud);
+    /* Engines only: rf_registry_consumed changed (a gated engine consumed a version, joined
+     * or left). May be NULL. */
+    void (*on_consumed)(rf_registry *r, uint64_t consumed, void *ud);
 } rf_registry_cb;
 
 typedef struct rf_registry_opts {
@@ -72,6 +75,14 @@ const char *rf_registry_endpoint_device(const rf_registry *r, uint32_t endpoint)
 uint64_t rf_registry_committed(const rf_registry *r);
 /* Clients and versions as a JSON object, for the daemon's status document (caller decrefs). */
 json_t *rf_registry_status(const rf_registry *r);
+
+/* The receive quorum: the last version every gated engine is done with, UINT64_MAX when no
+ * engine is gated. The daemon holds installs of newer versions until this reaches its
+ * committed version. */
+uint64_t rf_registry_consumed(const rf_registry *r);
+/* While held, the memory of clients that leave stays mapped (the data path may be writing
+ * it); releasing the hold unmaps what was deferred. */
+void rf_registry_hold(rf_registry *r, bool hold);
 
 /* Trainers: version is committed, they may overwrite their weights: answers WaitReleased for
  * every version <= version. */

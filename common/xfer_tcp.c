@@ -72,6 +72,7 @@ typedef struct jstate {
     uint32_t *round_left;
     uint64_t *round_bytes;
     uint32_t lo, hi;       /* admitted rounds: [lo, hi), at most two */
+    uint64_t arena_size;   /* staging this job uses */
     uint64_t staging_now;
     rf_copy_desc *desc;
     uint32_t desc_cap;
@@ -89,10 +90,11 @@ typedef struct tcp {
     conn *out, *in; /* npeers each, indexed by peer */
     conn *pending;  /* accepted, hello not read yet */
     size_t npending, cap_pending;
-    /* Staging of even and odd rounds, kept between jobs so that a refit does not fault in
-     * fresh pages every round; never more than the budget together. */
-    uint8_t *arena[2];
-    uint64_t arena_cap[2];
+    /* Staging, kept between jobs so that a refit does not fault in fresh pages every round;
+     * never larger than the budget. Even rounds sit at its start, odd ones at its end, so
+     * that two open rounds never overlap. */
+    uint8_t *arena;
+    uint64_t arena_cap;
 
     bool running, closing, handle_closed;
     atomic_bool abort_req, finished;
@@ -366,6 +368,42 @@ static void fill_desc(jstate *s, const rf_xfer_msg *m)
 
 /* Admits rounds while at most two are open and their packed payloads fit in the budget
  * together (one always fits: rf_xfer_job_check saw to it); retires finished rounds. */
+static bool pair_fits(const jstate *s, uint32_t r)
+{
+    uint64_t b = s->job->staging_bytes;
+
+    return r + 1 < s->job->nrounds &&
+           (b == 0 || s->round_bytes[r] + s->round_bytes[r + 1] <= b);
+}
+
+/* The staging a job needs: the largest round, or two neighbours that are open together. */
+static int arena_reserve(tcp *t)
+{
+    jstate *s = &t->js;
+    uint64_t need = 0, b = s->job->staging_bytes;
+
+    for (uint32_t r = 0; r < s->job->nrounds; r++) {
+        uint64_t n = s->round_bytes[r] + (pair_fits(s, r) ? s->round_bytes[r + 1] : 0);
+
+        if (n > need)
+            need = n;
+    }
+    s->arena_size = need;
+    if (t->arena_cap >= need && (b == 0 || t->arena_cap <= b))
+        return 0;
+    free(t->arena);
+    t->arena = NULL;
+    t->arena_cap = 0;
+    if (need == 0)
+        return 0;
+    t->arena = malloc(need);
+    if (!t->arena)
+        return fail(t, -ENOMEM, "out of memory for %llu bytes of staging; lower the staging "
+                    "budget", (unsigned long long)need);
+    t->arena_cap = need;
+    return 0;
+}
+
 static int window_update(tcp *t)
 {
     jstate *s = &t->js;
@@ -382,19 +420,9 @@ static int window_update(tcp *t)
         while (s->hi < job->nrounds && s->hi < s->lo + 2 &&
                (s->hi == s->lo || job->staging_bytes == 0 ||
                 s->staging_now + s->round_bytes[s->hi] <= job->staging_bytes)) {
-            uint32_t r = s->hi, slot = r & 1;
-            uint64_t off = 0;
+            uint32_t r = s->hi;
+            uint64_t off = r & 1 ? s->arena_size - s->round_bytes[r] : 0;
 
-            if (s->round_bytes[r] > t->arena_cap[slot]) {
-                /* Rounds r - 2 and before are retired: the slot is free. */
-                free(t->arena[slot]);
-                t->arena_cap[slot] = 0;
-                t->arena[slot] = malloc(s->round_bytes[r]);
-                if (!t->arena[slot])
-                    return fail(t, -ENOMEM, "out of memory for %llu bytes of staging in round "
-                                "%u", (unsigned long long)s->round_bytes[r], r);
-                t->arena_cap[slot] = s->round_bytes[r];
-            }
             s->staging_now += s->round_bytes[r];
             if (s->staging_now > t->result.peak_staging)
                 t->result.peak_staging = s->staging_now;
@@ -402,7 +430,7 @@ static int window_update(tcp *t)
                 const rf_xfer_msg *m = &job->msgs[i];
 
                 if (m->kind == RF_XFER_PACKED) {
-                    s->staging[i] = t->arena[slot] + off;
+                    s->staging[i] = t->arena + off;
                     off += m->bytes;
                 }
                 if (!m->send)
@@ -782,26 +810,34 @@ static int recv_progress(tcp *t, conn *c)
 /* Reads the hello of an accepted connection; once known, it becomes the incoming connection
  * of its peer, replacing an older one (which the peer abandoned when it reconnected). A
  * connection that is not one of ours is dropped, without failing the job. */
-static void hello_progress(tcp *t, size_t k)
+static int hello_progress(tcp *t, size_t k)
 {
     conn *c = &t->pending[k];
     ssize_t n = recv(c->fd, c->buf + c->buf_done, HELLO_LEN - c->buf_done, MSG_DONTWAIT);
     uint32_t from;
 
     if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR))
-        return;
+        return 0;
     if (n <= 0) {
         conn_close(c);
-        return;
+        return 0;
     }
     c->buf_done += (size_t)n;
     if (c->buf_done < HELLO_LEN)
-        return;
+        return 0;
     from = get32(c->buf + 8);
     if (get32(c->buf) != HELLO_MAGIC || get32(c->buf + 4) != PROTO_VERSION ||
         from >= t->npeers || get32(c->buf + 12) != t->self) {
         conn_close(c);
-        return;
+        return 0;
+    }
+    if (t->in[from].cur >= 0 || t->in[from].buf_done > 0) {
+        const rf_xfer_msg *m = t->in[from].cur >= 0 ? &t->js.job->msgs[t->in[from].cur] : NULL;
+
+        conn_close(c);
+        return fail(t, -ECONNRESET, "peer %u (%s) reconnected in the middle of message seq %u; "
+                    "it restarted or failed", from, t->addrs[from],
+                    m ? m->seq : expected_seq(t, from));
     }
     conn_close(&t->in[from]);
     t->in[from] = *c;
@@ -809,6 +845,7 @@ static void hello_progress(tcp *t, size_t k)
     t->in[from].hello_done = true;
     t->in[from].buf_done = 0;
     conn_init(c);
+    return 0;
 }
 
 static void accept_all(tcp *t)
@@ -863,13 +900,6 @@ static int run_job(tcp *t)
     if ((rc = js_init(s, job, t->npeers)) < 0)
         return fail(t, rc, "out of memory for a job of %u messages", job->nmsgs);
     s->deadline = now_s() + job->timeout_s;
-    if (job->staging_bytes > 0 && t->arena_cap[0] + t->arena_cap[1] > job->staging_bytes) {
-        for (int k = 0; k < 2; k++) {
-            free(t->arena[k]);
-            t->arena[k] = NULL;
-            t->arena_cap[k] = 0;
-        }
-    }
     for (uint32_t p = 0; p < t->npeers; p++) {
         conn *c = &t->out[p];
 
@@ -879,7 +909,7 @@ static int run_job(tcp *t)
             conn_close(c);
         t->in[p].active = false;
     }
-    if ((rc = window_update(t)) < 0)
+    if ((rc = arena_reserve(t)) < 0 || (rc = window_update(t)) < 0)
         goto out;
     while (s->left > 0) {
         size_t need = 2 + t->npending + 2 * (size_t)t->npeers, n = 0;
@@ -953,7 +983,8 @@ static int run_job(tcp *t)
             case PF_LISTEN:
                 break;
             case PF_PENDING:
-                hello_progress(t, pref[k]);
+                if ((rc = hello_progress(t, pref[k])) < 0)
+                    goto out;
                 break;
             case PF_OUT:
                 if ((rc = send_progress(t, &t->out[pref[k]])) < 0)
@@ -1003,8 +1034,7 @@ static void free_tcp(tcp *t)
     free(t->out);
     free(t->in);
     free(t->pending);
-    free(t->arena[0]);
-    free(t->arena[1]);
+    free(t->arena);
     free(t);
 }
 

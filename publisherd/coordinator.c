@@ -29,6 +29,7 @@ typedef struct member {
     bool inv_complete;
     uint64_t inv_gen;
     uint64_t ready;    /* publishers: highest version all its trainers published */
+    uint64_t idle;     /* receivers: gated engines consumed every version up to this */
     bool done, done_ok;
     uint64_t done_bytes;
     double done_transfer_s;
@@ -254,6 +255,10 @@ static void try_start(rf_coord *c)
         return;
     for (i = 0; i < c->nmembers; i++)
         if (!c->m[i].peer)
+            return;
+    /* Receive quorum: every receiver's gated engines are done with the committed version. */
+    for (i = c->npub; i < c->nmembers; i++)
+        if (c->m[i].idle < c->committed)
             return;
     for (i = 0; i < c->npub; i++)
         if (c->m[i].ready < target)
@@ -540,6 +545,7 @@ static void peer_up(rf_peer *p, const Refit__Hello *h)
         m->inv_len = 0;
         m->inv_complete = false;
         m->ready = c->committed;
+        m->idle = 0;
     }
     m->daemon_id = h->daemon_id;
     snprintf(m->node, sizeof(m->node), "%s", h->node);
@@ -629,6 +635,12 @@ static void peer_envelope(rf_peer *p, const Refit__Envelope *env)
         }
         try_start(c);
         break;
+    case REFIT__ENVELOPE__BODY_IDLE:
+        if ((uint32_t)i < c->npub)
+            break;
+        c->m[i].idle = env->idle->version;
+        try_start(c);
+        break;
     case REFIT__ENVELOPE__BODY_TRIGGER:
         if (env->trigger->version > c->trigger) {
             RF_INFO("operator trigger of version %llu", (unsigned long long)env->trigger->version);
@@ -695,8 +707,9 @@ void rf_coord_status(json_t *status, void *arg)
         json_array_append_new(members, json_pack(
             "{s:s, s:i, s:s, s:b, s:b, s:I}", "role", i < c->npub ? "publisher" : "receiver",
             "index", (int)(i < c->npub ? i : i - c->npub), "node", m->node, "connected",
-            m->peer != NULL, "inventory_complete", m->inv_complete, "ready",
-            (json_int_t)m->ready));
+            m->peer != NULL, "inventory_complete", m->inv_complete,
+            i < c->npub ? "ready" : "consumed",
+            (json_int_t)(i < c->npub ? m->ready : m->idle)));
     }
     if (c->plan_ready)
         for (i = 0; i < 32; i++)

@@ -96,6 +96,10 @@ int main(int argc, char **argv)
         printf("engine ranks %d-%d: version %llu committed after %.3f s, verified %llu bytes, "
                "%llu wrong elements\n", s.first, s.first + s.count - 1, (unsigned long long)v,
                sim_now() - t0, (unsigned long long)s.bytes, (unsigned long long)wrong);
+        for (i = 0; i < s.count; i++)
+            if (refit_consumed(s.ranks[i].c, v) < 0)
+                fprintf(stderr, "engine rank %d: %s\n", s.ranks[i].rank,
+                        refit_last_error(s.ranks[i].c));
         v++;
     }
     status = wrong_total ? 1 : 0;

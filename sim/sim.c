@@ -200,6 +200,12 @@ static int register_rank(sim *s, sim_rank *r)
         if (rc < 0)
             goto fail;
     }
+    /* Engines check every byte of a committed version before the next may be installed. */
+    if (s->side == RF_DST) {
+        rc = refit_gate(r->c);
+        if (rc < 0)
+            goto fail;
+    }
     rc = refit_seal(r->c);
     if (rc < 0)
         goto fail;

@@ -543,6 +543,27 @@ int refit_wait(refit_client *c, uint64_t version, int timeout_ms)
     return simple(c, &req, timeout_ms);
 }
 
+int refit_gate(refit_client *c)
+{
+    Refit__Rpc__Request req = REFIT__RPC__REQUEST__INIT;
+    Refit__Rpc__Gate m = REFIT__RPC__GATE__INIT;
+
+    req.body_case = REFIT__RPC__REQUEST__BODY_GATE;
+    req.gate = &m;
+    return simple(c, &req, -1);
+}
+
+int refit_consumed(refit_client *c, uint64_t version)
+{
+    Refit__Rpc__Request req = REFIT__RPC__REQUEST__INIT;
+    Refit__Rpc__Consumed m = REFIT__RPC__CONSUMED__INIT;
+
+    m.version = version;
+    req.body_case = REFIT__RPC__REQUEST__BODY_CONSUMED;
+    req.consumed = &m;
+    return simple(c, &req, -1);
+}
+
 int refit_close(refit_client *c)
 {
     if (c)

@@ -132,6 +132,10 @@ Test(layout, chunk_torch_semantics)
     cr_assert_eq(l, 1);
     rf_chunk(5, 4, 3, &s, &l);
     cr_assert_eq(l, 0);
+    rf_chunk(10, 0, 0, &s, &l);
+    cr_assert_eq(l, 0);
+    rf_chunk(10, 4, -1, &s, &l);
+    cr_assert_eq(l, 0);
     rf_chunk(61, 16, 15, &s, &l);
     cr_assert_eq(s, 60);
     cr_assert_eq(l, 1);

@@ -434,6 +434,36 @@ Test(plan, random_layouts_execute_exactly)
     }
 }
 
+void rf_plan__set_limits(uint64_t src_cache_bytes, uint64_t link_matrix_entries);
+
+/* The paths for inventories too large for the source piece cache and the dense link matrix
+ * give the same plans as the fast ones. */
+Test(plan, large_inventory_paths_match)
+{
+    for (uint64_t seed = 200; seed < 240; seed++) {
+        rf_plan_opts o = {.staging_bytes = 4096, .direct_min_bytes = 64};
+        cluster c;
+        rf_plan *a = NULL, *b = NULL;
+        rf_err err;
+        random_cluster(&c, seed);
+        rf_plan__set_limits(256ull << 20, 1ull << 22);
+        cr_assert_eq(rf_plan_build(c.inv, &o, &a, &err), 0, "%s", err.msg);
+        rf_plan__set_limits(0, 0);
+        cr_assert_eq(rf_plan_build(c.inv, &o, &b, &err), 0, "%s", err.msg);
+        check_plan(b, &o);
+        check_same(a, b);
+        cr_assert_eq(rf_plan_stats_get(a)->max_link_bytes, rf_plan_stats_get(b)->max_link_bytes);
+        fill_sources(&c);
+        cr_assert_eq(rf_copy_exec_plan_host(b, (void *const *)c.bases, (void *const *)c.bases,
+                                            &err), 0, "%s", err.msg);
+        check_destinations(&c);
+        rf_plan_free(a);
+        rf_plan_free(b);
+        cluster_free(&c);
+    }
+    rf_plan__set_limits(256ull << 20, 1ull << 22);
+}
+
 /* Small staging forces splitting and many rounds; direct_min 1 makes contiguous boxes go
  * direct. One tensor both ways so each path is certainly taken. */
 Test(plan, split_direct_and_rounds)

@@ -792,6 +792,41 @@ Test(xfer_fail, sender_dies_mid_payload_then_good_job)
     world_close(&w);
 }
 
+static int second_fd = -1;
+
+static void poke_reconnect(world *w)
+{
+    uint8_t hello[16];
+
+    second_fd = dial(addr_of(w, 1));
+    put32(hello, 0x48584652u);
+    put32(hello + 4, 1);
+    put32(hello + 8, 0);
+    put32(hello + 12, 1);
+    cr_assert_eq(write(second_fd, hello, sizeof(hello)), (ssize_t)sizeof(hello));
+}
+
+/* Daemon 0 stalls inside a message, then connects again: its old stream cannot be resumed. */
+Test(xfer_fail, reconnect_mid_message_fails)
+{
+    pair p;
+    world w;
+    int fd;
+
+    pair_init(&p, 3);
+    world_open(&w, 2);
+    fd = fake_sender(addr_of(&w, 1), 0, 1, 0x46584652u, 10, 3, p.rmsgs[0].bytes, 500);
+    world_run_poke(&w, (rf_xfer_job *[]){NULL, &p.rjob}, poke_reconnect, 100);
+    cr_assert_eq(w.res[1].code, -ECONNRESET, "%s", w.res[1].error);
+    cr_assert(strstr(w.res[1].error, "reconnected") && strstr(w.res[1].error, "seq 10"), "%s",
+              w.res[1].error);
+    close(fd);
+    close(second_fd);
+    pair_free(&p);
+    good_pair_run(&w, 4);
+    world_close(&w);
+}
+
 Test(xfer_fail, bad_magic_and_unexpected_seq)
 {
     struct {
@@ -827,6 +862,64 @@ Test(xfer_fail, bad_magic_and_unexpected_seq)
         world_close(&w);
         pair_free(&p);
     }
+}
+
+/* Message seq 10 shrunk to one row (4 KiB) so that a fake peer can write it whole. */
+static void pair_small_direct(pair *p)
+{
+    p->r_items[0] = item2d((uint8_t *)p->dst_direct, ROWS, COLS, NULL, 0, 1, 0);
+    p->rmsgs[0].bytes = COLS * 4;
+}
+
+Test(xfer_fail, same_message_twice)
+{
+    pair p;
+    world w;
+    uint8_t hdr[24];
+    int fd;
+
+    pair_init(&p, 3);
+    pair_small_direct(&p);
+    world_open(&w, 2);
+    fd = fake_sender(addr_of(&w, 1), 0, 1, 0x46584652u, 10, 3, COLS * 4, COLS * 4);
+    put32(hdr, 0x46584652u);
+    put32(hdr + 4, 10);
+    put64(hdr + 8, 3);
+    put64(hdr + 16, COLS * 4);
+    cr_assert_eq(write(fd, hdr, sizeof(hdr)), (ssize_t)sizeof(hdr));
+    world_run(&w, (rf_xfer_job *[]){NULL, &p.rjob});
+    cr_assert_eq(w.res[1].code, -EPROTO, "%s", w.res[1].error);
+    cr_assert(strstr(w.res[1].error, "seq 10 twice"), "%s", w.res[1].error);
+    /* The first copy was installed, the job still failed. */
+    cr_assert_eq(w.res[1].bytes_recv, COLS * 4);
+    close(fd);
+    pair_free(&p);
+    good_pair_run(&w, 4);
+    world_close(&w);
+}
+
+Test(xfer_fail, peer_dies_inside_a_header)
+{
+    pair p;
+    world w;
+    uint8_t buf[26];
+    int fd;
+
+    pair_init(&p, 3);
+    pair_small_direct(&p);
+    world_open(&w, 2);
+    /* One whole message, then 10 bytes of the next header. */
+    fd = fake_sender(addr_of(&w, 1), 0, 1, 0x46584652u, 10, 3, COLS * 4, COLS * 4);
+    memset(buf, 0, sizeof(buf));
+    cr_assert_eq(write(fd, buf, 10), 10);
+    close(fd);
+    world_run(&w, (rf_xfer_job *[]){NULL, &p.rjob});
+    cr_assert_eq(w.res[1].code, -ECONNRESET, "%s", w.res[1].error);
+    cr_assert(strstr(w.res[1].error, "inside a frame header") &&
+              strstr(w.res[1].error, "seq 11 expected"), "%s", w.res[1].error);
+    pair_free(&p);
+    good_pair_run(&w, 4);
+    world_close(&w);
 }
 
 /* A connection that is not one of ours (bad hello) is dropped without failing the job. */
@@ -1073,6 +1166,7 @@ Test(xfer_check, refused_jobs)
         cr_assert(strstr(err.msg, says), "case %d: %s", c, err.msg);
         pair_free(&p);
     }
+    cr_assert_eq(rf_xfer_set_peers(w.t[0], 0, 0, bad_addrs, &err), -EINVAL);
     cr_assert_eq(rf_xfer_set_peers(w.t[0], 2, 2, bad_addrs, &err), -EINVAL);
     cr_assert_eq(rf_xfer_set_peers(w.t[0], 0, 2, bad_addrs, &err), -EINVAL);
     cr_assert(strstr(err.msg, "no-port"), "%s", err.msg);
@@ -1104,6 +1198,9 @@ Test(xfer_check, busy_while_running_and_no_peers)
     cr_assert_eq(rf_xfer_tcp_new(&w.loop, "127.0.0.1:0", &lone, &err), 0, "%s", err.msg);
     cr_assert_eq(rf_xfer_run(lone, &p.sjob, on_done, &w, &err), -EINVAL);
     cr_assert(strstr(err.msg, "set_peers"), "%s", err.msg);
+    rf_xfer_close(lone, NULL, NULL);
+    /* Closing, not yet closed: jobs are refused, a second close is harmless. */
+    cr_assert_eq(rf_xfer_run(lone, &p.sjob, on_done, &w, &err), -ECANCELED);
     rf_xfer_close(lone, NULL, NULL);
     cr_assert_eq(rf_xfer_tcp_new(&w.loop, "nonsense", &lone, &err), -EINVAL);
     cr_assert_null(lone);

@@ -1,0 +1,155 @@
+"""Tests of the refit Python package against the real daemons: a coordinator
+refit-publisherd and a refit-receiverd on loopback, one Python trainer and one Python engine.
+Run: BUILD=build python3 -m unittest discover -s tests/python (skips when the binaries are
+missing). The library comes from $REFIT_LIB or $BUILD/librefit.so."""
+
+import errno
+import os
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+import unittest
+
+ROOT = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+sys.path.insert(0, os.path.join(ROOT, "client", "python"))
+BUILD = os.path.join(ROOT, os.environ.get("BUILD", "build"))
+os.environ.setdefault("REFIT_LIB", os.path.join(BUILD, "librefit.so"))
+
+import refit  # noqa: E402
+
+PUB = os.path.join(BUILD, "refit-publisherd")
+RECV = os.path.join(BUILD, "refit-receiverd")
+HAVE_LIB = os.path.exists(os.environ["REFIT_LIB"])
+HAVE_DAEMONS = HAVE_LIB and os.path.exists(PUB) and os.path.exists(RECV)
+
+
+def free_port():
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+@unittest.skipUnless(HAVE_LIB, f"librefit not built ({os.environ['REFIT_LIB']}): run make")
+class TestWithoutDaemon(unittest.TestCase):
+    def test_connect_error_names_the_socket(self):
+        with self.assertRaises(refit.Error) as cm:
+            refit.Client(refit.TRAINER, "t", 0, socket="/nonexistent/refit.sock")
+        self.assertEqual(cm.exception.code, -errno.ENOENT)
+        self.assertIn("/nonexistent/refit.sock", cm.exception.message)
+        self.assertIn("is the daemon running", cm.exception.message)
+
+    def test_bad_buffer_size(self):
+        with self.assertRaises(refit.Error) as cm:
+            refit.HostBuffer(0)
+        self.assertEqual(cm.exception.code, -errno.EINVAL)
+
+
+@unittest.skipUnless(HAVE_DAEMONS, f"daemons not built in {BUILD}: run make")
+class TestWithDaemons(unittest.TestCase):
+    SHAPE = [4, 8]
+
+    @classmethod
+    def setUpClass(cls):
+        cls.dir = tempfile.TemporaryDirectory(prefix="refit-py-")
+        d = cls.dir.name
+        key = os.path.join(d, "cluster.key")
+        with open(key, "w") as f:
+            f.write(os.urandom(32).hex())
+        os.chmod(key, 0o600)
+        cls.pub_sock = os.path.join(d, "publisherd.sock")
+        cls.recv_sock = os.path.join(d, "receiverd.sock")
+        common = ["--cluster-key-file", key, "--coordinator-addr",
+                  f"127.0.0.1:{free_port()}", "--publishers", "1", "--receivers", "1",
+                  "--status-listen", "127.0.0.1:0", "--verify", "full", "--index", "0",
+                  "--clients", "1"]
+        cls.logs = [open(os.path.join(d, n), "w") for n in ("pub.log", "recv.log")]
+        cls.procs = [
+            subprocess.Popen([PUB] + common + ["--coordinator", "--socket", cls.pub_sock],
+                             stdout=cls.logs[0], stderr=subprocess.STDOUT),
+            subprocess.Popen([RECV] + common + ["--socket", cls.recv_sock],
+                             stdout=cls.logs[1], stderr=subprocess.STDOUT),
+        ]
+        deadline = time.time() + 10
+        while time.time() < deadline:
+            if all(os.path.exists(s) for s in (cls.pub_sock, cls.recv_sock)):
+                break
+            if any(p.poll() is not None for p in cls.procs):
+                break
+            time.sleep(0.05)
+
+    @classmethod
+    def tearDownClass(cls):
+        for p in cls.procs:
+            p.terminate()
+        for p in cls.procs:
+            try:
+                p.wait(5)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        for f in cls.logs:
+            f.close()
+        cls.dir.cleanup()
+
+    def logs_text(self):
+        out = []
+        for name in ("pub.log", "recv.log"):
+            with open(os.path.join(self.dir.name, name)) as f:
+                out.append(f"== {name}\n{f.read()}")
+        return "\n".join(out)
+
+    def test_1_refit_moves_bytes(self):
+        n = 4 * 8
+        with refit.Client(refit.TRAINER, "py-trainer", 0, socket=self.pub_sock) as tr, \
+                refit.Client(refit.ENGINE, "py-engine", 0, socket=self.recv_sock) as en:
+            src = tr.alloc_host(n * 4)
+            # The trainer holds the tensor transposed ([8][4] in memory): strides (1, 4).
+            for i in range(4):
+                for j in range(8):
+                    struct.pack_into("<f", src.mmap, (j * 4 + i) * 4, float(i * 100 + j))
+            tr.add_piece("model.w", "fp32", self.SHAPE, src.region, 0, [0, 0], [4, 8], [1, 4])
+            tr.seal()
+            dst = en.alloc_host(n * 4 + 64)
+            en.add_piece("model.w", "float32", self.SHAPE, dst.region, 64, [0, 0], [4, 8])
+            en.seal()
+            tr.publish(1)
+            try:
+                en.wait_version(1, 20000)
+                tr.wait_released(1, 20000)
+            except refit.Error as e:
+                self.fail(f"{e}\n{self.logs_text()}")
+            for i in range(4):
+                for j in range(8):
+                    v = struct.unpack_from("<f", dst.mmap, 64 + (i * 8 + j) * 4)[0]
+                    self.assertEqual(v, float(i * 100 + j), (i, j))
+            ev = [en.next_event(1000) for _ in range(2)]
+            self.assertEqual(ev, [("installing", 1), ("committed", 1)])
+            with refit.Client(refit.CTL, "py-ctl", 0, socket=self.pub_sock) as ctl:
+                self.assertIn("{", ctl.status())
+                ctl.wait(1, 1000)
+
+    def test_2_errors_raise_with_messages(self):
+        with refit.Client(refit.TRAINER, "py-trainer", 0, socket=self.pub_sock) as tr:
+            buf = tr.alloc_host(64)
+            with self.assertRaises(refit.Error) as cm:
+                tr.add_piece("model.w", "fp32", self.SHAPE, buf.region + 5, 0, [0, 0], [4, 8])
+            self.assertEqual(cm.exception.code, -errno.ENOENT)
+            self.assertIn("unknown region", cm.exception.message)
+            with self.assertRaises(refit.Error) as cm:
+                tr.add_piece("model.w", "fp32", self.SHAPE, buf.region, 0, [0, 0], [4, 8])
+            self.assertIn("outside its registered region", cm.exception.message)
+            with self.assertRaises(refit.Error) as cm:
+                tr.publish(1)
+            self.assertIn("before Seal", cm.exception.message)
+        with self.assertRaises(refit.Error) as cm:
+            refit.Client(refit.ENGINE, "wrong", 0, socket=self.pub_sock)
+        self.assertIn("trainers connect to refit-publisherd", cm.exception.message)
+
+
+if __name__ == "__main__":
+    unittest.main()
