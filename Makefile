@@ -96,7 +96,7 @@ $(BUILD)/bench/%: $(BUILD)/bench/%.o $(LIBREFIT_O) $(LIBCOMMON)
 # Unit tests: one Criterion binary per module. End-to-end tests: scripts that start the real
 # daemons and clients as processes (tests/e2e/*.sh), then the Python package's tests.
 unit: all
-	$(Q)set -e; for t in $(UNIT_BINS); do echo "== $$t"; $$t --jobs=2 --short-filename; done
+	$(Q)set -e; for t in $(UNIT_BINS); do echo "== $$t"; REFIT_BUILD=$(BUILD) $$t --jobs=2 --short-filename; done
 
 e2e: all
 	$(Q)set -e; for t in $(sort $(wildcard tests/e2e/*.sh)); do echo "== $$t"; BUILD=$(BUILD) $$t; done

@@ -39,6 +39,10 @@ const char *refit_last_error(const refit_client *c);
 /* Registers host memory: size bytes of the memfd fd from its start (librefit seals it against
  * shrinking; fd stays the caller's). *region is the id pieces name. */
 int refit_region_memfd(refit_client *c, int fd, uint64_t size, uint32_t *region);
+/* A region that is part of a larger memfd: [offset, offset + size) of it. One memfd may hold
+ * many regions (a trainer's one allocation holding every parameter); the daemon maps it once. */
+int refit_region_memfd_at(refit_client *c, int fd, uint64_t offset, uint64_t size,
+                          uint32_t *region);
 /* Allocates size bytes of shared host memory (memfd + mmap), registers it and returns the
  * mapping; it stays mapped until refit_close. */
 int refit_alloc_host(refit_client *c, uint64_t size, void **ptr, uint32_t *region);

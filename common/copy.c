@@ -193,7 +193,7 @@ static int exec_direct(const rf_plan *plan, const rf_msg *m, void *const *src_ba
     const rf_box *box = rf_plan_box(plan, x->box);
     rf_piece sp, dp;
     const rf_tensor *t;
-    uint8_t *sb, *db;
+    uint8_t *sb = NULL, *db = NULL;
     uint64_t so, doff;
     size_t es;
     int rc;
@@ -260,7 +260,7 @@ int rf_copy_exec_plan_host(const rf_plan *plan, void *const *src_bases, void *co
             const rf_xfer *x = rf_plan_xfer(plan, (uint64_t)m->first + k);
             rf_piece sp, dp;
             const rf_tensor *t;
-            uint8_t *sb, *db;
+            uint8_t *sb = NULL, *db = NULL;
             rf_inv_piece(inv, RF_SRC, x->src, &sp);
             rf_inv_piece(inv, RF_DST, x->dst, &dp);
             t = rf_inv_tensor(inv, sp.tensor);

@@ -412,7 +412,9 @@ static void on_slice(rf_node *n, const Refit__PlanSlice *ps)
         rf_slice_job_reset(&n->slice);
         goto out;
     }
-    n->slice.job.staging_bytes = (uint64_t)n->cfg->staging_mib << 20;
+    /* The plan's budget is per endpoint (GPU); this daemon drives all of its endpoints. */
+    n->slice.job.staging_bytes = ((uint64_t)n->cfg->staging_mib << 20) *
+                                 (rf_inv_nendpoints(inv) ? rf_inv_nendpoints(inv) : 1);
     n->slice.job.timeout_s = n->cfg->refit_timeout_s;
     n->slice.job.verify = n->cfg->verify != RF_VERIFY_OFF;
     rc = rf_xfer_job_check(&n->slice.job, n->slice.npeers, &err);

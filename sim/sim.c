@@ -77,7 +77,6 @@ static int sink_region(void *ctx, uint32_t local, uint64_t size)
     r->regions = n;
     memset(&n[local], 0, sizeof(n[local]));
     n[local].size = size;
-    n[local].fd = -1;
     if (local + 1 > r->nregions)
         r->nregions = local + 1;
     return 0;
@@ -145,25 +144,33 @@ int sim_setup(sim *s, rf_side side, const char *model, int shrink, const char *l
         uint32_t k;
 
         r->rank = s->first + i;
+        r->fd = -1;
         if (rf_model_rank(m, &s->par, side, r->rank, &sink, &err) < 0) {
             fprintf(stderr, "rank %d: %s\n", r->rank, err.msg);
             return -1;
         }
+        /* Regions 256-byte aligned inside the rank's one allocation, like a caching
+         * allocator's blocks. */
+        r->mem_size = 0;
         for (k = 0; k < r->nregions; k++) {
-            sim_region *g = &r->regions[k];
-
-            g->fd = memfd_create("refit-sim", MFD_CLOEXEC | MFD_ALLOW_SEALING);
-            if (g->fd < 0 || ftruncate(g->fd, (off_t)g->size) < 0 ||
-                fcntl(g->fd, F_ADD_SEALS, F_SEAL_SHRINK) < 0) {
-                perror("memfd");
-                return -1;
-            }
-            g->base = mmap(NULL, g->size, PROT_READ | PROT_WRITE, MAP_SHARED, g->fd, 0);
-            if (g->base == MAP_FAILED) {
-                perror("mmap");
-                return -1;
-            }
+            r->regions[k].offset = r->mem_size;
+            r->mem_size += (r->regions[k].size + 255) & ~(uint64_t)255;
         }
+        r->fd = memfd_create("refit-sim", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+        if (r->fd < 0 || ftruncate(r->fd, (off_t)(r->mem_size ? r->mem_size : 1)) < 0 ||
+            fcntl(r->fd, F_ADD_SEALS, F_SEAL_SHRINK) < 0) {
+            perror("memfd");
+            return -1;
+        }
+        r->mem = mmap(NULL, r->mem_size ? r->mem_size : 1, PROT_READ | PROT_WRITE, MAP_SHARED,
+                      r->fd, 0);
+        if (r->mem == MAP_FAILED) {
+            perror("mmap");
+            r->mem = NULL;
+            return -1;
+        }
+        for (k = 0; k < r->nregions; k++)
+            r->regions[k].base = r->mem + r->regions[k].offset;
         for (k = 0; k < r->npieces; k++) {
             const rf_tensor *tn = rf_model_tensor(m, r->pieces[k].tensor);
 
@@ -186,7 +193,8 @@ static int register_rank(sim *s, sim_rank *r)
     if (rc < 0)
         return rc;
     for (k = 0; k < r->nregions; k++) {
-        rc = refit_region_memfd(r->c, r->regions[k].fd, r->regions[k].size, &r->regions[k].id);
+        rc = refit_region_memfd_at(r->c, r->fd, r->regions[k].offset, r->regions[k].size,
+                                   &r->regions[k].id);
         if (rc < 0)
             goto fail;
     }
@@ -249,19 +257,16 @@ int sim_register(sim *s, int timeout_ms)
 void sim_close(sim *s)
 {
     int i;
-    uint32_t k;
 
     for (i = 0; s->ranks && i < s->count; i++) {
         sim_rank *r = &s->ranks[i];
 
         if (r->c)
             refit_close(r->c);
-        for (k = 0; k < r->nregions; k++) {
-            if (r->regions[k].base && r->regions[k].base != MAP_FAILED)
-                munmap(r->regions[k].base, r->regions[k].size);
-            if (r->regions[k].fd >= 0)
-                close(r->regions[k].fd);
-        }
+        if (r->mem)
+            munmap(r->mem, r->mem_size ? r->mem_size : 1);
+        if (r->fd >= 0)
+            close(r->fd);
         free(r->regions);
         free(r->pieces);
     }
@@ -328,11 +333,9 @@ void sim_fill(sim *s, uint64_t version)
 void sim_fill_garbage(sim *s)
 {
     int i;
-    uint32_t k;
 
     for (i = 0; i < s->count; i++)
-        for (k = 0; k < s->ranks[i].nregions; k++)
-            memset(s->ranks[i].regions[k].base, 0xee, s->ranks[i].regions[k].size);
+        memset(s->ranks[i].mem, 0xee, s->ranks[i].mem_size);
 }
 
 typedef struct verify_ctx {

@@ -11,7 +11,7 @@
 #include "refit.h"
 
 typedef struct sim_region {
-    int fd;          /* memfd, kept so the region can be registered again after a reconnect */
+    uint64_t offset; /* in the rank's memfd */
     uint8_t *base;
     uint64_t size;
     uint32_t id;     /* the daemon's region id */
@@ -20,6 +20,10 @@ typedef struct sim_region {
 typedef struct sim_rank {
     int rank;
     refit_client *c;
+    int fd;          /* one memfd holds all the rank's regions, as one allocation would; kept
+                        so the regions can be registered again after a reconnect */
+    uint8_t *mem;
+    uint64_t mem_size;
     uint32_t nregions;
     sim_region *regions;
     uint32_t npieces, cap_pieces;

@@ -326,6 +326,12 @@ out:
 
 int refit_region_memfd(refit_client *c, int fd, uint64_t size, uint32_t *region)
 {
+    return refit_region_memfd_at(c, fd, 0, size, region);
+}
+
+int refit_region_memfd_at(refit_client *c, int fd, uint64_t offset, uint64_t size,
+                          uint32_t *region)
+{
     Refit__Rpc__Request req = REFIT__RPC__REQUEST__INIT;
     Refit__Rpc__RegisterRegion m = REFIT__RPC__REGISTER_REGION__INIT;
     Refit__Rpc__Response *r = NULL;
@@ -338,6 +344,7 @@ int refit_region_memfd(refit_client *c, int fd, uint64_t size, uint32_t *region)
      * without MFD_ALLOW_SEALING fails here and the daemon's answer says so. */
     (void)fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK);
     m.size = size;
+    m.offset = offset;
     m.device = "host";
     m.kind = REFIT__RPC__MEM_KIND__MEM_MEMFD;
     req.body_case = REFIT__RPC__REQUEST__BODY_REGISTER_REGION;

@@ -27,8 +27,8 @@ typedef struct harness {
     rf_registry *reg;
     char dir[64], path[128];
     /* recorded by callbacks */
-    int n_inventory, n_change, n_ready, n_refit;
-    uint64_t ready, refit, timer_version;
+    int n_inventory, n_change, n_ready, n_refit, n_consumed;
+    uint64_t ready, refit, timer_version, consumed;
     int timer_kind; /* 0 abort, RF_REG_* notify */
     bool refuse_refit, refuse_wait;
 } harness;
@@ -45,6 +45,14 @@ static void bump(int *counter)
 
 static void cb_inventory(rf_registry *r, void *ud) { (void)r; (void)ud; bump(&H.n_inventory); }
 static void cb_change(rf_registry *r, void *ud) { (void)r; (void)ud; bump(&H.n_change); }
+
+static void cb_consumed(rf_registry *r, uint64_t v, void *ud)
+{
+    (void)r;
+    (void)ud;
+    H.consumed = v;
+    bump(&H.n_consumed);
+}
 
 static void cb_ready(rf_registry *r, uint64_t v, void *ud)
 {
@@ -144,7 +152,7 @@ static void wait_count(int *counter, int n)
 static void open_registry(rf_side side, unsigned expected)
 {
     static const rf_registry_cb cb = {cb_inventory, cb_change, cb_ready, cb_status, cb_refit,
-                                      cb_wait};
+                                      cb_wait, cb_consumed};
     rf_registry_opts o = {0};
     rf_err err = {0};
 
@@ -733,5 +741,57 @@ Test(registry, bad_frame_from_one_client_others_served)
     p = get_probe();
     cr_assert_eq(p.npieces, 2);
     refit_close(e0);
+    refit_close(e1);
+}
+
+static void read_consumed(void *arg)
+{
+    *(uint64_t *)arg = rf_registry_consumed(H.reg);
+}
+
+Test(registry, gated_engines_hold_installs_until_consumed)
+{
+    int64_t sh[1] = {16}, s0[1] = {0}, s1[1] = {8}, ext[1] = {8};
+    refit_client *e0, *e1, *t;
+    notify_args n;
+    uint32_t r;
+    uint64_t consumed;
+    void *p;
+
+    open_registry(RF_DST, 2);
+    on_loop(read_consumed, &consumed);
+    cr_assert_eq(consumed, UINT64_MAX, "no gated engine: nothing holds installs");
+    e0 = conn("e0", 0, REFIT_ENGINE);
+    e1 = conn("e1", 1, REFIT_ENGINE);
+    OK(refit_alloc_host(e0, 64, &p, &r), e0);
+    OK(refit_add_piece(e0, "x", REFIT_FP32, 1, sh, r, 0, s0, ext, NULL), e0);
+    FAILS(refit_consumed(e0, 0), e0, -EINVAL, "not gated");
+    OK(refit_gate(e0), e0);
+    wait_count(&H.n_consumed, 1);
+    cr_assert_eq(H.consumed, 0);
+    OK(refit_seal(e0), e0);
+    FAILS(refit_gate(e0), e0, -EINVAL, "Gate after Seal");
+    OK(refit_alloc_host(e1, 64, &p, &r), e1);
+    OK(refit_add_piece(e1, "x", REFIT_FP32, 1, sh, r, 0, s1, ext, NULL), e1);
+    OK(refit_seal(e1), e1); /* not gated: takes installs whenever they come */
+
+    n = (notify_args){RF_REG_COMMITTED, 1};
+    on_loop(call_notify, &n);
+    OK(refit_wait_version(e0, 1, 2000), e0);
+    on_loop(read_consumed, &consumed);
+    cr_assert_eq(consumed, 0, "version 1 not consumed yet: the next install must wait");
+    FAILS(refit_consumed(e0, 2), e0, -EINVAL, "only committed versions can be consumed");
+    OK(refit_consumed(e0, 1), e0);
+    wait_count(&H.n_consumed, 2);
+    cr_assert_eq(H.consumed, 1);
+    FAILS(refit_consumed(e0, 0), e0, -EINVAL, "in order");
+
+    /* A gated engine that leaves no longer holds anyone back. */
+    refit_close(e0);
+    wait_count(&H.n_consumed, 3);
+    cr_assert_eq(H.consumed, UINT64_MAX);
+    t = conn("ctl", 0, REFIT_CTL);
+    FAILS(refit_gate(t), t, -EPERM, "Gate is for engines");
+    refit_close(t);
     refit_close(e1);
 }

@@ -708,6 +708,92 @@ Test(xfer_hand, direct_and_packed_between_two)
     pair_free(&p);
 }
 
+/* A 1-D byte piece of n bytes at base; the item moves [start, start + len). */
+static rf_xfer_item item1d(uint8_t *base, uint64_t n, uint64_t start, uint64_t len,
+                           uint64_t msg_off)
+{
+    rf_xfer_item it;
+
+    memset(&it, 0, sizeof(it));
+    it.base = base;
+    it.ndim = 1;
+    it.esize = 1;
+    rf_box_full(&it.piece.box, 1, (int64_t[]){(int64_t)n});
+    it.piece.strides[0] = 1;
+    it.box = it.piece.box;
+    it.box.start[0] = (int64_t)start;
+    it.box.extent[0] = (int64_t)len;
+    it.msg_off = msg_off;
+    it.bytes = len;
+    return it;
+}
+
+typedef struct overlap {
+    rf_xfer_job *late;
+} overlap;
+
+static overlap ov;
+
+static void poke_start_late(world *w)
+{
+    rf_err err;
+
+    cr_assert_eq(rf_xfer_run(w->t[1], ov.late, on_done, w, &err), 0, "%s", err.msg);
+    w->pending++;
+}
+
+/* Daemon 0 sends round 0 to daemon 1, which starts late, and round 1 to daemon 2: round 1 is
+ * packed while round 0 still waits on the wire, in the other half of the staging. */
+Test(xfer_hand, two_rounds_in_flight_do_not_share_staging)
+{
+    uint64_t n = 16u << 20;
+    uint8_t *src = malloc(2 * n), *d1 = calloc(n, 1), *d2 = calloc(n, 1);
+    rf_xfer_item si[2], r1, r2;
+    rf_xfer_msg sm[2], m1, m2;
+    rf_xfer_job j0, j1, j2;
+    world w;
+
+    cr_assert(src && d1 && d2);
+    for (uint64_t i = 0; i < 2 * n; i++)
+        src[i] = pattern(9, i, 0, 1);
+    si[0] = item1d(src, 2 * n, 0, n, 0);
+    si[1] = item1d(src, 2 * n, n, n, 0);
+    r1 = item1d(d1, n, 0, n, 0);
+    r2 = item1d(d2, n, 0, n, 0);
+    sm[0] = (rf_xfer_msg){.seq = 0, .round = 0, .kind = RF_XFER_PACKED, .send = true,
+                          .peer = 1, .bytes = n, .nitems = 1, .items = &si[0]};
+    sm[1] = (rf_xfer_msg){.seq = 1, .round = 1, .kind = RF_XFER_PACKED, .send = true,
+                          .peer = 2, .bytes = n, .nitems = 1, .items = &si[1]};
+    m1 = sm[0];
+    m1.send = false;
+    m1.peer = 0;
+    m1.items = &r1;
+    m2 = sm[1];
+    m2.send = false;
+    m2.peer = 0;
+    m2.items = &r2;
+    j0 = (rf_xfer_job){.version = 1, .nrounds = 2, .nmsgs = 2, .msgs = sm,
+                       .staging_bytes = 2 * n, .timeout_s = 20, .verify = 1};
+    j1 = j0;
+    j1.nmsgs = 1;
+    j1.msgs = &m1;
+    j2 = j1;
+    j2.msgs = &m2;
+    ov.late = &j1;
+    world_open(&w, 3);
+    world_run_poke(&w, (rf_xfer_job *[]){&j0, NULL, &j2}, poke_start_late, 150);
+    for (int d = 0; d < 3; d++)
+        cr_assert_eq(w.res[d].code, 0, "daemon %d: %s", d, w.res[d].error);
+    cr_assert_eq(w.res[0].peak_staging, 2 * n, "both rounds were not open at once");
+    cr_assert(memcmp(d1, src, n) == 0, "round 0 was overwritten in staging");
+    cr_assert(memcmp(d2, src + n, n) == 0);
+    digests_agree(&w);
+    world_close(&w);
+    free(src);
+    free(d1);
+    free(d2);
+}
+
 /* ---- failures --------------------------------------------------------------------------- */
 
 /* Wire format, as the transport writes it (little-endian). */

@@ -1,0 +1,294 @@
+/* client/refitctl/cmd_daemon.c - the commands that talk to a running daemon over its local
+ * socket: status, refit, wait. */
+#include <errno.h>
+#include <getopt.h>
+#include <inttypes.h>
+#include <jansson.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "ctl.h"
+#include "refit.h"
+
+static const char *default_socket(void)
+{
+    const char *s = getenv("REFIT_SOCKET");
+
+    if (s && s[0])
+        return s;
+    if (access(RF_CTL_SOCKET_PUB, F_OK) == 0)
+        return RF_CTL_SOCKET_PUB;
+    return RF_CTL_SOCKET_RECV;
+}
+
+/* Connects as a ctl client; prints why not and returns NULL when no daemon answers. */
+static refit_client *dial(const char *socket)
+{
+    refit_client *c = NULL;
+    int rc = refit_connect(socket, "refitctl", 0, REFIT_CTL, &c);
+
+    if (rc < 0) {
+        fprintf(stderr, "refitctl: no daemon at %s: %s\n", socket, refit_last_error(NULL));
+        return NULL;
+    }
+    return c;
+}
+
+/* The options every daemon command takes; returns optind or -1 (usage printed). */
+static int parse_common(int argc, char **argv, const char *usage, const char **socket,
+                        int *json, int *timeout_ms, uint64_t *version)
+{
+    static const struct option opts[] = {{"socket", 1, 0, 's'},  {"json", 0, 0, 'j'},
+                                         {"timeout", 1, 0, 't'}, {"version", 1, 0, 'v'},
+                                         {"help", 0, 0, 'h'},    {0, 0, 0, 0}};
+    int o;
+
+    optind = 1;
+    *socket = default_socket();
+    while ((o = getopt_long(argc, argv, "", opts, NULL)) != -1) {
+        switch (o) {
+        case 's': *socket = optarg; break;
+        case 'j': if (json) { *json = 1; break; } goto bad;
+        case 't':
+            if (!timeout_ms)
+                goto bad;
+            *timeout_ms = (int)(strtod(optarg, NULL) * 1000);
+            break;
+        case 'v':
+            if (!version)
+                goto bad;
+            *version = strtoull(optarg, NULL, 10);
+            break;
+        case 'h': printf("%s", usage); exit(0);
+        default: goto bad;
+        }
+    }
+    return optind;
+bad:
+    fprintf(stderr, "%s", usage);
+    return -1;
+}
+
+static double num(json_t *o, const char *k)
+{
+    json_t *v = json_object_get(o, k);
+
+    return json_is_number(v) ? json_number_value(v) : 0;
+}
+
+static const char *str(json_t *o, const char *k)
+{
+    const char *s = json_string_value(json_object_get(o, k));
+
+    return s ? s : "";
+}
+
+static void human_bytes(double b, char *out, size_t len)
+{
+    const char *u[] = {"B", "KB", "MB", "GB", "TB"};
+    int i = 0;
+
+    while (b >= 1000 && i < 4) {
+        b /= 1000;
+        i++;
+    }
+    snprintf(out, len, i ? "%.1f %s" : "%.0f %s", b, u[i]);
+}
+
+static void print_status(json_t *st)
+{
+    json_t *cl = json_object_get(st, "clients"), *last = json_object_get(st, "last_refit");
+    json_t *co = json_object_get(st, "coordinator"), *cluster = json_object_get(st, "cluster");
+    json_t *flight = json_object_get(st, "refit_in_flight");
+    char b1[32];
+
+    printf("%s on node %s (index %d), refit %s, transport %s\n", str(st, "role"),
+           str(st, "node"), (int)num(st, "index"), str(st, "version"), str(st, "transport"));
+    printf("coordinator   %s, %s\n", str(co, "addr"),
+           json_is_true(json_object_get(co, "connected")) ? "connected" : "NOT CONNECTED");
+    if (cl) {
+        json_t *list = json_object_get(cl, "clients");
+
+        printf("clients       %zu connected of %d expected %s, inventory %s (%d tensors, %d "
+               "pieces)\n", json_array_size(list), (int)num(cl, "expected_clients"),
+               str(cl, "side"), json_is_true(json_object_get(cl, "complete")) ? "complete"
+                                                                              : "incomplete",
+               (int)num(cl, "tensors"), (int)num(cl, "pieces"));
+    }
+    human_bytes(num(st, "plan_bytes"), b1, sizeof(b1));
+    printf("plan          %s (%d messages, %s on this daemon)\n",
+           str(st, "plan_id")[0] ? str(st, "plan_id") : "none yet", (int)num(st, "plan_messages"),
+           b1);
+    printf("committed     version %.0f", num(st, "committed"));
+    if (json_is_integer(flight))
+        printf(", refit of version %" JSON_INTEGER_FORMAT " in flight", json_integer_value(flight));
+    printf("\n");
+    human_bytes(num(last, "bytes"), b1, sizeof(b1));
+    printf("last refit    version %.0f %s, %s, wait %.3f s, transfer %.3f s, total %.3f s\n",
+           num(last, "version"), str(last, "result"), b1, num(last, "wait_s"),
+           num(last, "transfer_s"), num(last, "total_s"));
+    if (cluster) {
+        json_t *plan = json_object_get(cluster, "plan"), *cl_last = json_object_get(cluster,
+                                                                                     "last_refit");
+        json_t *m;
+        size_t i;
+        double s2c = num(cl_last, "start_to_commit_s");
+
+        printf("cluster       %s, committed version %.0f\n", str(cluster, "state"),
+               num(cluster, "committed"));
+        json_array_foreach(json_object_get(cluster, "members"), i, m) {
+            json_t *ready = json_object_get(m, "ready");
+
+            printf("  %-9s %d  %-16s %-13s inventory %-10s %s %.0f\n", str(m, "role"),
+                   (int)num(m, "index"), str(m, "node"),
+                   json_is_true(json_object_get(m, "connected")) ? "connected" : "DISCONNECTED",
+                   json_is_true(json_object_get(m, "inventory_complete")) ? "complete"
+                                                                          : "incomplete",
+                   ready ? "ready" : "consumed", ready ? num(m, "ready") : num(m, "consumed"));
+        }
+        human_bytes(num(plan, "dst_bytes"), b1, sizeof(b1));
+        printf("  plan      %d tensors, %.0f transfers, %.0f messages, %.0f rounds, %s, built "
+               "in %.3f s\n", (int)num(plan, "tensors"), num(plan, "transfers"),
+               num(plan, "messages"), num(plan, "rounds"), b1, num(plan, "build_s"));
+        human_bytes(num(cl_last, "bytes"), b1, sizeof(b1));
+        printf("  last      version %.0f %s, %s: publish quorum %.3f s, transfer %.3f s, "
+               "start->commit %.3f s (%.2f GB/s)\n", num(cl_last, "version"),
+               str(cl_last, "result"), b1, num(cl_last, "publish_quorum_s"),
+               num(cl_last, "transfer_s"), s2c, s2c > 0 ? num(cl_last, "bytes") / s2c / 1e9 : 0);
+        if (str(cluster, "last_error")[0])
+            printf("  error     %s\n", str(cluster, "last_error"));
+    }
+    if (str(st, "last_error")[0])
+        printf("last error    %s\n", str(st, "last_error"));
+}
+
+int rf_ctl_status(int argc, char **argv)
+{
+    static const char usage[] =
+        "usage: refitctl status [--socket PATH] [--json]\n"
+        "Shows the daemon's role, its coordinator connection, its local clients, the plan, the\n"
+        "committed version and the last refit with its stage times; on the coordinator also\n"
+        "the cluster: every member, the plan and the last refit as the coordinator saw it.\n";
+    const char *socket;
+    refit_client *c;
+    char *txt = NULL;
+    json_t *st;
+    int json = 0, rc;
+
+    if (parse_common(argc, argv, usage, &socket, &json, NULL, NULL) < 0)
+        return 2;
+    c = dial(socket);
+    if (!c)
+        return RF_CTL_EXIT_NODAEMON;
+    rc = refit_status_json(c, &txt);
+    if (rc < 0) {
+        fprintf(stderr, "refitctl: status: %s\n", refit_last_error(c));
+        refit_close(c);
+        return 1;
+    }
+    refit_close(c);
+    if (json) {
+        printf("%s\n", txt);
+        free(txt);
+        return 0;
+    }
+    st = json_loads(txt, 0, NULL);
+    free(txt);
+    if (!st) {
+        fprintf(stderr, "refitctl: the daemon's status is not JSON\n");
+        return 1;
+    }
+    print_status(st);
+    json_decref(st);
+    return 0;
+}
+
+int rf_ctl_refit(int argc, char **argv)
+{
+    static const char usage[] =
+        "usage: refitctl refit --version N [--socket PATH] [--wait] [--timeout SECONDS]\n"
+        "Triggers a refit of version N from the weights the trainers hold now, without\n"
+        "waiting for their publish (any daemon forwards it to the coordinator). N must be\n"
+        "newer than the committed version. With --wait, waits for the commit: exit 0 when\n"
+        "committed, 1 when aborted or timed out.\n";
+    static const struct option opts[] = {{"socket", 1, 0, 's'}, {"version", 1, 0, 'v'},
+                                         {"wait", 0, 0, 'w'},   {"timeout", 1, 0, 't'},
+                                         {"help", 0, 0, 'h'},   {0, 0, 0, 0}};
+    const char *socket = default_socket();
+    uint64_t version = 0;
+    int o, wait = 0, timeout_ms = -1, rc;
+    refit_client *c;
+
+    optind = 1;
+    while ((o = getopt_long(argc, argv, "", opts, NULL)) != -1) {
+        switch (o) {
+        case 's': socket = optarg; break;
+        case 'v': version = strtoull(optarg, NULL, 10); break;
+        case 'w': wait = 1; break;
+        case 't': timeout_ms = (int)(strtod(optarg, NULL) * 1000); break;
+        case 'h': printf("%s", usage); return 0;
+        default: fprintf(stderr, "%s", usage); return 2;
+        }
+    }
+    if (version == 0 || optind != argc) {
+        fprintf(stderr, "refitctl refit: give the version to refit as --version N (N >= 1)\n");
+        return 2;
+    }
+    c = dial(socket);
+    if (!c)
+        return RF_CTL_EXIT_NODAEMON;
+    rc = refit_trigger(c, version);
+    if (rc < 0) {
+        fprintf(stderr, "refitctl: %s\n", refit_last_error(c));
+        refit_close(c);
+        return 1;
+    }
+    printf("refit of version %" PRIu64 " triggered\n", version);
+    if (wait) {
+        rc = refit_wait(c, version, timeout_ms);
+        if (rc < 0)
+            fprintf(stderr, "refitctl: %s\n", refit_last_error(c));
+        else
+            printf("version %" PRIu64 " committed\n", version);
+    }
+    refit_close(c);
+    return rc < 0 ? 1 : 0;
+}
+
+int rf_ctl_wait(int argc, char **argv)
+{
+    static const char usage[] =
+        "usage: refitctl wait N [--socket PATH] [--timeout SECONDS]\n"
+        "Waits until version N (or a later one) is committed: exit 0; 1 when the refit of N is\n"
+        "aborted or the timeout passes.\n";
+    const char *socket;
+    uint64_t version = 0;
+    int timeout_ms = -1, idx, rc;
+    refit_client *c;
+    char *end = NULL;
+
+    idx = parse_common(argc, argv, usage, &socket, NULL, &timeout_ms, &version);
+    if (idx < 0)
+        return 2;
+    if (idx < argc) {
+        version = strtoull(argv[idx], &end, 10);
+        if (!end || *end || idx + 1 != argc)
+            version = 0;
+    }
+    if (version == 0) {
+        fprintf(stderr, "refitctl wait: give the version to wait for (N >= 1)\n%s", usage);
+        return 2;
+    }
+    c = dial(socket);
+    if (!c)
+        return RF_CTL_EXIT_NODAEMON;
+    rc = refit_wait(c, version, timeout_ms);
+    if (rc < 0)
+        fprintf(stderr, "refitctl: %s\n", refit_last_error(c));
+    else
+        printf("version %" PRIu64 " committed\n", version);
+    refit_close(c);
+    return rc < 0 ? 1 : 0;
+}
