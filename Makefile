@@ -19,20 +19,43 @@ else
 Q := @
 endif
 
+# The GPU data path (CUDA memory import, copy kernels, NCCL transport) builds when a CUDA
+# toolkit with NCCL is found; everything else builds and works without one. Files named
+# *_cuda.c, *_nccl.c and *.cu are the GPU parts. libcuda (the driver) is never linked: it is
+# opened at run time, so the binaries also start on machines without a GPU driver (CI).
+HAVE_CUDA ?= $(shell test -x $(CUDA_HOME)/bin/nvcc && test -f $(NCCL_HOME)/include/nccl.h && echo 1)
+NVCC      := $(CUDA_HOME)/bin/nvcc
+NVFLAGS   := -O2 -std=c++17 -gencode arch=compute_90,code=sm_90 \
+             -gencode arch=compute_90,code=compute_90 -Xcompiler -fPIC,-Wall -I common -I client
+GPU_SRC   := $(wildcard common/*_cuda.c common/*_nccl.c sim/*_cuda.c client/lib/*_cuda.c)
+CU_SRC    := $(wildcard common/*.cu sim/*.cu)
+ifeq ($(HAVE_CUDA),1)
+CFLAGS    += -DRF_HAVE_CUDA -I $(CUDA_HOME)/include -I $(NCCL_HOME)/include
+LDLIBS    += -L$(CUDA_HOME)/lib64 -L$(NCCL_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 \
+             -lnccl -lcudart -ldl -lstdc++
+endif
+
 PROTOS    := $(wildcard proto/*.proto)
 PROTO_C   := $(patsubst proto/%.proto,$(BUILD)/gen/%.pb-c.c,$(PROTOS))
 PROTO_H   := $(PROTO_C:.c=.h)
-COMMON_C  := $(wildcard common/*.c)
-COMMON_O  := $(patsubst %.c,$(BUILD)/%.o,$(COMMON_C)) $(PROTO_C:.c=.o)
+ifeq ($(HAVE_CUDA),1)
+CU_O      := $(patsubst %.cu,$(BUILD)/%.cu.o,$(CU_SRC))
+else
+CU_O      :=
+endif
+ALL_C_IF  = $(if $(filter 1,$(HAVE_CUDA)),$(1),$(filter-out $(GPU_SRC),$(1)))
+COMMON_C  := $(call ALL_C_IF,$(wildcard common/*.c))
+COMMON_O  := $(patsubst %.c,$(BUILD)/%.o,$(COMMON_C)) $(PROTO_C:.c=.o) $(filter $(BUILD)/common/%,$(CU_O))
 LIBCOMMON := $(BUILD)/librfcommon.a
 
 # Each directory of programs: every .c there with a main() is named in its own rule below.
 PUB_O     := $(patsubst %.c,$(BUILD)/%.o,$(wildcard publisherd/*.c))
 RECV_O    := $(patsubst %.c,$(BUILD)/%.o,$(wildcard receiverd/*.c))
-LIBREFIT_C:= $(wildcard client/lib/*.c)
+LIBREFIT_C:= $(call ALL_C_IF,$(wildcard client/lib/*.c))
 LIBREFIT_O:= $(patsubst %.c,$(BUILD)/%.o,$(LIBREFIT_C))
 CTL_O     := $(patsubst %.c,$(BUILD)/%.o,$(wildcard client/refitctl/*.c))
-SIM_LIB_O := $(patsubst %.c,$(BUILD)/%.o,$(filter-out sim/refit-sim-%.c,$(wildcard sim/*.c)))
+SIM_LIB_O := $(patsubst %.c,$(BUILD)/%.o,$(filter-out sim/refit-sim-%.c,$(call ALL_C_IF,$(wildcard sim/*.c)))) \
+             $(filter $(BUILD)/sim/%,$(CU_O))
 SIM_BINS  := $(patsubst sim/%.c,$(BUILD)/%,$(wildcard sim/refit-sim-*.c))
 UNIT_BINS := $(patsubst tests/unit/%.c,$(BUILD)/tests/%,$(wildcard tests/unit/test_*.c))
 BENCH_BINS:= $(patsubst bench/%.c,$(BUILD)/bench/%,$(wildcard bench/bench_*.c))
@@ -59,6 +82,11 @@ $(BUILD)/%.o: %.c | $(PROTO_H)
 	@mkdir -p $(dir $@)
 	@echo "  CC      $<"
 	$(Q)$(CC) $(CFLAGS) -c -o $@ $<
+
+$(BUILD)/%.cu.o: %.cu
+	@mkdir -p $(dir $@)
+	@echo "  NVCC    $<"
+	$(Q)$(NVCC) $(NVFLAGS) -c -o $@ $<
 
 $(LIBCOMMON): $(COMMON_O)
 	@echo "  AR      $@"
@@ -99,7 +127,8 @@ unit: all
 	$(Q)set -e; for t in $(UNIT_BINS); do echo "== $$t"; REFIT_BUILD=$(BUILD) $$t --jobs=2 --short-filename; done
 
 e2e: all
-	$(Q)set -e; for t in $(sort $(wildcard tests/e2e/*.sh)); do echo "== $$t"; BUILD=$(BUILD) $$t; done
+	$(Q)set -e; for t in $(sort $(wildcard tests/e2e/[0-9]*.sh)); do echo "== $$t"; BUILD=$(BUILD) $$t; done
+	$(Q)echo "== tests/python"; BUILD=$(BUILD) REFIT_LIB=$(BUILD)/librefit.so python3 -m unittest discover -s tests/python
 
 test: deps
 	$(Q)$(MAKE) --no-print-directory all

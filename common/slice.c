@@ -546,6 +546,8 @@ int rf_slice_job_add(rf_slice_job *j, const Refit__PlanSlice *frame, const rf_in
         xm->kind = sm->kind;
         xm->send = sm->send;
         xm->peer = sm->peer;
+        xm->ep = frame->global_ep_base + sm->local_ep;
+        xm->peer_ep = sm->peer_ep;
         xm->bytes = sm->bytes;
         xm->items = calloc(sm->n_xfers ? sm->n_xfers : 1, sizeof(*xm->items));
         if (!xm->items)

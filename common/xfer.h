@@ -33,6 +33,8 @@ typedef struct rf_xfer_msg {
     uint32_t round, kind; /* kind: rf_xfer_kind */
     bool send;            /* this daemon sends it, else receives it */
     uint32_t peer;        /* index into the transport's peer table */
+    uint32_t ep, peer_ep; /* global endpoint ids (GPUs) of this side and of the other side:
+                             the NCCL ranks of the two ends */
     uint64_t bytes;
     uint32_t nitems;
     rf_xfer_item *items;
