@@ -24,7 +24,9 @@ struct rf_node {
     rf_peer *coord;
     uv_timer_t tick;
 
-    rf_slice_job slice;
+    rf_slice_job slice; /* what Start runs */
+    rf_slice_job next;  /* a slice still arriving, or complete while a refit ran */
+    bool slice_stale;   /* slice must go once the running data path ends */
     uint32_t self; /* this daemon's index in the slice's peer table */
     uint64_t ready;  /* highest version the local trainers published */
 
@@ -96,6 +98,9 @@ static void refresh_snapshot(rf_node *n)
     pthread_mutex_unlock(&n->snap_lock);
 }
 
+static void install_slice(rf_node *n);
+static void drop_slice(rf_node *n);
+
 /* ---- inventory and readiness ------------------------------------------------------------ */
 
 static void send_inventory(rf_node *n)
@@ -144,7 +149,7 @@ static void on_inventory(rf_registry *r, void *ud)
     rf_node *n = ud;
 
     (void)r;
-    rf_slice_job_reset(&n->slice);
+    drop_slice(n);
     send_inventory(n);
     refresh_snapshot(n);
 }
@@ -154,24 +159,27 @@ static void on_change(rf_registry *r, void *ud)
     rf_node *n = ud;
 
     (void)r;
-    rf_slice_job_reset(&n->slice);
-    if (n->running) {
+    if (n->running)
         RF_WARN("a local client left during the refit of version %llu: aborting it",
                 (unsigned long long)n->version);
-        rf_xfer_abort(n->xfer);
-    }
+    drop_slice(n);
     send_inventory(n);
     refresh_snapshot(n);
 }
 
+/* Receive quorum: UINT64_MAX once every gated engine consumed what this daemon committed
+ * last (always, with no gated engine), else what they consumed. Sent at connect, after every
+ * commit and whenever the engines consume. */
 static void send_idle(rf_node *n)
 {
     Refit__Envelope env = REFIT__ENVELOPE__INIT;
     Refit__Idle idle = REFIT__IDLE__INIT;
+    uint64_t consumed;
 
     if (n->side != RF_DST)
         return;
-    idle.version = rf_registry_consumed(n->reg);
+    consumed = rf_registry_consumed(n->reg);
+    idle.version = consumed >= n->committed ? UINT64_MAX : consumed;
     env.body_case = REFIT__ENVELOPE__BODY_IDLE;
     env.idle = &idle;
     send_env(n, &env);
@@ -311,6 +319,12 @@ static void on_xfer_done(rf_xfer_transport *t, const rf_xfer_result *res, void *
         send_done(n, n->version, res, NULL);
     }
     rf_metric_observe(n->m_stage, n->last.transfer_s, "transfer");
+    if (n->slice_stale) {
+        n->slice_stale = false;
+        rf_slice_job_reset(&n->slice);
+    }
+    if (n->next.complete)
+        install_slice(n);
     refresh_snapshot(n);
 }
 
@@ -336,7 +350,7 @@ static void on_start(rf_node *n, const Refit__Start *s)
         send_done(n, s->version, NULL, msg);
         return;
     }
-    if (!n->slice.complete || s->plan_id.len != 32 ||
+    if (!n->slice.complete || n->slice_stale || s->plan_id.len != 32 ||
         memcmp(s->plan_id.data, n->slice.plan_id, 32) != 0 ||
         n->slice.generation != rf_registry_generation(n->reg) || !rf_registry_complete(n->reg)) {
         snprintf(msg, sizeof(msg), "Start(%llu) names a plan this daemon does not hold (its "
@@ -363,38 +377,24 @@ static void on_start(rf_node *n, const Refit__Start *s)
     refresh_snapshot(n);
 }
 
-static void on_slice(rf_node *n, const Refit__PlanSlice *ps)
+/* Makes the completed pending slice the one Start runs: the peers and checks that need no
+ * running job. Called when the data path is idle. */
+static void install_slice(rf_node *n)
 {
     const rf_inv *inv = rf_registry_inv(n->reg);
-    uint32_t nreg = rf_inv_nregions(inv), i;
-    uint8_t **bases = NULL;
     const char **addrs = NULL;
     rf_err err = {0};
+    uint32_t i;
     int rc;
 
-    if (ps->generation != rf_registry_generation(n->reg)) {
-        RF_INFO("ignoring a plan slice for inventory generation %llu (now %llu)",
-                (unsigned long long)ps->generation,
-                (unsigned long long)rf_registry_generation(n->reg));
-        return;
-    }
-    bases = calloc(nreg ? nreg : 1, sizeof(*bases));
-    if (!bases)
-        goto nomem;
-    for (i = 0; i < nreg; i++)
-        bases[i] = rf_registry_region_base(n->reg, i);
-    rc = rf_slice_job_add(&n->slice, ps, inv, n->side, bases, &err);
-    if (rc < 0) {
-        RF_ERROR("plan slice refused: %s", err.msg);
-        set_error(n, err.msg);
-        rf_slice_job_reset(&n->slice);
-        goto out;
-    }
-    if (!n->slice.complete)
-        goto out;
+    rf_slice_job_reset(&n->slice);
+    n->slice = n->next;
+    rf_slice_job_init(&n->next);
     addrs = calloc(n->slice.npeers ? n->slice.npeers : 1, sizeof(*addrs));
-    if (!addrs)
-        goto nomem;
+    if (!addrs) {
+        RF_ERROR("out of memory for the plan slice");
+        goto fail;
+    }
     n->self = UINT32_MAX;
     for (i = 0; i < n->slice.npeers; i++) {
         addrs[i] = n->slice.peers[i].data_addr;
@@ -403,14 +403,12 @@ static void on_slice(rf_node *n, const Refit__PlanSlice *ps)
     }
     if (n->self == UINT32_MAX) {
         RF_ERROR("the plan slice does not list this daemon among its peers");
-        rf_slice_job_reset(&n->slice);
-        goto out;
+        goto fail;
     }
     rc = rf_xfer_set_peers(n->xfer, n->self, n->slice.npeers, addrs, &err);
     if (rc < 0) {
         RF_ERROR("data path peers: %s", err.msg);
-        rf_slice_job_reset(&n->slice);
-        goto out;
+        goto fail;
     }
     /* The plan's budget is per endpoint (GPU); this daemon drives all of its endpoints. */
     n->slice.job.staging_bytes = ((uint64_t)n->cfg->staging_mib << 20) *
@@ -421,20 +419,65 @@ static void on_slice(rf_node *n, const Refit__PlanSlice *ps)
     if (rc < 0) {
         RF_ERROR("plan slice is inconsistent: %s", err.msg);
         set_error(n, err.msg);
-        rf_slice_job_reset(&n->slice);
-        goto out;
+        goto fail;
     }
     rf_metric_set(n->m_slice_msgs, n->slice.job.nmsgs);
     RF_INFO("plan slice complete: %u messages, %llu bytes, %u rounds", n->slice.job.nmsgs,
             (unsigned long long)n->slice.bytes, n->slice.job.nrounds);
-    refresh_snapshot(n);
-    goto out;
-nomem:
-    RF_ERROR("out of memory for the plan slice");
-    rf_slice_job_reset(&n->slice);
-out:
-    free(bases);
     free(addrs);
+    refresh_snapshot(n);
+    return;
+fail:
+    free(addrs);
+    rf_slice_job_reset(&n->slice);
+}
+
+/* Forgets the plan (the inventory changed, the coordinator went away). The slice a running
+ * data path reads is only marked stale; it is freed when the data path ended. */
+static void drop_slice(rf_node *n)
+{
+    rf_slice_job_reset(&n->next);
+    if (n->running) {
+        n->slice_stale = true;
+        rf_xfer_abort(n->xfer);
+    } else {
+        rf_slice_job_reset(&n->slice);
+    }
+}
+
+/* Frames collect in n->next; a complete slice replaces n->slice once no data path runs. */
+static void on_slice(rf_node *n, const Refit__PlanSlice *ps)
+{
+    const rf_inv *inv = rf_registry_inv(n->reg);
+    uint32_t nreg = rf_inv_nregions(inv), i;
+    uint8_t **bases = NULL;
+    rf_err err = {0};
+    int rc;
+
+    if (ps->generation != rf_registry_generation(n->reg)) {
+        RF_INFO("ignoring a plan slice for inventory generation %llu (now %llu)",
+                (unsigned long long)ps->generation,
+                (unsigned long long)rf_registry_generation(n->reg));
+        return;
+    }
+    bases = calloc(nreg ? nreg : 1, sizeof(*bases));
+    if (!bases) {
+        RF_ERROR("out of memory for the plan slice");
+        rf_slice_job_reset(&n->next);
+        return;
+    }
+    for (i = 0; i < nreg; i++)
+        bases[i] = rf_registry_region_base(n->reg, i);
+    rc = rf_slice_job_add(&n->next, ps, inv, n->side, bases, &err);
+    free(bases);
+    if (rc < 0) {
+        RF_ERROR("plan slice refused: %s", err.msg);
+        set_error(n, err.msg);
+        rf_slice_job_reset(&n->next);
+        return;
+    }
+    if (n->next.complete && !n->running)
+        install_slice(n);
 }
 
 static void on_commit(rf_node *n, uint64_t version)
@@ -445,6 +488,7 @@ static void on_commit(rf_node *n, uint64_t version)
     if (n->side == RF_SRC)
         rf_registry_release(n->reg, version);
     rf_registry_notify(n->reg, RF_REG_COMMITTED, version, NULL);
+    send_idle(n);
     if (n->last.version == version)
         snprintf(n->last.result, sizeof(n->last.result), "committed");
     rf_metric_add(n->m_refits, 1, "committed");
@@ -492,7 +536,7 @@ static void coord_up(rf_peer *p, const Refit__Hello *hello)
         rf_peer_close(p, "not a coordinator");
         return;
     }
-    rf_slice_job_reset(&n->slice);
+    drop_slice(n);
     send_inventory(n);
     send_ready(n);
     send_idle(n);
@@ -535,9 +579,7 @@ static void coord_down(rf_peer *p, const char *reason)
     RF_WARN("lost the coordinator: %s", reason);
     n->coord = NULL;
     rf_metric_set(n->m_peers, 0);
-    rf_slice_job_reset(&n->slice);
-    if (n->running)
-        rf_xfer_abort(n->xfer);
+    drop_slice(n);
     refresh_snapshot(n);
 }
 
@@ -734,6 +776,7 @@ static void node_free(rf_node *n)
     if (--n->closing > 0)
         return;
     rf_slice_job_reset(&n->slice);
+    rf_slice_job_reset(&n->next);
     pthread_mutex_destroy(&n->snap_lock);
     free(n->snapshot);
     free(n);

@@ -29,7 +29,8 @@ typedef struct member {
     bool inv_complete;
     uint64_t inv_gen;
     uint64_t ready;    /* publishers: highest version all its trainers published */
-    uint64_t idle;     /* receivers: gated engines consumed every version up to this */
+    uint64_t idle;     /* receivers: UINT64_MAX when their gated engines consumed the last
+                          commit (receive quorum), else what they consumed; 0 until told */
     bool done, done_ok;
     uint64_t done_bytes;
     double done_transfer_s;
@@ -202,6 +203,9 @@ static void commit_refit(rf_coord *c)
     uv_timer_stop(&c->deadline);
     c->committed = c->version;
     c->state = ST_IDLE;
+    /* Each receiver says again when its engines are done with this version. */
+    for (i = c->npub; i < c->nmembers; i++)
+        c->m[i].idle = 0;
     c->last.version = c->version;
     snprintf(c->last.result, sizeof(c->last.result), "committed");
     c->last.bytes = bytes;
@@ -256,9 +260,9 @@ static void try_start(rf_coord *c)
     for (i = 0; i < c->nmembers; i++)
         if (!c->m[i].peer)
             return;
-    /* Receive quorum: every receiver's gated engines are done with the committed version. */
+    /* Receive quorum: every receiver's gated engines are done with what it committed. */
     for (i = c->npub; i < c->nmembers; i++)
-        if (c->m[i].idle < c->committed)
+        if (c->m[i].idle != UINT64_MAX)
             return;
     for (i = 0; i < c->npub; i++)
         if (c->m[i].ready < target)

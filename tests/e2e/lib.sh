@@ -44,7 +44,7 @@ start_publisher() {
     local idx=$1 clients=$2; shift 2
     local coord=""
     [ "$idx" = 0 ] && coord="--coordinator"
-    "$BIN/refit-publisherd" $E2E_COMMON $coord --index "$idx" --clients "$clients" \
+    ${E2E_WRAP_PUB:-} "$BIN/refit-publisherd" $E2E_COMMON $coord --index "$idx" --clients "$clients" \
         --publishers "$E2E_PUBLISHERS" --receivers "$E2E_RECEIVERS" \
         --socket "$E2E_DIR/pub$idx.sock" "$@" >> "$E2E_DIR/pub$idx.log" 2>&1 &
     E2E_PIDS="$E2E_PIDS $!"
@@ -96,4 +96,15 @@ wait_for() {
 
 ctl() {
     "$BIN/refitctl" "$@"
+}
+
+# wait_kill FILE PATTERN PID: kills PID (SIGKILL) the moment FILE shows PATTERN.
+wait_kill() {
+    local i=0
+    while ! grep -q -- "$2" "$1" 2>/dev/null; do
+        i=$((i + 1))
+        [ $i -gt 6000 ] && fail "no '$2' in $1 within 60 s"
+        sleep 0.01
+    done
+    kill -9 "$3"
 }
