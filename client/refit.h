@@ -46,6 +46,14 @@ int refit_region_memfd_at(refit_client *c, int fd, uint64_t offset, uint64_t siz
 /* Allocates size bytes of shared host memory (memfd + mmap), registers it and returns the
  * mapping; it stays mapped until refit_close. */
 int refit_alloc_host(refit_client *c, uint64_t size, void **ptr, uint32_t *region);
+/* Registers GPU memory: size bytes at devptr, a pointer into a CUDA allocation of this
+ * process (cudaMalloc, a caching allocator's block, or a VMM allocation made shareable as a
+ * POSIX file descriptor). librefit finds the allocation, exports it (a CUDA IPC handle of its
+ * base, or the VMM handle's fd) and names the GPU by UUID; the allocation must stay alive
+ * while registered. Host or managed memory, a range past its allocation, or a VMM allocation
+ * without a POSIX fd handle type fail with a message saying what to change. libcuda is opened
+ * at run time: without a GPU only this call fails. */
+int refit_region_cuda(refit_client *c, const void *devptr, uint64_t size, uint32_t *region);
 /* Registers one piece: the box (start, extent) of tensor (dtype, global shape of ndim dims)
  * that lies at offset bytes in region, with element strides per dim. */
 int refit_add_piece(refit_client *c, const char *tensor, int dtype, int ndim,

@@ -5,17 +5,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* A copy reduced to its essentials: dims of extent 1 dropped, neighbouring dims that are
- * contiguous in piece memory merged, so the innermost loop is one memcpy per run. */
-typedef struct flat {
-    int n;                     /* outer dims */
-    int64_t ext[RF_MAX_DIMS];  /* outer extents */
-    int64_t str[RF_MAX_DIMS];  /* outer strides, bytes */
-    uint64_t run;              /* bytes of one innermost run when inner is contiguous */
-    int64_t inner_ext;         /* elements of the innermost dim when it is strided */
-    int64_t inner_str;         /* its stride in bytes, 0 when contiguous */
-    uint64_t first;            /* bytes from base to the first element */
-} flat;
+typedef rf_copy_flat flat;
 
 void rf_copy_desc_set(rf_copy_desc *d, void *base, const rf_piece *p, int ndim, size_t esize,
                       const rf_box *sub, uint64_t staging_off)
@@ -62,7 +52,12 @@ static int check(const rf_copy_desc *d, size_t i, rf_err *err)
     return 0;
 }
 
-static void flatten(const rf_copy_desc *d, flat *f)
+int rf_copy_check(const rf_copy_desc *d, size_t i, rf_err *err)
+{
+    return check(d, i, err);
+}
+
+void rf_copy_flatten(const rf_copy_desc *d, rf_copy_flat *f)
 {
     int64_t ext[RF_MAX_DIMS], str[RF_MAX_DIMS];
     int n = 0;
@@ -114,7 +109,7 @@ static void copy_one(const rf_copy_desc *d, uint8_t *stage, bool to_staging)
     int64_t idx[RF_MAX_DIMS] = {0};
     uint8_t *s = stage + d->staging_off;
 
-    flatten(d, &f);
+    rf_copy_flatten(d, &f);
     for (;;) {
         uint8_t *m = d->base + f.first;
         int k;

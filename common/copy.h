@@ -31,6 +31,24 @@ void rf_copy_desc_set(rf_copy_desc *d, void *base, const rf_piece *p, int ndim, 
 /* Bytes one descriptor moves. */
 uint64_t rf_copy_desc_bytes(const rf_copy_desc *d);
 
+/* A copy reduced to its essentials: dims of extent 1 dropped, neighbouring dims that are
+ * contiguous in piece memory merged, so the innermost loop is one memcpy per run. The host
+ * copy and the CUDA kernels (common/copy_cuda.h) walk the same reduction. */
+typedef struct rf_copy_flat {
+    int n;                     /* outer dims */
+    int64_t ext[RF_MAX_DIMS];  /* outer extents */
+    int64_t str[RF_MAX_DIMS];  /* outer strides, bytes */
+    uint64_t run;              /* bytes of one innermost run when inner is contiguous */
+    int64_t inner_ext;         /* elements of the innermost dim when it is strided */
+    int64_t inner_str;         /* its stride in bytes, 0 when contiguous */
+    uint64_t first;            /* bytes from base to the first element */
+} rf_copy_flat;
+
+/* The checks gather and scatter make of descriptor d (index i names it in err). */
+int rf_copy_check(const rf_copy_desc *d, size_t i, rf_err *err);
+/* Reduces a checked descriptor. */
+void rf_copy_flatten(const rf_copy_desc *d, rf_copy_flat *f);
+
 /* Piece memory -> staging, for every descriptor. -EINVAL (nothing copied) when a descriptor
  * is malformed: ndim outside 1..RF_MAX_DIMS, esize 0, a negative stride, or sub not inside
  * the piece; err names the descriptor. */

@@ -12,6 +12,9 @@
 
 #include "httpd.h"
 #include "log.h"
+#ifdef RF_HAVE_CUDA
+#include "mem_cuda.h"
+#endif
 #include "sdnotify.h"
 
 typedef struct rf_daemon_state {
@@ -106,6 +109,12 @@ int rf_daemon_main(int role, int argc, char **argv, const rf_daemon_hooks *hooks
         goto out_cfg;
     }
     randombytes_buf(&daemon_id, sizeof(daemon_id));
+#ifdef RF_HAVE_CUDA
+    /* GPU memory import; without a GPU the daemon still serves host memory. */
+    if (rf_mem_cuda_init(&err) < 0)
+        RF_INFO("CUDA memory import unavailable: %s", err.msg);
+    rf_err_clear(&err);
+#endif
     metrics = rf_metrics_new();
     uv_loop_init(&d.loop);
     d.hooks = hooks;

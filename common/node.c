@@ -9,6 +9,9 @@
 
 #include "log.h"
 #include "macros.h"
+#ifdef RF_HAVE_CUDA
+#include "mem_cuda.h"
+#endif
 #include "registry.h"
 #include "slice.h"
 #include "xfer.h"
@@ -377,6 +380,54 @@ static void on_start(rf_node *n, const Refit__Start *s)
     refresh_snapshot(n);
 }
 
+/* transport = nccl: joins the world of the slice, one rank per local GPU endpoint. */
+static int join_world(rf_node *n, const rf_inv *inv, rf_err *err)
+{
+    uint32_t nlocal = rf_inv_nendpoints(inv), i;
+    uint32_t *ranks = NULL;
+    int *devs = NULL, rc = 0;
+    rf_xfer_world w;
+
+    if (n->xfer->ops->set_world == NULL)
+        return 0;
+    if (!n->slice.has_nccl_id)
+        return rf_err_set(err, -EPROTO, "transport nccl, but the plan slice carries no NCCL "
+                          "id: is the coordinator configured with transport = nccl too?");
+    ranks = calloc(nlocal ? nlocal : 1, sizeof(*ranks));
+    devs = calloc(nlocal ? nlocal : 1, sizeof(*devs));
+    if (!ranks || !devs) {
+        rc = rf_err_set(err, -ENOMEM, "out of memory joining the NCCL world");
+        goto out;
+    }
+    for (i = 0; i < nlocal; i++) {
+        const char *dev = rf_registry_endpoint_device(n->reg, i);
+
+        ranks[i] = n->slice.ep_base + i;
+#ifdef RF_HAVE_CUDA
+        rc = rf_cuda_device_of_uuid(dev, &devs[i], err);
+        if (rc < 0) {
+            rf_err_wrap(err, "transport nccl needs GPU memory (endpoint %u is '%s'): ", i, dev);
+            goto out;
+        }
+#else
+        rc = rf_err_set(err, -ENOTSUP, "transport nccl in a build without CUDA (endpoint %s)",
+                        dev);
+        goto out;
+#endif
+    }
+    memset(&w, 0, sizeof(w));
+    w.nranks = n->slice.nranks;
+    w.nlocal = nlocal;
+    w.local_ranks = ranks;
+    w.local_devices = devs;
+    memcpy(w.unique_id, n->slice.nccl_id, sizeof(w.unique_id));
+    rc = rf_xfer_set_world(n->xfer, &w, err);
+out:
+    free(ranks);
+    free(devs);
+    return rc;
+}
+
 /* Makes the completed pending slice the one Start runs: the peers and checks that need no
  * running job. Called when the data path is idle. */
 static void install_slice(rf_node *n)
@@ -408,6 +459,12 @@ static void install_slice(rf_node *n)
     rc = rf_xfer_set_peers(n->xfer, n->self, n->slice.npeers, addrs, &err);
     if (rc < 0) {
         RF_ERROR("data path peers: %s", err.msg);
+        goto fail;
+    }
+    rc = join_world(n, inv, &err);
+    if (rc < 0) {
+        RF_ERROR("%s", err.msg);
+        set_error(n, err.msg);
         goto fail;
     }
     /* The plan's budget is per endpoint (GPU); this daemon drives all of its endpoints. */
@@ -716,7 +773,10 @@ int rf_node_start(uv_loop_t *loop, const rf_node_opts *opts, rf_node **out, rf_e
         goto fail;
     }
 
-    rc = rf_xfer_tcp_new(loop, cfg->data_listen, &n->xfer, err);
+    if (cfg->transport == RF_TRANSPORT_NCCL)
+        rc = rf_xfer_nccl_new(loop, &n->xfer, err);
+    else
+        rc = rf_xfer_tcp_new(loop, cfg->data_listen, &n->xfer, err);
     if (rc < 0)
         goto fail;
 
@@ -727,6 +787,7 @@ int rf_node_start(uv_loop_t *loop, const rf_node_opts *opts, rf_node **out, rf_e
     ro.allowed_uids = cfg->socket_uids.v;
     ro.n_allowed_uids = cfg->socket_uids.n;
     ro.max_frame = (uint32_t)cfg->max_frame_mib << 20;
+    ro.gpu_memory = cfg->transport == RF_TRANSPORT_NCCL;
     cb.on_inventory = on_inventory;
     cb.on_change = on_change;
     cb.on_ready = on_ready;
@@ -741,7 +802,7 @@ int rf_node_start(uv_loop_t *loop, const rf_node_opts *opts, rf_node **out, rf_e
     pc.role = n->side == RF_SRC ? REFIT__ROLE__ROLE_PUBLISHER : REFIT__ROLE__ROLE_RECEIVER;
     pc.node = cfg->node;
     pc.daemon_id = n->daemon_id;
-    pc.data_addr = rf_xfer_tcp_addr(n->xfer);
+    pc.data_addr = cfg->transport == RF_TRANSPORT_TCP ? rf_xfer_tcp_addr(n->xfer) : "";
     pc.index = (uint32_t)cfg->index;
     pc.max_frame = (uint32_t)cfg->max_frame_mib << 20;
     pc.heartbeat_ms = (uint64_t)cfg->heartbeat_ms;
@@ -757,8 +818,9 @@ int rf_node_start(uv_loop_t *loop, const rf_node_opts *opts, rf_node **out, rf_e
     uv_timer_init(loop, &n->tick);
     uv_timer_start(&n->tick, on_tick, 1000, 1000);
     refresh_snapshot(n);
-    RF_INFO("%s %s: local socket %s, data %s, coordinator %s", role_name(n), cfg->node,
-            cfg->socket, rf_xfer_tcp_addr(n->xfer), cfg->coordinator_addr);
+    RF_INFO("%s %s: local socket %s, transport %s%s%s, coordinator %s", role_name(n), cfg->node,
+            cfg->socket, rf_xfer_name(n->xfer), pc.data_addr[0] ? " on " : "", pc.data_addr,
+            cfg->coordinator_addr);
     *out = n;
     return 0;
 fail:

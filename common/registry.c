@@ -80,6 +80,7 @@ struct rf_registry {
     rf_mem_ref **deferred;
     uint32_t ndeferred, cap_deferred;
     uint64_t consumed; /* last value reported through on_consumed */
+    bool gpu_only;     /* the transport moves GPU memory (nccl), else host memory (tcp) */
 };
 
 static const char *kind_name(int kind)
@@ -550,6 +551,14 @@ static void do_region(rf_registry *r, reg_client *c, uint64_t id,
                           rf_mem_kind_name((rf_mem_kind)m->kind));
         goto out;
     }
+    if (r->gpu_only != (m->kind != REFIT__RPC__MEM_KIND__MEM_MEMFD)) {
+        rf_rpc_conn_reply(c->conn, id, -EINVAL, "region on %s: this daemon's transport moves "
+                          "%s memory only; register %s memory, or run the daemons with "
+                          "transport = %s", m->device, r->gpu_only ? "GPU" : "host",
+                          r->gpu_only ? "GPU (CUDA)" : "host (memfd)",
+                          r->gpu_only ? "tcp" : "nccl");
+        goto out;
+    }
     d.kind = (rf_mem_kind)m->kind;
     d.device = m->device;
     d.size = m->size;
@@ -876,6 +885,7 @@ int rf_registry_open(uv_loop_t *loop, const rf_registry_opts *opts, const rf_reg
     r->expected = opts->expected_clients;
     r->node = opts->node;
     r->consumed = UINT64_MAX;
+    r->gpu_only = opts->gpu_memory;
     if (cb)
         r->cb = *cb;
     r->ud = ud;

@@ -56,6 +56,8 @@ typedef struct rf_registry_opts {
     const gid_t *allowed_gids;
     size_t n_allowed_gids;
     uint32_t max_frame;         /* 0: RF_RPC_MAX_FRAME_DEFAULT */
+    bool gpu_memory;            /* regions must be GPU memory (nccl transport); else host
+                                   memory (tcp transport, which reads regions with the CPU) */
 } rf_registry_opts;
 
 int rf_registry_open(uv_loop_t *loop, const rf_registry_opts *opts, const rf_registry_cb *cb,

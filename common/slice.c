@@ -296,11 +296,13 @@ void rf_slice_msg_free(Refit__PlanSlice *s)
     free(s->msgs);
     free(s->peers);
     free(s->plan_id.data);
+    free(s->nccl_id.data);
     free(s);
 }
 
 static Refit__PlanSlice *new_frame(const rf_plan *plan, const rf_slice_map *map,
-                                   const rf_slice_peer *peers, uint64_t generation, uint32_t m)
+                                   const rf_slice_peer *peers, uint64_t generation, uint32_t m,
+                                   const uint8_t *nccl_id)
 {
     Refit__PlanSlice *s = malloc(sizeof(*s));
     uint32_t i;
@@ -311,6 +313,14 @@ static Refit__PlanSlice *new_frame(const rf_plan *plan, const rf_slice_map *map,
     s->rounds = rf_plan_nrounds(plan);
     s->generation = generation;
     s->global_ep_base = map->members[m].ep_base;
+    s->nranks = rf_inv_nendpoints(rf_plan_inv(plan));
+    if (nccl_id) {
+        s->nccl_id.data = malloc(128);
+        if (!s->nccl_id.data)
+            goto fail;
+        memcpy(s->nccl_id.data, nccl_id, 128);
+        s->nccl_id.len = 128;
+    }
     s->plan_id.data = malloc(32);
     s->peers = calloc(map->nmembers, sizeof(*s->peers));
     if (!s->plan_id.data || !s->peers)
@@ -409,7 +419,7 @@ fail:
 
 int rf_slice_build(const rf_plan *plan, const rf_slice_map *map, uint32_t m,
                    const rf_slice_peer *peers, uint64_t generation, uint32_t max_xfers,
-                   Refit__PlanSlice ***out, size_t *nout)
+                   const uint8_t *nccl_id, Refit__PlanSlice ***out, size_t *nout)
 {
     const rf_slice_member *me = &map->members[m];
     uint32_t nmsgs = rf_plan_nmsgs(plan), i;
@@ -419,7 +429,7 @@ int rf_slice_build(const rf_plan *plan, const rf_slice_map *map, uint32_t m,
 
     *out = NULL;
     *nout = 0;
-    cur = new_frame(plan, map, peers, generation, m);
+    cur = new_frame(plan, map, peers, generation, m, nccl_id);
     if (!cur)
         return -ENOMEM;
     for (i = 0; i < nmsgs; i++) {
@@ -433,7 +443,7 @@ int rf_slice_build(const rf_plan *plan, const rf_slice_map *map, uint32_t m,
             rc = push_frame(out, nout, &cap, cur);
             if (rc < 0)
                 goto fail;
-            cur = new_frame(plan, map, peers, generation, m);
+            cur = new_frame(plan, map, peers, generation, m, nccl_id);
             cur_msgs_cap = 0;
             cur_xfers = 0;
             if (!cur) {
@@ -506,6 +516,11 @@ int rf_slice_job_add(rf_slice_job *j, const Refit__PlanSlice *frame, const rf_in
         memcpy(j->plan_id, frame->plan_id.data, 32);
         j->generation = frame->generation;
         j->job.nrounds = frame->rounds;
+        j->ep_base = frame->global_ep_base;
+        j->nranks = frame->nranks;
+        j->has_nccl_id = frame->nccl_id.len == 128;
+        if (j->has_nccl_id)
+            memcpy(j->nccl_id, frame->nccl_id.data, 128);
         j->peers = calloc(frame->n_peers ? frame->n_peers : 1, sizeof(*j->peers));
         if (!j->peers)
             return rf_err_set(err, -ENOMEM, "out of memory for the plan slice");

@@ -53,7 +53,7 @@ typedef struct rf_slice_peer {
 
 int rf_slice_build(const rf_plan *plan, const rf_slice_map *map, uint32_t m,
                    const rf_slice_peer *peers, uint64_t generation, uint32_t max_xfers,
-                   Refit__PlanSlice ***out, size_t *nout);
+                   const uint8_t *nccl_id, Refit__PlanSlice ***out, size_t *nout);
 void rf_slice_msg_free(Refit__PlanSlice *s);
 
 /* On a daemon: the job its slice frames turn into. Add every frame in order; the job is
@@ -67,6 +67,10 @@ typedef struct rf_slice_job {
     uint32_t npeers;
     rf_slice_peer *peers;    /* data_addr strings owned by the job */
     uint64_t bytes;          /* bytes this daemon sends or receives */
+    uint32_t ep_base;        /* global endpoint id of local endpoint 0 */
+    uint32_t nranks;         /* global endpoints: the NCCL world's size */
+    bool has_nccl_id;
+    uint8_t nccl_id[128];
     uint32_t cap_msgs;
 } rf_slice_job;
 

@@ -177,3 +177,22 @@ uint8_t *rf_xfer_direct_ptr(const rf_xfer_msg *m)
 
     return it->base + rf_piece_byte_offset(&it->piece, it->ndim, it->esize, it->box.start);
 }
+
+#ifndef RF_HAVE_CUDA
+/* Built without a CUDA toolkit: the nccl transport is not there, and saying so is all a
+ * daemon configured for it can do. */
+int rf_xfer_nccl_new(uv_loop_t *loop, rf_xfer_transport **out, rf_err *err)
+{
+    (void)loop;
+    *out = NULL;
+    return rf_err_set(err, -ENOTSUP, "transport = nccl, but this build of refit has no CUDA "
+                      "or NCCL: rebuild with CUDA_HOME (and NCCL_HOME) pointing at a toolkit "
+                      "with NCCL, or set transport = tcp");
+}
+
+int rf_xfer_nccl_unique_id(uint8_t out[128], rf_err *err)
+{
+    (void)out;
+    return rf_err_set(err, -ENOTSUP, "transport = nccl, but this build of refit has no NCCL");
+}
+#endif

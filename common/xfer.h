@@ -77,6 +77,8 @@ typedef void (*rf_xfer_done_cb)(rf_xfer_transport *t, const rf_xfer_result *res,
 /* Called on the loop thread once the transport's memory is released. */
 typedef void (*rf_xfer_close_cb)(void *arg);
 
+typedef struct rf_xfer_world rf_xfer_world;
+
 typedef struct rf_xfer_ops {
     const char *name;
     /* The world: this daemon's index and every peer's data address (npeers entries, self
@@ -94,6 +96,13 @@ typedef struct rf_xfer_ops {
     /* Aborts any running job (its done runs first) and releases the transport; cb, which may
      * be NULL, runs once everything is freed. The loop must keep running until then. */
     void (*close)(rf_xfer_transport *t, rf_xfer_close_cb cb, void *arg);
+    /* Optional (NULL for transports without a collective world, tcp): the NCCL world of the
+     * whole cluster. Loop thread, no job running (-EBUSY otherwise). Communicators are made
+     * on the worker at the start of the next job. */
+    int (*set_world)(rf_xfer_transport *t, const rf_xfer_world *w, rf_err *err);
+    /* Optional: true when the transport cannot run a job until set_world gives it a world
+     * with a fresh unique id (none was set yet, or a failed job tore the world down). */
+    bool (*needs_world)(const rf_xfer_transport *t);
 } rf_xfer_ops;
 
 /* Every transport starts with this header. */
@@ -124,6 +133,29 @@ static inline void rf_xfer_close(rf_xfer_transport *t, rf_xfer_close_cb cb, void
     t->ops->close(t, cb, arg);
 }
 
+/* The NCCL world: one rank per GPU endpoint of the whole cluster (rank = global endpoint id),
+ * the unique id made by the coordinator (rf_xfer_nccl_unique_id) and handed to every daemon
+ * over the authenticated control connection, and the endpoints this daemon drives with the
+ * CUDA device of each. */
+struct rf_xfer_world {
+    uint32_t nranks;
+    uint32_t nlocal;
+    const uint32_t *local_ranks; /* nlocal global endpoint ids */
+    const int *local_devices;    /* nlocal CUDA device ordinals */
+    uint8_t unique_id[128];
+};
+
+static inline int rf_xfer_set_world(rf_xfer_transport *t, const rf_xfer_world *w, rf_err *err)
+{
+    if (!t->ops->set_world)
+        return 0;
+    return t->ops->set_world(t, w, err);
+}
+static inline bool rf_xfer_needs_world(const rf_xfer_transport *t)
+{
+    return t->ops->needs_world ? t->ops->needs_world(t) : false;
+}
+
 /* Checks a job's structure, whatever the transport (run checks it again, with the deadline):
  * messages sorted by round and inside nrounds, peers inside the table, seq unique per
  * direction, items inside their pieces and their message, a direct message one contiguous
@@ -143,5 +175,21 @@ uint8_t *rf_xfer_direct_ptr(const rf_xfer_msg *m);
 int rf_xfer_tcp_new(uv_loop_t *loop, const char *listen_addr, rf_xfer_transport **out,
                     rf_err *err);
 const char *rf_xfer_tcp_addr(const rf_xfer_transport *t);
+
+/* The nccl transport (built with CUDA only, RF_HAVE_CUDA): GPU memory between the cluster's
+ * GPU endpoints with NCCL send/recv, one ncclGroupStart/End per round over every local GPU;
+ * packed messages gathered into per-GPU device staging with the copy kernels and scattered
+ * after, direct ones sent from and received into the items' device memory. Needs set_peers
+ * (the peer table names peers in messages) and set_world before its first job; after a failed
+ * or aborted job its communicators are aborted and needs_world is true until set_world gives
+ * a fresh unique id. Staging (at most the job's budget, split over the local GPUs) is kept
+ * between jobs and released by close. */
+int rf_xfer_nccl_new(uv_loop_t *loop, rf_xfer_transport **out, rf_err *err);
+/* A fresh NCCL unique id (ncclGetUniqueId), for the coordinator to hand out: it holds the
+ * bootstrap address of the process that calls this, which must stay up while ranks join. */
+int rf_xfer_nccl_unique_id(uint8_t out[128], rf_err *err);
+/* Device memory the transport holds now: staging and descriptor buffers over all local GPUs
+ * (NCCL's own buffers not included), and the most it held at once since creation. */
+void rf_xfer_nccl_memory(const rf_xfer_transport *t, uint64_t *now, uint64_t *peak);
 
 #endif

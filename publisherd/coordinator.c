@@ -10,6 +10,7 @@
 #include "macros.h"
 #include "plan.h"
 #include "slice.h"
+#include "xfer.h"
 
 /* Abort waits this long for every member's Done of the aborted version before the next refit
  * may start (a member that never answers is also handled by its heartbeat timeout). */
@@ -50,6 +51,8 @@ typedef struct build_job {
     rf_slice_peer *peers;
     rf_side *sides;
     rf_plan_opts opts;
+    bool nccl;
+    uint8_t nccl_id[128];
     /* results */
     int rc;
     rf_err err;
@@ -135,6 +138,14 @@ static void finish_abort(rf_coord *c)
 {
     c->state = ST_IDLE;
     uv_timer_stop(&c->deadline);
+    /* NCCL communicators that saw a failure are aborted on every daemon: the next refit needs
+     * a new world, which comes with a new plan. */
+    if (c->cfg->transport == RF_TRANSPORT_NCCL && c->plan_ready) {
+        c->plan_gen++;
+        c->plan_ready = false;
+        schedule_build(c);
+        return;
+    }
     try_start(c);
 }
 
@@ -348,9 +359,15 @@ static void build_work(uv_work_t *w)
         goto out;
     memcpy(b->plan_id, rf_plan_id(plan), 32);
     b->stats = *rf_plan_stats_get(plan);
+    if (b->nccl) {
+        /* A fresh world for every plan: a world that lost a rank cannot be rejoined. */
+        b->rc = rf_xfer_nccl_unique_id(b->nccl_id, &b->err);
+        if (b->rc < 0)
+            goto out;
+    }
     for (i = 0; i < b->nmembers; i++) {
         b->rc = rf_slice_build(plan, &map, i, b->peers, b->gens[i], SLICE_FRAME_XFERS,
-                               &b->slices[i], &b->nslices[i]);
+                               b->nccl ? b->nccl_id : NULL, &b->slices[i], &b->nslices[i]);
         if (b->rc < 0) {
             rf_err_set(&b->err, b->rc, "building the plan slice of member %u failed", i);
             goto out;
@@ -461,6 +478,7 @@ static void schedule_build(rf_coord *c)
         b->peers[i].role = i < c->npub ? REFIT__ROLE__ROLE_PUBLISHER : REFIT__ROLE__ROLE_RECEIVER;
         b->sides[i] = i < c->npub ? RF_SRC : RF_DST;
     }
+    b->nccl = c->cfg->transport == RF_TRANSPORT_NCCL;
     rf_plan_opts_default(&b->opts);
     b->opts.staging_bytes = (uint64_t)c->cfg->staging_mib << 20;
     b->opts.direct_min_bytes = (uint64_t)c->cfg->direct_min_kib << 10;

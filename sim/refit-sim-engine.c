@@ -18,6 +18,9 @@ static void usage(FILE *f)
             "  --shrink N         as for refit-sim-trainer\n"
             "  --layout LAYOUT    engine parallelism, e.g. tp=4,dp=2 or tp=4,ep=4\n"
             "  --ranks A-B        the ranks this process plays (default: all)\n"
+            "  --device D         host (default), cuda (rank r on GPU r mod count) or cuda:N\n"
+            "  --gpu N            the same as --device cuda:N\n"
+            "  --cuda-vmm         GPU memory from cuMemCreate (shared as a POSIX fd), not cudaMalloc\n"
             "  --start V          first version to expect (default 1)\n"
             "  --versions K       versions to verify (default 1)\n"
             "  --timeout-ms T     wait for a version at most T ms (default 120000)\n"
@@ -31,10 +34,14 @@ int main(int argc, char **argv)
         {"socket", 1, 0, 's'}, {"model", 1, 0, 'm'},    {"shrink", 1, 0, 'k'},
         {"layout", 1, 0, 'l'}, {"ranks", 1, 0, 'r'},    {"start", 1, 0, 'v'},
         {"versions", 1, 0, 'n'}, {"timeout-ms", 1, 0, 't'}, {"help", 0, 0, 'h'},
+        {"device", 1, 0, 'D'}, {"gpu", 1, 0, 'G'}, {"cuda-vmm", 0, 0, 'V'},
         {0, 0, 0, 0}};
     const char *socket = getenv("REFIT_SOCKET"), *model = NULL, *layout = "", *ranks = NULL;
     int shrink = 1, timeout_ms = 120000, o, i, status = 1;
     uint64_t start = 1, versions = 1, v, wrong_total = 0;
+    const char *device = "host";
+    char gpu_dev[32];
+    int gpu = SIM_HOST, vmm = 0;
     sim s;
 
     if (!socket)
@@ -49,6 +56,9 @@ int main(int argc, char **argv)
         case 'v': start = strtoull(optarg, NULL, 10); break;
         case 'n': versions = strtoull(optarg, NULL, 10); break;
         case 't': timeout_ms = atoi(optarg); break;
+        case 'D': device = optarg; break;
+        case 'G': snprintf(gpu_dev, sizeof(gpu_dev), "cuda:%s", optarg); device = gpu_dev; break;
+        case 'V': vmm = 1; break;
         case 'h': usage(stdout); return 0;
         default: usage(stderr); return 2;
         }
@@ -57,8 +67,12 @@ int main(int argc, char **argv)
         usage(stderr);
         return 2;
     }
+    if (sim_parse_device(device, &gpu) < 0) {
+        usage(stderr);
+        return 2;
+    }
     setvbuf(stdout, NULL, _IOLBF, 0);
-    if (sim_setup(&s, RF_DST, model, shrink, layout, ranks, socket) < 0)
+    if (sim_setup_device(&s, RF_DST, model, shrink, layout, ranks, socket, gpu, vmm) < 0)
         return 2;
     sim_fill_garbage(&s);
     if (sim_register(&s, timeout_ms) < 0)

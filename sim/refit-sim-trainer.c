@@ -20,6 +20,9 @@ static void usage(FILE *f)
             "  --shrink N         divide the model's large dims by N (same structure, less memory)\n"
             "  --layout LAYOUT    trainer parallelism, e.g. tp=2,pp=2,ep=4,dp=2\n"
             "  --ranks A-B        the ranks this process plays (default: all)\n"
+            "  --device D         host (default), cuda (rank r on GPU r mod count) or cuda:N\n"
+            "  --gpu N            the same as --device cuda:N\n"
+            "  --cuda-vmm         GPU memory from cuMemCreate (shared as a POSIX fd), not cudaMalloc\n"
             "  --start V          first version (default 1)\n"
             "  --versions K       versions to publish (default 1)\n"
             "  --retries R        publishes of one version after aborts (default 5)\n"
@@ -59,10 +62,14 @@ int main(int argc, char **argv)
         {"socket", 1, 0, 's'},   {"model", 1, 0, 'm'},    {"shrink", 1, 0, 'k'},
         {"layout", 1, 0, 'l'},   {"ranks", 1, 0, 'r'},    {"start", 1, 0, 'v'},
         {"versions", 1, 0, 'n'}, {"retries", 1, 0, 'R'},  {"timeout-ms", 1, 0, 't'},
-        {"report", 0, 0, 'p'},   {"help", 0, 0, 'h'},     {0, 0, 0, 0}};
+        {"report", 0, 0, 'p'},   {"help", 0, 0, 'h'},
+        {"device", 1, 0, 'D'}, {"gpu", 1, 0, 'G'}, {"cuda-vmm", 0, 0, 'V'},     {0, 0, 0, 0}};
     const char *socket = getenv("REFIT_SOCKET"), *model = NULL, *layout = "", *ranks = NULL;
     int shrink = 1, retries = 5, timeout_ms = 120000, do_report = 0, o, i, status = 1;
     uint64_t start = 1, versions = 1, v;
+    const char *device = "host";
+    char gpu_dev[32];
+    int gpu = SIM_HOST, vmm = 0;
     sim s;
 
     if (!socket)
@@ -79,6 +86,9 @@ int main(int argc, char **argv)
         case 'R': retries = atoi(optarg); break;
         case 't': timeout_ms = atoi(optarg); break;
         case 'p': do_report = 1; break;
+        case 'D': device = optarg; break;
+        case 'G': snprintf(gpu_dev, sizeof(gpu_dev), "cuda:%s", optarg); device = gpu_dev; break;
+        case 'V': vmm = 1; break;
         case 'h': usage(stdout); return 0;
         default: usage(stderr); return 2;
         }
@@ -87,8 +97,12 @@ int main(int argc, char **argv)
         usage(stderr);
         return 2;
     }
+    if (sim_parse_device(device, &gpu) < 0) {
+        usage(stderr);
+        return 2;
+    }
     setvbuf(stdout, NULL, _IOLBF, 0);
-    if (sim_setup(&s, RF_SRC, model, shrink, layout, ranks, socket) < 0)
+    if (sim_setup_device(&s, RF_SRC, model, shrink, layout, ranks, socket, gpu, vmm) < 0)
         return 2;
     if (sim_register(&s, timeout_ms) < 0)
         goto out;

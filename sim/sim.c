@@ -1,6 +1,10 @@
 /* sim/sim.c - simulated clients' shared part: registration of a model's ranks and the
  * (version, tensor, index) pattern. */
 #include "sim.h"
+#include "sim_pattern.h"
+#ifdef RF_HAVE_CUDA
+#include "sim_cuda.h"
+#endif
 
 #include <errno.h>
 #include <fcntl.h>
@@ -17,32 +21,6 @@ double sim_now(void)
 
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
-}
-
-static uint64_t mix(uint64_t x)
-{
-    x ^= x >> 33;
-    x *= 0xff51afd7ed558ccdULL;
-    x ^= x >> 33;
-    x *= 0xc4ceb9fe1a85ec53ULL;
-    x ^= x >> 33;
-    return x;
-}
-
-static uint64_t name_salt(const char *s)
-{
-    uint64_t h = 1469598103934665603ULL;
-
-    for (; *s; s++)
-        h = (h ^ (uint8_t)*s) * 1099511628211ULL;
-    return h;
-}
-
-/* The value of element gidx of a tensor at a version: its low bytes are what the element
- * holds, whatever the dtype (the bytes need not be a meaningful number). */
-static inline uint64_t pattern(uint64_t salt, uint64_t version, uint64_t gidx)
-{
-    return mix(salt ^ (version * 0x9e3779b97f4a7c15ULL) ^ (gidx * 0xd6e8feb86659fd93ULL));
 }
 
 static int parse_ranks(const char *s, int world, int *first, int *count)
@@ -99,8 +77,88 @@ static int sink_piece(void *ctx, const rf_piece *p)
     return 0;
 }
 
+int sim_parse_device(const char *device, int *gpu)
+{
+    int n;
+
+    if (device == NULL || strcmp(device, "host") == 0) {
+        *gpu = SIM_HOST;
+        return 0;
+    }
+#ifdef RF_HAVE_CUDA
+    if (strcmp(device, "cuda") == 0) {
+        *gpu = SIM_GPU_PER_RANK;
+        return 0;
+    }
+    if (sscanf(device, "cuda:%d", &n) == 1 && n >= 0) {
+        *gpu = n;
+        return 0;
+    }
+    fprintf(stderr, "--device takes host, cuda or cuda:N, not '%s'\n", device);
+#else
+    (void)n;
+    fprintf(stderr, "--device %s: these simulated clients were built without CUDA; rebuild "
+            "where the CUDA toolkit is installed, or use --device host\n", device);
+#endif
+    return -1;
+}
+
 int sim_setup(sim *s, rf_side side, const char *model, int shrink, const char *layout,
               const char *ranks, const char *socket)
+{
+    return sim_setup_device(s, side, model, shrink, layout, ranks, socket, SIM_HOST, 0);
+}
+
+/* The rank's one allocation: a sealed memfd mapped here, or GPU memory. */
+static int alloc_rank(sim *s, sim_rank *r)
+{
+    if (s->gpu == SIM_HOST) {
+        r->fd = memfd_create("refit-sim", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+        if (r->fd < 0 || ftruncate(r->fd, (off_t)(r->mem_size ? r->mem_size : 1)) < 0 ||
+            fcntl(r->fd, F_ADD_SEALS, F_SEAL_SHRINK) < 0) {
+            perror("memfd");
+            return -1;
+        }
+        r->mem = mmap(NULL, r->mem_size ? r->mem_size : 1, PROT_READ | PROT_WRITE, MAP_SHARED,
+                      r->fd, 0);
+        if (r->mem == MAP_FAILED) {
+            perror("mmap");
+            r->mem = NULL;
+            return -1;
+        }
+        return 0;
+    }
+#ifdef RF_HAVE_CUDA
+    {
+        int ndev = sim_cuda_device_count();
+        void *p = NULL;
+
+        if (ndev == 0) {
+            fprintf(stderr, "rank %d: --device cuda but no CUDA device is visible\n", r->rank);
+            return -1;
+        }
+        r->gpu = s->gpu == SIM_GPU_PER_RANK ? r->rank % ndev : s->gpu;
+        if (r->gpu >= ndev) {
+            fprintf(stderr, "rank %d: GPU %d asked for, %d visible\n", r->rank, r->gpu, ndev);
+            r->gpu = -1;
+            return -1;
+        }
+        if (sim_cuda_alloc(r->gpu, r->mem_size, s->vmm, &p, &r->gpu_state) < 0) {
+            fprintf(stderr, "rank %d: cannot allocate %llu bytes on GPU %d\n", r->rank,
+                    (unsigned long long)r->mem_size, r->gpu);
+            r->gpu = -1;
+            return -1;
+        }
+        r->mem = p;
+        return 0;
+    }
+#else
+    return -1;
+#endif
+}
+
+int sim_setup_device(sim *s, rf_side side, const char *model, int shrink, const char *layout,
+                     const char *ranks, const char *socket, int gpu, int vmm)
 {
     rf_err err = {0};
     rf_model *m = NULL;
@@ -108,6 +166,8 @@ int sim_setup(sim *s, rf_side side, const char *model, int shrink, const char *l
     int i;
 
     memset(s, 0, sizeof(*s));
+    s->gpu = gpu;
+    s->vmm = vmm;
     s->socket = socket;
     s->side = side;
     if (rf_model_load(model, &m, &err) < 0) {
@@ -137,7 +197,7 @@ int sim_setup(sim *s, rf_side side, const char *model, int shrink, const char *l
     if (!s->tensor_salt || !s->ranks)
         return -1;
     for (t = 0; t < rf_model_ntensors(m); t++)
-        s->tensor_salt[t] = name_salt(rf_model_tensor(m, t)->name);
+        s->tensor_salt[t] = sim_name_salt(rf_model_tensor(m, t)->name);
     for (i = 0; i < s->count; i++) {
         sim_rank *r = &s->ranks[i];
         rf_rank_sink sink = {r, sink_region, sink_piece};
@@ -145,6 +205,7 @@ int sim_setup(sim *s, rf_side side, const char *model, int shrink, const char *l
 
         r->rank = s->first + i;
         r->fd = -1;
+        r->gpu = -1;
         if (rf_model_rank(m, &s->par, side, r->rank, &sink, &err) < 0) {
             fprintf(stderr, "rank %d: %s\n", r->rank, err.msg);
             return -1;
@@ -156,19 +217,8 @@ int sim_setup(sim *s, rf_side side, const char *model, int shrink, const char *l
             r->regions[k].offset = r->mem_size;
             r->mem_size += (r->regions[k].size + 255) & ~(uint64_t)255;
         }
-        r->fd = memfd_create("refit-sim", MFD_CLOEXEC | MFD_ALLOW_SEALING);
-        if (r->fd < 0 || ftruncate(r->fd, (off_t)(r->mem_size ? r->mem_size : 1)) < 0 ||
-            fcntl(r->fd, F_ADD_SEALS, F_SEAL_SHRINK) < 0) {
-            perror("memfd");
+        if (alloc_rank(s, r) < 0)
             return -1;
-        }
-        r->mem = mmap(NULL, r->mem_size ? r->mem_size : 1, PROT_READ | PROT_WRITE, MAP_SHARED,
-                      r->fd, 0);
-        if (r->mem == MAP_FAILED) {
-            perror("mmap");
-            r->mem = NULL;
-            return -1;
-        }
         for (k = 0; k < r->nregions; k++)
             r->regions[k].base = r->mem + r->regions[k].offset;
         for (k = 0; k < r->npieces; k++) {
@@ -193,8 +243,12 @@ static int register_rank(sim *s, sim_rank *r)
     if (rc < 0)
         return rc;
     for (k = 0; k < r->nregions; k++) {
-        rc = refit_region_memfd_at(r->c, r->fd, r->regions[k].offset, r->regions[k].size,
+        if (r->gpu >= 0)
+            rc = refit_region_cuda(r->c, r->regions[k].base, r->regions[k].size,
                                    &r->regions[k].id);
+        else
+            rc = refit_region_memfd_at(r->c, r->fd, r->regions[k].offset, r->regions[k].size,
+                                       &r->regions[k].id);
         if (rc < 0)
             goto fail;
     }
@@ -263,6 +317,11 @@ void sim_close(sim *s)
 
         if (r->c)
             refit_close(r->c);
+#ifdef RF_HAVE_CUDA
+        if (r->gpu >= 0)
+            sim_cuda_free(r->gpu, r->mem, r->gpu_state);
+        else
+#endif
         if (r->mem)
             munmap(r->mem, r->mem_size ? r->mem_size : 1);
         if (r->fd >= 0)
@@ -314,28 +373,71 @@ static void fill_row(void *ctx, uint8_t *addr, uint64_t gidx, int64_t n, size_t 
     int64_t i;
 
     for (i = 0; i < n; i++) {
-        uint64_t v = pattern(salt, version, gidx + (uint64_t)i);
+        uint64_t v = sim_pattern(salt, version, gidx + (uint64_t)i);
 
         memcpy(addr + (size_t)(i * stride) * es, &v, es);
     }
 }
+
+#ifdef RF_HAVE_CUDA
+/* The rank's pieces as the kernels take them (malloc'd; NULL when out of memory). */
+static sim_gpu_piece *gpu_pieces(const sim *s, const sim_rank *r)
+{
+    sim_gpu_piece *g = calloc(r->npieces ? r->npieces : 1, sizeof(*g));
+
+    for (uint32_t k = 0; g && k < r->npieces; k++) {
+        const rf_piece *p = &r->pieces[k];
+        const rf_tensor *t = rf_model_tensor(s->model, p->tensor);
+
+        g[k].addr = r->regions[p->region].base + p->offset;
+        g[k].salt = s->tensor_salt[p->tensor];
+        g[k].numel = (uint64_t)rf_box_numel(&p->box, t->ndim);
+        g[k].esize = (uint32_t)rf_dtype_size(t->dtype);
+        g[k].ndim = t->ndim;
+        memcpy(g[k].start, p->box.start, sizeof(g[k].start));
+        memcpy(g[k].extent, p->box.extent, sizeof(g[k].extent));
+        memcpy(g[k].strides, p->strides, sizeof(g[k].strides));
+        memcpy(g[k].shape, t->shape, sizeof(g[k].shape));
+    }
+    return g;
+}
+#endif
 
 void sim_fill(sim *s, uint64_t version)
 {
     int i;
     uint32_t k;
 
-    for (i = 0; i < s->count; i++)
+    for (i = 0; i < s->count; i++) {
+#ifdef RF_HAVE_CUDA
+        if (s->ranks[i].gpu >= 0) {
+            sim_gpu_piece *g = gpu_pieces(s, &s->ranks[i]);
+
+            if (g == NULL || sim_cuda_fill(s->ranks[i].gpu, g, s->ranks[i].npieces, version) < 0)
+                fprintf(stderr, "rank %d: cannot fill version %llu on GPU %d\n",
+                        s->ranks[i].rank, (unsigned long long)version, s->ranks[i].gpu);
+            free(g);
+            continue;
+        }
+#endif
         for (k = 0; k < s->ranks[i].npieces; k++)
             for_rows(s, &s->ranks[i], &s->ranks[i].pieces[k], fill_row, &version);
+    }
 }
 
 void sim_fill_garbage(sim *s)
 {
     int i;
 
-    for (i = 0; i < s->count; i++)
+    for (i = 0; i < s->count; i++) {
+#ifdef RF_HAVE_CUDA
+        if (s->ranks[i].gpu >= 0) {
+            sim_cuda_memset(s->ranks[i].gpu, s->ranks[i].mem, 0xee, s->ranks[i].mem_size);
+            continue;
+        }
+#endif
         memset(s->ranks[i].mem, 0xee, s->ranks[i].mem_size);
+    }
 }
 
 typedef struct verify_ctx {
@@ -353,7 +455,7 @@ static void verify_row(void *ctx, uint8_t *addr, uint64_t gidx, int64_t n, size_
     int64_t i;
 
     for (i = 0; i < n; i++) {
-        uint64_t want = pattern(salt, v->version, gidx + (uint64_t)i), got = 0;
+        uint64_t want = sim_pattern(salt, v->version, gidx + (uint64_t)i), got = 0;
 
         memcpy(&got, addr + (size_t)(i * stride) * es, es);
         if (memcmp(&got, &want, es) == 0)
@@ -378,6 +480,33 @@ uint64_t sim_verify(sim *s, uint64_t version, int max_report)
 
     for (i = 0; i < s->count; i++) {
         v.rank = s->ranks[i].rank;
+#ifdef RF_HAVE_CUDA
+        if (s->ranks[i].gpu >= 0) {
+            sim_gpu_piece *g = gpu_pieces(s, &s->ranks[i]);
+            sim_gpu_bad bad = {0};
+            uint64_t w = g ? sim_cuda_verify(s->ranks[i].gpu, g, s->ranks[i].npieces, version,
+                                             &bad) : UINT64_MAX;
+
+            free(g);
+            if (w == UINT64_MAX) {
+                fprintf(stderr, "rank %d: cannot verify on GPU %d\n", v.rank,
+                        s->ranks[i].gpu);
+                w = 1;
+            } else if (w > 0 && max_report > 0) {
+                const rf_piece *p = &s->ranks[i].pieces[bad.piece];
+                const rf_tensor *t = rf_model_tensor(s->model, p->tensor);
+                int es = (int)rf_dtype_size(t->dtype);
+
+                fprintf(stderr, "rank %d: %s element %llu holds %0*llx, version %llu has "
+                        "%0*llx (%llu wrong on GPU %d)\n", v.rank, t->name,
+                        (unsigned long long)bad.gidx, es * 2, (unsigned long long)bad.got,
+                        (unsigned long long)version, es * 2, (unsigned long long)bad.want,
+                        (unsigned long long)w, s->ranks[i].gpu);
+            }
+            v.wrong += w;
+            continue;
+        }
+#endif
         for (k = 0; k < s->ranks[i].npieces; k++) {
             v.p = &s->ranks[i].pieces[k];
             for_rows(s, &s->ranks[i], v.p, verify_row, &v);

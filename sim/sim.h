@@ -28,6 +28,8 @@ typedef struct sim_rank {
     sim_region *regions;
     uint32_t npieces, cap_pieces;
     rf_piece *pieces; /* region = local region index, tensor = model tensor index */
+    int gpu;         /* -1: host memory (the memfd above); else the GPU holding mem */
+    void *gpu_state; /* the VMM allocation's handle, when it is one */
 } sim_rank;
 
 typedef struct sim {
@@ -39,11 +41,23 @@ typedef struct sim {
     int first, count;      /* the ranks this process plays */
     sim_rank *ranks;
     uint64_t bytes;        /* bytes of all pieces of this process */
+    int gpu;               /* SIM_HOST, SIM_GPU_PER_RANK or a GPU ordinal */
+    int vmm;               /* GPU memory from cuMemCreate (POSIX fd) instead of cudaMalloc */
 } sim;
+
+#define SIM_HOST (-2)
+#define SIM_GPU_PER_RANK (-1)
+
+/* Parses --device (host, cuda: rank r on GPU r mod count, cuda:N) into s->gpu; -1 on bad
+ * input (printed). */
+int sim_parse_device(const char *device, int *gpu);
 
 /* Parses the common options; prints usage and returns -1 on bad input. */
 int sim_setup(sim *s, rf_side side, const char *model, int shrink, const char *layout,
               const char *ranks, const char *socket);
+/* The same with memory on GPUs: gpu as sim_parse_device gives it, vmm for VMM allocations. */
+int sim_setup_device(sim *s, rf_side side, const char *model, int shrink, const char *layout,
+                     const char *ranks, const char *socket, int gpu, int vmm);
 /* Connects every rank, registers its memory and pieces, seals. Retries the connection until
  * timeout_ms passes (the daemon may still be starting). */
 int sim_register(sim *s, int timeout_ms);

@@ -15,6 +15,7 @@
 #include <unistd.h>
 
 #include "layout.h"
+#include "refit_int.h"
 #include "rpc.h"
 #include "wire.h"
 
@@ -58,10 +59,9 @@ struct refit_client {
 
 static __thread char tls_err[ERR_MAX];
 
-static int fail(refit_client *c, int code, const char *fmt, ...)
-    __attribute__((format(printf, 3, 4)));
+#define fail refit__fail
 
-static int fail(refit_client *c, int code, const char *fmt, ...)
+int refit__fail(refit_client *c, int code, const char *fmt, ...)
 {
     va_list ap;
 
@@ -329,33 +329,57 @@ int refit_region_memfd(refit_client *c, int fd, uint64_t size, uint32_t *region)
     return refit_region_memfd_at(c, fd, 0, size, region);
 }
 
-int refit_region_memfd_at(refit_client *c, int fd, uint64_t offset, uint64_t size,
-                          uint32_t *region)
+int refit__register_region(refit_client *c, const char *device, int kind, const void *handle,
+                           size_t handle_len, uint64_t offset, uint64_t size, int passfd,
+                           uint32_t *region)
 {
     Refit__Rpc__Request req = REFIT__RPC__REQUEST__INIT;
     Refit__Rpc__RegisterRegion m = REFIT__RPC__REGISTER_REGION__INIT;
     Refit__Rpc__Response *r = NULL;
     int rc;
 
-    if (c == NULL || region == NULL || fd < 0)
-        return fail(c, -EINVAL, "refit_region_memfd: needs a client, a memfd and a region "
-                    "pointer");
-    /* The daemon maps the memfd and refuses one that could shrink under it. A memfd made
-     * without MFD_ALLOW_SEALING fails here and the daemon's answer says so. */
-    (void)fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK);
     m.size = size;
     m.offset = offset;
-    m.device = "host";
-    m.kind = REFIT__RPC__MEM_KIND__MEM_MEMFD;
+    m.device = (char *)device;
+    m.kind = (Refit__Rpc__MemKind)kind;
+    if (handle != NULL) {
+        m.ipc_handle.data = (uint8_t *)(uintptr_t)handle;
+        m.ipc_handle.len = handle_len;
+    }
     req.body_case = REFIT__RPC__REQUEST__BODY_REGISTER_REGION;
     req.register_region = &m;
-    rc = call(c, &req, fd, 30000, &r);
+    rc = call(c, &req, passfd, 30000, &r);
     if (rc == 0) {
         *region = r->region;
         refit__rpc__response__free_unpacked(r, NULL);
     }
     return rc;
 }
+
+int refit_region_memfd_at(refit_client *c, int fd, uint64_t offset, uint64_t size,
+                          uint32_t *region)
+{
+    if (c == NULL || region == NULL || fd < 0)
+        return fail(c, -EINVAL, "refit_region_memfd: needs a client, a memfd and a region "
+                    "pointer");
+    /* The daemon maps the memfd and refuses one that could shrink under it. A memfd made
+     * without MFD_ALLOW_SEALING fails here and the daemon's answer says so. */
+    (void)fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK);
+    return refit__register_region(c, "host", REFIT__RPC__MEM_KIND__MEM_MEMFD, NULL, 0, offset,
+                                  size, fd, region);
+}
+
+#ifndef RF_HAVE_CUDA
+/* Without a CUDA toolkit at build time there is no GPU path (client/lib/refit_cuda.c). */
+int refit_region_cuda(refit_client *c, const void *devptr, uint64_t size, uint32_t *region)
+{
+    (void)devptr;
+    (void)size;
+    (void)region;
+    return fail(c, -ENOTSUP, "this librefit was built without CUDA: rebuild it where the "
+                "CUDA toolkit is installed, or register host memory (refit_alloc_host)");
+}
+#endif
 
 int refit_alloc_host(refit_client *c, uint64_t size, void **ptr, uint32_t *region)
 {

@@ -550,7 +550,7 @@ Test(registry, protocol_refusals)
     rr.size = 1024;
     rr.ipc_handle.data = handle;
     rr.ipc_handle.len = sizeof(handle);
-    expect_raw(fd, &q, -ENOTSUP, "cuda_ipc is not supported");
+    expect_raw(fd, &q, -EINVAL, "transport moves host memory only");
     q.id = 6;
     rr.device = "host";
     expect_raw(fd, &q, -EINVAL, "host memory is a memfd");

@@ -61,6 +61,7 @@ def _load():
         "refit_connect": [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_int, ctypes.c_int,
                           ctypes.POINTER(c_p)],
         "refit_region_memfd": [c_p, ctypes.c_int, u64, ctypes.POINTER(u32)],
+        "refit_region_cuda": [c_p, c_p, u64, ctypes.POINTER(u32)],
         "refit_add_piece": [c_p, ctypes.c_char_p, ctypes.c_int, ctypes.c_int, i64p, u32, u64,
                             i64p, i64p, i64p],
         "refit_seal": [c_p],
@@ -141,6 +142,17 @@ class Client:
         """Registers size bytes of a memfd (made with MFD_ALLOW_SEALING); returns the region."""
         region = ctypes.c_uint32()
         self._check(self._lib.refit_region_memfd(self._c, fd, size, ctypes.byref(region)))
+        return region.value
+
+    def register_cuda(self, ptr, size):
+        """Registers size bytes of GPU memory at device address ptr (an int, such as
+        tensor.data_ptr(); the allocation must stay alive while registered); returns the
+        region. Memory of PyTorch's default caching allocator is shared by CUDA IPC, VMM
+        allocations (expandable segments) as POSIX fds where they allow it; host or managed
+        memory raises Error saying what to use instead."""
+        region = ctypes.c_uint32()
+        self._check(self._lib.refit_region_cuda(self._c, ctypes.c_void_p(ptr), size,
+                                                ctypes.byref(region)))
         return region.value
 
     def alloc_host(self, size):

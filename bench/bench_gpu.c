@@ -1,0 +1,749 @@
+/* bench/bench_gpu.c - GPU refit speed on two GPUs: (a) the NCCL p2p ceiling GPU0 -> GPU1 at
+ * 1 GiB messages, (b) full refits of real-size models through the nccl transport driven with a
+ * plan (trainer ranks' memory all on GPU 0, engine ranks' all on GPU 1), cold and warm, every
+ * destination byte checked, (c) the conventional refit (each full tensor broadcast, then sliced
+ * into the engine buffers with the copy kernels) on the same data, as a time ratio.
+ * Usage: bench_gpu [staging MiB per endpoint, comma list; default 2048] [models: all | 4b] */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#ifdef RF_HAVE_CUDA
+#include <cuda_runtime_api.h>
+#include <nccl.h>
+#include <uv.h>
+
+#include "copy.h"
+#include "copy_cuda.h"
+#include "drv_cuda.h"
+#include "layout.h"
+#include "model.h"
+#include "plan.h"
+#include "xfer.h"
+
+#define CK(call)                                                                        \
+    do {                                                                                \
+        cudaError_t e_ = (call);                                                        \
+        if (e_ != cudaSuccess) {                                                        \
+            fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #call,               \
+                    cudaGetErrorString(e_));                                            \
+            exit(1);                                                                    \
+        }                                                                               \
+    } while (0)
+#define NK(call)                                                                        \
+    do {                                                                                \
+        ncclResult_t r_ = (call);                                                       \
+        if (r_ != ncclSuccess) {                                                        \
+            fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #call,               \
+                    ncclGetErrorString(r_));                                            \
+            exit(1);                                                                    \
+        }                                                                               \
+    } while (0)
+#define TILE ((64u << 20) + 4099u) /* pattern period: odd, so shifts never realign */
+#define GIB (1ull << 30)
+
+static double now_s(void)
+{
+    struct timespec ts;
+
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+static void die_err(const char *what, const rf_err *e)
+{
+    fprintf(stderr, "bench_gpu: %s: %s\n", what, e->msg);
+    exit(1);
+}
+
+/* ---- (a) the ceiling ------------------------------------------------------------------------ */
+
+typedef struct p2p {
+    ncclComm_t comm[2];
+    cudaStream_t s[2];
+} p2p;
+
+static double p2p_ceiling(p2p *p, uint64_t bytes, int iters)
+{
+    void *buf[2];
+    double t0 = 0;
+
+    for (int g = 0; g < 2; g++) {
+        CK(cudaSetDevice(g));
+        CK(cudaMalloc(&buf[g], bytes));
+        CK(cudaMemset(buf[g], g, bytes));
+    }
+    for (int it = -5; it < iters; it++) {
+        if (it == 0) {
+            for (int g = 0; g < 2; g++) {
+                CK(cudaSetDevice(g));
+                CK(cudaStreamSynchronize(p->s[g]));
+            }
+            t0 = now_s();
+        }
+        NK(ncclGroupStart());
+        NK(ncclSend(buf[0], bytes, ncclUint8, 1, p->comm[0], p->s[0]));
+        NK(ncclRecv(buf[1], bytes, ncclUint8, 0, p->comm[1], p->s[1]));
+        NK(ncclGroupEnd());
+    }
+    for (int g = 0; g < 2; g++) {
+        CK(cudaSetDevice(g));
+        CK(cudaStreamSynchronize(p->s[g]));
+    }
+    t0 = now_s() - t0;
+    for (int g = 0; g < 2; g++) {
+        CK(cudaSetDevice(g));
+        CK(cudaFree(buf[g]));
+    }
+    return (double)bytes * iters / t0 / 1e9;
+}
+
+/* ---- the data: every tensor's canonical bytes come from a random tile ------------------------ */
+
+typedef struct setup {
+    const char *name;
+    rf_model *m;
+    rf_inv *full, *inv;
+    uint32_t ntensors;
+    uint64_t *toff, *tbytes; /* canonical tensor store offsets on GPU 0 */
+    uint64_t store_bytes;
+    uint8_t *store;          /* GPU 0: every full tensor, row-major */
+    uint8_t *tile[2];        /* the pattern tile on each GPU */
+    uint8_t **bases;         /* per region: device memory */
+    uint32_t nregions;
+    uint64_t src_bytes, dst_bytes;
+    uint32_t **tpieces[2];   /* per side, per tensor: piece ids */
+    uint32_t *tnp[2];
+    uint64_t tmp_bytes;      /* largest per-tensor sum of piece bytes */
+} setup;
+
+/* Folds every source endpoint into endpoint 0 (GPU 0), every destination one into endpoint 1
+ * (GPU 1), keeping tensor, region and piece ids: NCCL takes one rank per GPU. */
+static rf_inv *two_endpoints(const rf_inv *in)
+{
+    rf_inv *out = rf_inv_new();
+    uint32_t id, ep;
+    rf_err err = {0};
+
+    for (uint32_t i = 0; i < rf_inv_ntensors(in); i++) {
+        const rf_tensor *t = rf_inv_tensor(in, i);
+
+        if (rf_inv_add_tensor(out, t->name, t->dtype, t->ndim, t->shape, &id, &err) < 0)
+            die_err("tensor", &err);
+    }
+    if (rf_inv_add_endpoint(out, RF_SRC, 0, &ep, &err) < 0 ||
+        rf_inv_add_endpoint(out, RF_DST, 1, &ep, &err) < 0)
+        die_err("endpoint", &err);
+    for (uint32_t r = 0; r < rf_inv_nregions(in); r++) {
+        const rf_region *rg = rf_inv_region(in, r);
+
+        if (rf_inv_add_region(out, rf_inv_endpoint(in, rg->endpoint)->side == RF_SRC ? 0 : 1,
+                              rg->size, &id, &err) < 0)
+            die_err("region", &err);
+    }
+    for (int side = 0; side < 2; side++) {
+        for (uint32_t i = 0; i < rf_inv_npieces(in, (rf_side)side); i++) {
+            rf_piece p;
+
+            rf_inv_piece(in, (rf_side)side, i, &p);
+            if (rf_inv_add_piece(out, &p, &id, &err) < 0)
+                die_err("piece", &err);
+        }
+    }
+    return out;
+}
+
+static uint64_t tensor_bytes(const rf_tensor *t)
+{
+    uint64_t n = rf_dtype_size(t->dtype);
+
+    for (int d = 0; d < t->ndim; d++)
+        n *= (uint64_t)t->shape[d];
+    return n;
+}
+
+/* The canonical bytes of tensor t into dst (device memory of GPU g), from that GPU's tile. */
+static void canonical(setup *S, int g, uint32_t t, uint8_t *dst, cudaStream_t s)
+{
+    uint64_t n = S->tbytes[t], pos = ((uint64_t)t * 2654435761u) % TILE, done = 0;
+
+    while (done < n) {
+        uint64_t k = TILE - pos < n - done ? TILE - pos : n - done;
+
+        CK(cudaMemcpyAsync(dst + done, S->tile[g] + pos, k, cudaMemcpyDeviceToDevice, s));
+        done += k;
+        pos = 0;
+    }
+}
+
+static void full_piece(const setup *S, uint32_t t, rf_piece *p)
+{
+    const rf_tensor *T = rf_inv_tensor(S->inv, t);
+    int64_t stride = 1;
+
+    memset(p, 0, sizeof(*p));
+    p->tensor = t;
+    rf_box_full(&p->box, T->ndim, T->shape);
+    for (int d = T->ndim - 1; d >= 0; d--) {
+        p->strides[d] = stride;
+        stride *= T->shape[d];
+    }
+}
+
+/* Descriptors of tensor t's pieces of a side: from the full tensor at full (gather = true
+ * reads the pieces' boxes out of it into staging) or from the pieces' own memory. */
+static size_t piece_descs(const setup *S, rf_side side, uint32_t t, const uint8_t *full,
+                          rf_copy_desc *d)
+{
+    const rf_tensor *T = rf_inv_tensor(S->inv, t);
+    size_t es = rf_dtype_size(T->dtype);
+    uint64_t off = 0;
+    rf_piece fp, p;
+
+    full_piece(S, t, &fp);
+    for (uint32_t k = 0; k < S->tnp[side][t]; k++) {
+        rf_inv_piece(S->inv, side, S->tpieces[side][t][k], &p);
+        if (full)
+            rf_copy_desc_set(&d[k], (void *)full, &fp, T->ndim, es, &p.box, off);
+        else
+            rf_copy_desc_set(&d[k], S->bases[p.region], &p, T->ndim, es, &p.box, off);
+        off += (uint64_t)rf_box_numel(&p.box, T->ndim) * es;
+        off = (off + 255) & ~255ull;
+    }
+    return S->tnp[side][t];
+}
+
+static void setup_open(setup *S, const char *model, const char *src, const char *dst)
+{
+    rf_par ps, pd;
+    rf_err err = {0};
+    uint64_t maxp = 1;
+
+    memset(S, 0, sizeof(*S));
+    S->name = model;
+    S->full = rf_inv_new();
+    if (rf_model_load(model, &S->m, &err) < 0 || rf_par_parse(src, RF_SRC, S->m, &ps, &err) < 0 ||
+        rf_par_parse(dst, RF_DST, S->m, &pd, &err) < 0 ||
+        rf_model_build_inv(S->m, &ps, &pd, 8, S->full, &err) < 0)
+        die_err(model, &err);
+    S->inv = two_endpoints(S->full);
+    S->ntensors = rf_inv_ntensors(S->inv);
+    S->nregions = rf_inv_nregions(S->inv);
+    S->toff = calloc(S->ntensors, sizeof(uint64_t));
+    S->tbytes = calloc(S->ntensors, sizeof(uint64_t));
+    for (uint32_t t = 0; t < S->ntensors; t++) {
+        S->tbytes[t] = tensor_bytes(rf_inv_tensor(S->inv, t));
+        S->toff[t] = S->store_bytes;
+        S->store_bytes += (S->tbytes[t] + 255) & ~255ull;
+    }
+    for (int side = 0; side < 2; side++) {
+        uint64_t *sum = calloc(S->ntensors, sizeof(uint64_t));
+
+        S->tnp[side] = calloc(S->ntensors, sizeof(uint32_t));
+        S->tpieces[side] = calloc(S->ntensors, sizeof(uint32_t *));
+        for (uint32_t i = 0; i < rf_inv_npieces(S->inv, (rf_side)side); i++)
+            S->tnp[side][rf_inv_piece_tensor(S->inv, (rf_side)side, i)]++;
+        for (uint32_t t = 0; t < S->ntensors; t++) {
+            S->tpieces[side][t] = calloc(S->tnp[side][t] + 1, sizeof(uint32_t));
+            S->tnp[side][t] = 0;
+        }
+        for (uint32_t i = 0; i < rf_inv_npieces(S->inv, (rf_side)side); i++) {
+            uint32_t t = rf_inv_piece_tensor(S->inv, (rf_side)side, i);
+            rf_piece p;
+            const rf_tensor *T = rf_inv_tensor(S->inv, t);
+
+            rf_inv_piece(S->inv, (rf_side)side, i, &p);
+            S->tpieces[side][t][S->tnp[side][t]++] = i;
+            sum[t] += (((uint64_t)rf_box_numel(&p.box, T->ndim) * rf_dtype_size(T->dtype)) +
+                       255) & ~255ull;
+        }
+        for (uint32_t t = 0; t < S->ntensors; t++)
+            if (sum[t] > maxp)
+                maxp = sum[t];
+        free(sum);
+    }
+    S->tmp_bytes = maxp;
+}
+
+static void setup_alloc(setup *S)
+{
+    uint8_t *host;
+
+    S->bases = calloc(S->nregions, sizeof(*S->bases));
+    for (uint32_t r = 0; r < S->nregions; r++) {
+        const rf_region *rg = rf_inv_region(S->inv, r);
+        int g = rf_inv_endpoint(S->inv, rg->endpoint)->side == RF_SRC ? 0 : 1;
+
+        CK(cudaSetDevice(g));
+        CK(cudaMalloc((void **)&S->bases[r], rg->size));
+        if (g == 0)
+            S->src_bytes += rg->size;
+        else
+            S->dst_bytes += rg->size;
+    }
+    host = malloc(TILE);
+    srand(12345);
+    for (uint32_t i = 0; i < TILE; i++)
+        host[i] = (uint8_t)(rand() >> 7);
+    for (int g = 0; g < 2; g++) {
+        CK(cudaSetDevice(g));
+        CK(cudaMalloc((void **)&S->tile[g], TILE));
+        CK(cudaMemcpy(S->tile[g], host, TILE, cudaMemcpyHostToDevice));
+    }
+    free(host);
+    CK(cudaSetDevice(0));
+    CK(cudaMalloc((void **)&S->store, S->store_bytes));
+}
+
+static void setup_free(setup *S)
+{
+    for (uint32_t r = 0; r < S->nregions; r++)
+        cudaFree(S->bases[r]);
+    for (int g = 0; g < 2; g++)
+        cudaFree(S->tile[g]);
+    cudaFree(S->store);
+    for (int side = 0; side < 2; side++) {
+        for (uint32_t t = 0; t < S->ntensors; t++)
+            free(S->tpieces[side][t]);
+        free(S->tpieces[side]);
+        free(S->tnp[side]);
+    }
+    free(S->bases);
+    free(S->toff);
+    free(S->tbytes);
+    rf_inv_free(S->inv);
+    rf_inv_free(S->full);
+    rf_model_free(S->m);
+}
+
+/* Every full tensor into the store on GPU 0 and every source piece from it. */
+static void fill_sources(setup *S)
+{
+    rf_copy_desc *d = NULL;
+    size_t cap = 0;
+    uint8_t *tmp;
+    cudaStream_t s;
+    rf_copy_cuda_buf *b[2];
+    rf_err err = {0};
+
+    CK(cudaSetDevice(0));
+    CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    CK(cudaMalloc((void **)&tmp, S->tmp_bytes));
+    for (int i = 0; i < 2; i++)
+        if (rf_copy_cuda_buf_new(&b[i], &err) < 0)
+            die_err("descriptor buffer", &err);
+    for (uint32_t t = 0; t < S->ntensors; t++) {
+        size_t n = S->tnp[RF_SRC][t];
+
+        canonical(S, 0, t, S->store + S->toff[t], s);
+        if (n == 0)
+            continue;
+        if (n > cap) {
+            cap = n * 2;
+            d = realloc(d, cap * sizeof(*d));
+        }
+        piece_descs(S, RF_SRC, t, S->store + S->toff[t], d);
+        if (rf_copy_cuda_gather_buf(b[0], d, n, tmp, s, &err) < 0)
+            die_err("fill gather", &err);
+        piece_descs(S, RF_SRC, t, NULL, d);
+        if (rf_copy_cuda_scatter_buf(b[1], d, n, tmp, s, &err) < 0)
+            die_err("fill scatter", &err);
+    }
+    CK(cudaStreamSynchronize(s));
+    for (int i = 0; i < 2; i++)
+        rf_copy_cuda_buf_free(b[i]);
+    CK(cudaFree(tmp));
+    CK(cudaStreamDestroy(s));
+    free(d);
+}
+
+static void clear_dst(setup *S)
+{
+    for (uint32_t r = 0; r < S->nregions; r++) {
+        const rf_region *rg = rf_inv_region(S->inv, r);
+
+        if (rf_inv_endpoint(S->inv, rg->endpoint)->side == RF_DST) {
+            CK(cudaSetDevice(1));
+            CK(cudaMemset(S->bases[r], 0, rg->size));
+        }
+    }
+    CK(cudaSetDevice(1));
+    CK(cudaDeviceSynchronize());
+}
+
+/* Bytes of destination pieces that differ from the canonical tensors (rebuilt on GPU 1). */
+static uint64_t count_wrong(setup *S)
+{
+    rf_copy_desc *d = NULL;
+    size_t cap = 0;
+    uint8_t *full, *ta, *tb, *ha, *hb;
+    uint64_t maxt = 0, wrong = 0;
+    cudaStream_t s;
+    rf_copy_cuda_buf *b[2];
+    rf_err err = {0};
+
+    for (uint32_t t = 0; t < S->ntensors; t++)
+        if (S->tbytes[t] > maxt)
+            maxt = S->tbytes[t];
+    CK(cudaSetDevice(1));
+    CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    CK(cudaMalloc((void **)&full, maxt));
+    CK(cudaMalloc((void **)&ta, S->tmp_bytes));
+    CK(cudaMalloc((void **)&tb, S->tmp_bytes));
+    CK(cudaMallocHost((void **)&ha, S->tmp_bytes));
+    CK(cudaMallocHost((void **)&hb, S->tmp_bytes));
+    for (int i = 0; i < 2; i++)
+        if (rf_copy_cuda_buf_new(&b[i], &err) < 0)
+            die_err("descriptor buffer", &err);
+    for (uint32_t t = 0; t < S->ntensors; t++) {
+        size_t n = S->tnp[RF_DST][t];
+        uint64_t bytes;
+
+        if (n == 0)
+            continue;
+        if (n > cap) {
+            cap = n * 2;
+            d = realloc(d, cap * sizeof(*d));
+        }
+        canonical(S, 1, t, full, s);
+        piece_descs(S, RF_DST, t, full, d);
+        bytes = d[n - 1].staging_off + rf_copy_desc_bytes(&d[n - 1]);
+        if (rf_copy_cuda_gather_buf(b[0], d, n, ta, s, &err) < 0)
+            die_err("check gather", &err);
+        piece_descs(S, RF_DST, t, NULL, d);
+        if (rf_copy_cuda_gather_buf(b[1], d, n, tb, s, &err) < 0)
+            die_err("check gather", &err);
+        CK(cudaMemcpyAsync(ha, ta, bytes, cudaMemcpyDeviceToHost, s));
+        CK(cudaMemcpyAsync(hb, tb, bytes, cudaMemcpyDeviceToHost, s));
+        CK(cudaStreamSynchronize(s));
+        if (memcmp(ha, hb, bytes) != 0)
+            for (uint64_t i = 0; i < bytes; i++)
+                wrong += ha[i] != hb[i];
+    }
+    for (int i = 0; i < 2; i++)
+        rf_copy_cuda_buf_free(b[i]);
+    cudaFree(full);
+    cudaFree(ta);
+    cudaFree(tb);
+    cudaFreeHost(ha);
+    cudaFreeHost(hb);
+    cudaStreamDestroy(s);
+    free(d);
+    return wrong;
+}
+
+/* ---- (b) the refit through the transport ------------------------------------------------------ */
+
+typedef struct run2 {
+    uv_loop_t loop;
+    rf_xfer_transport *t[2];
+    rf_xfer_result res[2];
+    int pending;
+} run2;
+
+static void on_done(rf_xfer_transport *t, const rf_xfer_result *res, void *arg)
+{
+    run2 *w = arg;
+
+    for (int i = 0; i < 2; i++)
+        if (w->t[i] == t)
+            w->res[i] = *res;
+    if (--w->pending == 0)
+        uv_stop(&w->loop);
+}
+
+static rf_xfer_msg plan_side(const rf_plan *pl, uint32_t mi, rf_side side, uint8_t **bases)
+{
+    const rf_inv *inv = rf_plan_inv(pl);
+    const rf_msg *pm = rf_plan_msg(pl, mi);
+    rf_xfer_msg m = {.seq = mi, .round = pm->round, .kind = pm->kind, .send = side == RF_SRC,
+                     .peer = side == RF_SRC ? 1 : 0, .bytes = pm->bytes, .nitems = pm->count,
+                     .ep = side == RF_SRC ? pm->src_ep : pm->dst_ep,
+                     .peer_ep = side == RF_SRC ? pm->dst_ep : pm->src_ep};
+
+    m.items = calloc(pm->count ? pm->count : 1, sizeof(*m.items));
+    for (uint32_t k = 0; k < pm->count; k++) {
+        const rf_xfer *x = rf_plan_xfer(pl, (uint64_t)pm->first + k);
+        rf_xfer_item *it = &m.items[k];
+        const rf_tensor *t;
+
+        rf_inv_piece(inv, side, side == RF_SRC ? x->src : x->dst, &it->piece);
+        t = rf_inv_tensor(inv, it->piece.tensor);
+        it->base = bases[it->piece.region];
+        it->ndim = t->ndim;
+        it->esize = rf_dtype_size(t->dtype);
+        it->box = *rf_plan_box(pl, x->box);
+        it->msg_off = x->msg_off;
+        it->bytes = x->bytes;
+    }
+    return m;
+}
+
+static void jobs_from_plan(const rf_plan *pl, uint64_t staging, uint8_t **bases,
+                           rf_xfer_job *jobs)
+{
+    uint32_t n = rf_plan_nmsgs(pl);
+
+    for (int d = 0; d < 2; d++) {
+        memset(&jobs[d], 0, sizeof(jobs[d]));
+        jobs[d].nrounds = rf_plan_nrounds(pl);
+        jobs[d].timeout_s = 120;
+        jobs[d].staging_bytes = staging;
+        jobs[d].nmsgs = n;
+        jobs[d].msgs = calloc(n ? n : 1, sizeof(rf_xfer_msg));
+    }
+    for (uint32_t mi = 0; mi < n; mi++) {
+        jobs[0].msgs[mi] = plan_side(pl, mi, RF_SRC, bases);
+        jobs[1].msgs[mi] = plan_side(pl, mi, RF_DST, bases);
+    }
+}
+
+static void job_free(rf_xfer_job *j)
+{
+    for (uint32_t i = 0; i < j->nmsgs; i++)
+        free(j->msgs[i].items);
+    free(j->msgs);
+}
+
+static double run_once(run2 *w, rf_xfer_job *jobs, uint64_t version)
+{
+    rf_err err = {0};
+    double t0 = now_s();
+
+    w->pending = 2;
+    for (int i = 0; i < 2; i++) {
+        jobs[i].version = version;
+        if (rf_xfer_run(w->t[i], &jobs[i], on_done, w, &err) < 0)
+            die_err("run", &err);
+    }
+    uv_run(&w->loop, UV_RUN_DEFAULT);
+    t0 = now_s() - t0;
+    for (int i = 0; i < 2; i++)
+        if (w->res[i].code < 0) {
+            fprintf(stderr, "bench_gpu: rank %d: %s\n", i, w->res[i].error);
+            exit(1);
+        }
+    return t0;
+}
+
+static void on_closed(void *arg)
+{
+    (*(int *)arg)--;
+}
+
+static uint64_t used_bytes(int g)
+{
+    size_t fr = 0, tot = 0;
+
+    CK(cudaSetDevice(g));
+    CK(cudaMemGetInfo(&fr, &tot));
+    return (uint64_t)(tot - fr);
+}
+
+static double refit_bench(setup *S, uint64_t staging_mib, double ceiling, int warm_iters)
+{
+    rf_plan_opts o;
+    rf_plan *pl = NULL;
+    rf_xfer_job jobs[2];
+    run2 w;
+    rf_err err = {0};
+    uint8_t uid[128];
+    const char *addrs[2] = {"trainer-gpu0", "engine-gpu1"};
+    uint64_t base0 = used_bytes(0), base1 = used_bytes(1), peak_extra = 0, mem_peak[2];
+    double cold, best = 1e30, sum = 0;
+    const rf_plan_stats *st;
+    int closing = 2;
+
+    rf_plan_opts_default(&o);
+    o.staging_bytes = staging_mib << 20;
+    if (rf_plan_build(S->inv, &o, &pl, &err) < 0)
+        die_err("plan", &err);
+    st = rf_plan_stats_get(pl);
+    jobs_from_plan(pl, o.staging_bytes, S->bases, jobs);
+    memset(&w, 0, sizeof(w));
+    uv_loop_init(&w.loop);
+    if (rf_xfer_nccl_unique_id(uid, &err) < 0)
+        die_err("unique id", &err);
+    for (int i = 0; i < 2; i++) {
+        uint32_t rank = (uint32_t)i;
+        int dev = i;
+        rf_xfer_world wd = {.nranks = 2, .nlocal = 1, .local_ranks = &rank,
+                            .local_devices = &dev};
+
+        memcpy(wd.unique_id, uid, sizeof(uid));
+        if (rf_xfer_nccl_new(&w.loop, &w.t[i], &err) < 0 ||
+            rf_xfer_set_peers(w.t[i], (uint32_t)i, 2, addrs, &err) < 0 ||
+            rf_xfer_set_world(w.t[i], &wd, &err) < 0)
+            die_err("transport", &err);
+    }
+    clear_dst(S);
+    cold = run_once(&w, jobs, 1);
+    for (int it = 0; it < warm_iters; it++) {
+        double s;
+
+        clear_dst(S);
+        s = run_once(&w, jobs, 2 + (uint64_t)it);
+        sum += s;
+        if (s < best)
+            best = s;
+    }
+    {
+        uint64_t e0 = used_bytes(0) - base0, e1 = used_bytes(1) - base1;
+
+        peak_extra = e0 > e1 ? e0 : e1;
+    }
+    for (int i = 0; i < 2; i++)
+        rf_xfer_nccl_memory(w.t[i], NULL, &mem_peak[i]);
+    {
+        uint64_t wrong = count_wrong(S);
+        double gb = (double)st->dst_bytes / 1e9, mean = sum / warm_iters;
+
+        printf("%-14s %6llu %6u %8u %9.2f %8.3f %8.3f %8.3f %7.1f %6.1f%% %9.2f %9.2f %9.2f "
+               "%8llu\n",
+               S->name, (unsigned long long)staging_mib, rf_plan_nrounds(pl), rf_plan_nmsgs(pl),
+               gb, cold, mean, best, gb / best, 100.0 * gb / best / ceiling,
+               (double)st->packed_bytes / 1e9, (double)(mem_peak[0] > mem_peak[1] ?
+                                                         mem_peak[0] : mem_peak[1]) / GIB,
+               (double)peak_extra / GIB, (unsigned long long)wrong);
+        fflush(stdout);
+    }
+    for (int i = 0; i < 2; i++)
+        rf_xfer_close(w.t[i], on_closed, &closing);
+    uv_run(&w.loop, UV_RUN_DEFAULT);
+    uv_loop_close(&w.loop);
+    job_free(&jobs[0]);
+    job_free(&jobs[1]);
+    rf_plan_free(pl);
+    return best;
+}
+
+/* ---- (c) the conventional refit ---------------------------------------------------------------- */
+
+/* Each full tensor (already whole on the trainer GPU) broadcast to the engine GPU, then sliced
+ * into the engine pieces: gathered out of the full tensor and scattered into the pieces. */
+static double conventional(setup *S, p2p *p)
+{
+    rf_copy_desc *d = NULL;
+    size_t cap = 0;
+    uint8_t *full1, *tmp;
+    uint64_t maxt = 0;
+    rf_copy_cuda_buf *b[4];
+    rf_err err = {0};
+    double t0;
+
+    for (uint32_t t = 0; t < S->ntensors; t++)
+        if (S->tbytes[t] > maxt)
+            maxt = S->tbytes[t];
+    CK(cudaSetDevice(1));
+    CK(cudaMalloc((void **)&full1, maxt));
+    CK(cudaMalloc((void **)&tmp, S->tmp_bytes));
+    for (int i = 0; i < 4; i++)
+        if (rf_copy_cuda_buf_new(&b[i], &err) < 0)
+            die_err("descriptor buffer", &err);
+    clear_dst(S);
+    t0 = now_s();
+    for (uint32_t t = 0; t < S->ntensors; t++) {
+        size_t n = S->tnp[RF_DST][t];
+
+        NK(ncclGroupStart());
+        NK(ncclBroadcast(S->store + S->toff[t], S->store + S->toff[t], S->tbytes[t], ncclUint8,
+                         0, p->comm[0], p->s[0]));
+        NK(ncclBroadcast(full1, full1, S->tbytes[t], ncclUint8, 0, p->comm[1], p->s[1]));
+        NK(ncclGroupEnd());
+        if (n == 0)
+            continue;
+        if (n > cap) {
+            cap = n * 2;
+            d = realloc(d, cap * sizeof(*d));
+        }
+        piece_descs(S, RF_DST, t, full1, d);
+        if (rf_copy_cuda_gather_buf(b[(t & 1) * 2], d, n, tmp, p->s[1], &err) < 0)
+            die_err("slice gather", &err);
+        piece_descs(S, RF_DST, t, NULL, d);
+        if (rf_copy_cuda_scatter_buf(b[(t & 1) * 2 + 1], d, n, tmp, p->s[1], &err) < 0)
+            die_err("slice scatter", &err);
+    }
+    for (int g = 0; g < 2; g++) {
+        CK(cudaSetDevice(g));
+        CK(cudaStreamSynchronize(p->s[g]));
+    }
+    t0 = now_s() - t0;
+    for (int i = 0; i < 4; i++)
+        rf_copy_cuda_buf_free(b[i]);
+    cudaFree(full1);
+    cudaFree(tmp);
+    free(d);
+    return t0;
+}
+
+int main(int argc, char **argv)
+{
+    const char *stag = argc > 1 ? argv[1] : "2048";
+    const char *which = argc > 2 ? argv[2] : "all";
+    static const struct {
+        const char *model, *src, *dst;
+    } cases[] = {
+        {"qwen3-30b-a3b", "tp=2,ep=4", "tp=4"},
+        {"qwen3-4b", "tp=2,dp=2", "tp=4"},
+    };
+    int ndev = 0, devs[2] = {0, 1};
+    p2p p;
+    double ceiling;
+
+    setenv("NCCL_NVLS_ENABLE", "0", 1);
+    if (!rf_cuda_available() || cudaGetDeviceCount(&ndev) != cudaSuccess || ndev < 2) {
+        printf("skipped: no CUDA device (bench_gpu needs 2 GPUs)\n");
+        return 0;
+    }
+    NK(ncclCommInitAll(p.comm, 2, devs));
+    for (int g = 0; g < 2; g++) {
+        CK(cudaSetDevice(g));
+        CK(cudaStreamCreateWithFlags(&p.s[g], cudaStreamNonBlocking));
+    }
+    ceiling = p2p_ceiling(&p, GIB, 20);
+    printf("(a) NCCL p2p GPU0->GPU1, 1 GiB messages, 20 iterations after 5 warm-up: %.1f GB/s\n\n",
+           ceiling);
+    printf("(b) refit through the nccl transport (trainer ranks on GPU 0, engine ranks on GPU 1; "
+           "warm = mean/best of 3)\n");
+    printf("%-14s %6s %6s %8s %9s %8s %8s %8s %7s %7s %9s %9s %9s %8s\n", "model", "stgMiB",
+           "rounds", "msgs", "GB", "cold_s", "warm_s", "best_s", "GB/s", "%p2p", "packedGB",
+           "stageGiB", "extraGiB", "#wrong");
+    for (size_t c = 0; c < sizeof(cases) / sizeof(cases[0]); c++) {
+        setup S;
+        char list[256], *save = NULL;
+        double conv, best = 0;
+
+        if (strcmp(which, "all") != 0 && strstr(cases[c].model, which) == NULL)
+            continue;
+        setup_open(&S, cases[c].model, cases[c].src, cases[c].dst);
+        setup_alloc(&S);
+        fill_sources(&S);
+        snprintf(list, sizeof(list), "%s", stag);
+        for (char *tok = strtok_r(list, ",", &save); tok; tok = strtok_r(NULL, ",", &save))
+        {
+            double b = refit_bench(&S, strtoull(tok, NULL, 10), ceiling, 3);
+
+            if (best == 0 || b < best)
+                best = b;
+        }
+        conv = conventional(&S, &p);
+        printf("(c) %s conventional (per-tensor broadcast of %u tensors + slicing): %.3f s, "
+               "%.2f GB/s of engine bytes, %.1fx the best refit above, #wrong %llu\n", S.name,
+               S.ntensors, conv, (double)S.dst_bytes / 1e9 / conv, conv / best,
+               (unsigned long long)count_wrong(&S));
+        fflush(stdout);
+        setup_free(&S);
+    }
+    for (int g = 0; g < 2; g++)
+        ncclCommDestroy(p.comm[g]);
+    return 0;
+}
+
+#else
+int main(void)
+{
+    printf("skipped: no CUDA device (built without CUDA)\n");
+    return 0;
+}
+#endif

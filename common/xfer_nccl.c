@@ -1,0 +1,1153 @@
+/* common/xfer_nccl.c - the nccl transport: moves a job's messages between the cluster's GPU
+ * endpoints with NCCL send/recv, one group per round over every local GPU, packed messages
+ * gathered into device staging and scattered with the copy kernels, two rounds in flight. */
+#define RF_LOG_MODULE "xfer_nccl"
+#include "xfer.h"
+
+#include <pthread.h>
+#include <sodium.h>
+#include <stdarg.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include <cuda_runtime_api.h>
+#include <nccl.h>
+
+#include "copy.h"
+#include "copy_cuda.h"
+#include "drv_cuda.h"
+#include "log.h"
+#include "macros.h"
+
+/* NCCL's error domain, wrapped once: the call, where, NCCL's code and its last message. */
+static int nccl_fail(rf_err *err, ncclResult_t r, ncclComm_t comm, const char *call,
+                     const char *file, int line)
+{
+    const char *last = ncclGetLastError(comm);
+
+    RF_ERROR("%s:%d: %s: %s (%s)", file, line, call, ncclGetErrorString(r),
+             last && last[0] ? last : "no detail");
+    return rf_err_set(err, r == ncclSystemError || r == ncclRemoteError ? -EIO :
+                           r == ncclInvalidArgument || r == ncclInvalidUsage ? -EINVAL : -EPROTO,
+                      "%s failed: %s (%s)", call, ncclGetErrorString(r),
+                      last && last[0] ? last : "no detail");
+}
+
+/* Sets rc and jumps to out: on failure; ncclInProgress is the normal answer of a
+ * non-blocking communicator and is waited for by the caller. */
+#define NCCL_TRY(err, comm, call)                                                     \
+    do {                                                                              \
+        ncclResult_t r_ = (call);                                                     \
+        if (r_ != ncclSuccess && r_ != ncclInProgress) {                              \
+            rc = nccl_fail((err), r_, (comm), #call, __FILE__, __LINE__);             \
+            goto out;                                                                 \
+        }                                                                             \
+    } while (0)
+
+/* Staging offsets are aligned so that the copy kernels' wide accesses and NCCL's own stay
+ * aligned whatever the sizes of the messages before. */
+#define STAGE_ALIGN 256u
+/* Verification copies GPU payloads to the host in pieces of this size. */
+#define VERIFY_CHUNK (16u << 20)
+/* How long the worker sleeps between completion polls. */
+#define POLL_NS 20000L
+
+/* One local GPU endpoint: its communicator, streams (gather, wire, scatter), the events of
+ * the two round slots and its staging. */
+typedef struct gpu {
+    uint32_t rank;
+    int dev;
+    ncclComm_t comm;
+    bool res_ready; /* streams and events made */
+    cudaStream_t s_pack, s_net, s_unpack;
+    cudaEvent_t ev_packed[2], ev_net[2], ev_done[2];
+    /* Descriptor buffers per direction and round slot: a buffer waits for its previous
+     * batch, which for these is a round already retired, never the one on the wire. */
+    rf_copy_cuda_buf *gbuf[2], *sbuf[2];
+    uint8_t *arena;
+    uint64_t arena_cap;
+    uint64_t need; /* this job's staging on this GPU */
+} gpu;
+
+/* One job's plan of execution, owned by the worker. */
+typedef struct jstate {
+    const rf_xfer_job *job;
+    uint32_t nl;            /* local GPUs */
+    uint32_t *mgpu;         /* per message: local GPU index */
+    uint64_t *moff;         /* per message: staging offset (packed) */
+    uint32_t *round_first;  /* nrounds + 1 */
+    uint64_t *rbytes;       /* [round * nl + g]: padded packed bytes */
+    bool *pair_ok;          /* round r and r + 1 may be in flight together */
+    rf_copy_desc *desc;     /* every packed item, gathers and scatters */
+    uint64_t *gfirst, *sfirst; /* [(round * nl + g) * 2 .. +1]: ranges into desc */
+    uint64_t staging_now;
+    uint8_t *bounce;        /* host memory for verification */
+} jstate;
+
+enum { MODE_JOB, MODE_TEARDOWN };
+
+typedef struct nccl {
+    rf_xfer_transport base;
+    uv_loop_t *loop;
+    uv_async_t async;
+    uint32_t self, npeers;
+    char **addrs;
+
+    /* The world set last, and whether the communicators in g belong to it. */
+    bool have_world, comms_up, stale;
+    uint32_t nranks, nlocal;
+    gpu *g;
+    uint8_t uid[128];
+    uint8_t dead_uid[128]; /* the id of the last world torn down: never reused */
+    bool have_dead_uid;
+    /* A new world was set while communicators of the old one live: the worker replaces them. */
+    bool rebuild;
+    gpu *old_g;
+    uint32_t old_nlocal;
+
+    bool running, closing, handle_closed;
+    int mode;
+    atomic_bool abort_req, finished;
+    pthread_t thread;
+    const rf_xfer_job *job;
+    rf_xfer_done_cb done;
+    void *done_arg;
+    rf_xfer_result result;
+    jstate js;
+    _Atomic uint64_t mem_now, mem_peak;
+    rf_xfer_close_cb close_cb;
+    void *close_arg;
+} nccl;
+
+static double now_s(void)
+{
+    struct timespec ts;
+
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+static void nap(void)
+{
+    struct timespec ts = {0, POLL_NS};
+
+    nanosleep(&ts, NULL);
+}
+
+static int fail(nccl *t, int code, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+static int fail(nccl *t, int code, const char *fmt, ...)
+{
+    va_list ap;
+
+    if (t->result.code != 0)
+        return t->result.code;
+    t->result.code = code;
+    va_start(ap, fmt);
+    vsnprintf(t->result.error, sizeof(t->result.error), fmt, ap);
+    va_end(ap);
+    return code;
+}
+
+static const char *peer_addr(const nccl *t, uint32_t p)
+{
+    return p < t->npeers && t->addrs[p] ? t->addrs[p] : "?";
+}
+
+static void mem_add(nccl *t, int64_t delta)
+{
+    uint64_t now = atomic_fetch_add(&t->mem_now, (uint64_t)delta) + (uint64_t)delta;
+    uint64_t peak = atomic_load(&t->mem_peak);
+
+    while (now > peak && !atomic_compare_exchange_weak(&t->mem_peak, &peak, now))
+        ;
+}
+
+/* ---- communicators and per-GPU resources (worker thread) ---- */
+
+/* Communicators are aborted rather than finalized: a peer may be gone, and aborting is
+ * local and bounded. */
+static void gpu_release(nccl *t, gpu *g)
+{
+    if (g->comm) {
+        cudaSetDevice(g->dev);
+        ncclCommAbort(g->comm);
+        g->comm = NULL;
+    }
+    if (g->res_ready) {
+        cudaSetDevice(g->dev);
+        cudaStreamSynchronize(g->s_pack);
+        cudaStreamSynchronize(g->s_net);
+        cudaStreamSynchronize(g->s_unpack);
+        for (int h = 0; h < 2; h++) {
+            cudaEventDestroy(g->ev_packed[h]);
+            cudaEventDestroy(g->ev_net[h]);
+            cudaEventDestroy(g->ev_done[h]);
+        }
+        cudaStreamDestroy(g->s_pack);
+        cudaStreamDestroy(g->s_net);
+        cudaStreamDestroy(g->s_unpack);
+        for (int h = 0; h < 2; h++) {
+            rf_copy_cuda_buf_free(g->gbuf[h]);
+            rf_copy_cuda_buf_free(g->sbuf[h]);
+            g->gbuf[h] = g->sbuf[h] = NULL;
+        }
+        g->res_ready = false;
+    }
+    if (g->arena) {
+        cudaSetDevice(g->dev);
+        cudaFree(g->arena);
+        mem_add(t, -(int64_t)g->arena_cap);
+        g->arena = NULL;
+        g->arena_cap = 0;
+    }
+}
+
+/* Tears the communicators down after a failure: aborting stops kernels stuck on a peer that
+ * will never answer; the unique id of that world is spent. */
+static void world_abort(nccl *t)
+{
+    for (uint32_t i = 0; i < t->nlocal; i++) {
+        gpu *g = &t->g[i];
+
+        if (g->comm) {
+            cudaSetDevice(g->dev);
+            ncclCommAbort(g->comm);
+            g->comm = NULL;
+        }
+        if (g->res_ready) {
+            cudaStreamSynchronize(g->s_pack);
+            cudaStreamSynchronize(g->s_net);
+            cudaStreamSynchronize(g->s_unpack);
+        }
+    }
+    if (t->comms_up || t->have_world) {
+        memcpy(t->dead_uid, t->uid, sizeof(t->uid));
+        t->have_dead_uid = true;
+    }
+    t->comms_up = false;
+    t->stale = true;
+}
+
+static int gpu_resources(nccl *t, gpu *g)
+{
+    rf_err err = {0};
+    int rc = 0, lowest = 0, highest = 0;
+
+    if (g->res_ready)
+        return 0;
+    CUDA_TRY(&err, cudaSetDevice(g->dev));
+    CUDA_TRY(&err, cudaDeviceGetStreamPriorityRange(&lowest, &highest));
+    /* The wire first: NCCL's blocks are scheduled ahead of the copy kernels' waiting ones,
+     * so packing the next round does not hold the current one off the SMs. */
+    CUDA_TRY(&err, cudaStreamCreateWithPriority(&g->s_pack, cudaStreamNonBlocking, lowest));
+    CUDA_TRY(&err, cudaStreamCreateWithPriority(&g->s_net, cudaStreamNonBlocking, highest));
+    CUDA_TRY(&err, cudaStreamCreateWithPriority(&g->s_unpack, cudaStreamNonBlocking, lowest));
+    for (int h = 0; h < 2; h++) {
+        CUDA_TRY(&err, cudaEventCreateWithFlags(&g->ev_packed[h], cudaEventDisableTiming));
+        CUDA_TRY(&err, cudaEventCreateWithFlags(&g->ev_net[h], cudaEventDisableTiming));
+        CUDA_TRY(&err, cudaEventCreateWithFlags(&g->ev_done[h], cudaEventDisableTiming));
+        if ((rc = rf_copy_cuda_buf_new(&g->gbuf[h], &err)) < 0 ||
+            (rc = rf_copy_cuda_buf_new(&g->sbuf[h], &err)) < 0)
+            goto out;
+    }
+    g->res_ready = true;
+out:
+    if (rc < 0)
+        fail(t, rc, "preparing GPU %d (rank %u): %s", g->dev, g->rank, err.msg);
+    return rc;
+}
+
+/* Creates the communicators of every local GPU in one group and waits, against the job's
+ * deadline and aborts, until NCCL says they are up (all ranks of the world must join). */
+static int world_up(nccl *t, double deadline)
+{
+    ncclUniqueId id;
+    rf_err err = {0};
+    int rc = 0, ndev = 0;
+    uint32_t i;
+
+    if (t->rebuild) {
+        for (i = 0; i < t->old_nlocal; i++)
+            gpu_release(t, &t->old_g[i]);
+        free(t->old_g);
+        t->old_g = NULL;
+        t->old_nlocal = 0;
+        t->rebuild = false;
+    }
+    if (t->comms_up)
+        return 0;
+    CUDA_TRY(&err, cudaGetDeviceCount(&ndev));
+    for (i = 0; i < t->nlocal; i++) {
+        if (t->g[i].dev < 0 || t->g[i].dev >= ndev)
+            return fail(t, -ENODEV, "the world puts rank %u on CUDA device %d, this machine "
+                        "has %d; fix the daemon's GPU list", t->g[i].rank, t->g[i].dev, ndev);
+        if ((rc = gpu_resources(t, &t->g[i])) < 0)
+            return rc;
+    }
+    memcpy(id.internal, t->uid, sizeof(id.internal));
+    NCCL_TRY(&err, NULL, ncclGroupStart());
+    for (i = 0; i < t->nlocal; i++) {
+        ncclConfig_t cfg = NCCL_CONFIG_INITIALIZER;
+
+        cfg.blocking = 0;
+        CUDA_TRY(&err, cudaSetDevice(t->g[i].dev));
+        NCCL_TRY(&err, NULL, ncclCommInitRankConfig(&t->g[i].comm, (int)t->nranks, id,
+                                                    (int)t->g[i].rank, &cfg));
+    }
+    NCCL_TRY(&err, NULL, ncclGroupEnd());
+    for (;;) {
+        bool pending = false;
+
+        for (i = 0; i < t->nlocal; i++) {
+            ncclResult_t st = ncclSuccess;
+
+            if (!t->g[i].comm)
+                continue;
+            NCCL_TRY(&err, t->g[i].comm, ncclCommGetAsyncError(t->g[i].comm, &st));
+            if (st == ncclInProgress) {
+                pending = true;
+            } else if (st != ncclSuccess) {
+                rc = nccl_fail(&err, st, t->g[i].comm, "ncclCommInitRankConfig", __FILE__,
+                               __LINE__);
+                goto out;
+            }
+        }
+        if (!pending)
+            break;
+        if (atomic_load(&t->abort_req)) {
+            rc = rf_err_set(&err, -ECANCELED, "aborted while the %u ranks were joining",
+                            t->nranks);
+            goto out;
+        }
+        if (now_s() > deadline) {
+            rc = rf_err_set(&err, -ETIMEDOUT, "the deadline passed before all %u ranks "
+                            "joined; a daemon of the world is missing or got another id",
+                            t->nranks);
+            goto out;
+        }
+        nap();
+    }
+    t->comms_up = true;
+out:
+    if (rc < 0)
+        fail(t, rc, "setting up the NCCL world (%u ranks, local rank %u): %s", t->nranks,
+             t->nlocal ? t->g[0].rank : 0, err.msg);
+    return rc;
+}
+
+/* ---- the job's plan of execution ---- */
+
+static void js_free(jstate *s)
+{
+    free(s->mgpu);
+    free(s->moff);
+    free(s->round_first);
+    free(s->rbytes);
+    free(s->pair_ok);
+    free(s->desc);
+    free(s->gfirst);
+    free(s->sfirst);
+    free(s->bounce);
+    memset(s, 0, sizeof(*s));
+}
+
+static uint64_t align_up(uint64_t v)
+{
+    return (v + STAGE_ALIGN - 1) & ~(uint64_t)(STAGE_ALIGN - 1);
+}
+
+static int local_index(const nccl *t, uint32_t rank)
+{
+    for (uint32_t i = 0; i < t->nlocal; i++)
+        if (t->g[i].rank == rank)
+            return (int)i;
+    return -1;
+}
+
+static void desc_of(rf_copy_desc *d, const rf_xfer_item *it, uint64_t moff)
+{
+    rf_copy_desc_set(d, it->base, &it->piece, it->ndim, it->esize, &it->box, moff + it->msg_off);
+}
+
+/* Where each message runs and lies in staging, the staging each GPU needs (the largest
+ * round, or two neighbours that fit together in the budget), and every descriptor. */
+static int js_init(nccl *t, const rf_xfer_job *job)
+{
+    jstate *s = &t->js;
+    uint32_t nr = job->nrounds, nl = t->nlocal, n = job->nmsgs, i, r, g;
+    uint64_t budget = job->staging_bytes / (nl ? nl : 1), nitems = 0, *cur = NULL;
+    int rc = 0;
+
+    memset(s, 0, sizeof(*s));
+    s->job = job;
+    s->nl = nl;
+    s->mgpu = calloc(n ? n : 1, sizeof(*s->mgpu));
+    s->moff = calloc(n ? n : 1, sizeof(*s->moff));
+    s->round_first = calloc(nr + 1, sizeof(*s->round_first));
+    s->rbytes = calloc((size_t)(nr ? nr : 1) * nl, sizeof(*s->rbytes));
+    s->pair_ok = calloc(nr ? nr : 1, sizeof(*s->pair_ok));
+    s->gfirst = calloc((size_t)(nr ? nr : 1) * nl + 1, sizeof(*s->gfirst));
+    s->sfirst = calloc((size_t)(nr ? nr : 1) * nl + 1, sizeof(*s->sfirst));
+    cur = calloc(nl, sizeof(*cur));
+    if (!s->mgpu || !s->moff || !s->round_first || !s->rbytes || !s->pair_ok || !s->gfirst ||
+        !s->sfirst || !cur) {
+        rc = fail(t, -ENOMEM, "out of memory for a job of %u messages", n);
+        goto out;
+    }
+    for (i = 0; i < n; i++) {
+        const rf_xfer_msg *m = &job->msgs[i];
+        int li = local_index(t, m->ep);
+
+        if (li < 0 || m->peer_ep >= t->nranks) {
+            rc = fail(t, -EINVAL, "message seq %u goes from GPU rank %u to rank %u, but this "
+                      "daemon drives no rank %u or the world has only %u ranks; the world and "
+                      "the plan disagree", m->seq, m->ep, m->peer_ep,
+                      li < 0 ? m->ep : m->peer_ep, t->nranks);
+            goto out;
+        }
+        s->mgpu[i] = (uint32_t)li;
+        s->round_first[m->round + 1] = i + 1;
+        if (m->kind == RF_XFER_PACKED) {
+            s->rbytes[(size_t)m->round * nl + (uint32_t)li] += align_up(m->bytes);
+            nitems += m->nitems;
+        }
+    }
+    for (r = 1; r <= nr; r++)
+        if (s->round_first[r] < s->round_first[r - 1])
+            s->round_first[r] = s->round_first[r - 1];
+    for (r = 0; r < nr; r++) {
+        s->pair_ok[r] = r + 1 < nr;
+        for (g = 0; g < nl && s->pair_ok[r]; g++)
+            if (budget && s->rbytes[(size_t)r * nl + g] + s->rbytes[(size_t)(r + 1) * nl + g] >
+                              budget)
+                s->pair_ok[r] = false;
+    }
+    for (g = 0; g < nl; g++) {
+        uint64_t need = 0;
+
+        for (r = 0; r < nr; r++) {
+            uint64_t b = s->rbytes[(size_t)r * nl + g] +
+                         (s->pair_ok[r] ? s->rbytes[(size_t)(r + 1) * nl + g] : 0);
+
+            if (b > need)
+                need = b;
+        }
+        t->g[g].need = need;
+    }
+    /* Even rounds at the start of a GPU's staging, odd ones at its end: two rounds in flight
+     * never overlap. */
+    for (r = 0; r < nr; r++) {
+        for (g = 0; g < nl; g++)
+            cur[g] = r & 1 ? t->g[g].need - s->rbytes[(size_t)r * nl + g] : 0;
+        for (i = s->round_first[r]; i < s->round_first[r + 1]; i++) {
+            const rf_xfer_msg *m = &job->msgs[i];
+
+            if (m->kind != RF_XFER_PACKED)
+                continue;
+            s->moff[i] = cur[s->mgpu[i]];
+            cur[s->mgpu[i]] += align_up(m->bytes);
+        }
+    }
+    s->desc = malloc((nitems ? nitems : 1) * sizeof(*s->desc));
+    if (!s->desc) {
+        rc = fail(t, -ENOMEM, "out of memory for %llu copy descriptors",
+                  (unsigned long long)nitems);
+        goto out;
+    }
+    nitems = 0;
+    for (r = 0; r < nr; r++) {
+        for (g = 0; g < nl; g++) {
+            for (int dir = 1; dir >= 0; dir--) {
+                uint64_t *first = dir ? s->gfirst : s->sfirst;
+
+                first[(size_t)r * nl + g] = nitems;
+                for (i = s->round_first[r]; i < s->round_first[r + 1]; i++) {
+                    const rf_xfer_msg *m = &job->msgs[i];
+
+                    if (m->kind != RF_XFER_PACKED || s->mgpu[i] != g || m->send != (dir == 1))
+                        continue;
+                    for (uint32_t k = 0; k < m->nitems; k++)
+                        desc_of(&s->desc[nitems++], &m->items[k], s->moff[i]);
+                }
+            }
+        }
+    }
+    if (job->verify) {
+        s->bounce = malloc(VERIFY_CHUNK);
+        if (!s->bounce) {
+            rc = fail(t, -ENOMEM, "out of memory for the verification buffer");
+            goto out;
+        }
+    }
+out:
+    free(cur);
+    return rc;
+}
+
+/* The descriptors of one round's gathers or scatters on one GPU. */
+static void range_of(const jstate *s, bool gather, uint32_t r, uint32_t g, uint64_t *a,
+                     uint64_t *n)
+{
+    const rf_xfer_job *job = s->job;
+    uint64_t cnt = 0;
+
+    /* Counting again is cheap next to a round's copies and keeps the layout simple. */
+    *a = gather ? s->gfirst[(size_t)r * s->nl + g] : s->sfirst[(size_t)r * s->nl + g];
+    for (uint32_t i = s->round_first[r]; i < s->round_first[r + 1]; i++) {
+        const rf_xfer_msg *m = &job->msgs[i];
+
+        if (m->kind == RF_XFER_PACKED && s->mgpu[i] == g && m->send == gather)
+            cnt += m->nitems;
+    }
+    *n = cnt;
+}
+
+static int arenas_reserve(nccl *t)
+{
+    rf_err err = {0};
+    int rc = 0;
+
+    for (uint32_t g = 0; g < t->nlocal; g++) {
+        gpu *G = &t->g[g];
+
+        if (G->arena_cap >= G->need)
+            continue;
+        CUDA_TRY(&err, cudaSetDevice(G->dev));
+        if (G->arena) {
+            cudaFree(G->arena);
+            mem_add(t, -(int64_t)G->arena_cap);
+            G->arena = NULL;
+            G->arena_cap = 0;
+        }
+        CUDA_TRY(&err, cudaMalloc((void **)&G->arena, G->need));
+        G->arena_cap = G->need;
+        mem_add(t, (int64_t)G->need);
+    }
+out:
+    if (rc < 0)
+        fail(t, rc, "allocating staging on the local GPUs: %s; lower the staging budget",
+             err.msg);
+    return rc;
+}
+
+/* ---- rounds ---- */
+
+static void describe_round(nccl *t, uint32_t r, char *buf, size_t len)
+{
+    const jstate *s = &t->js;
+    const rf_xfer_job *job = s->job;
+    uint32_t a = s->round_first[r], b = s->round_first[r + 1];
+
+    if (a == b) {
+        snprintf(buf, len, "round %u of %u (empty)", r, job->nrounds);
+        return;
+    }
+    const rf_xfer_msg *m = &job->msgs[a];
+    snprintf(buf, len, "round %u of %u unfinished (%u messages; first: seq %u, %llu bytes, "
+             "%s peer %u (%s), GPU rank %u %s rank %u)", r, job->nrounds, b - a, m->seq,
+             (unsigned long long)m->bytes, m->send ? "to" : "from", m->peer,
+             peer_addr(t, m->peer), m->ep, m->send ? "->" : "<-", m->peer_ep);
+}
+
+/* Waits for a non-blocking communicator call to be enqueued. */
+static int wait_enqueued(nccl *t, double deadline, uint32_t r)
+{
+    rf_err err = {0};
+    char what[300];
+    int rc = 0;
+
+    for (;;) {
+        bool pending = false;
+
+        for (uint32_t g = 0; g < t->nlocal; g++) {
+            ncclResult_t st = ncclSuccess;
+
+            NCCL_TRY(&err, t->g[g].comm, ncclCommGetAsyncError(t->g[g].comm, &st));
+            if (st == ncclInProgress) {
+                pending = true;
+            } else if (st != ncclSuccess) {
+                rc = nccl_fail(&err, st, t->g[g].comm, "ncclGroupEnd", __FILE__, __LINE__);
+                goto out;
+            }
+        }
+        if (!pending)
+            return 0;
+        if (atomic_load(&t->abort_req) || now_s() > deadline) {
+            describe_round(t, r, what, sizeof(what));
+            return fail(t, atomic_load(&t->abort_req) ? -ECANCELED : -ETIMEDOUT,
+                        "%s while NCCL enqueued %s", atomic_load(&t->abort_req) ?
+                        "aborted" : "deadline passed", what);
+        }
+        nap();
+    }
+out:
+    describe_round(t, r, what, sizeof(what));
+    return fail(t, rc, "%s: %s", what, err.msg);
+}
+
+static int enqueue_round(nccl *t, uint32_t r, double deadline)
+{
+    jstate *s = &t->js;
+    const rf_xfer_job *job = s->job;
+    int h = (int)(r & 1), rc = 0;
+    rf_err err = {0};
+    uint64_t a, n;
+    uint32_t g, i;
+    bool grouped = false;
+
+    for (g = 0; g < t->nlocal; g++) {
+        gpu *G = &t->g[g];
+
+        CUDA_TRY(&err, cudaSetDevice(G->dev));
+        range_of(s, true, r, g, &a, &n);
+        if (n > 0 && (rc = rf_copy_cuda_gather_buf(G->gbuf[h], &s->desc[a], n, G->arena,
+                                                   G->s_pack, &err)) < 0)
+            goto out;
+        CUDA_TRY(&err, cudaEventRecord(G->ev_packed[h], G->s_pack));
+        CUDA_TRY(&err, cudaStreamWaitEvent(G->s_net, G->ev_packed[h], 0));
+    }
+    NCCL_TRY(&err, NULL, ncclGroupStart());
+    grouped = true;
+    for (i = s->round_first[r]; i < s->round_first[r + 1]; i++) {
+        const rf_xfer_msg *m = &job->msgs[i];
+        gpu *G = &t->g[s->mgpu[i]];
+        uint8_t *p = m->kind == RF_XFER_PACKED ? G->arena + s->moff[i] : rf_xfer_direct_ptr(m);
+
+        if (m->bytes == 0)
+            continue;
+        if (m->send)
+            NCCL_TRY(&err, G->comm, ncclSend(p, m->bytes, ncclUint8, (int)m->peer_ep, G->comm,
+                                             G->s_net));
+        else
+            NCCL_TRY(&err, G->comm, ncclRecv(p, m->bytes, ncclUint8, (int)m->peer_ep, G->comm,
+                                             G->s_net));
+    }
+    grouped = false;
+    NCCL_TRY(&err, NULL, ncclGroupEnd());
+    if ((rc = wait_enqueued(t, deadline, r)) < 0)
+        return rc;
+    for (g = 0; g < t->nlocal; g++) {
+        gpu *G = &t->g[g];
+
+        CUDA_TRY(&err, cudaSetDevice(G->dev));
+        CUDA_TRY(&err, cudaEventRecord(G->ev_net[h], G->s_net));
+        CUDA_TRY(&err, cudaStreamWaitEvent(G->s_unpack, G->ev_net[h], 0));
+        range_of(s, false, r, g, &a, &n);
+        if (n > 0 && (rc = rf_copy_cuda_scatter_buf(G->sbuf[h], &s->desc[a], n, G->arena,
+                                                    G->s_unpack, &err)) < 0)
+            goto out;
+        CUDA_TRY(&err, cudaEventRecord(G->ev_done[h], G->s_unpack));
+    }
+    for (g = 0; g < t->nlocal; g++)
+        s->staging_now += s->rbytes[(size_t)r * t->nlocal + g];
+    if (s->staging_now > t->result.peak_staging)
+        t->result.peak_staging = s->staging_now;
+    return 0;
+out:
+    if (grouped)
+        ncclGroupEnd();
+    {
+        char what[300];
+
+        describe_round(t, r, what, sizeof(what));
+        return fail(t, rc, "starting %s: %s", what, err.msg);
+    }
+}
+
+/* 1: the round finished on every local GPU, 0: not yet, < 0: failed. */
+static int round_finished(nccl *t, uint32_t r)
+{
+    int h = (int)(r & 1), rc = 0;
+    rf_err err = {0};
+    char what[300];
+
+    for (uint32_t g = 0; g < t->nlocal; g++) {
+        cudaError_t e = cudaEventQuery(t->g[g].ev_done[h]);
+        ncclResult_t st = ncclSuccess;
+
+        NCCL_TRY(&err, t->g[g].comm, ncclCommGetAsyncError(t->g[g].comm, &st));
+        if (st != ncclSuccess && st != ncclInProgress) {
+            rc = nccl_fail(&err, st, t->g[g].comm, "NCCL send/recv", __FILE__, __LINE__);
+            goto out;
+        }
+        if (e == cudaErrorNotReady)
+            return 0;
+        CUDA_TRY(&err, e);
+    }
+    return 1;
+out:
+    describe_round(t, r, what, sizeof(what));
+    return fail(t, rc, "%s: %s", what, err.msg);
+}
+
+static int digest_dev(nccl *t, const rf_xfer_msg *m, const uint8_t *p, uint8_t acc[32])
+{
+    crypto_generichash_state st;
+    uint8_t seq[4], h[32];
+    rf_err err = {0};
+    int rc = 0;
+
+    for (int i = 0; i < 4; i++)
+        seq[i] = (uint8_t)(m->seq >> (8 * i));
+    crypto_generichash_init(&st, NULL, 0, sizeof(h));
+    crypto_generichash_update(&st, seq, sizeof(seq));
+    for (uint64_t off = 0; off < m->bytes; off += VERIFY_CHUNK) {
+        uint64_t n = m->bytes - off < VERIFY_CHUNK ? m->bytes - off : VERIFY_CHUNK;
+
+        CUDA_TRY(&err, cudaMemcpy(t->js.bounce, p + off, n, cudaMemcpyDeviceToHost));
+        crypto_generichash_update(&st, t->js.bounce, n);
+    }
+    crypto_generichash_final(&st, h, sizeof(h));
+    for (int i = 0; i < 32; i++)
+        acc[i] ^= h[i];
+out:
+    if (rc < 0)
+        fail(t, rc, "copying message seq %u to the host to verify it: %s", m->seq, err.msg);
+    return rc;
+}
+
+/* A round is done: account its bytes, digest its payloads (staging still holds them: the
+ * round that reuses this half is not started yet), free its staging. */
+static int retire_round(nccl *t, uint32_t r)
+{
+    jstate *s = &t->js;
+    const rf_xfer_job *job = s->job;
+    int rc;
+
+    for (uint32_t i = s->round_first[r]; i < s->round_first[r + 1]; i++) {
+        const rf_xfer_msg *m = &job->msgs[i];
+
+        if (job->verify) {
+            const uint8_t *p = m->kind == RF_XFER_PACKED ? t->g[s->mgpu[i]].arena + s->moff[i]
+                                                         : rf_xfer_direct_ptr(m);
+
+            if ((rc = digest_dev(t, m, p, m->send ? t->result.digest_sent :
+                                                    t->result.digest_recv)) < 0)
+                return rc;
+        }
+        if (m->send)
+            t->result.bytes_sent += m->bytes;
+        else
+            t->result.bytes_recv += m->bytes;
+    }
+    for (uint32_t g = 0; g < t->nlocal; g++)
+        s->staging_now -= s->rbytes[(size_t)r * t->nlocal + g];
+    return 0;
+}
+
+static int run_job(nccl *t)
+{
+    const rf_xfer_job *job = t->job;
+    jstate *s = &t->js;
+    double deadline = now_s() + job->timeout_s;
+    uint32_t lo = 0, hi = 0, nr = job->nrounds;
+    char what[300];
+    int rc;
+
+    if ((rc = world_up(t, deadline)) < 0)
+        goto out;
+    if ((rc = js_init(t, job)) < 0 || (rc = arenas_reserve(t)) < 0)
+        goto out;
+    while (lo < nr) {
+        while (hi < nr && hi < lo + 2 && (hi == lo || s->pair_ok[lo])) {
+            if ((rc = enqueue_round(t, hi, deadline)) < 0)
+                goto out;
+            hi++;
+        }
+        rc = round_finished(t, lo);
+        if (rc < 0)
+            goto out;
+        if (rc == 1) {
+            if ((rc = retire_round(t, lo)) < 0)
+                goto out;
+            lo++;
+            continue;
+        }
+        if (atomic_load(&t->abort_req)) {
+            describe_round(t, lo, what, sizeof(what));
+            rc = fail(t, -ECANCELED, "aborted with %s", what);
+            goto out;
+        }
+        if (now_s() > deadline) {
+            describe_round(t, lo, what, sizeof(what));
+            rc = fail(t, -ETIMEDOUT, "deadline of %.1f s passed with %s", job->timeout_s, what);
+            goto out;
+        }
+        nap();
+    }
+    rc = 0;
+out:
+    js_free(s);
+    return rc;
+}
+
+static void *worker_main(void *arg)
+{
+    nccl *t = arg;
+    double t0 = now_s();
+
+    if (t->mode == MODE_TEARDOWN) {
+        for (uint32_t i = 0; i < t->nlocal; i++)
+            gpu_release(t, &t->g[i]);
+        for (uint32_t i = 0; i < t->old_nlocal; i++)
+            gpu_release(t, &t->old_g[i]);
+    } else if (run_job(t) < 0) {
+        /* Kernels may be stuck on a peer that failed: abort, and the next job needs a new
+         * world with a fresh id. */
+        world_abort(t);
+        RF_WARN("job of version %llu failed: %s; the NCCL world is torn down",
+                (unsigned long long)t->job->version, t->result.error);
+    }
+    t->result.seconds = now_s() - t0;
+    atomic_store(&t->finished, true);
+    uv_async_send(&t->async);
+    return NULL;
+}
+
+/* ---- the loop thread ---- */
+
+static void free_nccl(nccl *t)
+{
+    for (uint32_t p = 0; p < t->npeers; p++)
+        free(t->addrs[p]);
+    free(t->addrs);
+    free(t->g);
+    free(t->old_g);
+    free(t);
+}
+
+static void on_closed(uv_handle_t *h)
+{
+    nccl *t = container_of((uv_async_t *)h, nccl, async);
+    rf_xfer_close_cb cb = t->close_cb;
+    void *arg = t->close_arg;
+
+    free_nccl(t);
+    if (cb)
+        cb(arg);
+}
+
+static int start_worker(nccl *t, int mode)
+{
+    int rc;
+
+    atomic_store(&t->finished, false);
+    t->mode = mode;
+    rc = pthread_create(&t->thread, NULL, worker_main, t);
+    if (rc != 0)
+        return -rc;
+    t->running = true;
+    return 0;
+}
+
+static void finish_close(nccl *t)
+{
+    if (t->handle_closed)
+        return;
+    /* Releasing communicators and device memory is slow: a worker does it first. */
+    if (t->mode != MODE_TEARDOWN && (t->nlocal > 0 || t->old_nlocal > 0) &&
+        start_worker(t, MODE_TEARDOWN) == 0)
+        return;
+    t->handle_closed = true;
+    uv_close((uv_handle_t *)&t->async, on_closed);
+}
+
+static void on_async(uv_async_t *a)
+{
+    nccl *t = container_of(a, nccl, async);
+    rf_xfer_result res;
+    rf_xfer_done_cb done;
+    void *arg;
+    int mode = t->mode;
+
+    if (!t->running || !atomic_load(&t->finished))
+        return;
+    pthread_join(t->thread, NULL);
+    t->running = false;
+    if (mode == MODE_TEARDOWN) {
+        t->handle_closed = true;
+        uv_close((uv_handle_t *)&t->async, on_closed);
+        return;
+    }
+    res = t->result;
+    done = t->done;
+    arg = t->done_arg;
+    t->done = NULL;
+    t->job = NULL;
+    if (done)
+        done(&t->base, &res, arg);
+    if (t->closing && !t->running)
+        finish_close(t);
+}
+
+static int nccl_set_peers(rf_xfer_transport *base, uint32_t self, uint32_t npeers,
+                          const char *const *addrs, rf_err *err)
+{
+    nccl *t = (nccl *)base;
+    char **naddrs = NULL;
+    uint32_t p;
+
+    if (t->running || t->closing)
+        return rf_err_set(err, -EBUSY, "xfer nccl: cannot change peers while a job runs");
+    if (npeers == 0 || self >= npeers)
+        return rf_err_set(err, -EINVAL, "xfer nccl: this daemon's index %u is outside a peer "
+                          "table of %u", self, npeers);
+    naddrs = calloc(npeers, sizeof(*naddrs));
+    if (!naddrs)
+        return rf_err_set(err, -ENOMEM, "xfer nccl: out of memory for %u peers", npeers);
+    for (p = 0; p < npeers; p++) {
+        if (addrs && addrs[p] && !(naddrs[p] = strdup(addrs[p]))) {
+            for (uint32_t q = 0; q < p; q++)
+                free(naddrs[q]);
+            free(naddrs);
+            return rf_err_set(err, -ENOMEM, "xfer nccl: out of memory for %u peers", npeers);
+        }
+    }
+    for (p = 0; p < t->npeers; p++)
+        free(t->addrs[p]);
+    free(t->addrs);
+    t->addrs = naddrs;
+    t->self = self;
+    t->npeers = npeers;
+    return 0;
+}
+
+static bool same_world(const nccl *t, const rf_xfer_world *w)
+{
+    if (!t->have_world || w->nranks != t->nranks || w->nlocal != t->nlocal ||
+        memcmp(w->unique_id, t->uid, sizeof(t->uid)) != 0)
+        return false;
+    for (uint32_t i = 0; i < w->nlocal; i++)
+        if (w->local_ranks[i] != t->g[i].rank || w->local_devices[i] != t->g[i].dev)
+            return false;
+    return true;
+}
+
+static int nccl_set_world(rf_xfer_transport *base, const rf_xfer_world *w, rf_err *err)
+{
+    nccl *t = (nccl *)base;
+    gpu *ng = NULL;
+
+    if (t->running || t->closing)
+        return rf_err_set(err, -EBUSY, "xfer nccl: cannot change the world while a job runs");
+    if (w->nranks == 0 || w->nlocal == 0 || !w->local_ranks || !w->local_devices)
+        return rf_err_set(err, -EINVAL, "xfer nccl: a world of %u ranks with %u local GPUs; "
+                          "a daemon drives at least one GPU endpoint", w->nranks, w->nlocal);
+    for (uint32_t i = 0; i < w->nlocal; i++) {
+        if (w->local_ranks[i] >= w->nranks)
+            return rf_err_set(err, -EINVAL, "xfer nccl: local rank %u is outside a world of "
+                              "%u ranks", w->local_ranks[i], w->nranks);
+        for (uint32_t j = 0; j < i; j++)
+            if (w->local_ranks[j] == w->local_ranks[i] ||
+                w->local_devices[j] == w->local_devices[i])
+                return rf_err_set(err, -EINVAL, "xfer nccl: local rank %u (CUDA device %d) "
+                                  "and rank %u (device %d) repeat a rank or a device; NCCL "
+                                  "takes one rank per GPU", w->local_ranks[j],
+                                  w->local_devices[j], w->local_ranks[i], w->local_devices[i]);
+    }
+    if (same_world(t, w) && !t->stale)
+        return 0;
+    if (t->have_dead_uid && memcmp(w->unique_id, t->dead_uid, sizeof(t->uid)) == 0)
+        return rf_err_set(err, -EINVAL, "xfer nccl: this unique id belongs to a world that "
+                          "was torn down after a failure; the coordinator must hand out a "
+                          "fresh one (rf_xfer_nccl_unique_id)");
+    ng = calloc(w->nlocal, sizeof(*ng));
+    if (!ng)
+        return rf_err_set(err, -ENOMEM, "xfer nccl: out of memory for %u GPUs", w->nlocal);
+    for (uint32_t i = 0; i < w->nlocal; i++) {
+        ng[i].rank = w->local_ranks[i];
+        ng[i].dev = w->local_devices[i];
+        /* Streams, events and staging of a device stay with the device; only its
+         * communicator belongs to the old world. */
+        for (uint32_t j = 0; j < t->nlocal; j++) {
+            gpu *o = &t->g[j];
+
+            if (o->dev != ng[i].dev || (!o->res_ready && !o->arena))
+                continue;
+            ng[i].res_ready = o->res_ready;
+            ng[i].s_pack = o->s_pack;
+            ng[i].s_net = o->s_net;
+            ng[i].s_unpack = o->s_unpack;
+            memcpy(ng[i].ev_packed, o->ev_packed, sizeof(o->ev_packed));
+            memcpy(ng[i].ev_net, o->ev_net, sizeof(o->ev_net));
+            memcpy(ng[i].ev_done, o->ev_done, sizeof(o->ev_done));
+            memcpy(ng[i].gbuf, o->gbuf, sizeof(o->gbuf));
+            memcpy(ng[i].sbuf, o->sbuf, sizeof(o->sbuf));
+            ng[i].arena = o->arena;
+            ng[i].arena_cap = o->arena_cap;
+            o->res_ready = false;
+            o->arena = NULL;
+            o->arena_cap = 0;
+        }
+    }
+    /* The old GPUs' communicators, streams and staging are released by the worker of the next
+     * job (or by close), never on the loop thread. Two rebuilds without a job in between
+     * would lose the first set: keep the oldest in old_g and fold the newer into it. */
+    if (t->nlocal > 0) {
+        if (t->rebuild) {
+            gpu *merged = realloc(t->old_g, (t->old_nlocal + t->nlocal) * sizeof(*merged));
+
+            if (!merged) {
+                free(ng);
+                return rf_err_set(err, -ENOMEM, "xfer nccl: out of memory for %u GPUs",
+                                  w->nlocal);
+            }
+            memcpy(merged + t->old_nlocal, t->g, t->nlocal * sizeof(*merged));
+            t->old_g = merged;
+            t->old_nlocal += t->nlocal;
+            free(t->g);
+        } else {
+            t->old_g = t->g;
+            t->old_nlocal = t->nlocal;
+        }
+        t->rebuild = true;
+    }
+    t->g = ng;
+    t->nlocal = w->nlocal;
+    t->nranks = w->nranks;
+    memcpy(t->uid, w->unique_id, sizeof(t->uid));
+    t->have_world = true;
+    t->comms_up = false;
+    t->stale = false;
+    return 0;
+}
+
+static bool nccl_needs_world(const rf_xfer_transport *base)
+{
+    const nccl *t = (const nccl *)base;
+
+    return !t->have_world || t->stale;
+}
+
+static int nccl_run(rf_xfer_transport *base, const rf_xfer_job *job, rf_xfer_done_cb done,
+                    void *arg, rf_err *err)
+{
+    nccl *t = (nccl *)base;
+    int rc;
+
+    if (t->closing)
+        return rf_err_set(err, -ECANCELED, "xfer nccl: the transport is closing");
+    if (t->running)
+        return rf_err_set(err, -EBUSY, "xfer nccl: a job (version %llu) is still running",
+                          (unsigned long long)t->job->version);
+    if (t->npeers == 0)
+        return rf_err_set(err, -EINVAL, "xfer nccl: no peer table; call set_peers first");
+    if (!t->have_world)
+        return rf_err_set(err, -ESTALE, "xfer nccl: no NCCL world; the daemon must get a "
+                          "unique id from the coordinator and call set_world first");
+    if (t->stale)
+        return rf_err_set(err, -ESTALE, "xfer nccl: the NCCL world was torn down after a "
+                          "failed job; the daemon must get a fresh unique id from the "
+                          "coordinator and call set_world");
+    if (!(job->timeout_s > 0))
+        return rf_err_set(err, -EINVAL, "xfer nccl: job for version %llu has no deadline "
+                          "(timeout %g s); set timeout_s", (unsigned long long)job->version,
+                          job->timeout_s);
+    if ((rc = rf_xfer_job_check(job, t->npeers, err)) < 0)
+        return rc;
+    for (uint32_t i = 0; i < job->nmsgs; i++) {
+        const rf_xfer_msg *m = &job->msgs[i];
+
+        if (local_index(t, m->ep) < 0 || m->peer_ep >= t->nranks)
+            return rf_err_set(err, -EINVAL, "xfer nccl: message seq %u goes between GPU rank "
+                              "%u and rank %u, but this daemon drives no rank %u or the world "
+                              "has only %u ranks; the world and the plan disagree", m->seq,
+                              m->ep, m->peer_ep, local_index(t, m->ep) < 0 ? m->ep : m->peer_ep,
+                              t->nranks);
+    }
+    memset(&t->result, 0, sizeof(t->result));
+    atomic_store(&t->abort_req, false);
+    t->job = job;
+    t->done = done;
+    t->done_arg = arg;
+    rc = start_worker(t, MODE_JOB);
+    if (rc < 0) {
+        t->job = NULL;
+        return rf_err_set(err, rc, "xfer nccl: starting the worker thread: %s", strerror(-rc));
+    }
+    return 0;
+}
+
+static void nccl_abort(rf_xfer_transport *base)
+{
+    nccl *t = (nccl *)base;
+
+    if (t->running && t->mode == MODE_JOB)
+        atomic_store(&t->abort_req, true);
+}
+
+static void nccl_close(rf_xfer_transport *base, rf_xfer_close_cb cb, void *arg)
+{
+    nccl *t = (nccl *)base;
+
+    if (t->closing)
+        return;
+    t->closing = true;
+    t->close_cb = cb;
+    t->close_arg = arg;
+    if (t->running)
+        nccl_abort(base);
+    else
+        finish_close(t);
+}
+
+static const rf_xfer_ops nccl_ops = {
+    .name = "nccl",
+    .set_peers = nccl_set_peers,
+    .run = nccl_run,
+    .abort = nccl_abort,
+    .close = nccl_close,
+    .set_world = nccl_set_world,
+    .needs_world = nccl_needs_world,
+};
+
+int rf_xfer_nccl_new(uv_loop_t *loop, rf_xfer_transport **out, rf_err *err)
+{
+    nccl *t = NULL;
+    int rc;
+
+    *out = NULL;
+    if (sodium_init() < 0)
+        return rf_err_set(err, -EIO, "xfer nccl: libsodium failed to initialise");
+    t = calloc(1, sizeof(*t));
+    if (!t)
+        return rf_err_set(err, -ENOMEM, "xfer nccl: out of memory");
+    t->base.ops = &nccl_ops;
+    t->loop = loop;
+    t->mode = MODE_JOB;
+    atomic_init(&t->abort_req, false);
+    atomic_init(&t->finished, false);
+    atomic_init(&t->mem_now, 0);
+    atomic_init(&t->mem_peak, 0);
+    rc = uv_async_init(loop, &t->async, on_async);
+    if (rc < 0) {
+        free(t);
+        return rf_err_set(err, rc, "xfer nccl: uv_async_init: %s", uv_strerror(rc));
+    }
+    *out = &t->base;
+    return 0;
+}
+
+int rf_xfer_nccl_unique_id(uint8_t out[128], rf_err *err)
+{
+    ncclUniqueId id;
+    int rc = 0;
+
+    NCCL_TRY(err, NULL, ncclGetUniqueId(&id));
+    memcpy(out, id.internal, 128);
+out:
+    return rc;
+}
+
+void rf_xfer_nccl_memory(const rf_xfer_transport *base, uint64_t *now, uint64_t *peak)
+{
+    nccl *t = (nccl *)base;
+
+    if (now)
+        *now = atomic_load(&t->mem_now);
+    if (peak)
+        *peak = atomic_load(&t->mem_peak);
+}

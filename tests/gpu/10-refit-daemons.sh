@@ -1,0 +1,59 @@
+#!/bin/bash
+# tests/gpu/10-refit-daemons.sh - the daemons on GPUs: trainers' weights on GPU 0 (CUDA IPC
+# into refit-publisherd), engines' buffers on GPU 1 (CUDA IPC into refit-receiverd), NCCL
+# carrying the bytes. Every installed byte is verified after every commit:
+#   qwen3-4b tp=2,dp=2 -> tp=4, 10 refits; qwen3-30b-a3b (full size) tp=2,ep=4 -> tp=4,
+#   10 refits; then receiverd killed mid-refit: abort, restart, the next refits commit.
+. "$(dirname "$0")/../e2e/lib.sh"
+if ! nvidia-smi -L >/dev/null 2>&1 || [ "$(nvidia-smi -L | wc -l)" -lt 2 ]; then
+    echo "skipped: no CUDA device (needs 2 GPUs)"
+    exit 0
+fi
+export NCCL_NVLS_ENABLE=0
+E2E_COMMON="$E2E_COMMON --transport nccl --verify full --refit-timeout-s 120"
+
+# run_case NAME MODEL SRC DST VERSIONS TRAINERS ENGINES
+run_case() {
+    local name=$1 model=$2 src=$3 dst=$4 n=$5 ntr=$6 nen=$7
+    local t0=$(date +%s.%N)
+    E2E_PUBLISHERS=1 E2E_RECEIVERS=1
+    start_publisher 0 "$ntr"
+    start_receiver 0 "$nen"
+    start_engine "${name}_eng" 0 --model "$model" --layout "$dst" --versions "$n" --device cuda:1 \
+        --timeout-ms 300000
+    start_trainer "${name}_tr" 0 --model "$model" --layout "$src" --versions "$n" --device cuda:0 \
+        --timeout-ms 300000 --report
+    wait_ok "${name}_tr" "${name}_eng"
+    local ok=$(grep -c "committed after.*, 0 wrong" "$E2E_DIR/${name}_eng.log")
+    [ "$ok" = "$n" ] || fail "$name: $ok of $n versions verified"
+    grep "^refit" "$E2E_DIR/${name}_tr.log"
+    echo "ok: $name: $n refits over NCCL, every byte verified ($(awk -v a="$t0" -v b="$(date +%s.%N)" 'BEGIN{printf "%.1f", b-a}') s)"
+    kill $PUB0_PID $RECV0_PID 2>/dev/null
+    wait $PUB0_PID $RECV0_PID 2>/dev/null
+    sleep 0.5
+}
+
+run_case q4b qwen3-4b tp=2,dp=2 tp=4 10 4 4
+run_case q30b qwen3-30b-a3b tp=2,ep=4 tp=4 10 4 4
+
+# receiverd killed in the middle of a refit (full-size qwen3-30b-a3b, so a refit lasts long
+# enough to be hit; if it still ends first, the kill lands between refits and that is said).
+E2E_PUBLISHERS=1 E2E_RECEIVERS=1
+start_publisher 0 4
+start_receiver 0 4
+start_engine keng 0 --model qwen3-30b-a3b --layout tp=4 --versions 4 --device cuda:1 --timeout-ms 300000
+start_trainer ktr 0 --model qwen3-30b-a3b --layout tp=2,ep=4 --versions 4 --device cuda:0 \
+    --timeout-ms 300000 --retries 50
+wait_for "$E2E_DIR/pub0.log" "refit 2 committed" 240
+wait_kill "$E2E_DIR/pub0.log" "starting the refit of version 3" "$RECV0_PID"
+sleep 1
+if grep -q "aborting the refit of version 3" "$E2E_DIR/pub0.log"; then
+    echo "receiverd killed during the refit of version 3: aborted"
+    grep -q "refit 3 committed" "$E2E_DIR/pub0.log" && fail "version 3 committed without its receiver"
+else
+    echo "receiverd killed after the refit of version 3 ended (between refits)"
+fi
+start_receiver 0 4
+wait_ok ktr keng
+grep -q "version 4 committed.*, 0 wrong" "$E2E_DIR/keng.log" || fail "engine did not verify version 4 after the restart"
+echo "ok: receiverd killed over NCCL, restarted, next refits verified"
