@@ -43,6 +43,13 @@ typedef struct rf_xfer_msg {
 /* Everything one daemon sends and receives in one refit. Messages are sorted by round; a
  * daemon sends its messages to one peer in the order they appear here, and its peers'
  * jobs list them in the same order (both come from the one plan). */
+enum { RF_XFER_VERIFY_OFF = 0, RF_XFER_VERIFY_FULL = 1, RF_XFER_VERIFY_SAMPLE = 2 };
+/* verify = sample digests the first RF_XFER_SAMPLE_BYTES of one message in
+ * RF_XFER_SAMPLE_EVERY (by seq, so both ends agree): cheap enough to leave on, and it still
+ * catches a peer that installs another version or a misrouted message. */
+#define RF_XFER_SAMPLE_EVERY 16
+#define RF_XFER_SAMPLE_BYTES (64u << 10)
+
 typedef struct rf_xfer_job {
     uint64_t version;
     uint32_t nrounds, nmsgs;
@@ -53,7 +60,8 @@ typedef struct rf_xfer_job {
      * when they fit together. */
     uint64_t staging_bytes;
     double timeout_s; /* deadline for the whole job, from rf_xfer_run; > 0 */
-    int verify;             /* 0 off, 1 full: digest every message's payload */
+    int verify;             /* RF_XFER_VERIFY_OFF, _FULL (every message) or _SAMPLE (the
+                               messages rf_xfer_msg_verified picks) */
 } rf_xfer_job;
 
 /* What a job did. With verify = 1, digest_sent is the XOR over the messages this daemon sent
@@ -163,6 +171,21 @@ static inline bool rf_xfer_needs_world(const rf_xfer_transport *t)
  * when staging_bytes is set, each round's packed bytes inside it (-ENOSPC). The message
  * names the offending message's seq. */
 int rf_xfer_job_check(const rf_xfer_job *job, uint32_t npeers, rf_err *err);
+/* Whether the payload of m is digested under the job's verify setting. */
+static inline bool rf_xfer_msg_verified(const rf_xfer_job *job, const rf_xfer_msg *m)
+{
+    return job->verify == RF_XFER_VERIFY_FULL ||
+           (job->verify == RF_XFER_VERIFY_SAMPLE && m->seq % RF_XFER_SAMPLE_EVERY == 0);
+}
+
+/* How many leading payload bytes of a verified message the digest covers. */
+static inline uint64_t rf_xfer_msg_digest_bytes(const rf_xfer_job *job, const rf_xfer_msg *m)
+{
+    if (job->verify == RF_XFER_VERIFY_SAMPLE && m->bytes > RF_XFER_SAMPLE_BYTES)
+        return RF_XFER_SAMPLE_BYTES;
+    return m->bytes;
+}
+
 /* Where a direct message's bytes lie in local memory (after rf_xfer_job_check). */
 uint8_t *rf_xfer_direct_ptr(const rf_xfer_msg *m);
 

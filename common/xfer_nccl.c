@@ -683,7 +683,8 @@ out:
     return fail(t, rc, "%s: %s", what, err.msg);
 }
 
-static int digest_dev(nccl *t, const rf_xfer_msg *m, const uint8_t *p, uint8_t acc[32])
+static int digest_dev(nccl *t, const rf_xfer_msg *m, const uint8_t *p, uint64_t bytes,
+                      uint8_t acc[32])
 {
     crypto_generichash_state st;
     uint8_t seq[4], h[32];
@@ -694,8 +695,8 @@ static int digest_dev(nccl *t, const rf_xfer_msg *m, const uint8_t *p, uint8_t a
         seq[i] = (uint8_t)(m->seq >> (8 * i));
     crypto_generichash_init(&st, NULL, 0, sizeof(h));
     crypto_generichash_update(&st, seq, sizeof(seq));
-    for (uint64_t off = 0; off < m->bytes; off += VERIFY_CHUNK) {
-        uint64_t n = m->bytes - off < VERIFY_CHUNK ? m->bytes - off : VERIFY_CHUNK;
+    for (uint64_t off = 0; off < bytes; off += VERIFY_CHUNK) {
+        uint64_t n = bytes - off < VERIFY_CHUNK ? bytes - off : VERIFY_CHUNK;
 
         CUDA_TRY(&err, cudaMemcpy(t->js.bounce, p + off, n, cudaMemcpyDeviceToHost));
         crypto_generichash_update(&st, t->js.bounce, n);
@@ -720,11 +721,12 @@ static int retire_round(nccl *t, uint32_t r)
     for (uint32_t i = s->round_first[r]; i < s->round_first[r + 1]; i++) {
         const rf_xfer_msg *m = &job->msgs[i];
 
-        if (job->verify) {
+        if (rf_xfer_msg_verified(job, m)) {
             const uint8_t *p = m->kind == RF_XFER_PACKED ? t->g[s->mgpu[i]].arena + s->moff[i]
                                                          : rf_xfer_direct_ptr(m);
 
-            if ((rc = digest_dev(t, m, p, m->send ? t->result.digest_sent :
+            if ((rc = digest_dev(t, m, p, rf_xfer_msg_digest_bytes(job, m),
+                                 m->send ? t->result.digest_sent :
                                                     t->result.digest_recv)) < 0)
                 return rc;
         }

@@ -341,7 +341,8 @@ static void describe_outstanding(tcp *t, char *buf, size_t len)
 
 /* ---- the worker: rounds and staging ---- */
 
-static void digest_msg(const rf_xfer_msg *m, const uint8_t *payload, uint8_t acc[32])
+static void digest_msg(const rf_xfer_msg *m, const uint8_t *payload, uint64_t bytes,
+                       uint8_t acc[32])
 {
     crypto_generichash_state st;
     uint8_t seq[4], h[32];
@@ -349,8 +350,8 @@ static void digest_msg(const rf_xfer_msg *m, const uint8_t *payload, uint8_t acc
     put32(seq, m->seq);
     crypto_generichash_init(&st, NULL, 0, sizeof(h));
     crypto_generichash_update(&st, seq, sizeof(seq));
-    if (m->bytes > 0)
-        crypto_generichash_update(&st, payload, m->bytes);
+    if (bytes > 0)
+        crypto_generichash_update(&st, payload, bytes);
     crypto_generichash_final(&st, h, sizeof(h));
     for (int i = 0; i < 32; i++)
         acc[i] ^= h[i];
@@ -537,8 +538,8 @@ static int prepare_send(tcp *t, conn *c, uint32_t i)
     } else {
         c->payload = rf_xfer_direct_ptr(m);
     }
-    if (s->job->verify)
-        digest_msg(m, c->payload, t->result.digest_sent);
+    if (rf_xfer_msg_verified(s->job, m))
+        digest_msg(m, c->payload, rf_xfer_msg_digest_bytes(s->job, m), t->result.digest_sent);
     h = c->buf + c->buf_len;
     put32(h, FRAME_MAGIC);
     put32(h + 4, m->seq);
@@ -721,8 +722,8 @@ static int finish_recv(tcp *t, conn *c)
     rf_err err;
     int rc;
 
-    if (s->job->verify)
-        digest_msg(m, c->payload, t->result.digest_recv);
+    if (rf_xfer_msg_verified(s->job, m))
+        digest_msg(m, c->payload, rf_xfer_msg_digest_bytes(s->job, m), t->result.digest_recv);
     if (m->kind == RF_XFER_PACKED) {
         fill_desc(s, m);
         rf_err_clear(&err);

@@ -238,6 +238,7 @@ int main(int argc, char **argv)
         return 77;
     }
     uv_loop_init(&c.loop);
+    ro.gpu_memory = true;
     ro.socket_path = socket;
     ro.side = RF_SRC;
     ro.expected_clients = clients;
