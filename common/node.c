@@ -666,6 +666,11 @@ json_t *rf_node_status(rf_node *n)
     json_object_set_new(st, "committed", json_integer((json_int_t)n->committed));
     json_object_set_new(st, "refit_in_flight", n->running ? json_integer((json_int_t)n->version)
                                                           : json_null());
+    if (n->running)
+        json_object_set_new(st, "progress", json_pack(
+            "{s:I, s:I, s:I, s:f}", "version", (json_int_t)n->version, "bytes_done",
+            (json_int_t)rf_xfer_progress(n->xfer), "bytes_total", (json_int_t)n->slice.bytes,
+            "elapsed_s", now_s() - n->t_start));
     last = json_pack("{s:I, s:s, s:I, s:f, s:f, s:f, s:I}", "version",
                      (json_int_t)n->last.version, "result", n->last.result, "bytes",
                      (json_int_t)n->last.bytes, "wait_s", n->last.wait_s, "transfer_s",

@@ -116,7 +116,23 @@ typedef struct rf_xfer_ops {
 /* Every transport starts with this header. */
 struct rf_xfer_transport {
     const rf_xfer_ops *ops;
+    /* Payload bytes the running job has sent and received so far: the worker adds with
+     * rf_xfer__progress, anyone reads with rf_xfer_progress (refitctl watch). */
+    uint64_t progress;
 };
+
+static inline void rf_xfer__progress_reset(rf_xfer_transport *t)
+{
+    __atomic_store_n(&t->progress, 0, __ATOMIC_RELAXED);
+}
+static inline void rf_xfer__progress(rf_xfer_transport *t, uint64_t bytes)
+{
+    __atomic_fetch_add(&t->progress, bytes, __ATOMIC_RELAXED);
+}
+static inline uint64_t rf_xfer_progress(const rf_xfer_transport *t)
+{
+    return __atomic_load_n(&t->progress, __ATOMIC_RELAXED);
+}
 
 static inline const char *rf_xfer_name(const rf_xfer_transport *t)
 {

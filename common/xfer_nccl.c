@@ -734,6 +734,7 @@ static int retire_round(nccl *t, uint32_t r)
             t->result.bytes_sent += m->bytes;
         else
             t->result.bytes_recv += m->bytes;
+        rf_xfer__progress(&t->base, m->bytes);
     }
     for (uint32_t g = 0; g < t->nlocal; g++)
         s->staging_now -= s->rbytes[(size_t)r * t->nlocal + g];
@@ -1061,6 +1062,7 @@ static int nccl_run(rf_xfer_transport *base, const rf_xfer_job *job, rf_xfer_don
                               t->nranks);
     }
     memset(&t->result, 0, sizeof(t->result));
+    rf_xfer__progress_reset(&t->base);
     atomic_store(&t->abort_req, false);
     t->job = job;
     t->done = done;

@@ -651,6 +651,7 @@ static int send_progress(tcp *t, conn *c)
                 uint32_t i = (uint32_t)c->cur;
 
                 t->result.bytes_sent += s->job->msgs[i].bytes;
+                rf_xfer__progress(&t->base, s->job->msgs[i].bytes);
                 c->cur = -1;
                 if ((rc = msg_done(t, i)) < 0)
                     return rc;
@@ -733,6 +734,7 @@ static int finish_recv(tcp *t, conn *c)
                         err.msg);
     }
     t->result.bytes_recv += m->bytes;
+    rf_xfer__progress(&t->base, m->bytes);
     c->cur = -1;
     return msg_done(t, i);
 }
@@ -1177,6 +1179,7 @@ static int tcp_run(rf_xfer_transport *base, const rf_xfer_job *job, rf_xfer_done
     if ((rc = rf_xfer_job_check(job, t->npeers, err)) < 0)
         return rc;
     memset(&t->result, 0, sizeof(t->result));
+    rf_xfer__progress_reset(&t->base);
     /* An abort meant for the previous job must not hit this one. */
     while (read(t->efd, &drain, sizeof(drain)) > 0)
         ;

@@ -27,7 +27,9 @@ static void usage(FILE *f)
             "  --versions K       versions to publish (default 1)\n"
             "  --retries R        publishes of one version after aborts (default 5)\n"
             "  --timeout-ms T     wait for a release at most T ms (default 120000)\n"
-            "  --report           print the cluster's refit summary after each version\n",
+            "  --report           print the cluster's refit summary after each version\n"
+            "  --hold V           then write version V's weights without publishing them and\n"
+            "                     stay registered (for `refitctl refit --version V`)\n",
             REFIT_SOCKET_PUBLISHER);
 }
 
@@ -62,11 +64,11 @@ int main(int argc, char **argv)
         {"socket", 1, 0, 's'},   {"model", 1, 0, 'm'},    {"shrink", 1, 0, 'k'},
         {"layout", 1, 0, 'l'},   {"ranks", 1, 0, 'r'},    {"start", 1, 0, 'v'},
         {"versions", 1, 0, 'n'}, {"retries", 1, 0, 'R'},  {"timeout-ms", 1, 0, 't'},
-        {"report", 0, 0, 'p'},   {"help", 0, 0, 'h'},
+        {"report", 0, 0, 'p'},   {"help", 0, 0, 'h'},     {"hold", 1, 0, 'H'},
         {"device", 1, 0, 'D'}, {"gpu", 1, 0, 'G'}, {"cuda-vmm", 0, 0, 'V'},     {0, 0, 0, 0}};
     const char *socket = getenv("REFIT_SOCKET"), *model = NULL, *layout = "", *ranks = NULL;
     int shrink = 1, retries = 5, timeout_ms = 120000, do_report = 0, o, i, status = 1;
-    uint64_t start = 1, versions = 1, v;
+    uint64_t start = 1, versions = 1, v, hold = 0;
     const char *device = "host";
     char gpu_dev[32];
     int gpu = SIM_HOST, vmm = 0;
@@ -86,6 +88,7 @@ int main(int argc, char **argv)
         case 'R': retries = atoi(optarg); break;
         case 't': timeout_ms = atoi(optarg); break;
         case 'p': do_report = 1; break;
+        case 'H': hold = strtoull(optarg, NULL, 10); break;
         case 'D': device = optarg; break;
         case 'G': snprintf(gpu_dev, sizeof(gpu_dev), "cuda:%s", optarg); device = gpu_dev; break;
         case 'V': vmm = 1; break;
@@ -143,6 +146,15 @@ int main(int argc, char **argv)
             fprintf(stderr, "trainer: giving up on version %llu\n", (unsigned long long)v);
             goto out;
         }
+    }
+    if (hold) {
+        /* For operator triggers: weights of version `hold` in place, never published; the
+         * registration stays until the process is stopped. */
+        sim_fill(&s, hold);
+        printf("trainer ranks %d-%d: holding weights of version %llu unpublished\n", s.first,
+               s.first + s.count - 1, (unsigned long long)hold);
+        for (;;)
+            pause();
     }
     status = 0;
 out:

@@ -1,5 +1,5 @@
 /* client/refitctl/cmd_daemon.c - the commands that talk to a running daemon over its local
- * socket: status, refit, wait. */
+ * socket: status, refit, wait, watch. */
 #include <errno.h>
 #include <getopt.h>
 #include <inttypes.h>
@@ -291,4 +291,96 @@ int rf_ctl_wait(int argc, char **argv)
         printf("version %" PRIu64 " committed\n", version);
     refit_close(c);
     return rc < 0 ? 1 : 0;
+}
+
+/* One line of `refitctl watch`: what the daemon is doing now. */
+static void watch_line(json_t *st, char *out, size_t len)
+{
+    json_t *prog = json_object_get(st, "progress"), *cluster = json_object_get(st, "cluster");
+    json_t *last = json_object_get(st, "last_refit");
+    char done[32], total[32];
+
+    if (prog) {
+        double d = num(prog, "bytes_done"), t = num(prog, "bytes_total");
+        double el = num(prog, "elapsed_s");
+
+        human_bytes(d, done, sizeof(done));
+        human_bytes(t, total, sizeof(total));
+        snprintf(out, len, "version %.0f moving: %s of %s (%.0f%%), %.2f GB/s, %.1f s",
+                 num(prog, "version"), done, total, t > 0 ? 100 * d / t : 100.0,
+                 el > 0 ? d / el / 1e9 : 0.0, el);
+    } else if (cluster && !json_is_null(json_object_get(cluster, "version_in_flight"))) {
+        snprintf(out, len, "cluster %s version %.0f (committed %.0f)", str(cluster, "state"),
+                 num(cluster, "version_in_flight"), num(cluster, "committed"));
+    } else {
+        human_bytes(num(last, "bytes"), total, sizeof(total));
+        snprintf(out, len, "idle: committed version %.0f; last refit version %.0f %s, %s in "
+                 "%.3f s", num(st, "committed"), num(last, "version"), str(last, "result"),
+                 total, num(last, "total_s"));
+    }
+}
+
+int rf_ctl_watch(int argc, char **argv)
+{
+    static const char usage[] =
+        "usage: refitctl watch [--socket PATH] [--interval SECONDS] [--until N]\n"
+        "Shows what the daemon is doing as it changes: a refit's progress (bytes done of the\n"
+        "daemon's share, rate, elapsed) while its data path runs, the cluster stage on the\n"
+        "coordinator, and each result. With --until N, exits once version N is committed\n"
+        "(0) or the daemon goes away (3).\n";
+    static const struct option opts[] = {{"socket", 1, 0, 's'}, {"interval", 1, 0, 'i'},
+                                         {"until", 1, 0, 'u'},  {"help", 0, 0, 'h'},
+                                         {0, 0, 0, 0}};
+    const char *socket = default_socket();
+    double interval = 0.2;
+    uint64_t until = 0;
+    char prev[256] = "", line[256];
+    refit_client *c;
+    int o;
+
+    optind = 1;
+    while ((o = getopt_long(argc, argv, "", opts, NULL)) != -1) {
+        switch (o) {
+        case 's': socket = optarg; break;
+        case 'i': interval = strtod(optarg, NULL); break;
+        case 'u': until = strtoull(optarg, NULL, 10); break;
+        case 'h': printf("%s", usage); return 0;
+        default: fprintf(stderr, "%s", usage); return 2;
+        }
+    }
+    if (interval < 0.01 || optind != argc) {
+        fprintf(stderr, "%s", usage);
+        return 2;
+    }
+    setvbuf(stdout, NULL, _IOLBF, 0);
+    c = dial(socket);
+    if (!c)
+        return RF_CTL_EXIT_NODAEMON;
+    for (;;) {
+        char *txt = NULL;
+        json_t *st;
+
+        if (refit_status_json(c, &txt) < 0) {
+            fprintf(stderr, "refitctl: %s\n", refit_last_error(c));
+            refit_close(c);
+            return RF_CTL_EXIT_NODAEMON;
+        }
+        st = json_loads(txt, 0, NULL);
+        free(txt);
+        if (st) {
+            watch_line(st, line, sizeof(line));
+            if (strcmp(line, prev) != 0) {
+                printf("%s\n", line);
+                snprintf(prev, sizeof(prev), "%s", line);
+            }
+            if (until && num(st, "committed") >= (double)until) {
+                json_decref(st);
+                break;
+            }
+            json_decref(st);
+        }
+        usleep((useconds_t)(interval * 1e6));
+    }
+    refit_close(c);
+    return 0;
 }

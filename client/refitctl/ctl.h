@@ -13,5 +13,6 @@ int rf_ctl_plan(int argc, char **argv);
 int rf_ctl_status(int argc, char **argv);
 int rf_ctl_refit(int argc, char **argv);
 int rf_ctl_wait(int argc, char **argv);
+int rf_ctl_watch(int argc, char **argv);
 
 #endif

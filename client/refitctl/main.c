@@ -15,6 +15,7 @@ static const ctl_cmd cmds[] = {
     {"status", rf_ctl_status, "show a daemon's role, peers, clients, plan and last refit"},
     {"refit", rf_ctl_refit, "trigger a refit of a version from the operator side"},
     {"wait", rf_ctl_wait, "wait until a version is committed (or its refit aborted)"},
+    {"watch", rf_ctl_watch, "show a refit's progress live (bytes, rate, stage)"},
     {"plan", rf_ctl_plan, "plan a refit offline on a synthetic model and explain it"},
 };
 

@@ -1,0 +1,31 @@
+#!/bin/bash
+# The operator's side: `refitctl refit --version N --wait` triggers a refit from the weights the
+# trainers hold (unpublished), `refitctl watch --until N` follows it, `refitctl wait` returns;
+# refusals and exit codes: an old version (1), bad usage (2), no daemon (3).
+. "$(dirname "$0")/lib.sh"
+E2E_PUBLISHERS=1 E2E_RECEIVERS=1
+M="--model qwen3-0.6b --shrink 4"
+start_publisher 0 2
+start_receiver 0 4
+start_engine eng 0 $M --layout tp=4 --versions 3
+start_trainer tr 0 $M --layout tp=2 --versions 2 --hold 3
+wait_for "$E2E_DIR/tr.log" "holding weights of version 3" 60
+ctl --socket "$E2E_DIR/recv0.sock" watch --until 3 --interval 0.05 > "$E2E_DIR/watch.log" 2>&1 &
+WATCH=$!
+ctl --socket "$E2E_DIR/recv0.sock" refit --version 3 --wait --timeout 30 > "$E2E_DIR/refit.log" 2>&1 \
+    || fail "refitctl refit --version 3 --wait failed: $(cat "$E2E_DIR/refit.log")"
+grep -q "version 3 committed" "$E2E_DIR/refit.log" || fail "refitctl refit did not report the commit"
+wait $WATCH || fail "refitctl watch --until 3 failed"
+grep -q "committed version 3" "$E2E_DIR/watch.log" || fail "watch never showed version 3: $(cat "$E2E_DIR/watch.log")"
+wait_ok eng
+grep -q "version 3 committed.*, 0 wrong" "$E2E_DIR/eng.log" || fail "engine did not verify the triggered version 3"
+ctl --socket "$E2E_DIR/pub0.sock" wait 3 --timeout 5 > /dev/null || fail "refitctl wait 3 failed"
+ctl --socket "$E2E_DIR/pub0.sock" refit --version 2 > "$E2E_DIR/old.log" 2>&1
+[ $? = 1 ] || fail "refit of an old version did not exit 1"
+grep -q "not newer than the committed version 3" "$E2E_DIR/old.log" || fail "no reason for the refusal: $(cat "$E2E_DIR/old.log")"
+ctl --socket "$E2E_DIR/pub0.sock" refit > /dev/null 2>&1
+[ $? = 2 ] || fail "refit without --version did not exit 2"
+ctl --socket "$E2E_DIR/nothing.sock" status > "$E2E_DIR/nod.log" 2>&1
+[ $? = 3 ] || fail "status without a daemon did not exit 3"
+grep -q "no daemon at" "$E2E_DIR/nod.log" || fail "no clear message without a daemon"
+echo "ok: operator trigger, watch, wait and exit codes"
