@@ -144,6 +144,50 @@ demo: deps
 	$(Q)$(MAKE) --no-print-directory all
 	$(Q)BUILD=$(BUILD) scripts/demo.sh
 
+# Install: programs, librefit (+ header, pkg-config file, Python package), systemd units with
+# @BINDIR@ expanded, example configs. PREFIX is where things run from; DESTDIR stages the tree
+# (packaging, tests/e2e/40-install.sh). Units and configs go to /lib/systemd/system and
+# /etc/refit under DESTDIR whatever PREFIX is: that is where systemd and the units look.
+INSTALL       ?= install
+BINDIR        ?= $(PREFIX)/bin
+LIBDIR        ?= $(PREFIX)/lib
+INCLUDEDIR    ?= $(PREFIX)/include
+PKGCONFIGDIR  ?= $(LIBDIR)/pkgconfig
+PYTHONDIR     ?= $(LIBDIR)/python3/dist-packages
+UNITDIR       ?= /lib/systemd/system
+CONFDIR       ?= /etc/refit
+REFIT_VERSION := $(shell sed -n 's/^\#define RF_VERSION "\(.*\)"/\1/p' common/daemon_cfg.h)
+# refit.pc names its directories relative to ${prefix} where they lie under it, so that
+# `pkg-config --define-prefix` and PKG_CONFIG_SYSROOT_DIR work on a staged tree.
+PC_LIBDIR     = $(patsubst $(PREFIX)/%,$${prefix}/%,$(LIBDIR))
+PC_INCLUDEDIR = $(patsubst $(PREFIX)/%,$${prefix}/%,$(INCLUDEDIR))
+INSTALL_BINS  := refit-publisherd refit-receiverd refitctl refit-sim-trainer refit-sim-engine
+
+install: $(addprefix $(BUILD)/,$(INSTALL_BINS) librefit.so)
+	$(Q)test -n "$(REFIT_VERSION)" || { echo "install: no RF_VERSION in common/daemon_cfg.h"; exit 1; }
+	@echo "  INSTALL $(DESTDIR)$(PREFIX) (units in $(DESTDIR)$(UNITDIR), configs in $(DESTDIR)$(CONFDIR))"
+	$(Q)$(INSTALL) -d $(DESTDIR)$(BINDIR) $(DESTDIR)$(LIBDIR) $(DESTDIR)$(INCLUDEDIR) \
+		$(DESTDIR)$(PKGCONFIGDIR) $(DESTDIR)$(PYTHONDIR)/refit $(DESTDIR)$(UNITDIR) \
+		$(DESTDIR)$(CONFDIR)
+	$(Q)$(INSTALL) -m 0755 $(addprefix $(BUILD)/,$(INSTALL_BINS)) $(DESTDIR)$(BINDIR)/
+	$(Q)$(INSTALL) -m 0755 $(BUILD)/librefit.so $(DESTDIR)$(LIBDIR)/librefit.so.0
+	$(Q)ln -sf librefit.so.0 $(DESTDIR)$(LIBDIR)/librefit.so
+	$(Q)$(INSTALL) -m 0644 client/refit.h $(DESTDIR)$(INCLUDEDIR)/refit.h
+	$(Q)printf '%s\n' 'prefix=$(PREFIX)' 'libdir=$(PC_LIBDIR)' 'includedir=$(PC_INCLUDEDIR)' '' \
+		'Name: refit' \
+		'Description: client library of the refit weight-transfer daemons' \
+		'Version: $(REFIT_VERSION)' \
+		'Cflags: -I$${includedir}' \
+		'Libs: -L$${libdir} -lrefit' >$(DESTDIR)$(PKGCONFIGDIR)/refit.pc
+	$(Q)chmod 0644 $(DESTDIR)$(PKGCONFIGDIR)/refit.pc
+	$(Q)$(INSTALL) -m 0644 client/python/refit/*.py $(DESTDIR)$(PYTHONDIR)/refit/
+	$(Q)for u in systemd/*.service.in; do \
+		n=$$(basename $$u .in); \
+		sed 's|@BINDIR@|$(BINDIR)|g' $$u >$(DESTDIR)$(UNITDIR)/$$n && \
+		chmod 0644 $(DESTDIR)$(UNITDIR)/$$n || exit 1; \
+	done
+	$(Q)$(INSTALL) -m 0644 systemd/*.conf.example $(DESTDIR)$(CONFDIR)/
+
 clean:
 	rm -rf $(BUILD)
 

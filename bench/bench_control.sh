@@ -1,0 +1,262 @@
+#!/bin/bash
+# bench/bench_control.sh - control-plane benchmark: refits of models made of tiny tensors
+# (~1k, ~10k, ~100k of them, 128 bytes or less each), so that moving bytes costs next to
+# nothing and what is left is the per-refit control overhead. Once the plan is cached, that
+# overhead must not grow with the tensor count (DESIGN.md: "a refit with an unchanged plan costs
+# O(1) control messages per daemon, whatever the tensor count").
+#
+# Per size: one coordinator refit-publisherd and one refit-receiverd on loopback (transport tcp,
+# verify off), one refit-sim-trainer (tp=1) and one refit-sim-engine (tp=1, checks every byte of
+# every version), REFITS refits of which the first WARMUP are discarded (plan build, connection
+# set-up, first mappings). After each release the driver reads the coordinator's status over its
+# local socket (the same call as `refit-sim-trainer --report`, full precision) and the
+# receiverd's, so every refit is measured, none sampled.
+#
+#   control overhead = cluster.last_refit.start_to_commit_s - cluster.last_refit.transfer_s
+#     (Start broadcast to Commit at the coordinator, minus the slowest daemon's data path)
+#   trainer overhead = publish -> release seen by the trainer - transfer_s
+#     (the trainer prints it with ms resolution only)
+#
+# Targets (issue "control-plane benchmark"): median control overhead <= 5 ms at every size and
+# median(100k) / median(1k) <= 1.5; #wrong (elements the engine found wrong) must be 0.
+#
+# Environment: BUILD (default build), REFITS (30), WARMUP (5), SIZES ("1k 10k 100k"),
+# KEEP=1 keeps the work directory with the daemons' logs (kept anyway on failure).
+set -u
+BUILD=${BUILD:-build}
+cd "$(dirname "$0")/.."
+BIN=$(cd "$BUILD" 2>/dev/null && pwd) || { echo "bench_control: no build directory $BUILD" >&2; exit 1; }
+for b in refit-publisherd refit-receiverd refit-sim-trainer refit-sim-engine refitctl librefit.so; do
+    [ -e "$BIN/$b" ] || { echo "bench_control: $BIN/$b is missing; run 'make BUILD=$BUILD all'" >&2; exit 1; }
+done
+export BIN REFITS=${REFITS:-30} WARMUP=${WARMUP:-5} SIZES=${SIZES:-"1k 10k 100k"} KEEP=${KEEP:-}
+export REFIT_LIB="$BIN/librefit.so" PYTHONPATH="$PWD/client/python${PYTHONPATH:+:$PYTHONPATH}"
+exec python3 -u - <<'PY'
+import json, os, re, shutil, signal, socket, statistics, subprocess, sys, tempfile, time
+
+import refit
+
+BIN = os.environ["BIN"]
+REFITS = int(os.environ["REFITS"])
+WARMUP = int(os.environ["WARMUP"])
+KEEP = bool(os.environ["KEEP"])
+# qwen3_moe with tiny dims: per layer q/k/v/o, q/k norms, 2 layer norms, the router and 3 tensors
+# per expert (9 + 3 * 30 = 99), plus embed, final norm and lm_head. Dense qwen3 has 11 tensors a
+# layer and at most 4096 layers (45,059 tensors), short of 100k; the experts get there with the
+# same tensor mix at every size, only the layer count changes.
+SIZES = {"1k": 10, "10k": 100, "100k": 1000}
+EXPERTS = 30
+TARGET_MS = 5.0
+TARGET_RATIO = 1.5
+
+work = tempfile.mkdtemp(prefix="refit-bench-control.")
+procs = []
+failed = False
+
+
+def free_port():
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    p = s.getsockname()[1]
+    s.close()
+    return p
+
+
+def spawn(name, args, stdout=None):
+    log = open(os.path.join(work, name + ".log"), "w")
+    p = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=stdout or log,
+                         stderr=subprocess.STDOUT if stdout is None else log)
+    procs.append(p)
+    return p
+
+
+def stop_all():
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    deadline = time.time() + 2
+    for p in procs:
+        try:
+            p.wait(max(0.05, deadline - time.time()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+    procs.clear()
+
+
+def model_spec(tag, layers):
+    path = os.path.join(work, f"tiny-{tag}.json")
+    with open(path, "w") as f:
+        json.dump({"model_type": "qwen3_moe", "name": f"tiny-{tag}", "hidden_size": 8,
+                   "num_hidden_layers": layers, "num_attention_heads": 1,
+                   "num_key_value_heads": 1, "head_dim": 8, "moe_intermediate_size": 8,
+                   "num_experts": EXPERTS, "vocab_size": 8, "tie_word_embeddings": False,
+                   "torch_dtype": "bfloat16"}, f)
+    return path
+
+
+def connect_ctl(path, deadline):
+    while True:
+        try:
+            return refit.Client(refit.CTL, name="bench_control", socket=path)
+        except refit.Error:
+            if time.time() > deadline:
+                raise
+            time.sleep(0.05)
+
+
+def pct(xs, q):
+    xs = sorted(xs)
+    if not xs:
+        return float("nan")
+    k = (len(xs) - 1) * q
+    lo = int(k)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+def run_size(tag, layers):
+    d = os.path.join(work, tag)
+    os.makedirs(d)
+    spec = model_spec(tag, layers)
+    plan = json.loads(subprocess.run([f"{BIN}/refitctl", "plan", "--model", spec, "--src", "tp=1",
+                                      "--dst", "tp=1", "--json"], check=True,
+                                     capture_output=True, text=True).stdout)
+    key = os.path.join(d, "cluster.key")
+    with open(key, "w") as f:
+        f.write(os.urandom(32).hex())
+    os.chmod(key, 0o600)
+    common = ["--cluster-key-file", key, "--coordinator-addr", f"127.0.0.1:{free_port()}",
+              "--status-listen", "127.0.0.1:0", "--transport", "tcp", "--verify", "off",
+              "--publishers", "1", "--receivers", "1", "--clients", "1",
+              "--heartbeat-ms", "1000", "--peer-timeout-ms", "10000", "--refit-timeout-s", "60",
+              "--log-level", "info", "--index", "0"]
+    pub_sock, recv_sock = os.path.join(d, "pub0.sock"), os.path.join(d, "recv0.sock")
+    spawn(f"{tag}/pub0", [f"{BIN}/refit-publisherd", *common, "--coordinator",
+                          "--node", "bench-pub0", "--socket", pub_sock])
+    spawn(f"{tag}/recv0", [f"{BIN}/refit-receiverd", *common, "--node", "bench-recv0",
+                           "--socket", recv_sock])
+    sim = ["--model", spec, "--layout", "tp=1", "--versions", str(REFITS), "--timeout-ms", "60000"]
+    t0 = time.time()
+    deadline = t0 + 30
+    pub = connect_ctl(pub_sock, deadline)
+    recv = connect_ctl(recv_sock, deadline)
+    eng = spawn(f"{tag}/engine", [f"{BIN}/refit-sim-engine", "--socket", recv_sock, *sim])
+    tr = spawn(f"{tag}/trainer", [f"{BIN}/refit-sim-trainer", "--socket", pub_sock, *sim],
+               stdout=subprocess.PIPE)
+    rows = {}
+    trlog = open(os.path.join(d, "trainer.out"), "w")
+    rel = re.compile(r"version (\d+) released after ([0-9.]+) s")
+    for line in iter(tr.stdout.readline, b""):
+        line = line.decode(errors="replace")
+        trlog.write(line)
+        m = rel.search(line)
+        if not m:
+            continue
+        v = int(m.group(1))
+        cst = json.loads(pub.status())
+        rst = json.loads(recv.status())
+        last = cst["cluster"]["last_refit"]
+        rows[v] = {"released_s": float(m.group(2)), "cluster": last,
+                   "plan": cst["cluster"]["plan"], "pub": cst["last_refit"],
+                   "recv": rst["last_refit"]}
+    trlog.close()
+    rc_tr = tr.wait()
+    try:
+        rc_eng = eng.wait(60)
+    except subprocess.TimeoutExpired:
+        rc_eng = -1
+    pub.close()
+    recv.close()
+    wall = time.time() - t0
+    stop_all()
+    wrong = 0
+    committed = 0
+    with open(os.path.join(work, f"{tag}/engine.log")) as f:
+        for line in f:
+            m = re.search(r"version (\d+) committed after .* (\d+) wrong elements", line)
+            if m:
+                committed += 1
+                wrong += int(m.group(2))
+    with open(os.path.join(d, "samples.json"), "w") as f:
+        json.dump(rows, f, indent=1)
+    ok_rows = [rows[v] for v in sorted(rows) if v > WARMUP and rows[v]["cluster"]["version"] == v
+               and rows[v]["cluster"]["result"] == "committed"]
+    ovh = [r["cluster"]["start_to_commit_s"] - r["cluster"]["transfer_s"] for r in ok_rows]
+    xfer = [r["cluster"]["transfer_s"] for r in ok_rows]
+    s2c = [r["cluster"]["start_to_commit_s"] for r in ok_rows]
+    quorum = [r["cluster"]["publish_quorum_s"] for r in ok_rows]
+    trn = [r["released_s"] - r["cluster"]["transfer_s"] for r in ok_rows]
+    rwait = [r["recv"]["wait_s"] for r in ok_rows if r["recv"]["version"] == r["cluster"]["version"]]
+    pwait = [r["pub"]["wait_s"] for r in ok_rows if r["pub"]["version"] == r["cluster"]["version"]]
+    build_s = rows[max(rows)]["plan"]["build_s"] if rows else float("nan")
+    return {"tag": tag, "tensors": plan["tensors"], "bytes": plan["dst_bytes"],
+            "status_tensors": rows[max(rows)]["plan"]["tensors"] if rows else 0,
+            "build_s": build_s, "n": len(ok_rows), "expected": REFITS - WARMUP,
+            "ovh": ovh, "xfer": xfer, "s2c": s2c, "trn": trn, "quorum": quorum,
+            "rwait": rwait, "pwait": pwait, "wrong": wrong, "committed": committed,
+            "rc": (rc_tr, rc_eng), "wall": wall}
+
+
+def ms(x):
+    return x * 1e3
+
+
+results = []
+t_begin = time.time()
+try:
+    for tag in os.environ["SIZES"].split():
+        if tag not in SIZES:
+            print(f"bench_control: unknown size '{tag}' (one of {' '.join(SIZES)})", file=sys.stderr)
+            failed = True
+            continue
+        results.append(run_size(tag, SIZES[tag]))
+finally:
+    stop_all()
+
+print(f"# refit control-plane benchmark: 1 coordinator publisherd + 1 receiverd on loopback, "
+      f"transport tcp, verify off, trainer tp=1 -> engine tp=1")
+print(f"# {REFITS} refits per size, first {WARMUP} discarded; times in ms unless marked (s)")
+print("# ovh     = start->commit - transfer (coordinator: Start sent .. all Done in, minus the "
+      "slowest daemon's data path)")
+print("# trn-xfer = publish->release seen by the trainer - transfer (trainer prints ms "
+      "resolution); quorum = first Ready .. Start")
+print(f"# targets: median ovh <= {TARGET_MS:g} ms at every size, median ovh(largest) / "
+      f"median ovh(smallest) <= {TARGET_RATIO:g}, #wrong = 0")
+print("#")
+hdr = ("tensors", "bytes", "build(s)", "refits", "ovh_med", "ovh_p90", "ovh_min", "xfer_med",
+       "s2c_med", "quorum_med", "trn-xfer_med", "rwait_med", "#wrong", "result")
+fmt = "%8s %10s %9s %7s %8s %8s %8s %9s %8s %10s %12s %9s %7s %7s"
+print(fmt % hdr)
+for r in results:
+    good = (r["n"] == r["expected"] and r["wrong"] == 0 and r["committed"] == REFITS
+            and r["rc"] == (0, 0) and r["ovh"] and statistics.median(r["ovh"]) <= TARGET_MS / 1e3)
+    r["good"] = good
+    failed |= not good
+    med = lambda xs: ms(statistics.median(xs)) if xs else float("nan")
+    print(fmt % (r["tensors"], r["bytes"], "%.3f" % r["build_s"], "%d/%d" % (r["n"], r["expected"]),
+                 "%.3f" % med(r["ovh"]), "%.3f" % ms(pct(r["ovh"], 0.9)),
+                 "%.3f" % (ms(min(r["ovh"])) if r["ovh"] else float("nan")),
+                 "%.3f" % med(r["xfer"]), "%.3f" % med(r["s2c"]), "%.3f" % med(r["quorum"]),
+                 "%.3f" % med(r["trn"]), "%.3f" % med(r["rwait"]), r["wrong"],
+                 "PASS" if good else "FAIL"))
+ratio = float("nan")
+if len(results) >= 2 and results[0]["ovh"] and results[-1]["ovh"]:
+    ratio = statistics.median(results[-1]["ovh"]) / statistics.median(results[0]["ovh"])
+    rgood = ratio <= TARGET_RATIO
+    failed |= not rgood
+    print("# ovh ratio %s/%s (median): %.2f  (target <= %g)  %s" % (
+        results[-1]["tag"], results[0]["tag"], ratio, TARGET_RATIO, "PASS" if rgood else "FAIL"))
+for r in results:
+    if r["rc"] != (0, 0) or r["n"] != r["expected"] or r["committed"] != REFITS:
+        print(f"# {r['tag']}: trainer/engine exit {r['rc']}, {r['committed']}/{REFITS} versions "
+              f"verified by the engine, {r['n']}/{r['expected']} refits measured")
+print("# wall: " + ", ".join("%s %.1f s" % (r["tag"], r["wall"]) for r in results) +
+      "; total %.1f s" % (time.time() - t_begin))
+print("# Result: %s" % ("FAIL" if failed else "PASS"))
+if failed or KEEP:
+    print(f"# logs kept in {work}")
+else:
+    shutil.rmtree(work, ignore_errors=True)
+sys.exit(1 if failed else 0)
+PY
