@@ -15,9 +15,9 @@
 
 #include <sodium.h>
 
+#include "macros.h"
 #include "wire.h"
 
-#define container_of(ptr, type, member) ((type *)((char *)(ptr) - offsetof(type, member)))
 
 /* How long a closing connection may take to flush its last frames before it is cut. */
 #define PEER_LINGER_MAX_MS 2000

@@ -14,9 +14,9 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include "macros.h"
 #include "wire.h"
 
-#define container_of(ptr, type, member) ((type *)((char *)(ptr) - offsetof(type, member)))
 
 struct rf_rpc_server {
     uv_loop_t *loop;

@@ -1,0 +1,31 @@
+#!/bin/bash
+# An engine that registers a tensor no trainer holds: the plan fails closed with the tensor and
+# the uncovered box named (coordinator log, refitctl status on every daemon), nothing starts;
+# once that engine is replaced by a correct one the plan builds and refits commit.
+. "$(dirname "$0")/lib.sh"
+E2E_PUBLISHERS=1 E2E_RECEIVERS=1
+M="--model qwen3-0.6b --shrink 16"
+start_publisher 0 1
+start_receiver 0 1
+start_trainer tr 0 $M --layout tp=1 --versions 2 --retries 100
+REFIT_LIB="$BIN/librefit.so" PYTHONPATH="$(dirname "$0")/../../client/python" python3 - "$E2E_DIR/recv0.sock" > "$E2E_DIR/bogus.log" 2>&1 <<'PY' &
+import sys, time, refit
+c = refit.Client(refit.ENGINE, "bogus", 0, sys.argv[1])
+buf = c.alloc_host(64 * 32 * 2)
+c.add_piece("model.layers.0.mlp.bogus_proj.weight", "bf16", [64, 32], buf.region, 0, [0, 0], [64, 32])
+c.seal()
+print("sealed", flush=True)
+time.sleep(600)
+PY
+BOGUS=$!; E2E_PIDS="$E2E_PIDS $BOGUS"
+wait_for "$E2E_DIR/pub0.log" "the plan failed" 30
+grep -q "no source holds model.layers.0.mlp.bogus_proj.weight \[0:64, 0:32\]" "$E2E_DIR/pub0.log" \
+    || fail "the plan failure does not name the tensor and box"
+ctl --socket "$E2E_DIR/recv0.sock" status > "$E2E_DIR/st.txt"
+grep -q "bogus_proj" "$E2E_DIR/st.txt" || fail "the receiver's status does not show the plan failure"
+grep -q "starting the refit" "$E2E_DIR/pub0.log" && fail "a refit started without a plan"
+kill "$BOGUS"
+start_engine eng 0 $M --layout tp=1 --versions 2
+wait_ok tr eng
+grep -q "version 2 committed.*, 0 wrong" "$E2E_DIR/eng.log" || fail "engine did not verify version 2"
+echo "ok: unknown tensor fails the plan with its name and box; a correct engine then refits"
