@@ -21,7 +21,9 @@
 # median(100k) / median(1k) <= 1.5; #wrong (elements the engine found wrong) must be 0.
 #
 # Environment: BUILD (default build), REFITS (30), WARMUP (5), SIZES ("1k 10k 100k"),
-# KEEP=1 keeps the work directory with the daemons' logs (kept anyway on failure).
+# KEEP=1 keeps the work directory with the daemons' logs (kept anyway on failure), WRAP is a
+# command prefix for both daemons, {out} standing for the log's path without .log (to profile:
+# WRAP='perf record -g -o {out}.perf --' KEEP=1 SIZES=100k).
 set -u
 BUILD=${BUILD:-build}
 cd "$(dirname "$0")/.."
@@ -29,7 +31,7 @@ BIN=$(cd "$BUILD" 2>/dev/null && pwd) || { echo "bench_control: no build directo
 for b in refit-publisherd refit-receiverd refit-sim-trainer refit-sim-engine refitctl librefit.so; do
     [ -e "$BIN/$b" ] || { echo "bench_control: $BIN/$b is missing; run 'make BUILD=$BUILD all'" >&2; exit 1; }
 done
-export BIN REFITS=${REFITS:-30} WARMUP=${WARMUP:-5} SIZES=${SIZES:-"1k 10k 100k"} KEEP=${KEEP:-}
+export BIN REFITS=${REFITS:-30} WARMUP=${WARMUP:-5} SIZES=${SIZES:-"1k 10k 100k"} KEEP=${KEEP:-} WRAP=${WRAP:-}
 export REFIT_LIB="$BIN/librefit.so" PYTHONPATH="$PWD/client/python${PYTHONPATH:+:$PYTHONPATH}"
 exec python3 -u - <<'PY'
 import json, os, re, shutil, signal, socket, statistics, subprocess, sys, tempfile, time
@@ -40,6 +42,7 @@ BIN = os.environ["BIN"]
 REFITS = int(os.environ["REFITS"])
 WARMUP = int(os.environ["WARMUP"])
 KEEP = bool(os.environ["KEEP"])
+WRAP = os.environ.get("WRAP", "")
 # qwen3_moe with tiny dims: per layer q/k/v/o, q/k norms, 2 layer norms, the router and 3 tensors
 # per expert (9 + 3 * 30 = 99), plus embed, final norm and lm_head. Dense qwen3 has 11 tensors a
 # layer and at most 4096 layers (45,059 tensors), short of 100k; the experts get there with the
@@ -62,8 +65,11 @@ def free_port():
     return p
 
 
-def spawn(name, args, stdout=None):
+def spawn(name, args, stdout=None, wrap=False):
     log = open(os.path.join(work, name + ".log"), "w")
+    if wrap and WRAP:
+        # e.g. WRAP='perf record -g -o {out}.perf --' to profile the daemons
+        args = WRAP.replace("{out}", os.path.join(work, name)).split() + args
     p = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=stdout or log,
                          stderr=subprocess.STDOUT if stdout is None else log)
     procs.append(p)
@@ -133,9 +139,9 @@ def run_size(tag, layers):
               "--log-level", "info", "--index", "0"]
     pub_sock, recv_sock = os.path.join(d, "pub0.sock"), os.path.join(d, "recv0.sock")
     spawn(f"{tag}/pub0", [f"{BIN}/refit-publisherd", *common, "--coordinator",
-                          "--node", "bench-pub0", "--socket", pub_sock])
+                          "--node", "bench-pub0", "--socket", pub_sock], wrap=True)
     spawn(f"{tag}/recv0", [f"{BIN}/refit-receiverd", *common, "--node", "bench-recv0",
-                           "--socket", recv_sock])
+                           "--socket", recv_sock], wrap=True)
     sim = ["--model", spec, "--layout", "tp=1", "--versions", str(REFITS), "--timeout-ms", "60000"]
     t0 = time.time()
     deadline = t0 + 30

@@ -130,6 +130,7 @@ static void broadcast(rf_coord *c, const Refit__Envelope *env)
 
 static void try_start(rf_coord *c);
 static void schedule_build(rf_coord *c);
+static void on_deadline(uv_timer_t *t);
 static void coord_release(rf_coord *c);
 
 /* ---- commit and abort --------------------------------------------------------------------- */
@@ -176,7 +177,7 @@ static void abort_refit(rf_coord *c, const char *reason)
     c->trigger = c->committed;
     c->state = ST_ABORTING;
     uv_timer_stop(&c->deadline);
-    uv_timer_start(&c->deadline, (uv_timer_cb)finish_abort, ABORT_SETTLE_MS, 0);
+    uv_timer_start(&c->deadline, on_deadline, ABORT_SETTLE_MS, 0);
 }
 
 static void commit_refit(rf_coord *c)
