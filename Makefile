@@ -64,6 +64,8 @@ BINS := $(if $(PUB_O),$(BUILD)/refit-publisherd) $(if $(RECV_O),$(BUILD)/refit-r
         $(if $(LIBREFIT_O),$(BUILD)/librefit.so) $(if $(CTL_O),$(BUILD)/refitctl) $(SIM_BINS)
 
 .PHONY: all deps test unit e2e bench demo install clean fuzz
+# Objects are never intermediates: keep them, so a second make (or make install) relinks nothing.
+.SECONDARY:
 all: $(LIBCOMMON) $(BINS) $(UNIT_BINS) $(BENCH_BINS)
 
 deps:

@@ -149,8 +149,16 @@ int rf_daemon_main(int role, int argc, char **argv, const rf_daemon_hooks *hooks
             uv_run(&d.loop, UV_RUN_DEFAULT);
             goto out_loop;
         }
-        RF_INFO("status endpoint on http://%s (port %d): /metrics, /status", cfg.status_listen,
-                rf_httpd_port(d.httpd));
+        {
+            char host[256];
+            int port;
+
+            if (rf_cfg_hostport_split(cfg.status_listen, host, sizeof(host), &port) < 0)
+                snprintf(host, sizeof(host), "%s", cfg.status_listen);
+            RF_INFO("status endpoint on http://%s%s%s:%d/ (/metrics, /status)",
+                    strchr(host, ':') ? "[" : "", host, strchr(host, ':') ? "]" : "",
+                    rf_httpd_port(d.httpd));
+        }
     }
     uv_signal_init(&d.loop, &d.sigint);
     uv_signal_init(&d.loop, &d.sigterm);

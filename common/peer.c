@@ -54,7 +54,8 @@ struct rf_peer {
     int up;
     int closing;                /* no more reads or sends; waiting for shutdown or linger */
     int handles_closing;
-    uint8_t nonce[RF_PEER_NONCE_BYTES];
+    uint8_t nonce[RF_PEER_NONCE_BYTES];       /* ours, sent in our Challenge */
+    uint8_t their_nonce[RF_PEER_NONCE_BYTES]; /* from their Challenge */
     Refit__Envelope *hello_env; /* the peer's Hello, owned here until the peer is freed */
     uint64_t last_rx;
     uint64_t hb_seq;
@@ -379,13 +380,21 @@ static void peer_fail(rf_peer *p, int code, const char *fmt, ...)
     peer_linger_close(p);
 }
 
-static void peer_mac(const rf_peer_key *k, const uint8_t *nonce, Refit__Role role, uint8_t *out)
+/* The proof a side sends: HMAC-SHA256(key, tag || challenger's nonce || prover's nonce ||
+ * prover's role). Binding both nonces means an answer computed on one connection is worth
+ * nothing on another: a peer without the key cannot get the daemon to compute its proof by
+ * reflecting the daemon's challenge on a second connection. */
+static void peer_mac(const rf_peer_key *k, const uint8_t *challenger_nonce,
+                     const uint8_t *prover_nonce, Refit__Role role, uint8_t *out)
 {
+    static const char tag[] = "refit-auth-v1";
     crypto_auth_hmacsha256_state st;
     uint8_t r = (uint8_t)role;
 
     crypto_auth_hmacsha256_init(&st, k->bytes, k->len);
-    crypto_auth_hmacsha256_update(&st, nonce, RF_PEER_NONCE_BYTES);
+    crypto_auth_hmacsha256_update(&st, (const uint8_t *)tag, sizeof(tag) - 1);
+    crypto_auth_hmacsha256_update(&st, challenger_nonce, RF_PEER_NONCE_BYTES);
+    crypto_auth_hmacsha256_update(&st, prover_nonce, RF_PEER_NONCE_BYTES);
     crypto_auth_hmacsha256_update(&st, &r, 1);
     crypto_auth_hmacsha256_final(&st, out);
     sodium_memzero(&st, sizeof(st));
@@ -447,7 +456,8 @@ static int peer_handshake(rf_peer *p, Refit__Envelope *env)
             Refit__Envelope out = REFIT__ENVELOPE__INIT;
             Refit__Auth auth = REFIT__AUTH__INIT;
 
-            peer_mac(&s->key, env->challenge->nonce.data, s->role, mac);
+            memcpy(p->their_nonce, env->challenge->nonce.data, RF_PEER_NONCE_BYTES);
+            peer_mac(&s->key, p->their_nonce, p->nonce, s->role, mac);
             auth.mac.data = mac;
             auth.mac.len = sizeof(mac);
             out.body_case = REFIT__ENVELOPE__BODY_AUTH;
@@ -461,7 +471,7 @@ static int peer_handshake(rf_peer *p, Refit__Envelope *env)
             peer_fail(p, -EPROTO, "protocol error: Auth before Challenge");
             return 0;
         }
-        peer_mac(&s->key, p->nonce, p->hello_env->hello->role, mac);
+        peer_mac(&s->key, p->nonce, p->their_nonce, p->hello_env->hello->role, mac);
         if (env->auth->mac.len != sizeof(mac) ||
             crypto_verify_32(env->auth->mac.data, mac) != 0) {
             peer_fail(p, -EACCES, "%s", auth_failed);

@@ -13,7 +13,7 @@
 #include "err.h"
 #include "refit.pb-c.h"
 
-#define RF_PEER_PROTOCOL_VERSION 1
+#define RF_PEER_PROTOCOL_VERSION 2 /* 2: both nonces bound into the auth proof */
 #define RF_PEER_NONCE_BYTES 32
 #define RF_PEER_KEY_MIN 32
 #define RF_PEER_KEY_MAX 1024

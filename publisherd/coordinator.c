@@ -694,8 +694,11 @@ static void peer_down(rf_peer *p, const char *reason)
     if (!c)
         return;
     i = member_of(c, p);
-    if (i < 0)
+    if (i < 0) {
+        /* Never a member: a refused or unauthenticated connection; say so once. */
+        RF_WARN("connection from %s closed before it joined: %s", rf_peer_remote(p), reason);
         return;
+    }
     RF_WARN("lost %s: %s", member_name(c, (uint32_t)i, name, sizeof(name)), reason);
     c->m[i].peer = NULL;
     c->m[i].inv_complete = false;

@@ -256,6 +256,18 @@ static int simple(refit_client *c, Refit__Rpc__Request *req, int timeout_ms)
     return call(c, req, -1, timeout_ms, NULL);
 }
 
+/* A wait that timed out says which version did not come in time (the daemon may be fine). */
+static int timed_wait(refit_client *c, Refit__Rpc__Request *req, uint64_t version,
+                      int timeout_ms, const char *what)
+{
+    int rc = simple(c, req, timeout_ms);
+
+    if (rc == -ETIMEDOUT)
+        return fail(c, rc, "version %llu was not %s within %d ms", (unsigned long long)version,
+                    what, timeout_ms);
+    return rc;
+}
+
 static void client_free(refit_client *c)
 {
     size_t i;
@@ -498,7 +510,7 @@ int refit_wait_released(refit_client *c, uint64_t version, int timeout_ms)
     m.version = version;
     req.body_case = REFIT__RPC__REQUEST__BODY_WAIT_RELEASED;
     req.wait_released = &m;
-    return simple(c, &req, timeout_ms);
+    return timed_wait(c, &req, version, timeout_ms, "released");
 }
 
 int refit_wait_version(refit_client *c, uint64_t version, int timeout_ms)
@@ -509,7 +521,7 @@ int refit_wait_version(refit_client *c, uint64_t version, int timeout_ms)
     m.version = version;
     req.body_case = REFIT__RPC__REQUEST__BODY_WAIT_VERSION;
     req.wait_version = &m;
-    return simple(c, &req, timeout_ms);
+    return timed_wait(c, &req, version, timeout_ms, "committed");
 }
 
 int refit_next_event(refit_client *c, int timeout_ms, int *event, uint64_t *version)
@@ -571,7 +583,7 @@ int refit_wait(refit_client *c, uint64_t version, int timeout_ms)
     m.version = version;
     req.body_case = REFIT__RPC__REQUEST__BODY_WAIT;
     req.wait = &m;
-    return simple(c, &req, timeout_ms);
+    return timed_wait(c, &req, version, timeout_ms, "committed");
 }
 
 int refit_gate(refit_client *c)

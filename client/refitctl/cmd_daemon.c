@@ -23,6 +23,36 @@ static const char *default_socket(void)
     return RF_CTL_SOCKET_RECV;
 }
 
+/* Strict number parsing: the whole argument, in range; 0 or -1 (message printed). */
+static int parse_version(const char *s, uint64_t *out)
+{
+    char *end = NULL;
+
+    errno = 0;
+    *out = strtoull(s, &end, 10);
+    if (errno || end == s || *end || *out == 0 || s[0] == '-') {
+        fprintf(stderr, "refitctl: '%s' is not a version (a whole number >= 1)\n", s);
+        return -1;
+    }
+    return 0;
+}
+
+static int parse_timeout(const char *s, int *ms)
+{
+    char *end = NULL;
+    double v;
+
+    errno = 0;
+    v = strtod(s, &end);
+    if (errno || end == s || *end || !(v >= 0) || v > 2e6) {
+        fprintf(stderr, "refitctl: --timeout takes seconds between 0 and 2000000, not '%s'\n",
+                s);
+        return -1;
+    }
+    *ms = (int)(v * 1000);
+    return 0;
+}
+
 /* Connects as a ctl client; prints why not and returns NULL when no daemon answers. */
 static refit_client *dial(const char *socket)
 {
@@ -52,14 +82,12 @@ static int parse_common(int argc, char **argv, const char *usage, const char **s
         case 's': *socket = optarg; break;
         case 'j': if (json) { *json = 1; break; } goto bad;
         case 't':
-            if (!timeout_ms)
+            if (!timeout_ms || parse_timeout(optarg, timeout_ms) < 0)
                 goto bad;
-            *timeout_ms = (int)(strtod(optarg, NULL) * 1000);
             break;
         case 'v':
-            if (!version)
+            if (!version || parse_version(optarg, version) < 0)
                 goto bad;
-            *version = strtoull(optarg, NULL, 10);
             break;
         case 'h': printf("%s", usage); exit(0);
         default: goto bad;
@@ -177,8 +205,11 @@ int rf_ctl_status(int argc, char **argv)
     json_t *st;
     int json = 0, rc;
 
-    if (parse_common(argc, argv, usage, &socket, &json, NULL, NULL) < 0)
+    if (parse_common(argc, argv, usage, &socket, &json, NULL, NULL) != argc) {
+        if (optind < argc)
+            fprintf(stderr, "refitctl status: unexpected argument '%s'\n%s", argv[optind], usage);
         return 2;
+    }
     c = dial(socket);
     if (!c)
         return RF_CTL_EXIT_NODAEMON;
@@ -225,9 +256,15 @@ int rf_ctl_refit(int argc, char **argv)
     while ((o = getopt_long(argc, argv, "", opts, NULL)) != -1) {
         switch (o) {
         case 's': socket = optarg; break;
-        case 'v': version = strtoull(optarg, NULL, 10); break;
+        case 'v':
+            if (parse_version(optarg, &version) < 0)
+                return 2;
+            break;
         case 'w': wait = 1; break;
-        case 't': timeout_ms = (int)(strtod(optarg, NULL) * 1000); break;
+        case 't':
+            if (parse_timeout(optarg, &timeout_ms) < 0)
+                return 2;
+            break;
         case 'h': printf("%s", usage); return 0;
         default: fprintf(stderr, "%s", usage); return 2;
         }
@@ -267,17 +304,11 @@ int rf_ctl_wait(int argc, char **argv)
     uint64_t version = 0;
     int timeout_ms = -1, idx, rc;
     refit_client *c;
-    char *end = NULL;
 
     idx = parse_common(argc, argv, usage, &socket, NULL, &timeout_ms, &version);
     if (idx < 0)
         return 2;
-    if (idx < argc) {
-        version = strtoull(argv[idx], &end, 10);
-        if (!end || *end || idx + 1 != argc)
-            version = 0;
-    }
-    if (version == 0) {
+    if (idx + 1 != argc || parse_version(argv[idx], &version) < 0) {
         fprintf(stderr, "refitctl wait: give the version to wait for (N >= 1)\n%s", usage);
         return 2;
     }
@@ -342,8 +373,18 @@ int rf_ctl_watch(int argc, char **argv)
     while ((o = getopt_long(argc, argv, "", opts, NULL)) != -1) {
         switch (o) {
         case 's': socket = optarg; break;
-        case 'i': interval = strtod(optarg, NULL); break;
-        case 'u': until = strtoull(optarg, NULL, 10); break;
+        case 'i': {
+            int ms;
+
+            if (parse_timeout(optarg, &ms) < 0)
+                return 2;
+            interval = ms / 1000.0;
+            break;
+        }
+        case 'u':
+            if (parse_version(optarg, &until) < 0)
+                return 2;
+            break;
         case 'h': printf("%s", usage); return 0;
         default: fprintf(stderr, "%s", usage); return 2;
         }

@@ -25,6 +25,14 @@ ctl --socket "$E2E_DIR/pub0.sock" refit --version 2 > "$E2E_DIR/old.log" 2>&1
 grep -q "not newer than the committed version 3" "$E2E_DIR/old.log" || fail "no reason for the refusal: $(cat "$E2E_DIR/old.log")"
 ctl --socket "$E2E_DIR/pub0.sock" refit > /dev/null 2>&1
 [ $? = 2 ] || fail "refit without --version did not exit 2"
+for bad in "wait 5x" "refit --version 5x" "status extra" "wait 3 --timeout abc" \
+           "refit --version 4 --timeout -1" "watch --until 0"; do
+    ctl --socket "$E2E_DIR/pub0.sock" $bad > "$E2E_DIR/bad.log" 2>&1
+    [ $? = 2 ] || fail "refitctl $bad did not exit 2 (bad usage): $(cat "$E2E_DIR/bad.log")"
+done
+ctl --socket "$E2E_DIR/pub0.sock" wait 9 --timeout 0.3 > "$E2E_DIR/wait.log" 2>&1
+[ $? = 1 ] || fail "a wait that times out did not exit 1"
+grep -q "version 9 was not committed within 300 ms" "$E2E_DIR/wait.log" || fail "timeout message: $(cat "$E2E_DIR/wait.log")"
 ctl --socket "$E2E_DIR/nothing.sock" status > "$E2E_DIR/nod.log" 2>&1
 [ $? = 3 ] || fail "status without a daemon did not exit 3"
 grep -q "no daemon at" "$E2E_DIR/nod.log" || fail "no clear message without a daemon"

@@ -15,7 +15,7 @@ start_receiver 0 4
 wait_for "$E2E_DIR/pub0.log" "status endpoint" 10
 wait_for "$E2E_DIR/recv0.log" "status endpoint" 10
 status_port() {
-    sed -n 's/.*status endpoint on .*(port \([0-9][0-9]*\)).*/\1/p' "$1" | tail -n 1
+    sed -n 's|.*status endpoint on http://.*:\([0-9][0-9]*\)/ .*|\1|p' "$1" | tail -n 1
 }
 PUB_HTTP=$(status_port "$E2E_DIR/pub0.log")
 RECV_HTTP=$(status_port "$E2E_DIR/recv0.log")

@@ -319,8 +319,12 @@ Test(peer, protocol_version_mismatch_names_both_versions)
         const char *r = i ? C.down_reason : L.down_reason;
 
         cr_assert(strstr(r, "protocol version mismatch"), "%s", r);
-        cr_assert(strstr(r, "version 1,") || strstr(r, "version 1;"), "%s", r);
-        cr_assert(strstr(r, "version 2"), "%s", r);
+        char mine[32], theirs[32];
+
+        snprintf(mine, sizeof(mine), "version %d", RF_PEER_PROTOCOL_VERSION);
+        snprintf(theirs, sizeof(theirs), "version %d", RF_PEER_PROTOCOL_VERSION + 1);
+        cr_assert(strstr(r, mine), "%s", r);
+        cr_assert(strstr(r, theirs), "%s", r);
     }
     rf_peer_connector_close(c);
     rf_peer_listener_close(l);
@@ -408,13 +412,16 @@ static int raw_pump(struct raw *w, int n, int ms)
     return 0;
 }
 
-static void mac(const rf_peer_key *k, const uint8_t *nonce, Refit__Role role, uint8_t *out)
+static void mac(const rf_peer_key *k, const uint8_t *challenger, const uint8_t *prover,
+                Refit__Role role, uint8_t *out)
 {
     crypto_auth_hmacsha256_state st;
     uint8_t r = (uint8_t)role;
 
     crypto_auth_hmacsha256_init(&st, k->bytes, k->len);
-    crypto_auth_hmacsha256_update(&st, nonce, 32);
+    crypto_auth_hmacsha256_update(&st, (const uint8_t *)"refit-auth-v1", 13);
+    crypto_auth_hmacsha256_update(&st, challenger, 32);
+    crypto_auth_hmacsha256_update(&st, prover, 32);
     crypto_auth_hmacsha256_update(&st, &r, 1);
     crypto_auth_hmacsha256_final(&st, out);
 }
@@ -448,7 +455,7 @@ static void raw_handshake(struct raw *w, const rf_peer_key *k, Refit__Role daemo
     env.body_case = REFIT__ENVELOPE__BODY_CHALLENGE;
     env.challenge = &ch;
     raw_send(w, &env);
-    mac(k, w->env[1]->challenge->nonce.data, REFIT__ROLE__ROLE_RECEIVER, m);
+    mac(k, w->env[1]->challenge->nonce.data, nonce, REFIT__ROLE__ROLE_RECEIVER, m);
     au.mac.data = m;
     au.mac.len = 32;
     env.body_case = REFIT__ENVELOPE__BODY_AUTH;
@@ -457,10 +464,10 @@ static void raw_handshake(struct raw *w, const rf_peer_key *k, Refit__Role daemo
 
     cr_assert(raw_pump(w, 3, 3000));
     cr_assert_eq(w->env[2]->body_case, REFIT__ENVELOPE__BODY_AUTH);
-    mac(k, nonce, daemon_role, m);
+    mac(k, nonce, w->env[1]->challenge->nonce.data, daemon_role, m);
     cr_assert_eq(w->env[2]->auth->mac.len, 32);
     cr_assert_eq(memcmp(w->env[2]->auth->mac.data, m, 32), 0, "daemon's Auth is not "
-                 "HMAC-SHA256(key, our nonce || its role)");
+                 "HMAC-SHA256(key, tag || our nonce || its nonce || its role)");
 }
 
 /* The last Error the raw client received, or NULL. */
@@ -913,5 +920,60 @@ Test(peer, load_key_files)
     cr_assert_eq(rf_peer_load_key(tmpdir, &k, &err), -EINVAL);
     cr_assert(strstr(err.msg, "not a regular file"), "%s", err.msg);
     rmdir(tmpdir);
+    finish();
+}
+
+/* A client without the key cannot borrow the daemon's own proof: it reflects the daemon's
+ * challenge of one connection as its challenge on a second connection, claims the daemon's
+ * role, and replays the daemon's answer on the first. Both nonces are bound into the proof,
+ * so this fails. */
+Test(peer, reflected_challenge_does_not_authenticate)
+{
+    struct side L = {0};
+    rf_peer_config lc = mkcfg(&L, &key1, REFIT__ROLE__ROLE_COORDINATOR, "coord");
+    rf_peer_listener *l;
+    Refit__Envelope env = REFIT__ENVELOPE__INIT;
+    Refit__Hello h = REFIT__HELLO__INIT;
+    Refit__Challenge ch = REFIT__CHALLENGE__INIT;
+    Refit__Auth au = REFIT__AUTH__INIT;
+    struct raw a, b;
+    uint8_t na[32];
+    const char *msg;
+
+    l = listen_on(&L, &key1, "127.0.0.1:0", &lc);
+    raw_open(&a, rf_peer_listener_port(l));
+    raw_open(&b, rf_peer_listener_port(l));
+    cr_assert(raw_pump(&a, 2, 3000));
+    cr_assert(raw_pump(&b, 2, 3000));
+    cr_assert_eq(a.env[1]->body_case, REFIT__ENVELOPE__BODY_CHALLENGE);
+    h.protocol_version = RF_PEER_PROTOCOL_VERSION;
+    h.role = REFIT__ROLE__ROLE_COORDINATOR;
+    h.node = "mirror";
+    env.body_case = REFIT__ENVELOPE__BODY_HELLO;
+    env.hello = &h;
+    raw_send(&a, &env);
+    raw_send(&b, &env);
+    randombytes_buf(na, sizeof(na));
+    ch.nonce.data = na;
+    ch.nonce.len = sizeof(na);
+    env.body_case = REFIT__ENVELOPE__BODY_CHALLENGE;
+    env.challenge = &ch;
+    raw_send(&a, &env);
+    ch.nonce = a.env[1]->challenge->nonce;
+    raw_send(&b, &env);
+    cr_assert(raw_pump(&b, 3, 3000), "the daemon did not answer the reflected challenge");
+    cr_assert_eq(b.env[2]->body_case, REFIT__ENVELOPE__BODY_AUTH);
+    au.mac = b.env[2]->auth->mac;
+    env.body_case = REFIT__ENVELOPE__BODY_AUTH;
+    env.auth = &au;
+    raw_send(&a, &env);
+    cr_assert(raw_pump(&a, -1, 3000), "connection with a reflected proof not closed");
+    msg = raw_error(&a);
+    cr_assert_not_null(msg);
+    cr_assert(strstr(msg, "authentication failed"), "%s", msg);
+    cr_assert_eq(L.up, 0, "a peer without the key came up");
+    raw_close(&a);
+    raw_close(&b);
+    rf_peer_listener_close(l);
     finish();
 }

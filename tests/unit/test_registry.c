@@ -341,7 +341,7 @@ Test(registry, trainers_register_publish_and_are_released)
     OK(refit_publish(t1, 1), t1);
     wait_count(&H.n_ready, 1);
     cr_assert_eq(H.ready, 1);
-    FAILS(refit_wait_released(t0, 1, 50), t0, -ETIMEDOUT, "no answer from the daemon");
+    FAILS(refit_wait_released(t0, 1, 50), t0, -ETIMEDOUT, "version 1 was not released within 50 ms");
     on_loop(call_release, &v);
     OK(refit_wait_released(t0, 1, 2000), t0);
     OK(refit_wait_released(t1, 1, 2000), t1);

@@ -33,13 +33,22 @@ class Error(Exception):
 
 
 def _find_lib():
+    """REFIT_LIB if set; else the library of an installed tree (the package lives in
+    PREFIX/lib/python3/dist-packages/refit, the library in PREFIX/lib); else the source tree's
+    build directory; else whatever the dynamic loader finds."""
     path = os.environ.get("REFIT_LIB")
     if path:
         return path
     here = os.path.dirname(os.path.abspath(__file__))
+    installed = os.path.normpath(os.path.join(here, "..", "..", "..", "librefit.so.0"))
+    if os.path.exists(installed):
+        return installed
     root = os.path.normpath(os.path.join(here, "..", "..", ".."))
     build = os.environ.get("BUILD", "build")
-    return os.path.join(root if not os.path.isabs(build) else "", build, "librefit.so")
+    built = os.path.join(root if not os.path.isabs(build) else "", build, "librefit.so")
+    if os.path.exists(built):
+        return built
+    return "librefit.so.0"
 
 
 _lib = None
