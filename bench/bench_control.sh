@@ -10,7 +10,8 @@
 # every version), REFITS refits of which the first WARMUP are discarded (plan build, connection
 # set-up, first mappings). After each release the driver reads the coordinator's status over its
 # local socket (the same call as `refit-sim-trainer --report`, full precision) and the
-# receiverd's, so every refit is measured, none sampled.
+# receiverd's; a refit whose successor committed before that read is not measured (the table
+# says how many were; at least 80% must be).
 #
 #   control overhead = cluster.last_refit.start_to_commit_s - cluster.last_refit.transfer_s
 #     (Start broadcast to Commit at the coordinator, minus the slowest daemon's data path)
@@ -70,22 +71,29 @@ def spawn(name, args, stdout=None, wrap=False):
     if wrap and WRAP:
         # e.g. WRAP='perf record -g -o {out}.perf --' to profile the daemons
         args = WRAP.replace("{out}", os.path.join(work, name)).split() + args
+    # Each in its own session, so that stopping a wrapped daemon stops the daemon too.
     p = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=stdout or log,
-                         stderr=subprocess.STDOUT if stdout is None else log)
+                         stderr=subprocess.STDOUT if stdout is None else log,
+                         start_new_session=True)
     procs.append(p)
     return p
 
 
 def stop_all():
+    def signal_group(p, sig):
+        try:
+            os.killpg(p.pid, sig)
+        except ProcessLookupError:
+            pass
+
     for p in procs:
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
+        signal_group(p, signal.SIGTERM)
     deadline = time.time() + 2
     for p in procs:
         try:
             p.wait(max(0.05, deadline - time.time()))
         except subprocess.TimeoutExpired:
-            p.kill()
+            signal_group(p, signal.SIGKILL)
             p.wait()
     procs.clear()
 
@@ -150,7 +158,7 @@ def run_size(tag, layers):
     eng = spawn(f"{tag}/engine", [f"{BIN}/refit-sim-engine", "--socket", recv_sock, *sim])
     tr = spawn(f"{tag}/trainer", [f"{BIN}/refit-sim-trainer", "--socket", pub_sock, *sim],
                stdout=subprocess.PIPE)
-    rows = {}
+    rows, released = {}, {}
     trlog = open(os.path.join(d, "trainer.out"), "w")
     rel = re.compile(r"version (\d+) released after ([0-9.]+) s")
     for line in iter(tr.stdout.readline, b""):
@@ -159,13 +167,14 @@ def run_size(tag, layers):
         m = rel.search(line)
         if not m:
             continue
-        v = int(m.group(1))
+        released[int(m.group(1))] = float(m.group(2))
+        # Usually the refit just released; when the next one already committed, that one.
         cst = json.loads(pub.status())
         rst = json.loads(recv.status())
         last = cst["cluster"]["last_refit"]
-        rows[v] = {"released_s": float(m.group(2)), "cluster": last,
-                   "plan": cst["cluster"]["plan"], "pub": cst["last_refit"],
-                   "recv": rst["last_refit"]}
+        if last["result"] == "committed" and last["version"] not in rows:
+            rows[last["version"]] = {"cluster": last, "plan": cst["cluster"]["plan"],
+                                     "pub": cst["last_refit"], "recv": rst["last_refit"]}
     trlog.close()
     rc_tr = tr.wait()
     try:
@@ -184,23 +193,40 @@ def run_size(tag, layers):
             if m:
                 committed += 1
                 wrong += int(m.group(2))
+    # The worker thread's own time of each refit ("version N: moved B bytes in X s", ms
+    # resolution): a daemon's transfer_s minus it is the time its loop thread spent around the
+    # worker (checking the job before starting it, picking up the result).
+    worker = {}
+    for who in ("pub0", "recv0"):
+        with open(os.path.join(d, who + ".log")) as f:
+            for line in f:
+                m = re.search(r"version (\d+): moved \d+ bytes in ([0-9.]+) s", line)
+                if m:
+                    worker[(who, int(m.group(1)))] = float(m.group(2))
+    for v, r in rows.items():
+        r["released_s"] = released.get(v)
+        for who, key in (("pub0", "pub"), ("recv0", "recv")):
+            if (who, v) in worker and r[key]["version"] == v:
+                r[key]["worker_s"] = worker[(who, v)]
     with open(os.path.join(d, "samples.json"), "w") as f:
         json.dump(rows, f, indent=1)
-    ok_rows = [rows[v] for v in sorted(rows) if v > WARMUP and rows[v]["cluster"]["version"] == v
-               and rows[v]["cluster"]["result"] == "committed"]
+    ok_rows = [rows[v] for v in sorted(rows) if v > WARMUP]
     ovh = [r["cluster"]["start_to_commit_s"] - r["cluster"]["transfer_s"] for r in ok_rows]
     xfer = [r["cluster"]["transfer_s"] for r in ok_rows]
     s2c = [r["cluster"]["start_to_commit_s"] for r in ok_rows]
     quorum = [r["cluster"]["publish_quorum_s"] for r in ok_rows]
-    trn = [r["released_s"] - r["cluster"]["transfer_s"] for r in ok_rows]
+    trn = [r["released_s"] - r["cluster"]["transfer_s"] for r in ok_rows
+           if r["released_s"] is not None]
     rwait = [r["recv"]["wait_s"] for r in ok_rows if r["recv"]["version"] == r["cluster"]["version"]]
     pwait = [r["pub"]["wait_s"] for r in ok_rows if r["pub"]["version"] == r["cluster"]["version"]]
+    around = [r[k]["transfer_s"] - r[k]["worker_s"] for r in ok_rows for k in ("pub", "recv")
+              if "worker_s" in r[k]]
     build_s = rows[max(rows)]["plan"]["build_s"] if rows else float("nan")
     return {"tag": tag, "tensors": plan["tensors"], "bytes": plan["dst_bytes"],
             "status_tensors": rows[max(rows)]["plan"]["tensors"] if rows else 0,
             "build_s": build_s, "n": len(ok_rows), "expected": REFITS - WARMUP,
             "ovh": ovh, "xfer": xfer, "s2c": s2c, "trn": trn, "quorum": quorum,
-            "rwait": rwait, "pwait": pwait, "wrong": wrong, "committed": committed,
+            "rwait": rwait, "pwait": pwait, "around": around, "wrong": wrong, "committed": committed,
             "rc": (rc_tr, rc_eng), "wall": wall}
 
 
@@ -221,42 +247,51 @@ finally:
     stop_all()
 
 print(f"# refit control-plane benchmark: 1 coordinator publisherd + 1 receiverd on loopback, "
-      f"transport tcp, verify off, trainer tp=1 -> engine tp=1")
-print(f"# {REFITS} refits per size, first {WARMUP} discarded; times in ms unless marked (s)")
-print("# ovh     = start->commit - transfer (coordinator: Start sent .. all Done in, minus the "
-      "slowest daemon's data path)")
-print("# trn-xfer = publish->release seen by the trainer - transfer (trainer prints ms "
-      "resolution); quorum = first Ready .. Start")
-print(f"# targets: median ovh <= {TARGET_MS:g} ms at every size, median ovh(largest) / "
-      f"median ovh(smallest) <= {TARGET_RATIO:g}, #wrong = 0")
+      f"transport tcp, verify off, trainer tp=1 -> engine tp=1, tiny tensors")
+print(f"# {REFITS} refits per size, first {WARMUP} discarded; times in ms, medians unless "
+      "marked p90")
+print("#   ovh       start->commit - transfer: the coordinator's Start .. last Done, minus the "
+      "slowest daemon's transfer_s")
+print("#   xfer      transfer_s of the slowest daemon (its Start handled .. its Done sent)")
+print("#   loop      transfer_s - the data-path worker's own time, both daemons: loop-thread "
+      "work around the worker (ms resolution)")
+print("#   quorum    first Ready .. Start (includes the engine sim checking every byte of the "
+      "last version)")
+print("#   trn-xfer  publish -> release seen by the trainer, minus xfer (trainer prints ms "
+      "resolution)")
+print(f"# targets: ovh median <= {TARGET_MS:g} ms at every size, ovh median of the largest / "
+      f"the smallest size <= {TARGET_RATIO:g}, #wrong = 0")
 print("#")
-hdr = ("tensors", "bytes", "build(s)", "refits", "ovh_med", "ovh_p90", "ovh_min", "xfer_med",
-       "s2c_med", "quorum_med", "trn-xfer_med", "rwait_med", "#wrong", "result")
-fmt = "%8s %10s %9s %7s %8s %8s %8s %9s %8s %10s %12s %9s %7s %7s"
+hdr = ("tensors", "bytes", "build(s)", "refits", "ovh", "ovh_p90", "ovh_min", "s2c", "xfer",
+       "loop", "quorum", "trn-xfer", "#wrong", "result")
+fmt = "%8s %9s %9s %6s %7s %7s %7s %8s %8s %7s %7s %8s %6s %6s"
 print(fmt % hdr)
+
+
+def med(xs):
+    return ms(statistics.median(xs)) if xs else float("nan")
+
+
 for r in results:
-    good = (r["n"] == r["expected"] and r["wrong"] == 0 and r["committed"] == REFITS
-            and r["rc"] == (0, 0) and r["ovh"] and statistics.median(r["ovh"]) <= TARGET_MS / 1e3)
-    r["good"] = good
+    complete = (r["rc"] == (0, 0) and r["committed"] == REFITS and r["wrong"] == 0
+                and r["n"] >= 0.8 * r["expected"])
+    good = complete and bool(r["ovh"]) and statistics.median(r["ovh"]) <= TARGET_MS / 1e3
     failed |= not good
-    med = lambda xs: ms(statistics.median(xs)) if xs else float("nan")
     print(fmt % (r["tensors"], r["bytes"], "%.3f" % r["build_s"], "%d/%d" % (r["n"], r["expected"]),
                  "%.3f" % med(r["ovh"]), "%.3f" % ms(pct(r["ovh"], 0.9)),
                  "%.3f" % (ms(min(r["ovh"])) if r["ovh"] else float("nan")),
-                 "%.3f" % med(r["xfer"]), "%.3f" % med(r["s2c"]), "%.3f" % med(r["quorum"]),
-                 "%.3f" % med(r["trn"]), "%.3f" % med(r["rwait"]), r["wrong"],
+                 "%.2f" % med(r["s2c"]), "%.2f" % med(r["xfer"]), "%.1f" % med(r["around"]),
+                 "%.2f" % med(r["quorum"]), "%.2f" % med(r["trn"]), r["wrong"],
                  "PASS" if good else "FAIL"))
-ratio = float("nan")
+    if not complete:
+        print(f"#   {r['tag']}: trainer/engine exit {r['rc']}, {r['committed']}/{REFITS} versions "
+              f"checked by the engine, {r['n']}/{r['expected']} refits measured")
 if len(results) >= 2 and results[0]["ovh"] and results[-1]["ovh"]:
     ratio = statistics.median(results[-1]["ovh"]) / statistics.median(results[0]["ovh"])
     rgood = ratio <= TARGET_RATIO
     failed |= not rgood
-    print("# ovh ratio %s/%s (median): %.2f  (target <= %g)  %s" % (
+    print("# ovh ratio %s/%s: %.2f (target <= %g) %s" % (
         results[-1]["tag"], results[0]["tag"], ratio, TARGET_RATIO, "PASS" if rgood else "FAIL"))
-for r in results:
-    if r["rc"] != (0, 0) or r["n"] != r["expected"] or r["committed"] != REFITS:
-        print(f"# {r['tag']}: trainer/engine exit {r['rc']}, {r['committed']}/{REFITS} versions "
-              f"verified by the engine, {r['n']}/{r['expected']} refits measured")
 print("# wall: " + ", ".join("%s %.1f s" % (r["tag"], r["wall"]) for r in results) +
       "; total %.1f s" % (time.time() - t_begin))
 print("# Result: %s" % ("FAIL" if failed else "PASS"))
