@@ -480,6 +480,7 @@ static void install_slice(rf_node *n)
         set_error(n, err.msg);
         goto fail;
     }
+    n->slice.job.checked = true;
     rf_metric_set(n->m_slice_msgs, n->slice.job.nmsgs);
     RF_INFO("plan slice complete: %u messages, %llu bytes, %u rounds", n->slice.job.nmsgs,
             (unsigned long long)n->slice.bytes, n->slice.job.nrounds);
@@ -752,7 +753,14 @@ static int add_metrics(rf_node *n)
                            "Messages in this daemon's plan slice", NULL);
     rc |= rf_metrics_info(m, &n->m_error, "refit_last_error", "The last error this daemon saw",
                           "message");
-    return rc < 0 ? -EINVAL : 0;
+    if (rc < 0)
+        return -EINVAL;
+    /* Gauges scraped before the first event read 0, not absent. */
+    rf_metric_set(n->m_committed, 0);
+    rf_metric_set(n->m_peers, 0);
+    rf_metric_set(n->m_clients, 0);
+    rf_metric_set(n->m_slice_msgs, 0);
+    return 0;
 }
 
 int rf_node_start(uv_loop_t *loop, const rf_node_opts *opts, rf_node **out, rf_err *err)
@@ -782,8 +790,10 @@ int rf_node_start(uv_loop_t *loop, const rf_node_opts *opts, rf_node **out, rf_e
 
     if (cfg->transport == RF_TRANSPORT_NCCL)
         rc = rf_xfer_nccl_new(loop, &n->xfer, err);
-    else
-        rc = rf_xfer_tcp_new(loop, cfg->data_listen, &n->xfer, err);
+    else if ((rc = rf_xfer_tcp_new(loop, cfg->data_listen, &n->xfer, err)) == 0 &&
+             (rc = rf_xfer_tcp_set_key(n->xfer, opts->key->bytes, opts->key->len)) < 0)
+        rf_err_set(err, rc, "the cluster key (%zu bytes) cannot authenticate data connections",
+                   opts->key->len);
     if (rc < 0)
         goto fail;
 

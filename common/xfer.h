@@ -60,6 +60,9 @@ typedef struct rf_xfer_job {
      * when they fit together. */
     uint64_t staging_bytes;
     double timeout_s; /* deadline for the whole job, from rf_xfer_run; > 0 */
+    bool checked;           /* rf_xfer_job_check passed on these messages already (a daemon
+                               checks its cached slice once, not at every refit: 100k-tensor
+                               jobs take ~0.1 s to check) */
     int verify;             /* RF_XFER_VERIFY_OFF, _FULL (every message) or _SAMPLE (the
                                messages rf_xfer_msg_verified picks) */
 } rf_xfer_job;
@@ -213,6 +216,15 @@ uint8_t *rf_xfer_direct_ptr(const rf_xfer_msg *m);
  * between jobs too, and released by close. */
 int rf_xfer_tcp_new(uv_loop_t *loop, const char *listen_addr, rf_xfer_transport **out,
                     rf_err *err);
+/* The cluster key (at least RF_XFER_TCP_KEY_MIN bytes, copied) that data connections are
+ * authenticated with: the acceptor sends a fresh nonce, the connector answers with
+ * HMAC-SHA256(key, "refit-data-v1" || nonce || from || to), and a connection that does not
+ * prove the key is dropped and logged without disturbing the job. A transport without a key
+ * refuses jobs. Loop thread, no job running. Returns 0, -EINVAL (not a tcp transport, key
+ * too short), -EBUSY (a job runs or the transport is closing) or -ENOMEM; a changed key
+ * closes the connections made under the old one. */
+#define RF_XFER_TCP_KEY_MIN 32
+int rf_xfer_tcp_set_key(rf_xfer_transport *t, const uint8_t *key, size_t len);
 const char *rf_xfer_tcp_addr(const rf_xfer_transport *t);
 
 /* The nccl transport (built with CUDA only, RF_HAVE_CUDA): GPU memory between the cluster's

@@ -1049,7 +1049,7 @@ static int nccl_run(rf_xfer_transport *base, const rf_xfer_job *job, rf_xfer_don
         return rf_err_set(err, -EINVAL, "xfer nccl: job for version %llu has no deadline "
                           "(timeout %g s); set timeout_s", (unsigned long long)job->version,
                           job->timeout_s);
-    if ((rc = rf_xfer_job_check(job, t->npeers, err)) < 0)
+    if (!job->checked && (rc = rf_xfer_job_check(job, t->npeers, err)) < 0)
         return rc;
     for (uint32_t i = 0; i < job->nmsgs; i++) {
         const rf_xfer_msg *m = &job->msgs[i];

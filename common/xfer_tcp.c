@@ -22,32 +22,54 @@
 #include <unistd.h>
 
 #include "copy.h"
+#include "log.h"
 #include "macros.h"
 
 
-/* Wire format, little-endian. A connection starts with a hello naming both ends by their
- * index in the peer table; then frames follow, each a header and `bytes` of payload. */
+/* Wire format, little-endian. The acceptor of a connection first sends a fresh random nonce;
+ * the connector answers with a hello naming both ends by their index in the peer table and
+ * proving it holds the cluster key: HMAC-SHA256(key, "refit-data-v1" || nonce || from || to).
+ * The nonce makes a captured hello worthless on any other connection, and binding both
+ * indices keeps a hello from being turned around or aimed at another daemon. The acceptor
+ * answers an authenticated hello with a 4-byte acceptance, and only then frames follow, each
+ * a header and `bytes` of payload. A connection that fails the hello is closed without
+ * touching the job or the peer's authenticated connection. */
 #define HELLO_MAGIC 0x48584652u /* "RFXH" */
+#define ACK_MAGIC 0x41584652u   /* "RFXA" */
 #define FRAME_MAGIC 0x46584652u /* "RFXF" */
-#define PROTO_VERSION 1u
-#define HELLO_LEN 16
+#define PROTO_VERSION 2u        /* 2: the hello is authenticated */
+#define NONCE_LEN 32
+#define MAC_LEN crypto_auth_hmacsha256_BYTES
+#define HELLO_LEN (16 + MAC_LEN)
+#define ACK_LEN 4
 #define HDR_LEN 24
+/* A peer answers the nonce at once; anything slower is not one of ours. */
+#define HELLO_TIMEOUT_S 5.0
 #define ADDR_MAX 300
 /* One sendmsg/recv moves at most this much, so that one busy peer cannot hold the worker. */
 #define IO_CHUNK (16u << 20)
 
 enum { MSG_PENDING = 0, MSG_BUSY, MSG_DONE };
 
+/* Where an outgoing connection is in its handshake; frames go out only once it is ready. */
+enum { OUT_READY = 0, OUT_CONNECTING, OUT_NONCE, OUT_HELLO, OUT_ACK };
+
 /* One data connection. Outgoing ones carry this daemon's sends to `peer`, incoming ones the
- * peer's sends to us; `peer` of an incoming one is known once its hello is read. */
+ * peer's sends to us; an accepted one waits among the pending until its hello proves which
+ * peer it is. */
 typedef struct conn {
     int fd;
     uint32_t peer;
-    bool connecting;   /* outgoing: non-blocking connect in progress */
-    bool hello_done;   /* incoming: hello read */
+    int stage;         /* outgoing: OUT_... */
     bool active;       /* incoming: delivered bytes of a frame in this job */
-    uint8_t buf[64];   /* outgoing: hello and header to write; incoming: hello or header read */
+    uint8_t buf[HELLO_LEN + HDR_LEN]; /* outgoing: hello and header to write; incoming:
+                                         hello or header read */
     size_t buf_len, buf_done;
+    uint8_t nonce[NONCE_LEN]; /* pending: the nonce we sent; outgoing: the one we answer */
+    uint8_t ack[ACK_LEN];     /* outgoing: the acceptance read */
+    size_t hs_done;           /* outgoing: bytes of the nonce or of the acceptance read */
+    double since;             /* pending: when it was accepted */
+    char raddr[64];           /* pending: the remote address, for the log */
     int64_t cur;       /* message in flight (index into the job), -1 when none */
     uint64_t done;     /* payload bytes of cur moved */
     uint8_t *payload;
@@ -90,6 +112,12 @@ typedef struct tcp {
     conn *out, *in; /* npeers each, indexed by peer */
     conn *pending;  /* accepted, hello not read yet */
     size_t npending, cap_pending;
+    /* The cluster key the hellos are authenticated with (rf_xfer_tcp_set_key). */
+    uint8_t *key;
+    size_t key_len;
+    /* The last hello that failed authentication in this job, named in a deadline message:
+     * a peer with another key shows up here rather than as silence. */
+    char auth_note[176];
     /* Staging, kept between jobs so that a refit does not fault in fresh pages every round;
      * never larger than the budget. Even rounds sit at its start, odd ones at its end, so
      * that two open rounds never overlap. */
@@ -460,6 +488,21 @@ static int msg_done(tcp *t, uint32_t i)
 
 /* ---- the worker: connections ---- */
 
+/* The proof in a hello: HMAC-SHA256(key, tag || acceptor's nonce || from || to), with from
+ * and to as they stand in the hello (4 bytes little-endian each). */
+static void hello_mac(const tcp *t, const uint8_t *nonce, const uint8_t *ends, uint8_t *out)
+{
+    static const char tag[] = "refit-data-v1";
+    crypto_auth_hmacsha256_state st;
+
+    crypto_auth_hmacsha256_init(&st, t->key, t->key_len);
+    crypto_auth_hmacsha256_update(&st, (const uint8_t *)tag, sizeof(tag) - 1);
+    crypto_auth_hmacsha256_update(&st, nonce, NONCE_LEN);
+    crypto_auth_hmacsha256_update(&st, ends, 8);
+    crypto_auth_hmacsha256_final(&st, out);
+    sodium_memzero(&st, sizeof(st));
+}
+
 static int start_connect(tcp *t, uint32_t p, uint32_t seq)
 {
     conn *c = &t->out[p];
@@ -493,12 +536,7 @@ static int start_connect(tcp *t, uint32_t p, uint32_t seq)
     conn_init(c);
     c->fd = fd;
     c->peer = p;
-    c->connecting = true;
-    put32(c->buf, HELLO_MAGIC);
-    put32(c->buf + 4, PROTO_VERSION);
-    put32(c->buf + 8, t->self);
-    put32(c->buf + 12, p);
-    c->buf_len = HELLO_LEN;
+    c->stage = OUT_CONNECTING;
     fd = -1;
     rc = 0;
 out:
@@ -564,8 +602,67 @@ static int64_t next_send(const jstate *s, uint32_t p)
 
 static bool send_wanted(const tcp *t, const conn *c)
 {
-    return c->connecting || c->buf_done < c->buf_len || c->cur >= 0 ||
+    return c->stage != OUT_READY || c->buf_done < c->buf_len || c->cur >= 0 ||
            next_send(&t->js, c->peer) >= 0;
+}
+
+/* The first message still to send to p, to name when its connection fails. */
+static uint32_t waiting_seq(const tcp *t, uint32_t p)
+{
+    int64_t nx = next_send(&t->js, p);
+
+    return nx >= 0 ? t->js.job->msgs[nx].seq : 0;
+}
+
+/* Reads the acceptor's nonce (then builds our hello) or, once the hello went out, its
+ * acceptance. Returns 1 when the step is complete, 0 when more bytes are to come, or the
+ * job's error. */
+static int out_handshake_read(tcp *t, conn *c)
+{
+    uint32_t p = c->peer;
+    bool nonce = c->stage == OUT_NONCE;
+    size_t want = nonce ? NONCE_LEN : ACK_LEN;
+    uint8_t *dst = nonce ? c->nonce : c->ack;
+    ssize_t n = recv(c->fd, dst + c->hs_done, want - c->hs_done, MSG_DONTWAIT);
+
+    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR))
+        return 0;
+    if (n <= 0) {
+        int e = n < 0 ? errno : 0;
+        const char *why = e ? strerror(e) : "connection closed";
+
+        if (nonce)
+            return fail(t, e ? -e : -ECONNRESET, "peer %u (%s) sent no challenge on "
+                        "its data port (%s) with message seq %u waiting; is it a refit daemon "
+                        "speaking data protocol %u?", p, t->addrs[p], why, waiting_seq(t, p),
+                        PROTO_VERSION);
+        return fail(t, -EACCES, "peer %u (%s) did not accept our data connection's hello (%s) "
+                    "with message seq %u waiting: it holds a different cluster key (give every "
+                    "daemon the same cluster_key_file) or its own job failed (see its log)", p,
+                    t->addrs[p], why, waiting_seq(t, p));
+    }
+    c->hs_done += (size_t)n;
+    if (c->hs_done < want)
+        return 0;
+    c->hs_done = 0;
+    if (nonce) {
+        put32(c->buf, HELLO_MAGIC);
+        put32(c->buf + 4, PROTO_VERSION);
+        put32(c->buf + 8, t->self);
+        put32(c->buf + 12, p);
+        hello_mac(t, c->nonce, c->buf + 8, c->buf + 16);
+        c->buf_len = HELLO_LEN;
+        c->buf_done = 0;
+        c->stage = OUT_HELLO;
+        return 1;
+    }
+    if (get32(c->ack) != ACK_MAGIC)
+        return fail(t, -EPROTO, "peer %u (%s) answered our data connection's hello with "
+                    "0x%08x, not an acceptance, with message seq %u waiting; is it a refit "
+                    "daemon speaking data protocol %u?", p, t->addrs[p], get32(c->ack),
+                    waiting_seq(t, p), PROTO_VERSION);
+    c->stage = OUT_READY;
+    return 1;
 }
 
 static int send_progress(tcp *t, conn *c)
@@ -573,11 +670,9 @@ static int send_progress(tcp *t, conn *c)
     jstate *s = &t->js;
     uint32_t p = c->peer;
 
-    if (c->connecting) {
+    if (c->stage == OUT_CONNECTING) {
         int soerr = 0;
         socklen_t len = sizeof(soerr);
-        int64_t nx = next_send(s, p);
-        uint32_t seq = nx >= 0 ? s->job->msgs[nx].seq : 0;
 
         if (getsockopt(c->fd, SOL_SOCKET, SO_ERROR, &soerr, &len) < 0)
             soerr = errno;
@@ -585,8 +680,14 @@ static int send_progress(tcp *t, conn *c)
             return 0;
         if (soerr != 0)
             return fail(t, -soerr, "connect to peer %u (%s) for message seq %u: %s; is its "
-                        "daemon up?", p, t->addrs[p], seq, strerror(soerr));
-        c->connecting = false;
+                        "daemon up?", p, t->addrs[p], waiting_seq(t, p), strerror(soerr));
+        c->stage = OUT_NONCE;
+    }
+    if (c->stage == OUT_NONCE || c->stage == OUT_ACK) {
+        int rc = out_handshake_read(t, c);
+
+        if (rc <= 0)
+            return rc;
     }
     for (;;) {
         struct iovec iov[2];
@@ -597,7 +698,7 @@ static int send_progress(tcp *t, conn *c)
         int rc;
 
         if (c->cur < 0) {
-            nx = next_send(s, p);
+            nx = c->stage == OUT_READY ? next_send(s, p) : -1;
             if (nx < 0 && c->buf_done == c->buf_len)
                 return 0;
             if (nx >= 0) {
@@ -647,6 +748,11 @@ static int send_progress(tcp *t, conn *c)
         }
         if (c->buf_done == c->buf_len) {
             c->buf_len = c->buf_done = 0;
+            /* The hello is out: frames wait for the acceptance. */
+            if (c->stage == OUT_HELLO) {
+                c->stage = OUT_ACK;
+                return 0;
+            }
             if (c->cur >= 0 && c->done == s->job->msgs[c->cur].bytes) {
                 uint32_t i = (uint32_t)c->cur;
 
@@ -810,28 +916,77 @@ static int recv_progress(tcp *t, conn *c)
     }
 }
 
-/* Reads the hello of an accepted connection; once known, it becomes the incoming connection
- * of its peer, replacing an older one (which the peer abandoned when it reconnected). A
- * connection that is not one of ours is dropped, without failing the job. */
+/* Writes a few handshake bytes at once: a fresh socket has room for them, so not taking them
+ * all means the connection is already broken. Returns 0 or a negative errno. */
+static int send_now(int fd, const void *buf, size_t len)
+{
+    ssize_t n = send(fd, buf, len, MSG_NOSIGNAL | MSG_DONTWAIT);
+
+    if (n < 0)
+        return -errno;
+    return (size_t)n == len ? 0 : -EAGAIN;
+}
+
+static void drop_pending(conn *c, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static void drop_pending(conn *c, const char *fmt, ...)
+{
+    char why[256];
+    va_list ap;
+
+    va_start(ap, fmt);
+    vsnprintf(why, sizeof(why), fmt, ap);
+    va_end(ap);
+    RF_WARN("dropped the data connection from %s: %s", c->raddr, why);
+    conn_close(c);
+}
+
+/* Reads the hello of an accepted connection. Only a hello that proves the key makes the
+ * connection the incoming one of its peer, replacing an older one (which the peer abandoned
+ * when it reconnected); anything else is dropped and logged, and neither the job nor the
+ * peer's connection notices. */
 static int hello_progress(tcp *t, size_t k)
 {
     conn *c = &t->pending[k];
     ssize_t n = recv(c->fd, c->buf + c->buf_done, HELLO_LEN - c->buf_done, MSG_DONTWAIT);
-    uint32_t from;
+    uint8_t mac[MAC_LEN], ack[ACK_LEN];
+    uint32_t from, to;
+    int rc;
 
     if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR))
         return 0;
     if (n <= 0) {
-        conn_close(c);
+        if (c->buf_done > 0)
+            drop_pending(c, "it closed after %zu of the %d bytes of its hello", c->buf_done,
+                         HELLO_LEN);
+        else
+            conn_close(c);
         return 0;
     }
     c->buf_done += (size_t)n;
+    /* Magic and protocol come first: an old or foreign client is told off at once rather
+     * than left to the hello timeout. */
+    if (c->buf_done >= 8 && (get32(c->buf) != HELLO_MAGIC || get32(c->buf + 4) != PROTO_VERSION)) {
+        drop_pending(c, "not a refit data hello of protocol %u (magic 0x%08x, protocol %u); a "
+                     "daemon of an older release, or not a refit daemon", PROTO_VERSION,
+                     get32(c->buf), get32(c->buf + 4));
+        return 0;
+    }
     if (c->buf_done < HELLO_LEN)
         return 0;
     from = get32(c->buf + 8);
-    if (get32(c->buf) != HELLO_MAGIC || get32(c->buf + 4) != PROTO_VERSION ||
-        from >= t->npeers || get32(c->buf + 12) != t->self) {
-        conn_close(c);
+    to = get32(c->buf + 12);
+    if (from >= t->npeers || to != t->self) {
+        drop_pending(c, "its hello is from peer %u to peer %u, this daemon is peer %u of %u",
+                     from, to, t->self, t->npeers);
+        return 0;
+    }
+    hello_mac(t, c->nonce, c->buf + 8, mac);
+    if (crypto_verify_32(mac, c->buf + 16) != 0) {
+        snprintf(t->auth_note, sizeof(t->auth_note), "a data connection from %s claiming to be "
+                 "peer %u failed authentication: cluster keys differ?", c->raddr, from);
+        drop_pending(c, "its hello claims to be peer %u (%s) but fails authentication: the "
+                     "peer holds another cluster key, or the hello is forged or replayed",
+                     from, t->addrs[from]);
         return 0;
     }
     if (t->in[from].cur >= 0 || t->in[from].buf_done > 0) {
@@ -842,19 +997,40 @@ static int hello_progress(tcp *t, size_t k)
                     "it restarted or failed", from, t->addrs[from],
                     m ? m->seq : expected_seq(t, from));
     }
+    put32(ack, ACK_MAGIC);
+    if ((rc = send_now(c->fd, ack, sizeof(ack))) < 0) {
+        drop_pending(c, "sending the acceptance to peer %u failed: %s", from, strerror(-rc));
+        return 0;
+    }
     conn_close(&t->in[from]);
     t->in[from] = *c;
     t->in[from].peer = from;
-    t->in[from].hello_done = true;
     t->in[from].buf_done = 0;
     conn_init(c);
     return 0;
 }
 
+/* The remote address of an accepted socket, for the log. */
+static void name_remote(const struct sockaddr_storage *ss, socklen_t sl, char *out, size_t len)
+{
+    char h[INET6_ADDRSTRLEN], sv[8];
+
+    if (getnameinfo((const struct sockaddr *)ss, sl, h, sizeof(h), sv, sizeof(sv),
+                    NI_NUMERICHOST | NI_NUMERICSERV) != 0)
+        snprintf(out, len, "an unknown address");
+    else
+        snprintf(out, len, ss->ss_family == AF_INET6 ? "[%s]:%s" : "%s:%s", h, sv);
+}
+
+/* Accepts what waits on the listener and sends each connection its nonce. */
 static void accept_all(tcp *t)
 {
     for (;;) {
-        int fd = accept4(t->lfd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC), one = 1;
+        struct sockaddr_storage ss;
+        socklen_t sl = sizeof(ss);
+        int fd = accept4(t->lfd, (struct sockaddr *)&ss, &sl, SOCK_NONBLOCK | SOCK_CLOEXEC);
+        int one = 1, rc;
+        conn *c;
 
         if (fd < 0)
             return;
@@ -870,8 +1046,32 @@ static void accept_all(tcp *t)
             t->pending = n;
             t->cap_pending = ncap;
         }
-        conn_init(&t->pending[t->npending]);
-        t->pending[t->npending++].fd = fd;
+        c = &t->pending[t->npending];
+        conn_init(c);
+        c->fd = fd;
+        c->since = now_s();
+        name_remote(&ss, sl, c->raddr, sizeof(c->raddr));
+        randombytes_buf(c->nonce, sizeof(c->nonce));
+        if ((rc = send_now(fd, c->nonce, sizeof(c->nonce))) < 0) {
+            drop_pending(c, "sending its challenge failed: %s", strerror(-rc));
+            continue;
+        }
+        t->npending++;
+    }
+}
+
+/* Drops accepted connections whose hello did not come in time. Runs after their input was
+ * read, so a hello that waited in the socket between two jobs still counts. */
+static void expire_pending(tcp *t)
+{
+    double now = now_s();
+
+    for (size_t i = 0; i < t->npending; i++) {
+        conn *c = &t->pending[i];
+
+        if (c->fd >= 0 && now - c->since > HELLO_TIMEOUT_S)
+            drop_pending(c, "no complete hello within %.0f s (%zu of %d bytes)",
+                         HELLO_TIMEOUT_S, c->buf_done, HELLO_LEN);
     }
 }
 
@@ -903,12 +1103,13 @@ static int run_job(tcp *t)
     if ((rc = js_init(s, job, t->npeers)) < 0)
         return fail(t, rc, "out of memory for a job of %u messages", job->nmsgs);
     s->deadline = now_s() + job->timeout_s;
+    t->auth_note[0] = '\0';
     for (uint32_t p = 0; p < t->npeers; p++) {
         conn *c = &t->out[p];
 
         c->cur = -1;
         c->buf_len = c->buf_done = 0;
-        if (c->fd >= 0 && !conn_alive(c))
+        if (c->fd >= 0 && (c->stage != OUT_READY || !conn_alive(c)))
             conn_close(c);
         t->in[p].active = false;
     }
@@ -927,7 +1128,10 @@ static int run_job(tcp *t)
         left_s = s->deadline - now_s();
         if (left_s <= 0) {
             describe_outstanding(t, what, sizeof(what));
-            rc = fail(t, -ETIMEDOUT, "deadline of %.1f s passed with %s", job->timeout_s, what);
+            /* The note goes first: it is the likelier cause, and the message is short. */
+            rc = fail(t, -ETIMEDOUT, "deadline of %.1f s passed%s%s%s with %s",
+                      job->timeout_s, t->auth_note[0] ? " (" : "", t->auth_note,
+                      t->auth_note[0] ? ")" : "", what);
             goto out;
         }
         if (need > cap) {
@@ -960,7 +1164,9 @@ static int run_job(tcp *t)
                     goto out;
             }
             if (c->fd >= 0 && send_wanted(t, c)) {
-                pfd[n] = (struct pollfd){.fd = c->fd, .events = POLLOUT};
+                bool reading = c->stage == OUT_NONCE || c->stage == OUT_ACK;
+
+                pfd[n] = (struct pollfd){.fd = c->fd, .events = reading ? POLLIN : POLLOUT};
                 pref[n] = p;
                 pkind[n++] = PF_OUT;
             }
@@ -999,6 +1205,7 @@ static int run_job(tcp *t)
                 break;
             }
         }
+        expire_pending(t);
         compact_pending(t);
         if (pfd[1].revents)
             accept_all(t);
@@ -1038,6 +1245,9 @@ static void free_tcp(tcp *t)
     free(t->in);
     free(t->pending);
     free(t->arena);
+    if (t->key)
+        sodium_memzero(t->key, t->key_len);
+    free(t->key);
     free(t);
 }
 
@@ -1170,13 +1380,16 @@ static int tcp_run(rf_xfer_transport *base, const rf_xfer_job *job, rf_xfer_done
     if (t->running)
         return rf_err_set(err, -EBUSY, "xfer tcp: a job (version %llu) is still running",
                           (unsigned long long)t->job->version);
+    if (!t->key)
+        return rf_err_set(err, -ENOKEY, "xfer tcp: no cluster key; data connections are "
+                          "authenticated with it, so call rf_xfer_tcp_set_key before a job");
     if (t->npeers == 0)
         return rf_err_set(err, -EINVAL, "xfer tcp: no peer table; call set_peers first");
     if (!(job->timeout_s > 0))
         return rf_err_set(err, -EINVAL, "xfer tcp: job for version %llu has no deadline "
                           "(timeout %g s); set timeout_s", (unsigned long long)job->version,
                           job->timeout_s);
-    if ((rc = rf_xfer_job_check(job, t->npeers, err)) < 0)
+    if (!job->checked && (rc = rf_xfer_job_check(job, t->npeers, err)) < 0)
         return rc;
     memset(&t->result, 0, sizeof(t->result));
     rf_xfer__progress_reset(&t->base);
@@ -1321,6 +1534,30 @@ fail:
         close(t->efd);
     free(t);
     return rc;
+}
+
+int rf_xfer_tcp_set_key(rf_xfer_transport *base, const uint8_t *key, size_t len)
+{
+    tcp *t = (tcp *)base;
+    uint8_t *copy;
+
+    if (!base || base->ops != &tcp_ops || !key || len < RF_XFER_TCP_KEY_MIN)
+        return -EINVAL;
+    if (t->running || t->closing)
+        return -EBUSY;
+    copy = malloc(len);
+    if (!copy)
+        return -ENOMEM;
+    memcpy(copy, key, len);
+    /* Connections proved the old key; with a new one they must prove it again. */
+    if (t->key && (t->key_len != len || sodium_memcmp(t->key, key, len) != 0))
+        close_all_conns(t);
+    if (t->key)
+        sodium_memzero(t->key, t->key_len);
+    free(t->key);
+    t->key = copy;
+    t->key_len = len;
+    return 0;
 }
 
 const char *rf_xfer_tcp_addr(const rf_xfer_transport *base)

@@ -319,3 +319,57 @@ wait_ok tr2 eng2
 grep -q "version 23 committed.*0 wrong" "$E2E_DIR/eng2.log" ||
     fail "engine did not verify version 23 after the bad input"
 echo "ok: bad frames, RPC requests and registrations refused with their reasons; refits 1-23 verified"
+
+# The forged data hello of protocol 1 (peer 0 to peer 1, no proof of the cluster key), sent to
+# the receiver's data port again and again while 20 more refits run: each must be dropped and
+# logged, and no refit may abort (it used to replace the publisher's data connection).
+cat > "$E2E_DIR/forge.py" <<'EOF2'
+import socket, struct, sys, time
+
+data_port, eng_log, last = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+
+
+def run_over():
+    with open(eng_log) as f:
+        return last in f.read()
+
+
+sent = closed = late = 0
+t0 = time.monotonic()
+while time.monotonic() - t0 < 60 and not run_over():
+    s = socket.create_connection(("127.0.0.1", data_port), timeout=5)
+    s.sendall(struct.pack("<IIII", 0x48584652, 1, 0, 1))
+    sent += 1
+    # Dropped: the daemon closes it (after its 32-byte nonce). The data port accepts while a
+    # refit runs, so one sent as the last refit ends may wait in the backlog: not counted.
+    s.settimeout(5)
+    try:
+        while s.recv(4096):
+            pass
+        closed += 1
+    except socket.timeout:
+        late += run_over()
+    except ConnectionResetError:
+        closed += 1
+    s.close()
+    time.sleep(0.02)
+print("forged hellos: %d sent during the run, %d dropped, %d left waiting after the last "
+      "refit" % (sent, closed, late))
+sys.exit(0 if sent - late >= 3 and closed + late == sent else 1)
+EOF2
+start_engine eng3 0 --model qwen3-0.6b --shrink 8 --layout tp=4 --start 24 --versions 20
+start_trainer tr3 0 --model qwen3-0.6b --shrink 8 --layout tp=2 --start 24 --versions 20
+wait_for "$E2E_DIR/eng3.log" "version 24 committed" 30
+python3 "$E2E_DIR/forge.py" "$DATA_PORT" "$E2E_DIR/eng3.log" "version 43 committed" ||
+    fail "forged data hellos were not all dropped mid-run (above)"
+wait_ok tr3 eng3
+grep -q "version 43 committed.*0 wrong" "$E2E_DIR/eng3.log" ||
+    fail "engine did not verify version 43 with forged data hellos coming in"
+[ "$(grep -c "committed.*0 wrong" "$E2E_DIR/eng3.log")" = 20 ] ||
+    fail "not every refit of versions 24-43 was committed and verified"
+if grep -qi "abort" "$E2E_DIR/eng3.log" "$E2E_DIR/tr3.log"; then
+    fail "a forged data hello disturbed a refit: $(grep -i abort "$E2E_DIR/eng3.log" "$E2E_DIR/tr3.log" | head -3)"
+fi
+grep -q "dropped the data connection from 127.0.0.1:.*protocol 1" "$E2E_DIR/recv0.log" ||
+    fail "the receiver did not log the forged data hellos it dropped"
+echo "ok: forged data hellos dropped and logged; refits 24-43 verified"

@@ -1,9 +1,11 @@
 /* tests/unit/test_xfer.c - the tcp transport between several instances in one process over
  * 127.0.0.1: jobs by hand and from real plans checked byte for byte, rounds under a tiny
- * staging budget, verification digests, dead peers, stale versions, deadlines and aborts. */
+ * staging budget, verification digests, dead peers, stale versions, deadlines, aborts, and
+ * the authenticated hello against forged, replayed and old ones. */
 #include <criterion/criterion.h>
 #include <arpa/inet.h>
 #include <netinet/in.h>
+#include <sodium.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -13,6 +15,7 @@
 #include <uv.h>
 
 #include "layout.h"
+#include "log.h"
 #include "macros.h"
 #include "model.h"
 #include "plan.h"
@@ -53,6 +56,23 @@ static const char *addr_of(world *w, int i)
     return rf_xfer_tcp_addr(w->t[i]);
 }
 
+/* Cluster keys: every byte `fill`. The world's transports share KEY_A. */
+#define KEY_A 0xa1
+#define KEY_B 0xb2
+
+static void key_bytes(uint8_t fill, uint8_t out[RF_XFER_TCP_KEY_MIN])
+{
+    memset(out, fill, RF_XFER_TCP_KEY_MIN);
+}
+
+static void set_key(rf_xfer_transport *t, uint8_t fill)
+{
+    uint8_t k[RF_XFER_TCP_KEY_MIN];
+
+    key_bytes(fill, k);
+    cr_assert_eq(rf_xfer_tcp_set_key(t, k, sizeof(k)), 0);
+}
+
 static void world_set_peers(world *w)
 {
     const char *addrs[MAXD];
@@ -77,6 +97,7 @@ static void world_open(world *w, int n)
         cr_assert_str_eq(rf_xfer_name(w->t[i]), "tcp");
         cr_assert(strncmp(addr_of(w, i), "127.0.0.1:", 10) == 0, "%s", addr_of(w, i));
         cr_assert_neq(strcmp(addr_of(w, i), "127.0.0.1:0"), 0);
+        set_key(w->t[i], KEY_A);
     }
     world_set_peers(w);
 }
@@ -821,28 +842,130 @@ static int dial(const char *addr)
     return fd;
 }
 
-/* A fake peer `from` that says hello to daemon `to` and writes a frame header, then `len`
- * bytes of payload. */
+/* Reads exactly len bytes (5 s at most); returns how many came before EOF or the timeout. */
+static size_t read_full(int fd, uint8_t *buf, size_t len)
+{
+    struct timeval tv = {.tv_sec = 5};
+    size_t got = 0;
+
+    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+    while (got < len) {
+        ssize_t n = read(fd, buf + got, len - got);
+
+        if (n <= 0)
+            break;
+        got += (size_t)n;
+    }
+    return got;
+}
+
+/* Whether the other end closes fd within secs (reading and discarding what comes). */
+static bool closed_within(int fd, double secs)
+{
+    double end = now_s() + secs;
+    struct timeval tv = {.tv_usec = 100000};
+    uint8_t b[64];
+
+    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+    while (now_s() < end) {
+        ssize_t n = read(fd, b, sizeof(b));
+
+        if (n == 0 || (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR))
+            return true;
+    }
+    return false;
+}
+
+/* The data hello of protocol 2, as the spec says: magic, protocol, from, to, then
+ * HMAC-SHA256(key, "refit-data-v1" || acceptor's nonce || from || to). */
+static void make_hello(uint8_t out[48], uint8_t key_fill, const uint8_t nonce[32],
+                       uint32_t from, uint32_t to)
+{
+    static const char tag[] = "refit-data-v1";
+    uint8_t key[RF_XFER_TCP_KEY_MIN];
+    crypto_auth_hmacsha256_state st;
+
+    key_bytes(key_fill, key);
+    put32(out, 0x48584652u);
+    put32(out + 4, 2);
+    put32(out + 8, from);
+    put32(out + 12, to);
+    crypto_auth_hmacsha256_init(&st, key, sizeof(key));
+    crypto_auth_hmacsha256_update(&st, (const uint8_t *)tag, sizeof(tag) - 1);
+    crypto_auth_hmacsha256_update(&st, nonce, 32);
+    crypto_auth_hmacsha256_update(&st, out + 8, 8);
+    crypto_auth_hmacsha256_final(&st, out + 16);
+}
+
+/* Connects to a running transport as peer `from` (to `to`) holding key_fill: reads the
+ * nonce, sends the hello. *accepted tells whether the acceptance came back. */
+static int auth_dial(const char *addr, uint8_t key_fill, uint32_t from, uint32_t to,
+                     bool *accepted)
+{
+    uint8_t nonce[32], hello[48], ack[4];
+    int fd = dial(addr);
+
+    cr_assert_eq(read_full(fd, nonce, sizeof(nonce)), sizeof(nonce), "no nonce from %s", addr);
+    make_hello(hello, key_fill, nonce, from, to);
+    cr_assert_eq(write(fd, hello, sizeof(hello)), (ssize_t)sizeof(hello));
+    *accepted = read_full(fd, ack, sizeof(ack)) == sizeof(ack) && memcmp(ack, "RFXA", 4) == 0;
+    return fd;
+}
+
+/* A fake peer `from` that authenticates to daemon `to` (whose job must be running) and writes
+ * a frame header, then `len` bytes of payload. */
 static int fake_sender(const char *addr, uint32_t from, uint32_t to, uint32_t magic,
                        uint32_t seq, uint64_t version, uint64_t bytes, size_t len)
 {
-    uint8_t buf[40];
+    uint8_t buf[24];
     uint8_t *payload = calloc(len + 1, 1);
-    int fd = dial(addr);
+    bool accepted;
+    int fd = auth_dial(addr, KEY_A, from, to, &accepted);
 
-    put32(buf, 0x48584652u);
-    put32(buf + 4, 1);
-    put32(buf + 8, from);
-    put32(buf + 12, to);
-    put32(buf + 16, magic);
-    put32(buf + 20, seq);
-    put64(buf + 24, version);
-    put64(buf + 32, bytes);
+    cr_assert(accepted, "the fake peer's hello was not accepted");
+    put32(buf, magic);
+    put32(buf + 4, seq);
+    put64(buf + 8, version);
+    put64(buf + 16, bytes);
     cr_assert_eq(write(fd, buf, sizeof(buf)), (ssize_t)sizeof(buf));
     if (len)
         cr_assert_eq(write(fd, payload, len), (ssize_t)len);
     free(payload);
     return fd;
+}
+
+/* What poke_fake does once daemon 1's job runs: fake_sender as daemon 0 with these, then
+ * `extra` bytes, then close when asked. */
+static struct {
+    uint32_t magic, seq;
+    uint64_t version, bytes;
+    size_t len;
+    const uint8_t *extra;
+    size_t extra_len;
+    bool close_after;
+    int fd;
+} fk;
+
+static void fake_set(uint32_t magic, uint32_t seq, uint64_t version, uint64_t bytes, size_t len)
+{
+    memset(&fk, 0, sizeof(fk));
+    fk.magic = magic;
+    fk.seq = seq;
+    fk.version = version;
+    fk.bytes = bytes;
+    fk.len = len;
+    fk.fd = -1;
+}
+
+static void poke_fake(world *w)
+{
+    fk.fd = fake_sender(addr_of(w, 1), 0, 1, fk.magic, fk.seq, fk.version, fk.bytes, fk.len);
+    if (fk.extra_len)
+        cr_assert_eq(write(fk.fd, fk.extra, fk.extra_len), (ssize_t)fk.extra_len);
+    if (fk.close_after) {
+        close(fk.fd);
+        fk.fd = -1;
+    }
 }
 
 /* Daemon 1 receives the pair's messages from daemon 0; daemon 0 then runs its side. */
@@ -862,14 +985,13 @@ Test(xfer_fail, sender_dies_mid_payload_then_good_job)
 {
     pair p;
     world w;
-    int fd;
 
     pair_init(&p, 3);
     world_open(&w, 2);
     /* Daemon 0 dies after 1000 bytes of message seq 10. */
-    fd = fake_sender(addr_of(&w, 1), 0, 1, 0x46584652u, 10, 3, p.rmsgs[0].bytes, 1000);
-    close(fd);
-    world_run(&w, (rf_xfer_job *[]){NULL, &p.rjob});
+    fake_set(0x46584652u, 10, 3, p.rmsgs[0].bytes, 1000);
+    fk.close_after = true;
+    world_run_poke(&w, (rf_xfer_job *[]){NULL, &p.rjob}, poke_fake, 1);
     cr_assert_eq(w.res[1].code, -ECONNRESET, "%d %s", w.res[1].code, w.res[1].error);
     cr_assert(strstr(w.res[1].error, "seq 10") && strstr(w.res[1].error, "peer 0") &&
               strstr(w.res[1].error, "1000 of"), "%s", w.res[1].error);
@@ -882,31 +1004,29 @@ static int second_fd = -1;
 
 static void poke_reconnect(world *w)
 {
-    uint8_t hello[16];
+    bool accepted;
 
-    second_fd = dial(addr_of(w, 1));
-    put32(hello, 0x48584652u);
-    put32(hello + 4, 1);
-    put32(hello + 8, 0);
-    put32(hello + 12, 1);
-    cr_assert_eq(write(second_fd, hello, sizeof(hello)), (ssize_t)sizeof(hello));
+    poke_fake(w);
+    usleep(100000);
+    second_fd = auth_dial(addr_of(w, 1), KEY_A, 0, 1, &accepted);
+    cr_assert(!accepted, "a reconnection in the middle of a message was accepted");
 }
 
-/* Daemon 0 stalls inside a message, then connects again: its old stream cannot be resumed. */
+/* Daemon 0 stalls inside a message, then connects again (authenticated): its old stream
+ * cannot be resumed. */
 Test(xfer_fail, reconnect_mid_message_fails)
 {
     pair p;
     world w;
-    int fd;
 
     pair_init(&p, 3);
     world_open(&w, 2);
-    fd = fake_sender(addr_of(&w, 1), 0, 1, 0x46584652u, 10, 3, p.rmsgs[0].bytes, 500);
-    world_run_poke(&w, (rf_xfer_job *[]){NULL, &p.rjob}, poke_reconnect, 100);
+    fake_set(0x46584652u, 10, 3, p.rmsgs[0].bytes, 500);
+    world_run_poke(&w, (rf_xfer_job *[]){NULL, &p.rjob}, poke_reconnect, 1);
     cr_assert_eq(w.res[1].code, -ECONNRESET, "%s", w.res[1].error);
     cr_assert(strstr(w.res[1].error, "reconnected") && strstr(w.res[1].error, "seq 10"), "%s",
               w.res[1].error);
-    close(fd);
+    close(fk.fd);
     close(second_fd);
     pair_free(&p);
     good_pair_run(&w, 4);
@@ -930,17 +1050,15 @@ Test(xfer_fail, bad_magic_and_unexpected_seq)
     for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
         pair p;
         world w;
-        int fd;
 
         pair_init(&p, 3);
         /* Rounds 0 and 1 are open, so seq 11 moved to round 2 is early. */
         p.rmsgs[1].round = 2;
         p.rjob.nrounds = 3;
         world_open(&w, 2);
-        fd = fake_sender(addr_of(&w, 1), 0, 1, cases[i].magic, cases[i].seq, 3, cases[i].bytes,
-                         0);
-        world_run(&w, (rf_xfer_job *[]){NULL, &p.rjob});
-        close(fd);
+        fake_set(cases[i].magic, cases[i].seq, 3, cases[i].bytes, 0);
+        world_run_poke(&w, (rf_xfer_job *[]){NULL, &p.rjob}, poke_fake, 1);
+        close(fk.fd);
         cr_assert_eq(w.res[1].code, cases[i].code, "case %zu: %s", i, w.res[1].error);
         cr_assert(strstr(w.res[1].error, cases[i].says) && strstr(w.res[1].error, "peer 0"),
                   "case %zu: %s", i, w.res[1].error);
@@ -962,23 +1080,23 @@ Test(xfer_fail, same_message_twice)
     pair p;
     world w;
     uint8_t hdr[24];
-    int fd;
 
     pair_init(&p, 3);
     pair_small_direct(&p);
     world_open(&w, 2);
-    fd = fake_sender(addr_of(&w, 1), 0, 1, 0x46584652u, 10, 3, COLS * 4, COLS * 4);
     put32(hdr, 0x46584652u);
     put32(hdr + 4, 10);
     put64(hdr + 8, 3);
     put64(hdr + 16, COLS * 4);
-    cr_assert_eq(write(fd, hdr, sizeof(hdr)), (ssize_t)sizeof(hdr));
-    world_run(&w, (rf_xfer_job *[]){NULL, &p.rjob});
+    fake_set(0x46584652u, 10, 3, COLS * 4, COLS * 4);
+    fk.extra = hdr;
+    fk.extra_len = sizeof(hdr);
+    world_run_poke(&w, (rf_xfer_job *[]){NULL, &p.rjob}, poke_fake, 1);
     cr_assert_eq(w.res[1].code, -EPROTO, "%s", w.res[1].error);
     cr_assert(strstr(w.res[1].error, "seq 10 twice"), "%s", w.res[1].error);
     /* The first copy was installed, the job still failed. */
     cr_assert_eq(w.res[1].bytes_recv, COLS * 4);
-    close(fd);
+    close(fk.fd);
     pair_free(&p);
     good_pair_run(&w, 4);
     world_close(&w);
@@ -988,18 +1106,18 @@ Test(xfer_fail, peer_dies_inside_a_header)
 {
     pair p;
     world w;
-    uint8_t buf[26];
-    int fd;
+    uint8_t buf[10];
 
     pair_init(&p, 3);
     pair_small_direct(&p);
     world_open(&w, 2);
     /* One whole message, then 10 bytes of the next header. */
-    fd = fake_sender(addr_of(&w, 1), 0, 1, 0x46584652u, 10, 3, COLS * 4, COLS * 4);
     memset(buf, 0, sizeof(buf));
-    cr_assert_eq(write(fd, buf, 10), 10);
-    close(fd);
-    world_run(&w, (rf_xfer_job *[]){NULL, &p.rjob});
+    fake_set(0x46584652u, 10, 3, COLS * 4, COLS * 4);
+    fk.extra = buf;
+    fk.extra_len = sizeof(buf);
+    fk.close_after = true;
+    world_run_poke(&w, (rf_xfer_job *[]){NULL, &p.rjob}, poke_fake, 1);
     cr_assert_eq(w.res[1].code, -ECONNRESET, "%s", w.res[1].error);
     cr_assert(strstr(w.res[1].error, "inside a frame header") &&
               strstr(w.res[1].error, "seq 11 expected"), "%s", w.res[1].error);
@@ -1143,6 +1261,7 @@ Test(xfer_fail, receiver_dies_while_sender_blocked)
     w.t[1] = NULL;
     /* Daemon 1 restarts on a new port; daemon 0 reconnects to it. */
     cr_assert_eq(rf_xfer_tcp_new(&w.loop, "127.0.0.1:0", &w.t[1], &err), 0, "%s", err.msg);
+    set_key(w.t[1], KEY_A);
     world_set_peers(&w);
     rj.nmsgs = 1;
     rj.msgs = &rm[1];
@@ -1207,6 +1326,366 @@ Test(xfer_fail, connect_refused_names_the_peer)
     world_set_peers(&w);
     pair_free(&p);
     good_pair_run(&w, 2);
+    world_close(&w);
+}
+
+/* ---- authentication of data connections ------------------------------------------------- */
+
+static int listen_local(char *addr, size_t len)
+{
+    struct sockaddr_in sa = {.sin_family = AF_INET};
+    struct timeval tv = {.tv_sec = 5};
+    socklen_t sl = sizeof(sa);
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+
+    cr_assert_geq(fd, 0);
+    inet_pton(AF_INET, "127.0.0.1", &sa.sin_addr);
+    cr_assert_eq(bind(fd, (struct sockaddr *)&sa, sizeof(sa)), 0);
+    cr_assert_eq(listen(fd, 8), 0);
+    cr_assert_eq(getsockname(fd, (struct sockaddr *)&sa, &sl), 0);
+    /* accept gives up after 5 s rather than hang the loop thread. */
+    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+    snprintf(addr, len, "127.0.0.1:%u", ntohs(sa.sin_port));
+    return fd;
+}
+
+/* Log lines go to a file the test reads back. */
+static int log_capture(void)
+{
+    char path[] = "/tmp/test_xfer_log.XXXXXX";
+    int fd = mkstemp(path);
+
+    cr_assert_geq(fd, 0);
+    unlink(path);
+    rf_log_set_fd(fd);
+    return fd;
+}
+
+static char *log_release(int fd)
+{
+    off_t n = lseek(fd, 0, SEEK_END);
+    char *text = calloc((size_t)n + 1, 1);
+
+    rf_log_set_fd(2);
+    cr_assert_not_null(text);
+    cr_assert_eq(pread(fd, text, (size_t)n, 0), (ssize_t)n);
+    close(fd);
+    return text;
+}
+
+static size_t count_of(const char *text, const char *what)
+{
+    size_t k = 0;
+
+    for (const char *p = strstr(text, what); p; p = strstr(p + 1, what))
+        k++;
+    return k;
+}
+
+/* A stand-in for daemon 1 that daemon 0 connects to: it closes at once, or sends a nonce and
+ * takes the hello (keeping it), then closes or answers something that is no acceptance. */
+enum { ACC_CLOSE, ACC_TAKE_HELLO, ACC_BAD_ACK };
+
+static struct {
+    int lfd, how;
+    uint8_t nonce[32], hello[48];
+    size_t got;
+} fa;
+
+static void poke_fake_acceptor(world *w)
+{
+    int fd = accept(fa.lfd, NULL, NULL);
+
+    (void)w;
+    cr_assert_geq(fd, 0, "daemon 0 did not connect");
+    fa.got = 0;
+    if (fa.how != ACC_CLOSE) {
+        randombytes_buf(fa.nonce, sizeof(fa.nonce));
+        cr_assert_eq(write(fd, fa.nonce, sizeof(fa.nonce)), (ssize_t)sizeof(fa.nonce));
+        fa.got = read_full(fd, fa.hello, sizeof(fa.hello));
+        if (fa.how == ACC_BAD_ACK)
+            cr_assert_eq(write(fd, "NOPE", 4), 4);
+    }
+    close(fd);
+}
+
+/* Daemon 0 sends to an impostor of daemon 1 (at fake) and captures its hello in fa. */
+static void run_against_fake(world *w, int how, const char *fake, rf_xfer_job *job)
+{
+    const char *addrs[2] = {addr_of(w, 0), fake};
+    rf_err err;
+
+    fa.how = how;
+    cr_assert_eq(rf_xfer_set_peers(w->t[0], 0, 2, addrs, &err), 0, "%s", err.msg);
+    world_run_poke(w, (rf_xfer_job *[]){job, NULL, NULL}, poke_fake_acceptor, 1);
+}
+
+/* The connector's side: a peer that sends no nonce, one that takes the hello and hangs up,
+ * one that answers with no acceptance; each fails the job naming the peer and the message.
+ * The hello it took is the spec's, byte for byte. */
+Test(xfer_auth, connector_names_a_peer_that_refuses)
+{
+    struct {
+        int how, code;
+        const char *says;
+    } cases[] = {
+        {ACC_CLOSE, -ECONNRESET, "sent no challenge"},
+        {ACC_TAKE_HELLO, -EACCES, "different cluster key"},
+        {ACC_BAD_ACK, -EPROTO, "not an acceptance"},
+    };
+    world w;
+
+    world_open(&w, 2);
+    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+        char fake[64];
+        uint8_t want[48];
+        pair p;
+
+        pair_init(&p, 1);
+        fa.lfd = listen_local(fake, sizeof(fake));
+        run_against_fake(&w, cases[i].how, fake, &p.sjob);
+        cr_assert_eq(w.res[0].code, cases[i].code, "case %zu: %s", i, w.res[0].error);
+        cr_assert(strstr(w.res[0].error, cases[i].says) && strstr(w.res[0].error, "peer 1") &&
+                  strstr(w.res[0].error, fake) && strstr(w.res[0].error, "seq 10"),
+                  "case %zu: %s", i, w.res[0].error);
+        if (cases[i].how != ACC_CLOSE) {
+            cr_assert_eq(fa.got, sizeof(fa.hello), "case %zu: hello of %zu bytes", i, fa.got);
+            make_hello(want, KEY_A, fa.nonce, 0, 1);
+            cr_assert(memcmp(fa.hello, want, sizeof(want)) == 0,
+                      "case %zu: the hello is not {RFXH, 2, 0, 1, HMAC(key, tag||nonce||0||1)}",
+                      i);
+        }
+        close(fa.lfd);
+        pair_free(&p);
+    }
+    world_set_peers(&w);
+    good_pair_run(&w, 2);
+    world_close(&w);
+}
+
+/* The three-daemon job of the attack test: daemon 0 sends seq 0, 2, 3 (rounds 0, 1, 2) to
+ * daemon 1, daemon 2 sends seq 1 (round 0), started late by the attacks' poke. Round 2 waits
+ * for it, so daemon 0's seq 3 waits on an authenticated connection that sits idle between
+ * frames: the state in which a forged hello used to replace it. */
+#define ATK_N (1u << 20)
+
+static struct {
+    rf_xfer_job *late;
+    char captured[48];
+} atk;
+
+static void poke_attacks(world *w)
+{
+    const char *a1 = addr_of(w, 1);
+    uint8_t nonce[32], hello[48], old[16];
+    bool accepted;
+    int silent, fd;
+    double t0;
+    rf_err err;
+
+    /* Connected, then silent: only the hello timeout ends it. */
+    silent = dial(a1);
+    cr_assert_eq(read_full(silent, nonce, sizeof(nonce)), sizeof(nonce));
+    t0 = now_s();
+    /* A hello as daemon 0 with the MAC of another key. */
+    fd = auth_dial(a1, KEY_B, 0, 1, &accepted);
+    cr_assert(!accepted, "a hello under another key was accepted");
+    cr_assert(closed_within(fd, 2));
+    close(fd);
+    /* The hello captured from daemon 0's real connection, replayed against a fresh nonce. */
+    fd = dial(a1);
+    cr_assert_eq(read_full(fd, nonce, sizeof(nonce)), sizeof(nonce));
+    cr_assert(memcmp(nonce, fa.nonce, sizeof(nonce)) != 0);
+    cr_assert_eq(write(fd, atk.captured, sizeof(atk.captured)), (ssize_t)sizeof(atk.captured));
+    cr_assert(closed_within(fd, 2), "a replayed hello was not dropped");
+    close(fd);
+    /* The old unauthenticated hello of protocol 1, as daemon 0. */
+    fd = dial(a1);
+    cr_assert_eq(read_full(fd, nonce, sizeof(nonce)), sizeof(nonce));
+    put32(old, 0x48584652u);
+    put32(old + 4, 1);
+    put32(old + 8, 0);
+    put32(old + 12, 1);
+    cr_assert_eq(write(fd, old, sizeof(old)), (ssize_t)sizeof(old));
+    cr_assert(closed_within(fd, 2), "an old hello was not dropped");
+    close(fd);
+    /* A hello with the right key, but for daemon 2. */
+    fd = auth_dial(a1, KEY_A, 0, 2, &accepted);
+    cr_assert(!accepted, "a hello for another daemon was accepted");
+    close(fd);
+    /* Half a hello, then gone. */
+    fd = dial(a1);
+    cr_assert_eq(read_full(fd, nonce, sizeof(nonce)), sizeof(nonce));
+    make_hello(hello, KEY_A, nonce, 0, 1);
+    cr_assert_eq(write(fd, hello, 20), 20);
+    close(fd);
+    cr_assert(closed_within(silent, 8), "a silent connection outlived the hello timeout");
+    cr_assert(now_s() - t0 > 4.5, "a silent connection was dropped after %.1f s",
+              now_s() - t0);
+    close(silent);
+    cr_assert_eq(rf_xfer_run(w->t[2], atk.late, on_done, w, &err), 0, "%s", err.msg);
+    w->pending++;
+}
+
+Test(xfer_auth, forged_replayed_and_old_hellos_leave_the_job_alone)
+{
+    uint8_t *src = malloc(4 * ATK_N), *dst = calloc(4, ATK_N);
+    rf_xfer_item si[4], ri[4];
+    rf_xfer_msg s0[3], s2, r1[4];
+    rf_xfer_job j0, j1, j2;
+    char fake[64], *log;
+    world w;
+    pair p;
+    int logfd;
+
+    cr_assert(src && dst);
+    for (uint64_t i = 0; i < 4 * ATK_N; i++)
+        src[i] = pattern(5, i, 0, 9);
+    for (uint32_t q = 0; q < 4; q++) {
+        /* seq q: bytes [q * ATK_N, (q + 1) * ATK_N) */
+        si[q] = item1d(src, 4 * ATK_N, q * ATK_N, ATK_N, 0);
+        ri[q] = item1d(dst, 4 * ATK_N, q * ATK_N, ATK_N, 0);
+        r1[q] = (rf_xfer_msg){.seq = q, .round = q == 0 ? 0 : q - 1, .kind = RF_XFER_DIRECT,
+                              .peer = q == 1 ? 2 : 0, .bytes = ATK_N, .nitems = 1,
+                              .items = &ri[q]};
+    }
+    for (uint32_t k = 0; k < 3; k++) {
+        uint32_t q = k == 0 ? 0 : k + 1;
+
+        s0[k] = r1[q];
+        s0[k].send = true;
+        s0[k].peer = 1;
+        s0[k].items = &si[q];
+    }
+    s2 = r1[1];
+    s2.send = true;
+    s2.peer = 1;
+    s2.items = &si[1];
+    j0 = (rf_xfer_job){.version = 9, .nrounds = 3, .nmsgs = 3, .msgs = s0, .timeout_s = 20,
+                       .verify = 1};
+    j1 = j0;
+    j1.nmsgs = 4;
+    j1.msgs = r1;
+    j2 = j0;
+    j2.nmsgs = 1;
+    j2.msgs = &s2;
+    atk.late = &j2;
+
+    world_open(&w, 3);
+    /* A hello from daemon 0's real connection, captured by an impostor of daemon 1. */
+    pair_init(&p, 1);
+    fa.lfd = listen_local(fake, sizeof(fake));
+    run_against_fake(&w, ACC_TAKE_HELLO, fake, &p.sjob);
+    cr_assert_eq(fa.got, sizeof(atk.captured));
+    memcpy(atk.captured, fa.hello, sizeof(atk.captured));
+    close(fa.lfd);
+    pair_free(&p);
+    world_set_peers(&w);
+
+    logfd = log_capture();
+    world_run_poke(&w, (rf_xfer_job *[]){&j0, &j1, NULL}, poke_attacks, 300);
+    log = log_release(logfd);
+    for (int d = 0; d < 3; d++)
+        cr_assert_eq(w.res[d].code, 0, "daemon %d: %s", d, w.res[d].error);
+    cr_assert_eq(w.res[1].bytes_recv, 4ull * ATK_N);
+    cr_assert(memcmp(src, dst, 4 * ATK_N) == 0, "bytes differ after the attacks");
+    digests_agree(&w);
+    /* Each one was dropped and logged with where it came from. */
+    cr_assert_eq(count_of(log, "dropped the data connection from 127.0.0.1:"), 6, "%s", log);
+    cr_assert_eq(count_of(log, "claims to be peer 0") , 2, "%s", log);
+    cr_assert(strstr(log, "fails authentication"), "%s", log);
+    cr_assert(strstr(log, "magic 0x48584652, protocol 1"), "%s", log);
+    cr_assert(strstr(log, "from peer 0 to peer 2"), "%s", log);
+    cr_assert(strstr(log, "closed after 20 of the 48 bytes"), "%s", log);
+    cr_assert(strstr(log, "no complete hello within 5 s (0 of 48 bytes)"), "%s", log);
+    free(log);
+    world_close(&w);
+    free(src);
+    free(dst);
+}
+
+/* Daemons with different keys cannot run a job; each side says why. A key change closes the
+ * connections made under the old key, so the first job here does not carry over. */
+Test(xfer_auth, different_keys_cannot_run_a_job)
+{
+    pair p;
+    world w;
+
+    world_open(&w, 2);
+    good_pair_run(&w, 1);
+    set_key(w.t[1], KEY_B);
+    pair_init(&p, 2);
+    p.rjob.timeout_s = 1;
+    world_run(&w, (rf_xfer_job *[]){&p.sjob, &p.rjob});
+    cr_assert_eq(w.res[0].code, -EACCES, "%s", w.res[0].error);
+    cr_assert(strstr(w.res[0].error, "peer 1") && strstr(w.res[0].error, addr_of(&w, 1)) &&
+              strstr(w.res[0].error, "different cluster key"), "%s", w.res[0].error);
+    cr_assert_eq(w.res[1].code, -ETIMEDOUT, "%s", w.res[1].error);
+    cr_assert(strstr(w.res[1].error, "claiming to be peer 0 failed authentication"), "%s",
+              w.res[1].error);
+    for (size_t i = 0; i < (size_t)ROWS * COLS; i++)
+        cr_assert_eq(p.dst_t[i], 0.0f);
+    pair_free(&p);
+    set_key(w.t[1], KEY_A);
+    good_pair_run(&w, 3);
+    world_close(&w);
+}
+
+Test(xfer_auth, no_key_is_refused_and_bad_keys)
+{
+    rf_xfer_transport *bare = NULL;
+    uint8_t k[RF_XFER_TCP_KEY_MIN];
+    const char *addrs[2];
+    pair p;
+    world w;
+    rf_err err;
+
+    pair_init(&p, 1);
+    world_open(&w, 2);
+    cr_assert_eq(rf_xfer_tcp_new(&w.loop, "127.0.0.1:0", &bare, &err), 0, "%s", err.msg);
+    addrs[0] = rf_xfer_tcp_addr(bare);
+    addrs[1] = addr_of(&w, 1);
+    cr_assert_eq(rf_xfer_set_peers(bare, 0, 2, addrs, &err), 0, "%s", err.msg);
+    cr_assert_eq(rf_xfer_run(bare, &p.sjob, on_done, &w, &err), -ENOKEY);
+    cr_assert(strstr(err.msg, "no cluster key") && strstr(err.msg, "rf_xfer_tcp_set_key"), "%s",
+              err.msg);
+    key_bytes(KEY_A, k);
+    cr_assert_eq(rf_xfer_tcp_set_key(bare, k, sizeof(k) - 1), -EINVAL);
+    cr_assert_eq(rf_xfer_tcp_set_key(bare, NULL, sizeof(k)), -EINVAL);
+    cr_assert_eq(rf_xfer_tcp_set_key(NULL, k, sizeof(k)), -EINVAL);
+    cr_assert_eq(rf_xfer_run(bare, &p.sjob, on_done, &w, &err), -ENOKEY);
+    rf_xfer_close(bare, NULL, NULL);
+    cr_assert_eq(rf_xfer_tcp_set_key(bare, k, sizeof(k)), -EBUSY);
+    /* While a job runs the key stays. */
+    p.rjob.timeout_s = 0.2;
+    cr_assert_eq(rf_xfer_run(w.t[1], &p.rjob, on_done, &w, &err), 0, "%s", err.msg);
+    cr_assert_eq(rf_xfer_tcp_set_key(w.t[1], k, sizeof(k)), -EBUSY);
+    w.pending = 1;
+    uv_timer_start(&w.guard, on_guard, 30000, 0);
+    uv_run(&w.loop, UV_RUN_DEFAULT);
+    uv_timer_stop(&w.guard);
+    cr_assert_eq(w.res[1].code, -ETIMEDOUT);
+    world_close(&w);
+    pair_free(&p);
+}
+
+/* A connection reset before it was accepted cannot take its nonce: dropped and logged. */
+Test(xfer_auth, reset_before_accept_is_dropped)
+{
+    struct linger lg = {.l_onoff = 1, .l_linger = 0};
+    world w;
+    char *log;
+    int fd, logfd;
+
+    world_open(&w, 2);
+    fd = dial(addr_of(&w, 1));
+    setsockopt(fd, SOL_SOCKET, SO_LINGER, &lg, sizeof(lg));
+    close(fd);
+    logfd = log_capture();
+    good_pair_run(&w, 1);
+    log = log_release(logfd);
+    cr_assert(strstr(log, "sending its challenge failed"), "%s", log);
+    free(log);
     world_close(&w);
 }
 
@@ -1282,6 +1761,7 @@ Test(xfer_check, busy_while_running_and_no_peers)
     cr_assert_eq(w.res[1].code, -ETIMEDOUT);
     /* A transport with no peer table refuses jobs. */
     cr_assert_eq(rf_xfer_tcp_new(&w.loop, "127.0.0.1:0", &lone, &err), 0, "%s", err.msg);
+    set_key(lone, KEY_A);
     cr_assert_eq(rf_xfer_run(lone, &p.sjob, on_done, &w, &err), -EINVAL);
     cr_assert(strstr(err.msg, "set_peers"), "%s", err.msg);
     rf_xfer_close(lone, NULL, NULL);
