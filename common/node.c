@@ -30,12 +30,10 @@ struct rf_node {
     rf_slice_job slice; /* what Start runs */
     rf_slice_job next;  /* a slice still arriving, or complete while a refit ran */
     bool slice_stale;   /* slice must go once the running data path ends */
-    uint32_t self; /* this daemon's index in the slice's peer table */
     uint64_t ready;  /* highest version the local trainers published */
 
     /* The refit in flight (running) and the last one that ended. */
     bool running;
-    bool aborted; /* Abort arrived while the data path ran */
     uint64_t version;
     double t_start, t_begin;
     uint64_t committed;
@@ -346,7 +344,6 @@ static void on_start(rf_node *n, const Refit__Start *s)
     n->version = s->version;
     n->t_start = now_s();
     n->t_begin = 0;
-    n->aborted = false;
     if (s->version <= n->committed) {
         snprintf(msg, sizeof(msg), "Start(%llu) refused: version %llu is already committed",
                  (unsigned long long)s->version, (unsigned long long)n->committed);
@@ -435,7 +432,7 @@ static void install_slice(rf_node *n)
     const rf_inv *inv = rf_registry_inv(n->reg);
     const char **addrs = NULL;
     rf_err err = {0};
-    uint32_t i;
+    uint32_t i, self = UINT32_MAX;
     int rc;
 
     rf_slice_job_reset(&n->slice);
@@ -446,17 +443,16 @@ static void install_slice(rf_node *n)
         RF_ERROR("out of memory for the plan slice");
         goto fail;
     }
-    n->self = UINT32_MAX;
     for (i = 0; i < n->slice.npeers; i++) {
         addrs[i] = n->slice.peers[i].data_addr;
         if (n->slice.peers[i].daemon_id == n->daemon_id)
-            n->self = i;
+            self = i;
     }
-    if (n->self == UINT32_MAX) {
+    if (self == UINT32_MAX) {
         RF_ERROR("the plan slice does not list this daemon among its peers");
         goto fail;
     }
-    rc = rf_xfer_set_peers(n->xfer, n->self, n->slice.npeers, addrs, &err);
+    rc = rf_xfer_set_peers(n->xfer, self, n->slice.npeers, addrs, &err);
     if (rc < 0) {
         RF_ERROR("data path peers: %s", err.msg);
         goto fail;
@@ -566,10 +562,8 @@ static void on_abort(rf_node *n, uint64_t version, const char *reason)
              reason);
     RF_WARN("%s", msg);
     set_error(n, msg);
-    if (n->running && n->version == version) {
-        n->aborted = true;
+    if (n->running && n->version == version)
         rf_xfer_abort(n->xfer);
-    }
     if (n->side == RF_SRC) {
         rf_registry_abort(n->reg, version, reason);
         if (n->ready == version)
