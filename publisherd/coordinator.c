@@ -298,7 +298,12 @@ static void try_start(rf_coord *c)
     env.body_case = REFIT__ENVELOPE__BODY_START;
     env.start = &st;
     RF_INFO("starting the refit of version %llu", (unsigned long long)target);
-    broadcast(c, &env);
+    /* Receivers first: they are ready to take bytes before any sender starts gathering, and
+     * their Start is not queued behind a co-located sender's CPU-bound packing. */
+    for (i = c->nmembers; i-- > c->npub;)
+        send_to(c, i, &env);
+    for (i = 0; i < c->npub; i++)
+        send_to(c, i, &env);
     uv_timer_start(&c->deadline, on_deadline, (uint64_t)c->cfg->refit_timeout_s * 1000 + 1000,
                    0);
 }
