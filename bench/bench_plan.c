@@ -24,7 +24,7 @@ static const bcase cases[] = {
     {"qwen3-0.6b", "tp=2,dp=4", "tp=4,dp=2", 10, 0.1, 2.0},
     {"qwen3-30b-a3b", "tp=2,ep=4,dp=2", "tp=4,dp=4", 10, 0.1, 2.0},
     {"qwen3-30b-a3b", "dp=8", "tp=1", 10, 0.1, 2.0},
-    {"deepseek-v3", "pp=16,ep=16", "tp=32,dp=8", 2, 3.0, 2.0},
+    {"deepseek-v3", "pp=16,ep=16", "tp=32,dp=8", 3, 3.0, 2.0},
 };
 
 static double now(void)

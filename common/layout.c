@@ -163,18 +163,10 @@ static void format_shape(int ndim, const int64_t *shape, char *buf, size_t len)
 /* ---- the inventory ----------------------------------------------------------------------- */
 
 /* Box and strides of a piece, interned: pieces of one shard layout share a handful of them. */
-typedef struct geom {
-    rf_box box;
-    int64_t strides[RF_MAX_DIMS];
-} geom;
+typedef rf_geom geom;
 
-typedef struct piece_rec {
-    uint32_t tensor;
-    uint32_t region;
-    uint32_t geom;
-    uint32_t pad_;
-    uint64_t offset;
-} piece_rec;
+/* The record of a piece is the public rf_piece_rec (read-only access for hot loops). */
+typedef rf_piece_rec piece_rec;
 
 /* Names live in fixed blocks so that rf_tensor.name pointers stay valid while the pool grows. */
 typedef struct name_block {
@@ -734,6 +726,14 @@ uint32_t rf_inv_piece_endpoint(const rf_inv *inv, rf_side side, uint32_t id)
 {
     return inv->regions[inv->pieces[side][id].region].endpoint;
 }
+
+const rf_piece_rec *rf_inv_piece_recs(const rf_inv *inv, rf_side side)
+{
+    return inv->pieces[side];
+}
+
+uint32_t rf_inv_ngeoms(const rf_inv *inv) { return inv->ngeoms; }
+const rf_geom *rf_inv_geoms(const rf_inv *inv) { return inv->geoms; }
 
 size_t rf_inv_memory(const rf_inv *inv)
 {

@@ -127,6 +127,28 @@ void rf_inv_piece(const rf_inv *inv, rf_side side, uint32_t id, rf_piece *out);
 uint32_t rf_inv_piece_tensor(const rf_inv *inv, rf_side side, uint32_t id);
 uint32_t rf_inv_piece_region(const rf_inv *inv, rf_side side, uint32_t id);
 uint32_t rf_inv_piece_endpoint(const rf_inv *inv, rf_side side, uint32_t id);
+/* Raw read-only access to the compact store, for loops over millions of pieces (the planner,
+ * the plan digest). A record names the piece's tensor, region, interned geometry (box and
+ * strides, shared by every piece with the same ones) and offset; pad_ is always 0, so records
+ * of equal pieces are equal bytes. The records of a side are valid until a piece is added. */
+typedef struct rf_piece_rec {
+    uint32_t tensor;
+    uint32_t region;
+    uint32_t geom;
+    uint32_t pad_;
+    uint64_t offset;
+} rf_piece_rec;
+
+const rf_piece_rec *rf_inv_piece_recs(const rf_inv *inv, rf_side side); /* npieces of them */
+/* Interned geometries (box and strides), ids 0..ngeoms-1 in order of first use. The box has
+ * unused dims (past the tensor's ndim) at start 0, extent 1, and the strides are 0 there. */
+typedef struct rf_geom {
+    rf_box box;
+    int64_t strides[RF_MAX_DIMS];
+} rf_geom;
+
+uint32_t rf_inv_ngeoms(const rf_inv *inv);
+const rf_geom *rf_inv_geoms(const rf_inv *inv); /* ngeoms of them; valid as the records are */
 /* Bytes held by the inventory itself (for the planner's peak-memory report). */
 size_t rf_inv_memory(const rf_inv *inv);
 

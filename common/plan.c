@@ -6,6 +6,7 @@
 #include <sodium.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 
 #define MiB (1024ull * 1024ull)
 /* Smallest accepted staging budget: a round must hold at least one element of any dtype. */
@@ -15,7 +16,14 @@ struct rf_plan {
     const rf_inv *inv;
     rf_plan_opts opts;
     uint8_t id[32];
+    /* The transfers in the order they were planned (destination piece by piece), in a mapping
+     * of their own (big_alloc), and order: the index of the i-th transfer in message order.
+     * Moving twelve million transfers into message order would cost a second copy of them
+     * in fresh memory, which is the dearest part of planning at that size. */
     rf_xfer *xfers;
+    size_t xfers_bytes;
+    uint32_t *order;
+    size_t order_bytes;
     uint64_t nxfers;
     rf_msg *msgs;
     uint32_t nmsgs;
@@ -50,6 +58,49 @@ static int grow(void **p, uint64_t *cap, uint64_t need, size_t elem)
         return -ENOMEM;
     *p = q;
     *cap = c;
+    return 0;
+}
+
+/* Arrays of hundreds of MiB (the transfers of a large plan) get a mapping of their own with
+ * transparent huge pages where the kernel allows: one page fault per 2 MiB instead of 512,
+ * and growing or shrinking them with mremap copies nothing. */
+static void *big_alloc(size_t bytes)
+{
+    void *p = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+
+    if (p == MAP_FAILED)
+        return NULL;
+    (void)madvise(p, bytes, MADV_HUGEPAGE);
+    return p;
+}
+
+static void big_free(void *p, size_t bytes)
+{
+    if (p)
+        munmap(p, bytes);
+}
+
+/* Resizes *p (of *bytes) to hold n elements of size elem; a NULL *p is allocated. */
+static int big_resize(void **p, size_t *bytes, uint64_t n, size_t elem)
+{
+    size_t nb = (size_t)n * elem;
+    void *q;
+
+    if (nb == 0)
+        nb = elem;
+    if (*p == NULL) {
+        q = big_alloc(nb);
+        if (q == NULL)
+            return -ENOMEM;
+    } else {
+        q = mremap(*p, *bytes, nb, MREMAP_MAYMOVE);
+        if (q == MAP_FAILED)
+            return -ENOMEM;
+        if (nb > *bytes)
+            (void)madvise(q, nb, MADV_HUGEPAGE);
+    }
+    *p = q;
+    *bytes = nb;
     return 0;
 }
 
@@ -231,32 +282,6 @@ out:
     return rc;
 }
 
-/* The same over transfers, with caller-provided scratch of n elements each. */
-static void radix_sort_x(uint64_t *key, rf_xfer *x, uint64_t n, int bits, uint64_t *k2,
-                         rf_xfer *x2, uint64_t *cnt)
-{
-    for (int shift = 0; shift < bits && n > 1; shift += 16) {
-        uint64_t sum = 0;
-        memset(cnt, 0, 65536 * sizeof(*cnt));
-        for (uint64_t i = 0; i < n; i++)
-            cnt[(key[i] >> shift) & 0xffff]++;
-        if (cnt[(key[0] >> shift) & 0xffff] == n)
-            continue; /* one digit value: the pass would not move anything */
-        for (int d = 0; d < 65536; d++) {
-            uint64_t c = cnt[d];
-            cnt[d] = sum;
-            sum += c;
-        }
-        for (uint64_t i = 0; i < n; i++) {
-            uint64_t o = cnt[(key[i] >> shift) & 0xffff]++;
-            k2[o] = key[i];
-            x2[o] = x[i];
-        }
-        memcpy(key, k2, n * sizeof(*key));
-        memcpy(x, x2, n * sizeof(*x));
-    }
-}
-
 static int bits_for(uint64_t n) /* bits needed for values 0..n-1 */
 {
     int b = 0;
@@ -281,15 +306,21 @@ static void hb_flush(hbuf *h)
     h->n = 0;
 }
 
-static inline void hb_u64(hbuf *h, uint64_t v)
+/* Appends v with no room check: callers make sure of 10 free bytes per value. */
+static inline void hb_put(hbuf *h, uint64_t v)
 {
-    if (h->n > sizeof(h->buf) - 16)
-        hb_flush(h);
     while (v >= 0x80) {
         h->buf[h->n++] = (uint8_t)(v | 0x80);
         v >>= 7;
     }
     h->buf[h->n++] = (uint8_t)v;
+}
+
+static inline void hb_u64(hbuf *h, uint64_t v)
+{
+    if (h->n > sizeof(h->buf) - 16)
+        hb_flush(h);
+    hb_put(h, v);
 }
 
 static void hb_bytes(hbuf *h, const void *p, size_t len)
@@ -299,24 +330,25 @@ static void hb_bytes(hbuf *h, const void *p, size_t len)
     crypto_generichash_update(&h->st, p, len);
 }
 
-static void hb_piece(hbuf *h, const rf_piece *p, int ndim)
+/* Signed difference, zigzag-encoded so that small steps either way stay one byte. */
+static inline uint64_t zz(uint64_t cur, uint64_t prev)
 {
-    hb_u64(h, p->tensor);
-    hb_u64(h, p->region);
-    hb_u64(h, p->offset);
-    for (int d = 0; d < ndim; d++) {
-        hb_u64(h, (uint64_t)p->box.start[d]);
-        hb_u64(h, (uint64_t)p->box.extent[d]);
-        hb_u64(h, (uint64_t)p->strides[d]);
-    }
+    int64_t d = (int64_t)(cur - prev);
+
+    return ((uint64_t)d << 1) ^ (uint64_t)(d >> 63);
 }
 
+/* The geometry table (every box and strides in use, interned) is hashed once, then each piece
+ * as its compact record: the tensor, region and offset as differences from the previous
+ * piece's and the geometry id. Pieces of a shard layout mostly step by one tensor and a
+ * steady offset, so a piece costs a few bytes of hashing instead of its whole box. The
+ * encoding is faithful: the table and the records give back every piece exactly. */
 void rf_plan_digest(const rf_inv *inv, const rf_plan_opts *opts, uint8_t out[32])
 {
-    static const char tag[] = "refit-plan-v1";
+    static const char tag[] = "refit-plan-v2";
     hbuf hb, *h = &hb;
-    uint32_t nt = rf_inv_ntensors(inv);
-    rf_piece p;
+    uint32_t nt = rf_inv_ntensors(inv), ng = rf_inv_ngeoms(inv);
+    const rf_geom *geoms = rf_inv_geoms(inv);
 
     h->n = 0;
     crypto_generichash_init(&h->st, NULL, 0, 32);
@@ -344,12 +376,29 @@ void rf_plan_digest(const rf_inv *inv, const rf_plan_opts *opts, uint8_t out[32]
         hb_u64(h, rg->endpoint);
         hb_u64(h, rg->size);
     }
+    hb_u64(h, ng);
+    for (uint32_t g = 0; g < ng; g++) {
+        for (int d = 0; d < RF_MAX_DIMS; d++) {
+            hb_u64(h, (uint64_t)geoms[g].box.start[d]);
+            hb_u64(h, (uint64_t)geoms[g].box.extent[d]);
+            hb_u64(h, (uint64_t)geoms[g].strides[d]);
+        }
+    }
     for (int s = RF_SRC; s <= RF_DST; s++) {
         uint32_t np = rf_inv_npieces(inv, (rf_side)s);
+        const rf_piece_rec *r = rf_inv_piece_recs(inv, (rf_side)s);
+        uint64_t pt = 0, pr = 0, po = 0;
         hb_u64(h, np);
         for (uint32_t i = 0; i < np; i++) {
-            rf_inv_piece(inv, (rf_side)s, i, &p);
-            hb_piece(h, &p, rf_inv_tensor(inv, p.tensor)->ndim);
+            if (h->n > sizeof(h->buf) - 48)
+                hb_flush(h);
+            hb_put(h, zz(r[i].tensor, pt));
+            hb_put(h, zz(r[i].region, pr));
+            hb_put(h, r[i].geom);
+            hb_put(h, zz(r[i].offset, po));
+            pt = r[i].tensor;
+            pr = r[i].region;
+            po = r[i].offset;
         }
     }
     hb_flush(h);
@@ -368,14 +417,28 @@ typedef struct srcidx {
     uint8_t *kdim;    /* per tensor: the key dim */
 } srcidx;
 
+/* What planning one destination piece reads about its tensor and the tensor's sources, packed
+ * so that it comes from one or two cache lines: the pieces of a rank walk the tensors in order,
+ * so these are read almost sequentially, where the scattered source records would miss. */
+typedef struct tinfo {
+    uint32_t first, count; /* into the packed sources */
+    int64_t maxext;        /* largest source extent along the key dim */
+    uint8_t kdim, ndim, esize;
+} tinfo;
+
+typedef struct sent {
+    int64_t kstart;        /* start along the key dim; sorted within a tensor */
+    uint32_t id, ep;       /* source piece and its endpoint */
+    const rf_geom *g;
+} sent;
+
 /* A candidate source for one destination piece. */
 typedef struct cand {
     uint32_t id;
     uint32_t ep;
     uint64_t link;     /* (src node << 32) | dst node */
     uint64_t *linkp;   /* that link's load */
-    const rf_piece *pp; /* the piece: in the builder's cache, or in own */
-    rf_piece own;
+    const rf_geom *g;  /* its box (unused dims [0:1]) and strides, in the inventory */
     int32_t lo[RF_MAX_DIMS], hi[RF_MAX_DIMS]; /* cell ranges covered, per dim */
 } cand;
 
@@ -384,12 +447,20 @@ typedef struct builder {
     rf_plan *plan;
     uint64_t half;
     srcidx si;
+    tinfo *ti;        /* per tensor */
+    sent *se;         /* sources in index order */
     uint64_t *load;   /* sender load per endpoint */
     linktab links;
     boxtab boxes;
     uint64_t nx, capx;
-    uint64_t *pairkey; /* per transfer: src endpoint index << 32 | dst endpoint index (dense) */
-    uint64_t capk;
+    /* Messages in the order they are opened (build ids). A packed message stays open for
+     * more transfers of its endpoint pair until the next one would overflow half the budget:
+     * open[pair] (dense, source index * destination endpoints + destination index) or the
+     * hash table opentab hold its build id + 1. */
+    rf_msg *mb;
+    uint64_t nmb, capmb;
+    uint32_t *open;
+    linktab opentab;
     uint32_t *epidx;  /* endpoint id -> dense index within its side */
     uint32_t nsrc_ep, ndst_ep;
     uint32_t *node;   /* endpoint id -> node */
@@ -398,7 +469,16 @@ typedef struct builder {
     uint64_t *linkmat; /* dense link loads [src node idx][dst node idx], or NULL: hash */
     uint32_t *sidx_ep, *didx_ep; /* dense endpoint index -> endpoint id, per side */
     uint32_t *src_ep;  /* source piece -> endpoint */
-    rf_piece *src_cache; /* every source piece, when they are few enough */
+    uint32_t *reg_ep;  /* region -> endpoint */
+    uint8_t *t_ndim;   /* per tensor: ndim and element size */
+    uint8_t *t_esize;
+    const rf_piece_rec *srec, *drec;
+    const rf_geom *geoms;
+    /* Per geometry, when the table is small enough: the interned box id of its box (+ 1, 0 =
+     * not yet) and the number of contiguous runs of its box in its own memory. A destination
+     * piece sent whole, the common case, then costs no box hashing nor run counting. */
+    uint32_t *gbid;
+    uint64_t *gruns;
     /* scratch for one destination piece */
     cand *cands;
     uint64_t ncand, capcand;
@@ -427,7 +507,7 @@ static int build_srcidx(builder *b, rf_err *err)
     uint64_t *fill = NULL, *key = NULL;
     uint32_t *val = NULL;
     int64_t (*lo)[RF_MAX_DIMS] = NULL; /* per tensor scratch: distinct-start heuristic */
-    rf_piece p;
+    const rf_piece_rec *sr = b->srec;
     int rc = 0;
 
     si->first = calloc((uint64_t)nt + 1, sizeof(*si->first));
@@ -441,7 +521,7 @@ static int build_srcidx(builder *b, rf_err *err)
         goto out;
     }
     for (uint32_t i = 0; i < ns; i++)
-        si->first[rf_inv_piece_tensor(inv, RF_SRC, i) + 1]++;
+        si->first[sr[i].tensor + 1]++;
     for (uint32_t t = 0; t < nt; t++)
         si->first[t + 1] += si->first[t];
     /* The key dim of a tensor is the one along which its source pieces are split the most:
@@ -454,14 +534,13 @@ static int build_srcidx(builder *b, rf_err *err)
     }
     memset(si->kdim, 0xff, nt);
     for (uint32_t i = 0; i < ns; i++) {
-        uint32_t t;
-        rf_inv_piece(inv, RF_SRC, i, &p);
-        t = p.tensor;
+        uint32_t t = sr[i].tensor;
+        const rf_box *pb = &b->geoms[sr[i].geom].box;
         if (fill[t] == 0) {
-            memcpy(lo[t], p.box.start, sizeof(lo[t]));
+            memcpy(lo[t], pb->start, sizeof(lo[t]));
         } else if (si->kdim[t] == 0xff) {
             for (int d = 0; d < RF_MAX_DIMS; d++) {
-                if (p.box.start[d] != lo[t][d]) {
+                if (pb->start[d] != lo[t][d]) {
                     si->kdim[t] = (uint8_t)d;
                     break;
                 }
@@ -475,16 +554,14 @@ static int build_srcidx(builder *b, rf_err *err)
         fill[t] = si->first[t];
     }
     for (uint32_t i = 0; i < ns; i++) {
-        uint32_t t;
-        int k;
-        rf_inv_piece(inv, RF_SRC, i, &p);
-        t = p.tensor;
-        k = si->kdim[t];
+        uint32_t t = sr[i].tensor;
+        const rf_box *pb = &b->geoms[sr[i].geom].box;
+        int k = si->kdim[t];
         si->ids[fill[t]] = i;
-        si->kstart[fill[t]] = p.box.start[k];
+        si->kstart[fill[t]] = pb->start[k];
         fill[t]++;
-        if (p.box.extent[k] > si->maxext[t])
-            si->maxext[t] = p.box.extent[k];
+        if (pb->extent[k] > si->maxext[t])
+            si->maxext[t] = pb->extent[k];
     }
     /* Sort each tensor's group by start (stable: by piece id among equal starts). One radix
      * sort over (tensor, start) keeps this linear. */
@@ -539,6 +616,20 @@ static int build_srcidx(builder *b, rf_err *err)
             }
         }
     }
+    b->ti = malloc(((uint64_t)nt + 1) * sizeof(*b->ti));
+    b->se = malloc(((uint64_t)ns + 1) * sizeof(*b->se));
+    if (b->ti == NULL || b->se == NULL) {
+        rc = rf_err_set(err, -ENOMEM, "plan: out of memory indexing %u source pieces", ns);
+        goto out;
+    }
+    for (uint32_t t = 0; t < nt; t++)
+        b->ti[t] = (tinfo){.first = (uint32_t)si->first[t],
+                           .count = (uint32_t)(si->first[t + 1] - si->first[t]),
+                           .maxext = si->maxext[t], .kdim = si->kdim[t], .ndim = b->t_ndim[t],
+                           .esize = b->t_esize[t]};
+    for (uint32_t i = 0; i < ns; i++)
+        b->se[i] = (sent){.kstart = si->kstart[i], .id = si->ids[i], .ep = b->src_ep[si->ids[i]],
+                          .g = &b->geoms[sr[si->ids[i]].geom]};
 out:
     free(fill);
     free(key);
@@ -555,19 +646,55 @@ static void box_norm(rf_box *b, int ndim)
     }
 }
 
-static int emit(builder *b, const cand *c, const rf_piece *dp, uint32_t dst, uint32_t dst_ep,
-                int ndim, size_t esize, const rf_box *box, rf_err *err)
+/* Contiguous runs that sub occupies in memory laid out with these strides, as rf_piece_runs
+ * counts them: the innermost dims that are contiguous merge into one run, and each index of
+ * the dims outside them is a run of its own. */
+static inline uint64_t nruns(const int64_t *strides, int ndim, const rf_box *sub)
+{
+    uint64_t run_el = 1, n = 1;
+    int d = ndim - 1;
+
+    for (; d >= 0; d--) {
+        uint64_t ext = (uint64_t)sub->extent[d];
+        if (ext == 1)
+            continue;
+        if ((uint64_t)strides[d] != run_el)
+            break;
+        run_el *= ext;
+    }
+    for (; d >= 0; d--)
+        n *= (uint64_t)sub->extent[d];
+    return n;
+}
+
+static inline uint64_t numel(const rf_box *box, int ndim)
+{
+    uint64_t n = 1;
+
+    for (int d = 0; d < ndim; d++)
+        n *= (uint64_t)box->extent[d];
+    return n;
+}
+
+/* Emits the transfer of box (of bytes) from candidate c to destination piece dst (geometry
+ * dgid). whole says that box is the destination piece's own box, whose interned id and run
+ * count the geometry cache keeps. */
+static int emit(builder *b, const cand *c, uint32_t dgid, uint32_t dst, uint32_t dst_ep,
+                int ndim, size_t esize, const rf_box *box, uint64_t bytes, bool whole,
+                rf_err *err)
 {
     rf_plan *pl = b->plan;
-    uint64_t bytes = (uint64_t)rf_box_numel(box, ndim) * esize;
-    /* Contiguous here means one byte range in row-major order of the box on both sides. */
-    bool direct = bytes >= pl->opts.direct_min_bytes &&
-                  rf_piece_contiguous(c->pp, ndim, esize, box, NULL) &&
-                  rf_piece_contiguous(dp, ndim, esize, box, NULL);
-    uint64_t run;
+    uint64_t sruns = nruns(c->g->strides, ndim, box), druns;
+    bool direct;
     uint32_t bid;
     int rc;
 
+    if (whole && b->gruns)
+        druns = b->gruns[dgid];
+    else
+        druns = nruns(b->geoms[dgid].strides, ndim, box);
+    /* Contiguous here means one byte range in row-major order of the box on both sides. */
+    direct = bytes >= pl->opts.direct_min_bytes && sruns == 1 && druns == 1;
     if (!direct && bytes > b->half) {
         /* Split along the outermost dim of extent > 1 into slabs that fit half the budget;
          * a single slab that is still too large is split again along the next dim. */
@@ -582,7 +709,8 @@ static int emit(builder *b, const cand *c, const rf_piece *dp, uint32_t dst, uin
             for (int64_t s = 0; s < box->extent[d]; s += k) {
                 sub.start[d] = box->start[d] + s;
                 sub.extent[d] = box->extent[d] - s < k ? box->extent[d] - s : k;
-                rc = emit(b, c, dp, dst, dst_ep, ndim, esize, &sub, err);
+                rc = emit(b, c, dgid, dst, dst_ep, ndim, esize, &sub, numel(&sub, ndim) * esize,
+                          false, err);
                 if (rc)
                     return rc;
             }
@@ -590,25 +718,73 @@ static int emit(builder *b, const cand *c, const rf_piece *dp, uint32_t dst, uin
             for (int64_t s = 0; s < box->extent[d]; s++) {
                 sub.start[d] = box->start[d] + s;
                 sub.extent[d] = 1;
-                rc = emit(b, c, dp, dst, dst_ep, ndim, esize, &sub, err);
+                rc = emit(b, c, dgid, dst, dst_ep, ndim, esize, &sub, numel(&sub, ndim) * esize,
+                          false, err);
                 if (rc)
                     return rc;
             }
         }
         return 0;
     }
-    rc = boxtab_intern(&b->boxes, box, &bid);
-    if (rc == 0)
-        rc = grow((void **)&pl->xfers, &b->capx, b->nx + 1, sizeof(rf_xfer));
-    if (rc == 0)
-        rc = grow((void **)&b->pairkey, &b->capk, b->nx + 1, sizeof(uint64_t));
+    if (whole && b->gbid && b->gbid[dgid]) {
+        bid = b->gbid[dgid] - 1;
+        rc = 0;
+    } else {
+        rc = boxtab_intern(&b->boxes, box, &bid);
+        if (rc == 0 && whole && b->gbid)
+            b->gbid[dgid] = bid + 1;
+    }
+    if (b->nx >= UINT32_MAX - 1)
+        return rf_err_set(err, -E2BIG, "plan: %llu transfers exceed the 32-bit transfer index",
+                          (unsigned long long)b->nx + 1);
+    if (rc == 0 && b->nx >= b->capx) {
+        rc = big_resize((void **)&pl->xfers, &pl->xfers_bytes, b->capx * 2, sizeof(rf_xfer));
+        if (rc == 0)
+            b->capx *= 2;
+    }
     if (rc)
         return rf_err_set(err, rc, "plan: out of memory after %llu transfers",
                           (unsigned long long)b->nx);
-    pl->xfers[b->nx] = (rf_xfer){.src = c->id, .dst = dst, .box = bid,
-                                 .msg = direct ? RF_XFER_DIRECT : RF_XFER_PACKED,
-                                 .msg_off = 0, .bytes = bytes};
-    b->pairkey[b->nx] = ((uint64_t)b->epidx[c->ep] << 32) | b->epidx[dst_ep];
+    /* Its message: the open packed one of the pair if it still fits, else a new one. */
+    {
+        uint32_t *slot32 = NULL;
+        uint64_t *slot64 = NULL, open = 0;
+        rf_msg *mm;
+        if (!direct) {
+            uint32_t si = b->epidx[c->ep], di = b->epidx[dst_ep];
+            if (b->open) {
+                slot32 = &b->open[(uint64_t)si * b->ndst_ep + di];
+                open = *slot32;
+            } else {
+                if (linktab_slot(&b->opentab, (uint64_t)si << 32 | di, &slot64))
+                    return rf_err_set(err, -ENOMEM, "plan: out of memory for open messages");
+                open = *slot64;
+            }
+        }
+        if (open && b->mb[open - 1].bytes + bytes <= b->half) {
+            mm = &b->mb[open - 1];
+        } else {
+            if (b->nmb >= UINT32_MAX - 1)
+                return rf_err_set(err, -E2BIG, "plan: more than 2^32 messages");
+            if (grow((void **)&b->mb, &b->capmb, b->nmb + 1, sizeof(rf_msg)))
+                return rf_err_set(err, -ENOMEM, "plan: out of memory after %llu messages",
+                                  (unsigned long long)b->nmb);
+            mm = &b->mb[b->nmb];
+            *mm = (rf_msg){.src_ep = c->ep, .dst_ep = dst_ep, .round = 0,
+                           .kind = direct ? RF_XFER_DIRECT : RF_XFER_PACKED,
+                           .first = (uint32_t)b->nx, .count = 0, .bytes = 0};
+            b->nmb++;
+            if (slot32)
+                *slot32 = (uint32_t)b->nmb;
+            else if (slot64)
+                *slot64 = b->nmb;
+        }
+        pl->xfers[b->nx] = (rf_xfer){.src = c->id, .dst = dst, .box = bid,
+                                     .msg = (uint32_t)(mm - b->mb), .msg_off = mm->bytes,
+                                     .bytes = bytes};
+        mm->bytes += bytes;
+        mm->count++;
+    }
     b->nx++;
     pl->sent[c->ep] += bytes;
     pl->recv[dst_ep] += bytes;
@@ -619,8 +795,7 @@ static int emit(builder *b, const cand *c, const rf_piece *dp, uint32_t dst, uin
         pl->st.packed_bytes += bytes;
         pl->st.packed_transfers++;
     }
-    pl->st.runs += rf_piece_runs(c->pp, ndim, esize, box, &run);
-    pl->st.runs += rf_piece_runs(dp, ndim, esize, box, &run);
+    pl->st.runs += sruns + druns;
     return 0;
 }
 
@@ -694,36 +869,28 @@ static int find_cut(const int64_t *c, int n, int64_t v)
 
 static int plan_piece(builder *b, uint32_t dst, rf_err *err)
 {
-    const rf_inv *inv = b->inv;
-    srcidx *si = &b->si;
-    rf_piece dp;
-    const rf_tensor *t;
-    size_t esize;
-    uint32_t dst_ep, dst_node;
-    rf_box x;
-    uint64_t a, z, lo, hi, ncells = 1;
-    int ndim, k, nfull = 0;
+    const rf_piece_rec *dr = &b->drec[dst];
+    const rf_box *dbox = &b->geoms[dr->geom].box; /* unused dims are [0:1] already */
+    uint32_t tid = dr->tensor, dgid = dr->geom;
+    const tinfo *ti = &b->ti[tid];
+    const sent *se = b->se;
+    int ndim = ti->ndim, k = ti->kdim, nfull = 0;
+    size_t esize = ti->esize;
+    uint32_t dst_ep = b->reg_ep[dr->region], dst_node = b->node[dst_ep];
+    uint64_t a = ti->first, z = a + ti->count, lo, hi, ncells = 1;
     int rc = 0;
 
-    rf_inv_piece(inv, RF_DST, dst, &dp);
-    t = rf_inv_tensor(inv, dp.tensor);
-    ndim = t->ndim;
-    esize = rf_dtype_size(t->dtype);
-    dst_ep = rf_inv_piece_endpoint(inv, RF_DST, dst);
-    dst_node = b->node[dst_ep];
-    box_norm(&dp.box, ndim);
-
     /* Candidates: sources of the tensor whose key-dim interval can reach the box. */
-    a = si->first[dp.tensor];
-    z = si->first[dp.tensor + 1];
-    k = si->kdim[dp.tensor];
-    {
-        int64_t qlo = dp.box.start[k] - si->maxext[dp.tensor] + 1;
-        int64_t qhi = dp.box.start[k] + dp.box.extent[k];
+    if (z - a == 1) {
+        lo = a; /* the one source: the overlap test below decides */
+        hi = z;
+    } else {
+        int64_t qlo = dbox->start[k] - ti->maxext + 1;
+        int64_t qhi = dbox->start[k] + dbox->extent[k];
         uint64_t l = a, h = z;
         while (l < h) {
             uint64_t m = (l + h) / 2;
-            if (si->kstart[m] < qlo)
+            if (se[m].kstart < qlo)
                 l = m + 1;
             else
                 h = m;
@@ -732,43 +899,49 @@ static int plan_piece(builder *b, uint32_t dst, rf_err *err)
         h = z;
         while (l < h) {
             uint64_t m = (l + h) / 2;
-            if (si->kstart[m] < qhi)
+            if (se[m].kstart < qhi)
                 l = m + 1;
             else
                 h = m;
         }
         hi = l;
     }
+    if (grow((void **)&b->cands, &b->capcand, hi - lo + 1, sizeof(cand)) ||
+        grow((void **)&b->hs, &b->caphs, hi - lo + 1, sizeof(int32_t)))
+        return rf_err_set(err, -ENOMEM, "plan: out of memory");
+    /* Keep those that overlap the box; note those that hold all of it. */
     b->ncand = 0;
     for (uint64_t i = lo; i < hi; i++) {
+        const rf_geom *sg = se[i].g;
+        bool full = true;
         cand *c;
-        if (grow((void **)&b->cands, &b->capcand, b->ncand + 1, sizeof(cand)))
-            return rf_err_set(err, -ENOMEM, "plan: out of memory");
-        c = &b->cands[b->ncand];
-        if (b->src_cache) {
-            c->pp = &b->src_cache[si->ids[i]];
-        } else {
-            rf_inv_piece(inv, RF_SRC, si->ids[i], &c->own);
-            box_norm(&c->own.box, ndim);
-            c->pp = &c->own;
+        int d;
+        for (d = 0; d < ndim; d++) {
+            int64_t ss = sg->box.start[d], se = ss + sg->box.extent[d];
+            int64_t ds = dbox->start[d], de = ds + dbox->extent[d];
+            if (ss >= de || se <= ds)
+                break;
+            if (ss > ds || se < de)
+                full = false;
         }
-        if (!rf_box_intersect(&c->pp->box, &dp.box, ndim, &x))
+        if (d < ndim)
             continue;
-        c->id = si->ids[i];
-        c->ep = b->src_ep[c->id];
-        c->link = ((uint64_t)b->node[c->ep] << 32) | dst_node;
+        c = &b->cands[b->ncand];
+        c->g = sg;
+        c->id = se[i].id;
+        c->ep = se[i].ep;
+        if (full)
+            b->hs[nfull++] = (int32_t)b->ncand;
         b->ncand++;
     }
-    /* The array may have moved while growing. */
-    if (b->src_cache == NULL)
-        for (uint64_t i = 0; i < b->ncand; i++)
-            b->cands[i].pp = &b->cands[i].own;
     /* Link load pointers, taken once every link exists (the hash table may grow). */
     if (b->linkmat) {
+        uint64_t *row = &b->linkmat[b->nodeidx[dst_ep]];
         for (uint64_t i = 0; i < b->ncand; i++)
-            b->cands[i].linkp = &b->linkmat[(uint64_t)b->nodeidx[b->cands[i].ep] * b->ndst_node +
-                                            b->nodeidx[dst_ep]];
+            b->cands[i].linkp = &row[(uint64_t)b->nodeidx[b->cands[i].ep] * b->ndst_node];
     } else {
+        for (uint64_t i = 0; i < b->ncand; i++)
+            b->cands[i].link = ((uint64_t)b->node[b->cands[i].ep] << 32) | dst_node;
         for (int pass = 0; pass < 2; pass++)
             for (uint64_t i = 0; i < b->ncand; i++)
                 if (linktab_slot(&b->links, b->cands[i].link, &b->cands[i].linkp))
@@ -776,28 +949,23 @@ static int plan_piece(builder *b, uint32_t dst, rf_err *err)
     }
 
     /* Fast path: sources that hold the whole box need no cutting. */
-    if (grow((void **)&b->hs, &b->caphs, b->ncand + 1, sizeof(int32_t)))
-        return rf_err_set(err, -ENOMEM, "plan: out of memory");
-    for (uint64_t i = 0; i < b->ncand; i++)
-        if (rf_box_contains(&b->cands[i].pp->box, &dp.box, ndim))
-            b->hs[nfull++] = (int32_t)i;
     if (nfull > 0) {
-        uint64_t bytes = (uint64_t)rf_box_numel(&dp.box, ndim) * esize;
+        uint64_t bytes = numel(dbox, ndim) * esize;
         int w = nfull == 1 ? b->hs[0] : pick(b, b->hs, nfull, bytes);
         rc = charge(b, &b->cands[w], bytes, err);
         if (rc == 0)
-            rc = emit(b, &b->cands[w], &dp, dst, dst_ep, ndim, esize, &dp.box, err);
+            rc = emit(b, &b->cands[w], dgid, dst, dst_ep, ndim, esize, dbox, bytes, true, err);
         return rc;
     }
 
     /* Cut the box along every source boundary inside it. */
     for (int d = 0; d < ndim; d++) {
-        int64_t s = dp.box.start[d], e = s + dp.box.extent[d];
+        int64_t s = dbox->start[d], e = s + dbox->extent[d];
         b->ncuts[d] = 0;
         if (add_cut(b, d, s) || add_cut(b, d, e))
             return rf_err_set(err, -ENOMEM, "plan: out of memory");
         for (uint64_t i = 0; i < b->ncand; i++) {
-            int64_t cs = b->cands[i].pp->box.start[d], ce = cs + b->cands[i].pp->box.extent[d];
+            int64_t cs = b->cands[i].g->box.start[d], ce = cs + b->cands[i].g->box.extent[d];
             if (cs > s && cs < e && add_cut(b, d, cs))
                 return rf_err_set(err, -ENOMEM, "plan: out of memory");
             if (ce > s && ce < e && add_cut(b, d, ce))
@@ -816,8 +984,8 @@ static int plan_piece(builder *b, uint32_t dst, rf_err *err)
     for (uint64_t i = 0; i < b->ncand; i++) {
         cand *c = &b->cands[i];
         for (int d = 0; d < ndim; d++) {
-            int64_t s = c->pp->box.start[d], e = s + c->pp->box.extent[d];
-            int64_t bs = dp.box.start[d], be = bs + dp.box.extent[d];
+            int64_t s = c->g->box.start[d], e = s + c->g->box.extent[d];
+            int64_t bs = dbox->start[d], be = bs + dbox->extent[d];
             c->lo[d] = find_cut(b->cuts[d], b->ncuts[d], s > bs ? s : bs);
             c->hi[d] = find_cut(b->cuts[d], b->ncuts[d], e < be ? e : be);
         }
@@ -931,8 +1099,9 @@ static int plan_piece(builder *b, uint32_t dst, rf_err *err)
                 }
                 box_norm(&box, ndim);
                 if (h < 0)
-                    return uncovered(b, t, &box, dst_ep, err);
-                rc = emit(b, &b->cands[h], &dp, dst, dst_ep, ndim, esize, &box, err);
+                    return uncovered(b, rf_inv_tensor(b->inv, tid), &box, dst_ep, err);
+                rc = emit(b, &b->cands[h], dgid, dst, dst_ep, ndim, esize, &box,
+                          numel(&box, ndim) * esize, false, err);
                 if (rc)
                     return rc;
             }
@@ -947,78 +1116,47 @@ static int plan_piece(builder *b, uint32_t dst, rf_err *err)
 }
 
 /* Groups transfers into messages, schedules rounds, and sorts everything into its final
- * order. Transfers are in destination-piece order when this starts. */
+ * order. The messages were formed while the transfers were emitted, in destination-piece
+ * order: a message's transfers are in that order, and its build id orders it by its first
+ * transfer. */
 static int schedule(builder *b, rf_err *err)
 {
     rf_plan *pl = b->plan;
-    uint64_t n = b->nx, nm = 0, capm = 0;
-    uint32_t *mperm = NULL;
-    uint64_t *mkey = NULL, *cursor = NULL, *k2 = NULL; /* cursor: radix counts */
+    uint64_t n = b->nx, nm = b->nmb;
+    const rf_msg *mb = b->mb;
+    uint32_t *corder = NULL, *fin = NULL, *mperm = NULL, *cursor = NULL;
+    uint64_t *mkey = NULL;
     uint64_t **use = NULL, *usecap = NULL, *hint = NULL;
     rf_msg *m = NULL;
-    rf_xfer *y = NULL;
+    uint32_t *y = NULL;
+    size_t ybytes = 0;
     uint32_t ne = rf_inv_nendpoints(b->inv), R = 0;
-    int db, pbits, rc = 0;
+    int rc = 0;
 
-    if (n >= UINT32_MAX) {
-        rc = rf_err_set(err, -E2BIG, "plan: %llu transfers exceed the 32-bit transfer index",
-                        (unsigned long long)n);
-        goto out;
-    }
-    /* Sort the transfers themselves (sequential reads, no index indirection afterwards) by
-     * (source endpoint, destination endpoint, direct after packed), stably, so that the
-     * packed transfers of a pair are adjacent in destination-piece order. */
-    db = bits_for(b->ndst_ep ? b->ndst_ep : 1);
-    pbits = bits_for(b->nsrc_ep ? b->nsrc_ep : 1) + db + 1;
-    for (uint64_t i = 0; i < n; i++)
-        b->pairkey[i] = (((b->pairkey[i] >> 32) << db | (b->pairkey[i] & 0xffffffffu)) << 1) |
-                        (pl->xfers[i].msg == RF_XFER_DIRECT);
-    k2 = malloc((n + 1 > 65536 ? n + 1 : 65536) * sizeof(*k2));
-    cursor = malloc(65536 * sizeof(*cursor));
-    y = malloc((n + 1) * sizeof(*y));
-    if (k2 == NULL || y == NULL || cursor == NULL)
+    mkey = malloc((nm + 1) * sizeof(*mkey));
+    corder = malloc((nm + 1) * sizeof(*corder));
+    mperm = malloc((nm + 1) * sizeof(*mperm));
+    fin = malloc((nm + 1) * sizeof(*fin));
+    m = malloc((nm + 1) * sizeof(*m));
+    if (!mkey || !corder || !mperm || !fin || !m)
         goto nomem;
-    radix_sort_x(b->pairkey, pl->xfers, n, pbits, k2, y, cursor);
-    free(k2);
-    k2 = NULL;
-
-    /* Messages: one per direct transfer, packed ones filled up to half the budget; each is
-     * a contiguous block of the sorted transfers. */
+    /* Creation order: by (source endpoint, destination endpoint, packed before direct), then
+     * by first transfer. Build ids already follow the first transfer, so a stable sort by
+     * the pair key alone gives it. */
     {
-        uint32_t cur = UINT32_MAX; /* open packed message of the current pair */
-        for (uint64_t i = 0; i < n; i++) {
-            rf_xfer *x = &pl->xfers[i];
-            uint64_t pk = b->pairkey[i] >> 1;
-            uint32_t se = b->sidx_ep[pk >> db];
-            uint32_t de = b->didx_ep[pk & ((1ull << db) - 1)];
-            if (cur != UINT32_MAX && (m[cur].src_ep != se || m[cur].dst_ep != de))
-                cur = UINT32_MAX;
-            if (x->msg == RF_XFER_PACKED && cur != UINT32_MAX &&
-                m[cur].bytes + x->bytes <= b->half) {
-                x->msg = cur;
-                x->msg_off = m[cur].bytes;
-                m[cur].bytes += x->bytes;
-                m[cur].count++;
-                continue;
-            }
-            if (nm >= UINT32_MAX - 1) {
-                rc = rf_err_set(err, -E2BIG, "plan: more than 2^32 messages");
-                goto out;
-            }
-            if (grow((void **)&m, &capm, nm + 1, sizeof(*m)))
-                goto nomem;
-            m[nm] = (rf_msg){.src_ep = se, .dst_ep = de, .round = 0, .kind = x->msg,
-                             .first = (uint32_t)i, .count = 1, .bytes = x->bytes};
-            if (x->msg == RF_XFER_PACKED)
-                cur = (uint32_t)nm;
-            x->msg = (uint32_t)nm;
-            x->msg_off = 0;
-            nm++;
+        int db = bits_for(b->ndst_ep ? b->ndst_ep : 1);
+        int pbits = bits_for(b->nsrc_ep ? b->nsrc_ep : 1) + db + 1;
+        for (uint64_t i = 0; i < nm; i++) {
+            mkey[i] = (((uint64_t)b->epidx[mb[i].src_ep] << db | b->epidx[mb[i].dst_ep]) << 1) |
+                      (mb[i].kind == RF_XFER_DIRECT);
+            corder[i] = (uint32_t)i;
         }
+        rc = radix_sort(mkey, corder, nm, pbits);
+        if (rc)
+            goto nomem;
+        for (uint64_t i = 0; i < nm; i++)
+            m[i] = mb[corder[i]];
     }
-
-    free(b->pairkey);
-    b->pairkey = NULL;
 
     /* Rounds: packed messages first fit under half the budget on both ends. */
     use = calloc((uint64_t)ne + 1, sizeof(*use));
@@ -1085,10 +1223,6 @@ static int schedule(builder *b, rf_err *err)
     }
 
     /* Final message order: (round, src, dst, creation order). */
-    mkey = malloc((nm + 1) * sizeof(*mkey));
-    mperm = malloc((nm + 1) * sizeof(*mperm));
-    if (!mkey || !mperm)
-        goto nomem;
     {
         int eb = bits_for(ne ? ne : 1), rb = bits_for(R ? R : 1);
         if (2 * eb + rb > 64) {
@@ -1105,25 +1239,35 @@ static int schedule(builder *b, rf_err *err)
         if (rc)
             goto nomem;
     }
+    free(mkey);
+    mkey = NULL;
     pl->msgs = malloc((nm + 1) * sizeof(*pl->msgs));
-    if (pl->msgs == NULL)
+    cursor = malloc((nm + 1) * sizeof(*cursor));
+    if (pl->msgs == NULL || cursor == NULL)
         goto nomem;
     {
         uint64_t first = 0;
         for (uint64_t i = 0; i < nm; i++) {
-            const rf_msg *om = &m[mperm[i]];
-            memcpy(&y[first], &pl->xfers[om->first], (size_t)om->count * sizeof(*y));
-            for (uint32_t k = 0; k < om->count; k++)
-                y[first + k].msg = (uint32_t)i;
-            pl->msgs[i] = *om;
+            pl->msgs[i] = m[mperm[i]];
             pl->msgs[i].first = (uint32_t)first;
-            first += om->count;
+            cursor[i] = (uint32_t)first;
+            fin[corder[mperm[i]]] = (uint32_t)i;
+            first += pl->msgs[i].count;
         }
     }
-    free(mkey);
-    mkey = NULL;
-    free(pl->xfers);
-    pl->xfers = y;
+    /* Message order, in one sequential pass over the transfers: the messages open at any one
+     * time are those of a few destination endpoints, so the writes stay in cache. */
+    ybytes = (n + 1) * sizeof(*y);
+    y = big_alloc(ybytes);
+    if (y == NULL)
+        goto nomem;
+    for (uint64_t i = 0; i < n; i++) {
+        uint32_t f = fin[pl->xfers[i].msg];
+        pl->xfers[i].msg = f;
+        y[cursor[f]++] = (uint32_t)i;
+    }
+    pl->order = y;
+    pl->order_bytes = ybytes;
     y = NULL;
     pl->nmsgs = (uint32_t)nm;
     pl->nrounds = nm ? R : 0;
@@ -1132,12 +1276,13 @@ nomem:
     rc = rf_err_set(err, -ENOMEM, "plan: out of memory scheduling %llu transfers",
                     (unsigned long long)n);
 out:
+    free(corder);
+    free(fin);
     free(mperm);
-    free(mkey);
     free(cursor);
-    free(k2);
+    free(mkey);
     free(m);
-    free(y);
+    big_free(y, ybytes);
     if (use)
         for (uint32_t e = 0; e < ne; e++)
             free(use[e]);
@@ -1154,12 +1299,17 @@ static void builder_free(builder *b)
     free(b->si.kstart);
     free(b->si.maxext);
     free(b->si.kdim);
+    free(b->ti);
+    free(b->se);
     free(b->load);
     free(b->links.keys);
     free(b->links.vals);
     free(b->boxes.slots);
     free(b->boxes.boxes);
-    free(b->pairkey);
+    free(b->mb);
+    free(b->open);
+    free(b->opentab.keys);
+    free(b->opentab.vals);
     free(b->epidx);
     free(b->node);
     free(b->nodeidx);
@@ -1167,7 +1317,11 @@ static void builder_free(builder *b)
     free(b->sidx_ep);
     free(b->didx_ep);
     free(b->src_ep);
-    free(b->src_cache);
+    free(b->reg_ep);
+    free(b->t_ndim);
+    free(b->t_esize);
+    free(b->gbid);
+    free(b->gruns);
     free(b->cands);
     for (int d = 0; d < RF_MAX_DIMS; d++)
         free(b->cuts[d]);
@@ -1183,26 +1337,36 @@ static int cmp_u32(const void *a, const void *b)
     return (x > y) - (x < y);
 }
 
-/* Dense per-side endpoint and node numbering, link loads, source piece endpoints, and a copy
- * of the source pieces when they fit in a modest amount of memory. */
-static uint64_t src_cache_max = 256ull * MiB;
-static uint64_t linkmat_max = 1ull << 22;
+/* Dense per-side endpoint and node numbering, link loads, piece endpoints, per-tensor sizes,
+ * and the per-geometry cache when the geometry table is of a modest size (it is a handful of
+ * entries for real layouts, but one per piece at worst). */
+static uint64_t geom_cache_max = 256ull * MiB;
+static uint64_t linkmat_max = 1ull << 22; /* also bounds the dense open-message table */
 
-/* For tests: lower the limits so the paths for very large inventories (no source piece
- * cache, link loads in a hash table) run on small ones. Not thread-safe; call before
- * building. */
-void rf_plan__set_limits(uint64_t src_cache_bytes, uint64_t link_matrix_entries);
-void rf_plan__set_limits(uint64_t src_cache_bytes, uint64_t link_matrix_entries)
+/* For tests: lower the limits so the paths for very large inventories (no geometry cache,
+ * link loads in a hash table) run on small ones. Not thread-safe; call before building. */
+void rf_plan__set_limits(uint64_t geom_cache_bytes, uint64_t link_matrix_entries);
+void rf_plan__set_limits(uint64_t geom_cache_bytes, uint64_t link_matrix_entries)
 {
-    src_cache_max = src_cache_bytes;
+    geom_cache_max = geom_cache_bytes;
     linkmat_max = link_matrix_entries;
 }
 static int setup(builder *b, rf_err *err)
 {
     const rf_inv *inv = b->inv;
     uint32_t ne = rf_inv_nendpoints(inv), ns = rf_inv_npieces(inv, RF_SRC);
+    uint32_t nr = rf_inv_nregions(inv), nt = rf_inv_ntensors(inv), ng = rf_inv_ngeoms(inv);
     uint32_t *nodes[2] = {NULL, NULL}, nn[2] = {0, 0};
     int rc = 0;
+
+    b->srec = rf_inv_piece_recs(inv, RF_SRC);
+    b->drec = rf_inv_piece_recs(inv, RF_DST);
+    b->geoms = rf_inv_geoms(inv);
+    b->reg_ep = malloc(((uint64_t)nr + 1) * sizeof(uint32_t));
+    b->t_ndim = malloc((uint64_t)nt + 1);
+    b->t_esize = malloc((uint64_t)nt + 1);
+    if (!b->reg_ep || !b->t_ndim || !b->t_esize)
+        goto nomem;
 
     b->sidx_ep = malloc(((uint64_t)ne + 1) * sizeof(uint32_t));
     b->didx_ep = malloc(((uint64_t)ne + 1) * sizeof(uint32_t));
@@ -1244,16 +1408,28 @@ static int setup(builder *b, rf_err *err)
         if (b->linkmat == NULL)
             goto nomem;
     }
-    for (uint32_t i = 0; i < ns; i++)
-        b->src_ep[i] = rf_inv_piece_endpoint(inv, RF_SRC, i);
-    if ((uint64_t)ns * sizeof(rf_piece) <= src_cache_max) {
-        b->src_cache = malloc(((uint64_t)ns + 1) * sizeof(rf_piece));
-        if (b->src_cache == NULL)
+    if ((uint64_t)b->nsrc_ep * b->ndst_ep <= linkmat_max) {
+        b->open = calloc((uint64_t)b->nsrc_ep * b->ndst_ep + 1, sizeof(uint32_t));
+        if (b->open == NULL)
             goto nomem;
-        for (uint32_t i = 0; i < ns; i++) {
-            rf_inv_piece(inv, RF_SRC, i, &b->src_cache[i]);
-            box_norm(&b->src_cache[i].box, rf_inv_tensor(inv, b->src_cache[i].tensor)->ndim);
-        }
+    }
+    for (uint32_t r = 0; r < nr; r++)
+        b->reg_ep[r] = rf_inv_region(inv, r)->endpoint;
+    for (uint32_t i = 0; i < ns; i++)
+        b->src_ep[i] = b->reg_ep[b->srec[i].region];
+    for (uint32_t t = 0; t < nt; t++) {
+        const rf_tensor *tt = rf_inv_tensor(inv, t);
+        b->t_ndim[t] = (uint8_t)tt->ndim;
+        b->t_esize[t] = (uint8_t)rf_dtype_size(tt->dtype);
+    }
+    if ((uint64_t)ng * (sizeof(*b->gbid) + sizeof(*b->gruns)) <= geom_cache_max) {
+        b->gbid = calloc((uint64_t)ng + 1, sizeof(*b->gbid));
+        b->gruns = malloc(((uint64_t)ng + 1) * sizeof(*b->gruns));
+        if (b->gbid == NULL || b->gruns == NULL)
+            goto nomem;
+        /* Dims past a tensor's ndim have extent 1 and add no runs. */
+        for (uint32_t g = 0; g < ng; g++)
+            b->gruns[g] = nruns(b->geoms[g].strides, RF_MAX_DIMS, &b->geoms[g].box);
     }
     goto out;
 nomem:
@@ -1313,6 +1489,10 @@ int rf_plan_build(const rf_inv *inv, const rf_plan_opts *opts, rf_plan **out, rf
     rc = build_srcidx(&b, err);
     if (rc)
         goto out;
+    /* Most destination pieces take one transfer: reserve that many up front. */
+    b.capx = (uint64_t)nd + 64;
+    if (big_resize((void **)&pl->xfers, &pl->xfers_bytes, b.capx, sizeof(rf_xfer)))
+        goto nomem;
     for (uint32_t i = 0; i < nd; i++) {
         rc = plan_piece(&b, i, err);
         if (rc)
@@ -1322,15 +1502,11 @@ int rf_plan_build(const rf_inv *inv, const rf_plan_opts *opts, rf_plan **out, rf
     rc = schedule(&b, err);
     if (rc)
         goto out;
+    /* The transfer array was reserved for one transfer per piece and grown by doubling. */
+    (void)big_resize((void **)&pl->xfers, &pl->xfers_bytes, pl->nxfers + 1, sizeof(rf_xfer));
     pl->boxes = b.boxes.boxes;
     pl->nboxes = (uint32_t)b.boxes.n;
     b.boxes.boxes = NULL;
-    /* Shrink the transfer array: it was grown by doubling. */
-    {
-        rf_xfer *x = realloc(pl->xfers, (pl->nxfers + 1) * sizeof(*x));
-        if (x)
-            pl->xfers = x;
-    }
 
     pl->st.tensors = rf_inv_ntensors(inv);
     pl->st.src_pieces = rf_inv_npieces(inv, RF_SRC);
@@ -1375,7 +1551,8 @@ void rf_plan_free(rf_plan *plan)
 {
     if (plan == NULL)
         return;
-    free(plan->xfers);
+    big_free(plan->xfers, plan->xfers_bytes);
+    big_free(plan->order, plan->order_bytes);
     free(plan->msgs);
     free(plan->boxes);
     free(plan->sent);
@@ -1415,7 +1592,7 @@ uint32_t rf_plan_nrounds(const rf_plan *plan)
 
 const rf_xfer *rf_plan_xfer(const rf_plan *plan, uint64_t i)
 {
-    return i < plan->nxfers ? &plan->xfers[i] : NULL;
+    return i < plan->nxfers ? &plan->xfers[plan->order[i]] : NULL;
 }
 
 const rf_msg *rf_plan_msg(const rf_plan *plan, uint32_t i)
@@ -1435,7 +1612,7 @@ const rf_plan_stats *rf_plan_stats_get(const rf_plan *plan)
 
 size_t rf_plan_memory(const rf_plan *plan)
 {
-    return sizeof(*plan) + plan->nxfers * sizeof(rf_xfer) + plan->nmsgs * sizeof(rf_msg) +
+    return sizeof(*plan) + plan->nxfers * (sizeof(rf_xfer) + sizeof(uint32_t)) + plan->nmsgs * sizeof(rf_msg) +
            plan->nboxes * sizeof(rf_box) + 2 * (size_t)plan->nendpoints * sizeof(uint64_t);
 }
 

@@ -735,12 +735,17 @@ void rf_coord_status(json_t *status, void *arg)
     for (i = 0; i < c->nmembers; i++) {
         const member *m = &c->m[i];
 
-        json_array_append_new(members, json_pack(
-            "{s:s, s:i, s:s, s:b, s:b, s:I}", "role", i < c->npub ? "publisher" : "receiver",
-            "index", (int)(i < c->npub ? i : i - c->npub), "node", m->node, "connected",
-            m->peer != NULL, "inventory_complete", m->inv_complete,
-            i < c->npub ? "ready" : "consumed",
-            (json_int_t)(i < c->npub ? m->ready : m->idle)));
+        json_t *o = json_pack("{s:s, s:i, s:s, s:b, s:b}", "role",
+                              i < c->npub ? "publisher" : "receiver", "index",
+                              (int)(i < c->npub ? i : i - c->npub), "node", m->node,
+                              "connected", m->peer != NULL, "inventory_complete",
+                              m->inv_complete);
+
+        if (i < c->npub)
+            json_object_set_new(o, "ready", json_integer((json_int_t)m->ready));
+        else
+            json_object_set_new(o, "ready_to_install", json_boolean(m->idle == UINT64_MAX));
+        json_array_append_new(members, o);
     }
     if (c->plan_ready)
         for (i = 0; i < 32; i++)

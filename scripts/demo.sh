@@ -42,13 +42,18 @@ PIDS="$PIDS $!"
     --versions "$VERSIONS" > "$DIR/engines.log" 2>&1 &
 ENG=$!
 "$BIN/refit-sim-trainer" --socket "$DIR/publisherd.sock" --model "$MODEL" --layout "$SRC" \
-    --versions "$VERSIONS" --report > "$DIR/trainers.log" 2>&1
-TR=$?
+    --versions "$VERSIONS" --report --hold $((VERSIONS + 1)) > "$DIR/trainers.log" 2>&1 &
+TRP=$!
+PIDS="$PIDS $TRP"
+# The engines verify every version; the trainers stay registered (holding the next version's
+# weights, unpublished) so that the status below shows the whole cluster.
 wait $ENG
 EN=$?
+TR=0
+grep -q "holding weights" "$DIR/trainers.log" || TR=1
 echo
 echo "== trainers"
-cat "$DIR/trainers.log"
+grep -v "holding weights" "$DIR/trainers.log"
 echo "== engines"
 cat "$DIR/engines.log"
 echo

@@ -168,13 +168,19 @@ static void print_status(json_t *st)
                num(cluster, "committed"));
         json_array_foreach(json_object_get(cluster, "members"), i, m) {
             json_t *ready = json_object_get(m, "ready");
+            char what[48];
 
-            printf("  %-9s %d  %-16s %-13s inventory %-10s %s %.0f\n", str(m, "role"),
+            if (ready)
+                snprintf(what, sizeof(what), "published %.0f", num(m, "ready"));
+            else
+                snprintf(what, sizeof(what), "%s", json_is_true(json_object_get(
+                         m, "ready_to_install")) ? "engines ready" : "engines busy");
+            printf("  %-9s %d  %-16s %-13s inventory %-10s %s\n", str(m, "role"),
                    (int)num(m, "index"), str(m, "node"),
                    json_is_true(json_object_get(m, "connected")) ? "connected" : "DISCONNECTED",
                    json_is_true(json_object_get(m, "inventory_complete")) ? "complete"
                                                                           : "incomplete",
-                   ready ? "ready" : "consumed", ready ? num(m, "ready") : num(m, "consumed"));
+                   what);
         }
         human_bytes(num(plan, "dst_bytes"), b1, sizeof(b1));
         printf("  plan      %d tensors, %.0f transfers, %.0f messages, %.0f rounds, %s, built "

@@ -434,10 +434,10 @@ Test(plan, random_layouts_execute_exactly)
     }
 }
 
-void rf_plan__set_limits(uint64_t src_cache_bytes, uint64_t link_matrix_entries);
+void rf_plan__set_limits(uint64_t geom_cache_bytes, uint64_t link_matrix_entries);
 
-/* The paths for inventories too large for the source piece cache and the dense link matrix
- * give the same plans as the fast ones. */
+/* The paths for inventories too large for the geometry cache and the dense link matrix (and
+ * open-message) tables give the same plans as the fast ones. */
 Test(plan, large_inventory_paths_match)
 {
     for (uint64_t seed = 200; seed < 240; seed++) {
@@ -592,6 +592,68 @@ Test(plan, id_changes_with_inputs)
     rf_plan_digest(c.inv, &o, b);
     cr_assert_neq(memcmp(a, b, 32), 0);
     rf_plan_free(pl);
+    cluster_free(&c);
+}
+
+/* A copy of inv in which piece `bump` of `side` (UINT32_MAX: none) lies one element further
+ * into its region; every region gets 4 KiB of slack so that the moved piece still fits. */
+static rf_inv *copy_inv(const rf_inv *inv, rf_side side, uint32_t bump)
+{
+    rf_inv *c = rf_inv_new();
+    rf_err err;
+    rf_piece p;
+
+    cr_assert_not_null(c);
+    for (uint32_t t = 0; t < rf_inv_ntensors(inv); t++) {
+        const rf_tensor *tt = rf_inv_tensor(inv, t);
+        cr_assert_eq(rf_inv_add_tensor(c, tt->name, tt->dtype, tt->ndim, tt->shape, NULL, &err),
+                     0, "%s", err.msg);
+    }
+    for (uint32_t e = 0; e < rf_inv_nendpoints(inv); e++)
+        cr_assert_eq(rf_inv_add_endpoint(c, rf_inv_endpoint(inv, e)->side,
+                                         rf_inv_endpoint(inv, e)->node, NULL, &err), 0);
+    for (uint32_t r = 0; r < rf_inv_nregions(inv); r++)
+        cr_assert_eq(rf_inv_add_region(c, rf_inv_region(inv, r)->endpoint,
+                                       rf_inv_region(inv, r)->size + 4096, NULL, &err), 0);
+    for (int s = RF_SRC; s <= RF_DST; s++) {
+        for (uint32_t i = 0; i < rf_inv_npieces(inv, (rf_side)s); i++) {
+            rf_inv_piece(inv, (rf_side)s, i, &p);
+            if (s == (int)side && i == bump)
+                p.offset += rf_dtype_size(rf_inv_tensor(inv, p.tensor)->dtype);
+            cr_assert_eq(rf_inv_add_piece(c, &p, NULL, &err), 0, "%s", err.msg);
+        }
+    }
+    return c;
+}
+
+/* The id covers every piece: equal inventories give equal ids, and moving one piece of
+ * either side by one element gives another. */
+Test(plan, id_changes_with_one_piece_offset)
+{
+    cluster c;
+    rf_plan_opts o;
+    uint8_t a[32], b[32], x[32];
+
+    random_cluster(&c, 11);
+    rf_plan_opts_default(&o);
+    rf_inv *ia = copy_inv(c.inv, RF_SRC, UINT32_MAX), *ib = copy_inv(c.inv, RF_DST, UINT32_MAX);
+    rf_plan_digest(ia, &o, a);
+    rf_plan_digest(ib, &o, b);
+    cr_assert_eq(memcmp(a, b, 32), 0, "equal inventories must give equal ids");
+    for (int s = RF_SRC; s <= RF_DST; s++) {
+        uint32_t np = rf_inv_npieces(c.inv, (rf_side)s);
+        uint32_t picks[3] = {0, np / 2, np - 1};
+        cr_assert(np > 0);
+        for (int k = 0; k < 3; k++) {
+            rf_inv *ix = copy_inv(c.inv, (rf_side)s, picks[k]);
+            rf_plan_digest(ix, &o, x);
+            cr_assert_neq(memcmp(a, x, 32), 0, "moving %s piece %u left the id unchanged",
+                          s == RF_SRC ? "source" : "destination", picks[k]);
+            rf_inv_free(ix);
+        }
+    }
+    rf_inv_free(ia);
+    rf_inv_free(ib);
     cluster_free(&c);
 }
 
