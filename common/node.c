@@ -716,9 +716,9 @@ static void on_tick(uv_timer_t *t)
 {
     rf_node *n = container_of(t, rf_node, tick);
     json_t *reg = rf_registry_status(n->reg);
-    json_t *clients = reg ? json_object_get(reg, "clients") : NULL;
+    json_t *clients = reg ? json_object_get(reg, "connected_clients") : NULL;
 
-    rf_metric_set(n->m_clients, clients ? (double)json_array_size(clients) : 0);
+    rf_metric_set(n->m_clients, clients ? (double)json_integer_value(clients) : 0);
     json_decref(reg);
     refresh_snapshot(n);
 }

@@ -966,6 +966,7 @@ json_t *rf_registry_status(const rf_registry *r)
     json_object_set_new(o, "side", json_string(r->side == RF_SRC ? "trainers" : "engines"));
     json_object_set_new(o, "socket", json_string(rf_rpc_server_path(r->srv)));
     json_object_set_new(o, "expected_clients", json_integer(r->expected));
+    json_object_set_new(o, "connected_clients", json_integer(count_data(r, false)));
     json_object_set_new(o, "complete", json_boolean(r->complete));
     json_object_set_new(o, "generation", json_integer((json_int_t)r->generation));
     json_object_set_new(o, "tensors", json_integer(rf_inv_ntensors(r->inv)));

@@ -137,10 +137,8 @@ static void print_status(json_t *st)
     printf("coordinator   %s, %s\n", str(co, "addr"),
            json_is_true(json_object_get(co, "connected")) ? "connected" : "NOT CONNECTED");
     if (cl) {
-        json_t *list = json_object_get(cl, "clients");
-
-        printf("clients       %zu connected of %d expected %s, inventory %s (%d tensors, %d "
-               "pieces)\n", json_array_size(list), (int)num(cl, "expected_clients"),
+        printf("clients       %d connected of %d expected %s, inventory %s (%d tensors, %d "
+               "pieces)\n", (int)num(cl, "connected_clients"), (int)num(cl, "expected_clients"),
                str(cl, "side"), json_is_true(json_object_get(cl, "complete")) ? "complete"
                                                                               : "incomplete",
                (int)num(cl, "tensors"), (int)num(cl, "pieces"));
