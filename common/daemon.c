@@ -141,12 +141,21 @@ int rf_daemon_main(int role, int argc, char **argv, const rf_daemon_hooks *hooks
     }
     if (hooks && hooks->attach && d.hook_state)
         hooks->attach(d.hook_state, d.node);
+    /* Initialised before anything can fail, so that stop() may close them. */
+    uv_signal_init(&d.loop, &d.sigint);
+    uv_signal_init(&d.loop, &d.sigterm);
+    d.sigint.data = d.sigterm.data = &d;
+    uv_signal_start(&d.sigint, on_signal, SIGINT);
+    uv_signal_start(&d.sigterm, on_signal, SIGTERM);
+    uv_timer_init(&d.loop, &d.watchdog);
+    d.watchdog.data = &d;
     if (cfg.status_listen[0]) {
         rc = rf_httpd_start(&d.httpd, cfg.status_listen, metrics, status_json, d.node, &err);
         if (rc < 0) {
             RF_ERROR("%s", err.msg);
             stop(&d, "status endpoint failed");
             uv_run(&d.loop, UV_RUN_DEFAULT);
+            status = 1;
             goto out_loop;
         }
         {
@@ -160,13 +169,6 @@ int rf_daemon_main(int role, int argc, char **argv, const rf_daemon_hooks *hooks
                     rf_httpd_port(d.httpd));
         }
     }
-    uv_signal_init(&d.loop, &d.sigint);
-    uv_signal_init(&d.loop, &d.sigterm);
-    d.sigint.data = d.sigterm.data = &d;
-    uv_signal_start(&d.sigint, on_signal, SIGINT);
-    uv_signal_start(&d.sigterm, on_signal, SIGTERM);
-    uv_timer_init(&d.loop, &d.watchdog);
-    d.watchdog.data = &d;
     wd = rf_sd_watchdog_usec();
     uv_timer_start(&d.watchdog, on_watchdog, 0, wd ? wd / 2000 : 5000);
     rf_sd_notify("READY=1\nSTATUS=started");

@@ -1,0 +1,37 @@
+#!/bin/bash
+# A daemon that cannot start says why and exits non-zero, without hanging or crashing: a status
+# port already taken, a local socket it cannot create, a key file others can read, an unknown
+# config key (start-up and --check-config), a key file that does not exist.
+. "$(dirname "$0")/lib.sh"
+E2E_PUBLISHERS=1 E2E_RECEIVERS=1
+start_publisher 0 1
+wait_for "$E2E_DIR/pub0.log" "status endpoint on" 20
+TAKEN=$(sed -n 's|.*status endpoint on http://.*:\([0-9][0-9]*\)/ .*|\1|p' "$E2E_DIR/pub0.log" | head -n 1)
+[ -n "$TAKEN" ] || fail "no status port in the log"
+
+# expect_exit CODE TEXT LOG -- command...: runs the daemon, checks its exit status and message.
+expect_exit() {
+    local code=$1 text=$2 log=$3 rc
+    shift 4
+    timeout 20 "$@" > "$log" 2>&1
+    rc=$?
+    [ $rc = "$code" ] || fail "exit $rc, not $code: $* ($(tail -n 3 "$log"))"
+    grep -q -- "$text" "$log" || fail "no '$text' in the output of $*: $(tail -n 3 "$log")"
+}
+
+R="$BIN/refit-receiverd $E2E_COMMON --index 0 --clients 1 --publishers 1 --receivers 1"
+expect_exit 1 "127.0.0.1:$TAKEN" "$E2E_DIR/port.log" -- \
+    $R --socket "$E2E_DIR/r1.sock" --status-listen "127.0.0.1:$TAKEN"
+expect_exit 1 "/proc/nope" "$E2E_DIR/sock.log" -- $R --socket /proc/nope/r.sock
+cp "$E2E_DIR/cluster.key" "$E2E_DIR/open.key"
+chmod 644 "$E2E_DIR/open.key"
+expect_exit 78 "chmod 600" "$E2E_DIR/key.log" -- $R --socket "$E2E_DIR/r2.sock" \
+    --cluster-key-file "$E2E_DIR/open.key"
+expect_exit 78 "no/such.key" "$E2E_DIR/nokey.log" -- $R --socket "$E2E_DIR/r3.sock" \
+    --cluster-key-file "$E2E_DIR/no/such.key"
+printf 'stagin_mib = 4\n' > "$E2E_DIR/bad.conf"
+expect_exit 78 "did you mean 'staging_mib'" "$E2E_DIR/conf.log" -- $R --config "$E2E_DIR/bad.conf"
+expect_exit 1 "bad.conf:1: unknown key 'stagin_mib'" "$E2E_DIR/check.log" -- \
+    "$BIN/refit-receiverd" --config "$E2E_DIR/bad.conf" --check-config
+kill -0 "$PUB0_PID" || fail "the running publisherd died"
+echo "ok: start-up errors named, exit codes 1 and 78"
