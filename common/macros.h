@@ -1,4 +1,4 @@
-/* common/macros.h - the few macros every module needs. */
+/* common/macros.h - container_of, shared by every module that embeds libuv handles. */
 #ifndef RF_MACROS_H
 #define RF_MACROS_H
 
@@ -8,7 +8,5 @@
 #ifndef container_of
 #define container_of(ptr, type, member) ((type *)((char *)(ptr) - offsetof(type, member)))
 #endif
-
-#define RF_ARRAY_SIZE(a) (sizeof(a) / sizeof((a)[0]))
 
 #endif

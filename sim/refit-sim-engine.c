@@ -30,73 +30,50 @@ static void usage(FILE *f)
 
 int main(int argc, char **argv)
 {
-    static const struct option opts[] = {
-        {"socket", 1, 0, 's'}, {"model", 1, 0, 'm'},    {"shrink", 1, 0, 'k'},
-        {"layout", 1, 0, 'l'}, {"ranks", 1, 0, 'r'},    {"start", 1, 0, 'v'},
-        {"versions", 1, 0, 'n'}, {"timeout-ms", 1, 0, 't'}, {"help", 0, 0, 'h'},
-        {"device", 1, 0, 'D'}, {"gpu", 1, 0, 'G'}, {"cuda-vmm", 0, 0, 'V'},
-        {0, 0, 0, 0}};
-    const char *socket = getenv("REFIT_SOCKET"), *model = NULL, *layout = "", *ranks = NULL;
-    int shrink = 1, timeout_ms = 120000, o, i, status = 1;
-    uint64_t start = 1, versions = 1, v, wrong_total = 0;
-    const char *device = "host";
-    char gpu_dev[32];
-    int gpu = SIM_HOST, vmm = 0;
+    static const struct option opts[] = {SIM_COMMON_OPTIONS, {"help", 0, 0, 'h'},
+                                         {0, 0, 0, 0}};
+    uint64_t v, wrong_total = 0;
+    int o, i, status = 1;
+    sim_opts so;
     sim s;
 
-    if (!socket)
-        socket = REFIT_SOCKET_RECEIVER;
+    sim_opts_init(&so, REFIT_SOCKET_RECEIVER);
     while ((o = getopt_long(argc, argv, "", opts, NULL)) != -1) {
-        switch (o) {
-        case 's': socket = optarg; break;
-        case 'm': model = optarg; break;
-        case 'k': shrink = atoi(optarg); break;
-        case 'l': layout = optarg; break;
-        case 'r': ranks = optarg; break;
-        case 'v': start = strtoull(optarg, NULL, 10); break;
-        case 'n': versions = strtoull(optarg, NULL, 10); break;
-        case 't': timeout_ms = atoi(optarg); break;
-        case 'D': device = optarg; break;
-        case 'G': snprintf(gpu_dev, sizeof(gpu_dev), "cuda:%s", optarg); device = gpu_dev; break;
-        case 'V': vmm = 1; break;
-        case 'h': usage(stdout); return 0;
-        default: usage(stderr); return 2;
+        if (sim_opt(&so, o, optarg))
+            continue;
+        if (o == 'h') {
+            usage(stdout);
+            return 0;
         }
-    }
-    if (!model || start == 0) {
-        usage(stderr);
-        return 2;
-    }
-    if (sim_parse_device(device, &gpu) < 0) {
         usage(stderr);
         return 2;
     }
     setvbuf(stdout, NULL, _IOLBF, 0);
-    if (sim_setup_device(&s, RF_DST, model, shrink, layout, ranks, socket, gpu, vmm) < 0)
+    if (sim_open(&s, RF_DST, &so) < 0)
         return 2;
     sim_fill_garbage(&s);
-    if (sim_register(&s, timeout_ms) < 0)
+    if (sim_register(&s, so.timeout_ms) < 0)
         goto out;
     printf("engine ranks %d-%d: registered %llu bytes of %s\n", s.first, s.first + s.count - 1,
            (unsigned long long)s.bytes, rf_model_name(s.model));
 
-    for (v = start; v < start + versions;) {
+    for (v = so.start; v < so.start + so.versions;) {
         double t0 = sim_now();
         uint64_t wrong;
         int rc = 0;
 
         for (i = 0; i < s.count && rc == 0; i++)
-            rc = refit_wait_version(s.ranks[i].c, v, timeout_ms);
+            rc = refit_wait_version(s.ranks[i].c, v, so.timeout_ms);
         if (rc == -ECONNRESET || rc == -EPIPE || rc == -ENOTCONN) {
             fprintf(stderr, "engine: lost receiverd (%s); registering again\n",
                     refit_last_error(s.ranks[i - 1].c));
-            if (sim_register(&s, timeout_ms) < 0)
+            if (sim_register(&s, so.timeout_ms) < 0)
                 goto out;
             continue;
         }
         if (rc == -ETIMEDOUT) {
             fprintf(stderr, "engine: version %llu was not committed within %d ms\n",
-                    (unsigned long long)v, timeout_ms);
+                    (unsigned long long)v, so.timeout_ms);
             goto out;
         }
         if (rc < 0) {

@@ -60,59 +60,35 @@ static void report(refit_client *c, uint64_t version)
 
 int main(int argc, char **argv)
 {
-    static const struct option opts[] = {
-        {"socket", 1, 0, 's'},   {"model", 1, 0, 'm'},    {"shrink", 1, 0, 'k'},
-        {"layout", 1, 0, 'l'},   {"ranks", 1, 0, 'r'},    {"start", 1, 0, 'v'},
-        {"versions", 1, 0, 'n'}, {"retries", 1, 0, 'R'},  {"timeout-ms", 1, 0, 't'},
-        {"report", 0, 0, 'p'},   {"help", 0, 0, 'h'},     {"hold", 1, 0, 'H'},
-        {"device", 1, 0, 'D'}, {"gpu", 1, 0, 'G'}, {"cuda-vmm", 0, 0, 'V'},     {0, 0, 0, 0}};
-    const char *socket = getenv("REFIT_SOCKET"), *model = NULL, *layout = "", *ranks = NULL;
-    int shrink = 1, retries = 5, timeout_ms = 120000, do_report = 0, o, i, status = 1;
-    uint64_t start = 1, versions = 1, v, hold = 0;
-    const char *device = "host";
-    char gpu_dev[32];
-    int gpu = SIM_HOST, vmm = 0;
+    static const struct option opts[] = {SIM_COMMON_OPTIONS, {"retries", 1, 0, 'R'},
+                                         {"report", 0, 0, 'p'}, {"hold", 1, 0, 'H'},
+                                         {"help", 0, 0, 'h'}, {0, 0, 0, 0}};
+    int retries = 5, do_report = 0, o, i, status = 1;
+    uint64_t v, hold = 0;
+    sim_opts so;
     sim s;
 
-    if (!socket)
-        socket = REFIT_SOCKET_PUBLISHER;
+    sim_opts_init(&so, REFIT_SOCKET_PUBLISHER);
     while ((o = getopt_long(argc, argv, "", opts, NULL)) != -1) {
+        if (sim_opt(&so, o, optarg))
+            continue;
         switch (o) {
-        case 's': socket = optarg; break;
-        case 'm': model = optarg; break;
-        case 'k': shrink = atoi(optarg); break;
-        case 'l': layout = optarg; break;
-        case 'r': ranks = optarg; break;
-        case 'v': start = strtoull(optarg, NULL, 10); break;
-        case 'n': versions = strtoull(optarg, NULL, 10); break;
         case 'R': retries = atoi(optarg); break;
-        case 't': timeout_ms = atoi(optarg); break;
         case 'p': do_report = 1; break;
         case 'H': hold = strtoull(optarg, NULL, 10); break;
-        case 'D': device = optarg; break;
-        case 'G': snprintf(gpu_dev, sizeof(gpu_dev), "cuda:%s", optarg); device = gpu_dev; break;
-        case 'V': vmm = 1; break;
         case 'h': usage(stdout); return 0;
         default: usage(stderr); return 2;
         }
     }
-    if (!model || start == 0) {
-        usage(stderr);
-        return 2;
-    }
-    if (sim_parse_device(device, &gpu) < 0) {
-        usage(stderr);
-        return 2;
-    }
     setvbuf(stdout, NULL, _IOLBF, 0);
-    if (sim_setup_device(&s, RF_SRC, model, shrink, layout, ranks, socket, gpu, vmm) < 0)
+    if (sim_open(&s, RF_SRC, &so) < 0)
         return 2;
-    if (sim_register(&s, timeout_ms) < 0)
+    if (sim_register(&s, so.timeout_ms) < 0)
         goto out;
     printf("trainer ranks %d-%d: registered %llu bytes of %s\n", s.first, s.first + s.count - 1,
            (unsigned long long)s.bytes, rf_model_name(s.model));
 
-    for (v = start; v < start + versions; v++) {
+    for (v = so.start; v < so.start + so.versions; v++) {
         int attempt, rc = 0;
 
         sim_fill(&s, v);
@@ -123,7 +99,7 @@ int main(int argc, char **argv)
             for (i = 0; i < s.count && rc == 0; i++)
                 rc = refit_publish(s.ranks[i].c, v);
             for (i = 0; i < s.count && rc == 0; i++)
-                rc = refit_wait_released(s.ranks[i].c, v, timeout_ms);
+                rc = refit_wait_released(s.ranks[i].c, v, so.timeout_ms);
             if (rc == 0) {
                 printf("trainer ranks %d-%d: version %llu released after %.3f s\n", s.first,
                        s.first + s.count - 1, (unsigned long long)v, sim_now() - t0);
@@ -136,7 +112,7 @@ int main(int argc, char **argv)
                     refit_last_error(s.ranks[i - 1].c));
             if (rc == -ECONNRESET || rc == -EPIPE || rc == -ENOTCONN) {
                 /* The daemon went away: register again once it is back. */
-                if (sim_register(&s, timeout_ms) < 0)
+                if (sim_register(&s, so.timeout_ms) < 0)
                     goto out;
             } else {
                 usleep(200 * 1000);

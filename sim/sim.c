@@ -514,3 +514,53 @@ uint64_t sim_verify(sim *s, uint64_t version, int max_report)
     }
     return v.wrong;
 }
+
+void sim_opts_init(sim_opts *o, const char *default_socket)
+{
+    const char *env = getenv("REFIT_SOCKET");
+
+    memset(o, 0, sizeof(*o));
+    o->socket = env ? env : default_socket;
+    o->layout = "";
+    o->device = "host";
+    o->shrink = 1;
+    o->timeout_ms = 120000;
+    o->start = 1;
+    o->versions = 1;
+}
+
+int sim_opt(sim_opts *o, int c, const char *arg)
+{
+    switch (c) {
+    case 's': o->socket = arg; break;
+    case 'm': o->model = arg; break;
+    case 'k': o->shrink = atoi(arg); break;
+    case 'l': o->layout = arg; break;
+    case 'r': o->ranks = arg; break;
+    case 'v': o->start = strtoull(arg, NULL, 10); break;
+    case 'n': o->versions = strtoull(arg, NULL, 10); break;
+    case 't': o->timeout_ms = atoi(arg); break;
+    case 'D': o->device = arg; break;
+    case 'G':
+        snprintf(o->gpu_dev, sizeof(o->gpu_dev), "cuda:%s", arg);
+        o->device = o->gpu_dev;
+        break;
+    case 'V': o->vmm = 1; break;
+    default: return 0;
+    }
+    return 1;
+}
+
+int sim_open(sim *s, rf_side side, sim_opts *o)
+{
+    int gpu;
+
+    if (!o->model || o->start == 0) {
+        fprintf(stderr, "give --model, and --start of at least 1\n");
+        return -1;
+    }
+    if (sim_parse_device(o->device, &gpu) < 0)
+        return -1;
+    return sim_setup_device(s, side, o->model, o->shrink, o->layout, o->ranks, o->socket, gpu,
+                            o->vmm);
+}

@@ -58,6 +58,29 @@ int sim_setup(sim *s, rf_side side, const char *model, int shrink, const char *l
 /* The same with memory on GPUs: gpu as sim_parse_device gives it, vmm for VMM allocations. */
 int sim_setup_device(sim *s, rf_side side, const char *model, int shrink, const char *layout,
                      const char *ranks, const char *socket, int gpu, int vmm);
+/* The options both simulated clients take: put SIM_COMMON_OPTIONS in the getopt_long table,
+ * hand each parsed option to sim_opt, then sim_open. */
+typedef struct sim_opts {
+    const char *socket, *model, *layout, *ranks, *device;
+    int shrink, timeout_ms, vmm;
+    uint64_t start, versions;
+    char gpu_dev[32];
+} sim_opts;
+
+#define SIM_COMMON_OPTIONS                                                                     \
+    {"socket", 1, 0, 's'}, {"model", 1, 0, 'm'}, {"shrink", 1, 0, 'k'}, {"layout", 1, 0, 'l'}, \
+    {"ranks", 1, 0, 'r'}, {"start", 1, 0, 'v'}, {"versions", 1, 0, 'n'},                       \
+    {"timeout-ms", 1, 0, 't'}, {"device", 1, 0, 'D'}, {"gpu", 1, 0, 'G'},                      \
+    {"cuda-vmm", 0, 0, 'V'}
+
+/* Defaults: socket from $REFIT_SOCKET else default_socket, start 1, one version, 120 s. */
+void sim_opts_init(sim_opts *o, const char *default_socket);
+/* Takes one option of SIM_COMMON_OPTIONS: 1 if c was one of them, 0 otherwise. */
+int sim_opt(sim_opts *o, int c, const char *arg);
+/* Checks the options (a model, a start >= 1, a known device) and sets the simulation up;
+ * -1 when they are bad or the model does not shard so (the reason printed). */
+int sim_open(sim *s, rf_side side, sim_opts *o);
+
 /* Connects every rank, registers its memory and pieces, seals. Retries the connection until
  * timeout_ms passes (the daemon may still be starting). */
 int sim_register(sim *s, int timeout_ms);
