@@ -3,7 +3,11 @@
  * plan (trainer ranks' memory all on GPU 0, engine ranks' all on GPU 1), cold and warm, every
  * destination byte checked, (c) the conventional refit (each full tensor broadcast, then sliced
  * into the engine buffers with the copy kernels) on the same data, as a time ratio.
- * Usage: bench_gpu [staging MiB per endpoint, comma list; default 2048] [models: all | 4b] */
+ * Usage: bench_gpu [staging MiB per endpoint, comma list; default 2048] [models: all | 4b]
+ *                  [sweep | one] [smallest direct transfer MiB, comma list; default 4]
+ * "sweep" runs each case under several tunings of the transport (copy kernel blocks, rounds
+ * enqueued at once) and two diagnostics (the wire without the copies, the copies without the
+ * wire), then checks the bytes of the best tuning once. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -497,6 +501,16 @@ static void jobs_from_plan(const rf_plan *pl, uint64_t staging, uint8_t **bases,
         jobs[0].msgs[mi] = plan_side(pl, mi, RF_SRC, bases);
         jobs[1].msgs[mi] = plan_side(pl, mi, RF_DST, bases);
     }
+    /* As a daemon does with its slice: checked once, and keyed so that the transport keeps
+     * its plan of execution from refit to refit. */
+    for (int d = 0; d < 2; d++) {
+        rf_err err = {0};
+
+        if (rf_xfer_job_check(&jobs[d], 2, &err) < 0)
+            die_err("job check", &err);
+        jobs[d].checked = true;
+        jobs[d].plan_key = 1;
+    }
 }
 
 static void job_free(rf_xfer_job *j)
@@ -541,7 +555,38 @@ static uint64_t used_bytes(int g)
     return (uint64_t)(tot - fr);
 }
 
-static double refit_bench(setup *S, uint64_t staging_mib, double ceiling, int warm_iters)
+typedef struct tuning {
+    const char *label;
+    rf_xfer_nccl_tuning tu;
+} tuning;
+
+/* How the plan splits the bytes: direct messages (count, GB, sizes) and packed ones. */
+static void plan_mix(const rf_plan *pl, uint64_t direct_mib)
+{
+    uint64_t nd = 0, np = 0, bd = 0, bp = 0, dmin = UINT64_MAX, dmax = 0;
+
+    for (uint32_t i = 0; i < rf_plan_nmsgs(pl); i++) {
+        const rf_msg *m = rf_plan_msg(pl, i);
+
+        if (m->kind == RF_XFER_DIRECT) {
+            nd++;
+            bd += m->bytes;
+            dmin = m->bytes < dmin ? m->bytes : dmin;
+            dmax = m->bytes > dmax ? m->bytes : dmax;
+        } else {
+            np++;
+            bp += m->bytes;
+        }
+    }
+    printf("# plan, direct from %llu MiB: %llu direct messages (%.2f GB, %.1f-%.1f MiB), %llu "
+           "packed (%.2f GB, mean %.1f MiB)\n", (unsigned long long)direct_mib,
+           (unsigned long long)nd, (double)bd / 1e9, nd ? (double)dmin / (1 << 20) : 0.0,
+           (double)dmax / (1 << 20), (unsigned long long)np, (double)bp / 1e9,
+           np ? (double)bp / (double)np / (1 << 20) : 0.0);
+}
+
+static double refit_bench(setup *S, uint64_t staging_mib, uint64_t direct_mib, double ceiling,
+                          int warm_iters, const tuning *tunes, int ntunes)
 {
     rf_plan_opts o;
     rf_plan *pl = NULL;
@@ -549,16 +594,19 @@ static double refit_bench(setup *S, uint64_t staging_mib, double ceiling, int wa
     run2 w;
     rf_err err = {0};
     uint8_t uid[128];
+    char what[32];
     const char *addrs[2] = {"trainer-gpu0", "engine-gpu1"};
     uint64_t base0 = used_bytes(0), base1 = used_bytes(1), peak_extra = 0, mem_peak[2];
-    double cold, best = 1e30, sum = 0;
+    double cold, best = 1e30, sum = 0, best_all = 1e30;
     const rf_plan_stats *st;
-    int closing = 2;
+    int closing = 2, best_tune = 0;
 
     rf_plan_opts_default(&o);
     o.staging_bytes = staging_mib << 20;
+    o.direct_min_bytes = direct_mib << 20;
     if (rf_plan_build(S->inv, &o, &pl, &err) < 0)
         die_err("plan", &err);
+    plan_mix(pl, direct_mib);
     st = rf_plan_stats_get(pl);
     jobs_from_plan(pl, o.staging_bytes, S->bases, jobs);
     memset(&w, 0, sizeof(w));
@@ -579,35 +627,56 @@ static double refit_bench(setup *S, uint64_t staging_mib, double ceiling, int wa
     }
     clear_dst(S);
     cold = run_once(&w, jobs, 1);
-    for (int it = 0; it < warm_iters; it++) {
-        double s;
+    for (int k = 0; k <= ntunes; k++) {
+        /* k == ntunes: the best tuning again, and its bytes checked. */
+        const tuning *tn = &tunes[k < ntunes ? k : best_tune];
+        bool check = k == ntunes || ntunes == 1;
+        uint64_t wrong = 0;
+        double gb = (double)st->dst_bytes / 1e9;
 
-        clear_dst(S);
-        s = run_once(&w, jobs, 2 + (uint64_t)it);
-        sum += s;
-        if (s < best)
-            best = s;
-    }
-    {
-        uint64_t e0 = used_bytes(0) - base0, e1 = used_bytes(1) - base1;
+        if (k == ntunes && ntunes == 1)
+            break;
+        for (int i = 0; i < 2; i++)
+            if (rf_xfer_nccl_tune(w.t[i], &tn->tu, &err) < 0)
+                die_err("tune", &err);
+        best = 1e30;
+        sum = 0;
+        for (int it = 0; it < warm_iters; it++) {
+            double s;
 
-        peak_extra = e0 > e1 ? e0 : e1;
-    }
-    for (int i = 0; i < 2; i++)
-        rf_xfer_nccl_memory(w.t[i], NULL, &mem_peak[i]);
-    {
-        uint64_t wrong = count_wrong(S);
-        double gb = (double)st->dst_bytes / 1e9, mean = sum / warm_iters;
+            clear_dst(S);
+            s = run_once(&w, jobs, 2 + (uint64_t)(k * warm_iters + it));
+            sum += s;
+            if (s < best)
+                best = s;
+        }
+        if (tn->tu.diag == 0 && best < best_all) {
+            best_all = best;
+            best_tune = k < ntunes ? k : best_tune;
+        }
+        {
+            uint64_t e0 = used_bytes(0) - base0, e1 = used_bytes(1) - base1;
 
+            if ((e0 > e1 ? e0 : e1) > peak_extra)
+                peak_extra = e0 > e1 ? e0 : e1;
+        }
+        for (int i = 0; i < 2; i++)
+            rf_xfer_nccl_memory(w.t[i], NULL, &mem_peak[i]);
+        if (check)
+            wrong = count_wrong(S);
         printf("%-14s %6llu %6u %8u %9.2f %8.3f %8.3f %8.3f %7.1f %6.1f%% %9.2f %9.2f %9.2f "
-               "%8llu\n",
+               "%8s %s\n",
                S->name, (unsigned long long)staging_mib, rf_plan_nrounds(pl), rf_plan_nmsgs(pl),
-               gb, cold, mean, best, gb / best, 100.0 * gb / best / ceiling,
+               gb, cold, sum / warm_iters, best, gb / best, 100.0 * gb / best / ceiling,
                (double)st->packed_bytes / 1e9, (double)(mem_peak[0] > mem_peak[1] ?
                                                          mem_peak[0] : mem_peak[1]) / GIB,
-               (double)peak_extra / GIB, (unsigned long long)wrong);
+               (double)peak_extra / GIB,
+               check ? (snprintf(what, sizeof(what), "%llu", (unsigned long long)wrong), what)
+                     : "-",
+               k == ntunes ? "(best again, checked)" : tn->label);
         fflush(stdout);
     }
+    best = best_all;
     for (int i = 0; i < 2; i++)
         rf_xfer_close(w.t[i], on_closed, &closing);
     uv_run(&w.loop, UV_RUN_DEFAULT);
@@ -681,6 +750,18 @@ int main(int argc, char **argv)
 {
     const char *stag = argc > 1 ? argv[1] : "2048";
     const char *which = argc > 2 ? argv[2] : "all";
+    bool sweep = argc > 3 && strcmp(argv[3], "sweep") == 0;
+    const char *directs = argc > 4 ? argv[4] : "4";
+    static const tuning defaults[] = {{"default", {0, 0, 0}}};
+    static const tuning sweeps[] = {
+        {"default", {0, 0, 0}},
+        {"window=2", {0, 2, 0}},
+        {"blocks=264", {264, 0, 0}},
+        {"blocks=528", {528, 0, 0}},
+        {"wire only (diag)", {0, 0, RF_XFER_NCCL_DIAG_NO_COPY}},
+        {"copies only (diag)", {0, 0, RF_XFER_NCCL_DIAG_NO_WIRE}},
+    };
+#define NSWEEP ((int)(sizeof(sweeps) / sizeof(sweeps[0])))
     static const struct {
         const char *model, *src, *dst;
     } cases[] = {
@@ -706,9 +787,9 @@ int main(int argc, char **argv)
            ceiling);
     printf("(b) refit through the nccl transport (trainer ranks on GPU 0, engine ranks on GPU 1; "
            "warm = mean/best of 3)\n");
-    printf("%-14s %6s %6s %8s %9s %8s %8s %8s %7s %7s %9s %9s %9s %8s\n", "model", "stgMiB",
-           "rounds", "msgs", "GB", "cold_s", "warm_s", "best_s", "GB/s", "%p2p", "packedGB",
-           "stageGiB", "extraGiB", "#wrong");
+    printf("%-14s %6s %6s %8s %9s %8s %8s %8s %7s %7s %9s %9s %9s %8s %s\n", "model",
+           "stgMiB", "rounds", "msgs", "GB", "cold_s", "warm_s", "best_s", "GB/s", "%p2p",
+           "packedGB", "stageGiB", "extraGiB", "#wrong", "tuning");
     for (size_t c = 0; c < sizeof(cases) / sizeof(cases[0]); c++) {
         setup S;
         char list[256], *save = NULL;
@@ -722,10 +803,17 @@ int main(int argc, char **argv)
         snprintf(list, sizeof(list), "%s", stag);
         for (char *tok = strtok_r(list, ",", &save); tok; tok = strtok_r(NULL, ",", &save))
         {
-            double b = refit_bench(&S, strtoull(tok, NULL, 10), ceiling, 3);
+            char dl[256], *dsave = NULL;
 
-            if (best == 0 || b < best)
-                best = b;
+            snprintf(dl, sizeof(dl), "%s", directs);
+            for (char *dt = strtok_r(dl, ",", &dsave); dt; dt = strtok_r(NULL, ",", &dsave)) {
+                uint64_t sm = strtoull(tok, NULL, 10), dm = strtoull(dt, NULL, 10);
+                double b = sweep ? refit_bench(&S, sm, dm, ceiling, 3, sweeps, NSWEEP)
+                                 : refit_bench(&S, sm, dm, ceiling, 3, defaults, 1);
+
+                if (best == 0 || b < best)
+                    best = b;
+            }
         }
         conv = conventional(&S, &p);
         printf("(c) %s conventional (per-tensor broadcast of %u tensors + slicing): %.3f s, "

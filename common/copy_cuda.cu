@@ -32,12 +32,22 @@ typedef struct dev_desc {
 struct rf_copy_cuda_buf {
     int dev;
     int sms;
+    unsigned max_blocks; /* 0: every SM, 16 blocks each */
     dev_desc *host;   /* pinned */
     dev_desc *devp;
     size_t cap;
     cudaEvent_t done; /* recorded after the last batch's launch */
     bool pending;
 };
+
+/* Quotient of a by b, in 32 bits when both fit: row and index arithmetic here nearly always
+ * does, and the 64-bit division is several times longer. */
+__device__ __forceinline__ uint64_t udiv(uint64_t a, uint64_t b)
+{
+    if (((a | b) >> 32) == 0)
+        return (uint32_t)a / (uint32_t)b;
+    return a / b;
+}
 
 template <typename T>
 __device__ __forceinline__ void move(const dev_desc &x, uint64_t lo, uint64_t hi,
@@ -46,12 +56,12 @@ __device__ __forceinline__ void move(const dev_desc &x, uint64_t lo, uint64_t hi
     const uint64_t v = sizeof(T);
 
     for (uint64_t o = lo + threadIdx.x * v; o < hi; o += (uint64_t)blockDim.x * v) {
-        uint64_t r = o / x.run;
+        uint64_t r = udiv(o, x.run);
         uint64_t addr = x.mem + (o - r * x.run);
 
         for (int k = (int)x.n - 1; k >= 0; k--) {
             uint64_t e = (uint64_t)x.ext[k];
-            uint64_t q = r / e;
+            uint64_t q = udiv(r, e);
 
             addr += (r - q * e) * (uint64_t)x.str[k];
             r = q;
@@ -154,6 +164,11 @@ out:
     return rc;
 }
 
+void rf_copy_cuda_buf_set_blocks(rf_copy_cuda_buf *b, unsigned max_blocks)
+{
+    b->max_blocks = max_blocks;
+}
+
 void rf_copy_cuda_buf_free(rf_copy_cuda_buf *b)
 {
     int cur = -1;
@@ -213,7 +228,9 @@ static int run(rf_copy_cuda_buf *b, const rf_copy_desc *d, size_t n, uint8_t *st
         to_dev(&d[i], (uint64_t)(uintptr_t)staging, chunks, &b->host[i]);
         chunks += (b->host[i].bytes + CHUNK - 1) / CHUNK;
     }
-    grid = chunks < (uint64_t)b->sms * 16 ? (unsigned)chunks : (unsigned)b->sms * 16;
+    grid = b->max_blocks ? b->max_blocks : (unsigned)b->sms * 16;
+    if (chunks < grid)
+        grid = (unsigned)chunks;
     CUDA_TRY(err, cudaMemcpyAsync(b->devp, b->host, n * sizeof(dev_desc),
                                   cudaMemcpyHostToDevice, s));
     copy_kernel<<<grid, THREADS, 0, s>>>(b->devp, (uint32_t)n, chunks, staging, gather);

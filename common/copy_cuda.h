@@ -22,6 +22,9 @@ typedef struct rf_copy_cuda_buf rf_copy_cuda_buf;
 
 /* A buffer for the current device. */
 int rf_copy_cuda_buf_new(rf_copy_cuda_buf **out, rf_err *err);
+/* Caps the blocks of this buffer's launches (0: the default, 16 per SM). Fewer blocks copy
+ * more slowly but leave SMs and memory bandwidth to kernels running beside them (NCCL's). */
+void rf_copy_cuda_buf_set_blocks(rf_copy_cuda_buf *b, unsigned max_blocks);
 /* Waits for the buffer's last batch and frees it. */
 void rf_copy_cuda_buf_free(rf_copy_cuda_buf *b);
 

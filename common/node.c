@@ -30,6 +30,7 @@ struct rf_node {
     rf_slice_job slice; /* what Start runs */
     rf_slice_job next;  /* a slice still arriving, or complete while a refit ran */
     bool slice_stale;   /* slice must go once the running data path ends */
+    uint64_t slice_keys; /* plan_key of the last slice made runnable: one per slice */
     uint64_t ready;  /* highest version the local trainers published */
 
     /* The refit in flight (running) and the last one that ended. */
@@ -477,6 +478,7 @@ static void install_slice(rf_node *n)
         goto fail;
     }
     n->slice.job.checked = true;
+    n->slice.job.plan_key = ++n->slice_keys;
     rf_metric_set(n->m_slice_msgs, n->slice.job.nmsgs);
     RF_INFO("plan slice complete: %u messages, %llu bytes, %u rounds", n->slice.job.nmsgs,
             (unsigned long long)n->slice.bytes, n->slice.job.nrounds);

@@ -65,6 +65,9 @@ typedef struct rf_xfer_job {
                                jobs take ~0.1 s to check) */
     int verify;             /* RF_XFER_VERIFY_OFF, _FULL (every message) or _SAMPLE (the
                                messages rf_xfer_msg_verified picks) */
+    uint64_t plan_key;      /* 0, or a key the caller gives only to jobs with identical
+                               messages (items, bases, rounds): a transport may then keep what
+                               it derived from them for the next job with that key */
 } rf_xfer_job;
 
 /* What a job did. With verify = 1, digest_sent is the XOR over the messages this daemon sent
@@ -242,5 +245,16 @@ int rf_xfer_nccl_unique_id(uint8_t out[128], rf_err *err);
 /* Device memory the transport holds now: staging and descriptor buffers over all local GPUs
  * (NCCL's own buffers not included), and the most it held at once since creation. */
 void rf_xfer_nccl_memory(const rf_xfer_transport *t, uint64_t *now, uint64_t *peak);
+/* Tuning of the nccl transport, for benchmarks and for operators who measured their own
+ * machines. Zero fields keep the defaults. The diagnostic flags leave out the copies or the
+ * wire to time the rest: the bytes are then wrong, never use them in a refit. */
+enum { RF_XFER_NCCL_DIAG_NO_COPY = 1, RF_XFER_NCCL_DIAG_NO_WIRE = 2 };
+typedef struct rf_xfer_nccl_tuning {
+    unsigned copy_blocks; /* blocks per gather/scatter launch (0: 16 per SM) */
+    unsigned window;      /* rounds enqueued at once without verification, 1..4 (0: 4) */
+    unsigned diag;        /* RF_XFER_NCCL_DIAG_* */
+} rf_xfer_nccl_tuning;
+/* -EBUSY while a job runs, -EINVAL for a window above 4 or unknown flags. */
+int rf_xfer_nccl_tune(rf_xfer_transport *t, const rf_xfer_nccl_tuning *tu, rf_err *err);
 
 #endif

@@ -54,27 +54,34 @@ static int nccl_fail(rf_err *err, ncclResult_t r, ncclComm_t comm, const char *c
 #define VERIFY_CHUNK (16u << 20)
 /* How long the worker sleeps between completion polls. */
 #define POLL_NS 20000L
+/* Rounds that may be enqueued at once: their events and descriptor buffers form a ring. Two
+ * staging halves are shared by them; the streams wait on events for a half to be free, so the
+ * host is never between one round's end and the next's start. */
+#define SLOTS 4
 
 /* One local GPU endpoint: its communicator, streams (gather, wire, scatter), the events of
- * the two round slots and its staging. */
+ * the round slots and its staging. */
 typedef struct gpu {
     uint32_t rank;
     int dev;
     ncclComm_t comm;
     bool res_ready; /* streams and events made */
     cudaStream_t s_pack, s_net, s_unpack;
-    cudaEvent_t ev_packed[2], ev_net[2], ev_done[2];
+    cudaEvent_t ev_packed[SLOTS], ev_net[SLOTS], ev_done[SLOTS];
     /* Descriptor buffers per direction and round slot: a buffer waits for its previous
      * batch, which for these is a round already retired, never the one on the wire. */
-    rf_copy_cuda_buf *gbuf[2], *sbuf[2];
+    rf_copy_cuda_buf *gbuf[SLOTS], *sbuf[SLOTS];
     uint8_t *arena;
     uint64_t arena_cap;
     uint64_t need; /* this job's staging on this GPU */
 } gpu;
 
-/* One job's plan of execution, owned by the worker. */
+/* One job's plan of execution, owned by the worker. It outlives the job when the job has a
+ * plan_key: the next job with the same key, budget and world reuses it (a 30b-class job has
+ * ~10^5 items, whose descriptors take tens of milliseconds to build). */
 typedef struct jstate {
     const rf_xfer_job *job;
+    uint64_t key, staging_bytes, world_gen;
     uint32_t nl;            /* local GPUs */
     uint32_t *mgpu;         /* per message: local GPU index */
     uint64_t *moff;         /* per message: staging offset (packed) */
@@ -83,7 +90,6 @@ typedef struct jstate {
     bool *pair_ok;          /* round r and r + 1 may be in flight together */
     rf_copy_desc *desc;     /* every packed item, gathers and scatters */
     uint64_t *gfirst, *sfirst; /* [(round * nl + g) * 2 .. +1]: ranges into desc */
-    uint64_t staging_now;
     uint8_t *bounce;        /* host memory for verification */
 } jstate;
 
@@ -120,6 +126,8 @@ typedef struct nccl {
     _Atomic uint64_t mem_now, mem_peak;
     rf_xfer_close_cb close_cb;
     void *close_arg;
+    rf_xfer_nccl_tuning tune; /* read by the worker; changed only while none runs */
+    uint64_t world_gen;       /* bumped by set_world: a kept jstate of another world is void */
 } nccl;
 
 static double now_s(void)
@@ -181,7 +189,7 @@ static void gpu_release(nccl *t, gpu *g)
         cudaStreamSynchronize(g->s_pack);
         cudaStreamSynchronize(g->s_net);
         cudaStreamSynchronize(g->s_unpack);
-        for (int h = 0; h < 2; h++) {
+        for (int h = 0; h < SLOTS; h++) {
             cudaEventDestroy(g->ev_packed[h]);
             cudaEventDestroy(g->ev_net[h]);
             cudaEventDestroy(g->ev_done[h]);
@@ -189,7 +197,7 @@ static void gpu_release(nccl *t, gpu *g)
         cudaStreamDestroy(g->s_pack);
         cudaStreamDestroy(g->s_net);
         cudaStreamDestroy(g->s_unpack);
-        for (int h = 0; h < 2; h++) {
+        for (int h = 0; h < SLOTS; h++) {
             rf_copy_cuda_buf_free(g->gbuf[h]);
             rf_copy_cuda_buf_free(g->sbuf[h]);
             g->gbuf[h] = g->sbuf[h] = NULL;
@@ -245,7 +253,7 @@ static int gpu_resources(nccl *t, gpu *g)
     CUDA_TRY(&err, cudaStreamCreateWithPriority(&g->s_pack, cudaStreamNonBlocking, lowest));
     CUDA_TRY(&err, cudaStreamCreateWithPriority(&g->s_net, cudaStreamNonBlocking, highest));
     CUDA_TRY(&err, cudaStreamCreateWithPriority(&g->s_unpack, cudaStreamNonBlocking, lowest));
-    for (int h = 0; h < 2; h++) {
+    for (int h = 0; h < SLOTS; h++) {
         CUDA_TRY(&err, cudaEventCreateWithFlags(&g->ev_packed[h], cudaEventDisableTiming));
         CUDA_TRY(&err, cudaEventCreateWithFlags(&g->ev_net[h], cudaEventDisableTiming));
         CUDA_TRY(&err, cudaEventCreateWithFlags(&g->ev_done[h], cudaEventDisableTiming));
@@ -383,6 +391,9 @@ static int js_init(nccl *t, const rf_xfer_job *job)
 
     memset(s, 0, sizeof(*s));
     s->job = job;
+    s->key = job->plan_key;
+    s->staging_bytes = job->staging_bytes;
+    s->world_gen = t->world_gen;
     s->nl = nl;
     s->mgpu = calloc(n ? n : 1, sizeof(*s->mgpu));
     s->moff = calloc(n ? n : 1, sizeof(*s->moff));
@@ -475,16 +486,29 @@ static int js_init(nccl *t, const rf_xfer_job *job)
             }
         }
     }
-    if (job->verify) {
-        s->bounce = malloc(VERIFY_CHUNK);
-        if (!s->bounce) {
-            rc = fail(t, -ENOMEM, "out of memory for the verification buffer");
-            goto out;
-        }
-    }
 out:
     free(cur);
     return rc;
+}
+
+/* The kept plan of execution when it fits this job, else a new one; and the verification
+ * buffer when the job verifies. */
+static int js_prepare(nccl *t, const rf_xfer_job *job)
+{
+    jstate *s = &t->js;
+    int rc;
+
+    if (s->key != 0 && s->key == job->plan_key && s->staging_bytes == job->staging_bytes &&
+        s->world_gen == t->world_gen && s->nl == t->nlocal) {
+        s->job = job;
+    } else {
+        js_free(s);
+        if ((rc = js_init(t, job)) < 0)
+            return rc;
+    }
+    if (job->verify && !s->bounce && !(s->bounce = malloc(VERIFY_CHUNK)))
+        return fail(t, -ENOMEM, "out of memory for the verification buffer");
+    return 0;
 }
 
 /* The descriptors of one round's gathers or scatters on one GPU. */
@@ -588,27 +612,41 @@ out:
     return fail(t, rc, "%s: %s", what, err.msg);
 }
 
+/* Enqueues round r on every local GPU: gather, the group of sends and receives, scatter.
+ * Its staging half was last used by round r - 2 (and by round r - 1 when the two do not fit
+ * side by side): the gather stream waits for those rounds' last event on this GPU, which
+ * follows their wire and scatter on it. */
 static int enqueue_round(nccl *t, uint32_t r, double deadline)
 {
     jstate *s = &t->js;
     const rf_xfer_job *job = s->job;
-    int h = (int)(r & 1), rc = 0;
+    int h = (int)(r % SLOTS), rc = 0;
     rf_err err = {0};
     uint64_t a, n;
     uint32_t g, i;
     bool grouped = false;
+    bool skip_copy = t->tune.diag & RF_XFER_NCCL_DIAG_NO_COPY;
+    bool skip_net = t->tune.diag & RF_XFER_NCCL_DIAG_NO_WIRE;
 
     for (g = 0; g < t->nlocal; g++) {
         gpu *G = &t->g[g];
 
         CUDA_TRY(&err, cudaSetDevice(G->dev));
+        if (r >= 2)
+            CUDA_TRY(&err, cudaStreamWaitEvent(G->s_pack, G->ev_done[(r - 2) % SLOTS], 0));
+        if (r >= 1 && !s->pair_ok[r - 1])
+            CUDA_TRY(&err, cudaStreamWaitEvent(G->s_pack, G->ev_done[(r - 1) % SLOTS], 0));
         range_of(s, true, r, g, &a, &n);
-        if (n > 0 && (rc = rf_copy_cuda_gather_buf(G->gbuf[h], &s->desc[a], n, G->arena,
-                                                   G->s_pack, &err)) < 0)
+        rf_copy_cuda_buf_set_blocks(G->gbuf[h], t->tune.copy_blocks);
+        if (n > 0 && !skip_copy &&
+            (rc = rf_copy_cuda_gather_buf(G->gbuf[h], &s->desc[a], n, G->arena, G->s_pack,
+                                          &err)) < 0)
             goto out;
         CUDA_TRY(&err, cudaEventRecord(G->ev_packed[h], G->s_pack));
         CUDA_TRY(&err, cudaStreamWaitEvent(G->s_net, G->ev_packed[h], 0));
     }
+    if (skip_net)
+        goto scatter;
     NCCL_TRY(&err, NULL, ncclGroupStart());
     grouped = true;
     for (i = s->round_first[r]; i < s->round_first[r + 1]; i++) {
@@ -629,6 +667,7 @@ static int enqueue_round(nccl *t, uint32_t r, double deadline)
     NCCL_TRY(&err, NULL, ncclGroupEnd());
     if ((rc = wait_enqueued(t, deadline, r)) < 0)
         return rc;
+scatter:
     for (g = 0; g < t->nlocal; g++) {
         gpu *G = &t->g[g];
 
@@ -636,15 +675,24 @@ static int enqueue_round(nccl *t, uint32_t r, double deadline)
         CUDA_TRY(&err, cudaEventRecord(G->ev_net[h], G->s_net));
         CUDA_TRY(&err, cudaStreamWaitEvent(G->s_unpack, G->ev_net[h], 0));
         range_of(s, false, r, g, &a, &n);
-        if (n > 0 && (rc = rf_copy_cuda_scatter_buf(G->sbuf[h], &s->desc[a], n, G->arena,
-                                                    G->s_unpack, &err)) < 0)
+        rf_copy_cuda_buf_set_blocks(G->sbuf[h], t->tune.copy_blocks);
+        if (n > 0 && !skip_copy &&
+            (rc = rf_copy_cuda_scatter_buf(G->sbuf[h], &s->desc[a], n, G->arena, G->s_unpack,
+                                           &err)) < 0)
             goto out;
         CUDA_TRY(&err, cudaEventRecord(G->ev_done[h], G->s_unpack));
     }
-    for (g = 0; g < t->nlocal; g++)
-        s->staging_now += s->rbytes[(size_t)r * t->nlocal + g];
-    if (s->staging_now > t->result.peak_staging)
-        t->result.peak_staging = s->staging_now;
+    /* While this round packs, the one before it may still be on the wire beside it. */
+    {
+        uint64_t held = 0;
+
+        for (g = 0; g < t->nlocal; g++)
+            held += s->rbytes[(size_t)r * t->nlocal + g] +
+                    (r >= 1 && s->pair_ok[r - 1] ? s->rbytes[(size_t)(r - 1) * t->nlocal + g]
+                                                 : 0);
+        if (held > t->result.peak_staging)
+            t->result.peak_staging = held;
+    }
     return 0;
 out:
     if (grouped)
@@ -660,7 +708,7 @@ out:
 /* 1: the round finished on every local GPU, 0: not yet, < 0: failed. */
 static int round_finished(nccl *t, uint32_t r)
 {
-    int h = (int)(r & 1), rc = 0;
+    int h = (int)(r % SLOTS), rc = 0;
     rf_err err = {0};
     char what[300];
 
@@ -736,8 +784,6 @@ static int retire_round(nccl *t, uint32_t r)
             t->result.bytes_recv += m->bytes;
         rf_xfer__progress(&t->base, m->bytes);
     }
-    for (uint32_t g = 0; g < t->nlocal; g++)
-        s->staging_now -= s->rbytes[(size_t)r * t->nlocal + g];
     return 0;
 }
 
@@ -746,16 +792,20 @@ static int run_job(nccl *t)
     const rf_xfer_job *job = t->job;
     jstate *s = &t->js;
     double deadline = now_s() + job->timeout_s;
-    uint32_t lo = 0, hi = 0, nr = job->nrounds;
+    uint32_t lo = 0, hi = 0, nr = job->nrounds, window;
     char what[300];
     int rc;
 
     if ((rc = world_up(t, deadline)) < 0)
         goto out;
-    if ((rc = js_init(t, job)) < 0 || (rc = arenas_reserve(t)) < 0)
+    if ((rc = js_prepare(t, job)) < 0 || (rc = arenas_reserve(t)) < 0)
         goto out;
+    /* Verification reads a retired round's staging on the host, so nothing may be enqueued
+     * over it before then: two rounds at most, and only neighbours that fit side by side. */
+    window = job->verify != RF_XFER_VERIFY_OFF ? 2 : t->tune.window ? t->tune.window : SLOTS;
     while (lo < nr) {
-        while (hi < nr && hi < lo + 2 && (hi == lo || s->pair_ok[lo])) {
+        while (hi < nr && hi < lo + window &&
+               (hi == lo || job->verify == RF_XFER_VERIFY_OFF || s->pair_ok[lo])) {
             if ((rc = enqueue_round(t, hi, deadline)) < 0)
                 goto out;
             hi++;
@@ -783,7 +833,8 @@ static int run_job(nccl *t)
     }
     rc = 0;
 out:
-    js_free(s);
+    if (rc < 0 || job->plan_key == 0)
+        js_free(s);
     return rc;
 }
 
@@ -819,6 +870,7 @@ static void free_nccl(nccl *t)
     free(t->addrs);
     free(t->g);
     free(t->old_g);
+    js_free(&t->js);
     free(t);
 }
 
@@ -1013,8 +1065,24 @@ static int nccl_set_world(rf_xfer_transport *base, const rf_xfer_world *w, rf_er
     t->nranks = w->nranks;
     memcpy(t->uid, w->unique_id, sizeof(t->uid));
     t->have_world = true;
+    t->world_gen++;
     t->comms_up = false;
     t->stale = false;
+    return 0;
+}
+
+int rf_xfer_nccl_tune(rf_xfer_transport *base, const rf_xfer_nccl_tuning *tu, rf_err *err)
+{
+    nccl *t = (nccl *)base;
+
+    if (t->running)
+        return rf_err_set(err, -EBUSY, "xfer nccl: tuning changes while a job runs");
+    if (tu->window > SLOTS)
+        return rf_err_set(err, -EINVAL, "xfer nccl: a window of %u rounds; at most %d",
+                          tu->window, SLOTS);
+    if (tu->diag & ~(unsigned)(RF_XFER_NCCL_DIAG_NO_COPY | RF_XFER_NCCL_DIAG_NO_WIRE))
+        return rf_err_set(err, -EINVAL, "xfer nccl: unknown diagnostic flags 0x%x", tu->diag);
+    t->tune = *tu;
     return 0;
 }
 

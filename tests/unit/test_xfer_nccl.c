@@ -514,6 +514,81 @@ Test(xfer_nccl, plan_refit_between_two_gpus)
     fixture_close(&f);
 }
 
+/* Runs jobs (already built over cluster c's memory) for version v and checks every byte. */
+static void run_checked(fixture *f, cluster *c, rf_xfer_job *jobs, uint64_t v)
+{
+    rf_xfer_job *jp[2] = {&jobs[0], &jobs[1]};
+
+    fill_sources(c, v);
+    for (int d = 0; d < 2; d++)
+        jobs[d].version = v;
+    world_run(&f->w, jp, 0);
+    for (int d = 0; d < 2; d++)
+        cr_assert_eq(f->w.res[d].code, 0, "rank %d: %s", d, f->w.res[d].error);
+    check_destinations(c, v);
+}
+
+/* Jobs with a plan_key keep their plan of execution for the next job of that key; another
+ * key in the same job structures (another plan over other memory) is derived anew, or the
+ * bytes would land in the first memory; unverified jobs run with four rounds enqueued, and
+ * under each tuning the bytes stay right. */
+Test(xfer_nccl, kept_plan_only_for_its_key)
+{
+    fixture f;
+    rf_xfer_job jobs[2];
+    rf_plan *other = NULL;
+    rf_plan_opts o2;
+    cluster c2;
+    rf_err err;
+    static const rf_xfer_nccl_tuning tunes[] = {{0, 0, 0}, {8, 2, 0}, {1, 1, 0}, {0, 3, 0}};
+
+    NEED_GPUS();
+    fixture_open(&f);
+    jobs_from_plan(f.pl, &f.o, f.c.dev, 1, 30, jobs);
+    for (int d = 0; d < 2; d++) {
+        jobs[d].verify = RF_XFER_VERIFY_OFF;
+        jobs[d].plan_key = 7;
+    }
+    for (size_t k = 0; k < sizeof(tunes) / sizeof(tunes[0]); k++) {
+        for (int d = 0; d < 2; d++)
+            cr_assert_eq(rf_xfer_nccl_tune(f.w.t[d], &tunes[k], &err), 0, "%s", err.msg);
+        run_checked(&f, &f.c, jobs, 1 + k);
+    }
+    /* Another plan (every transfer packed, smaller rounds) in the same structures. */
+    job_free(&jobs[0]);
+    job_free(&jobs[1]);
+    o2 = f.o;
+    o2.staging_bytes = 256 << 10;
+    o2.direct_min_bytes = UINT64_MAX;
+    cr_assert_eq(rf_plan_build(f.inv, &o2, &other, &err), 0, "%s", err.msg);
+    cr_assert_neq(rf_plan_nrounds(other), rf_plan_nrounds(f.pl));
+    cluster_alloc(&c2, f.inv);
+    jobs_from_plan(other, &o2, c2.dev, 10, 30, jobs);
+    for (int d = 0; d < 2; d++) {
+        jobs[d].verify = RF_XFER_VERIFY_OFF;
+        jobs[d].plan_key = 8;
+    }
+    run_checked(&f, &c2, jobs, 10);
+    run_checked(&f, &c2, jobs, 11);
+    /* Tuning waits for the job to end. */
+    cr_assert_eq(rf_xfer_run(f.w.t[0], &jobs[0], on_done, &f.w, &err), 0, "%s", err.msg);
+    cr_assert_eq(rf_xfer_nccl_tune(f.w.t[0], &tunes[0], &err), -EBUSY);
+    cr_assert(strstr(err.msg, "while a job runs") != NULL, "%s", err.msg);
+    cr_assert_eq(rf_xfer_run(f.w.t[1], &jobs[1], on_done, &f.w, &err), 0, "%s", err.msg);
+    f.w.pending = 2;
+    memset(f.w.got, 0, sizeof(f.w.got));
+    uv_timer_start(&f.w.guard, on_guard, 60000, 0);
+    uv_run(&f.w.loop, UV_RUN_DEFAULT);
+    uv_timer_stop(&f.w.guard);
+    for (int d = 0; d < 2; d++)
+        cr_assert_eq(f.w.res[d].code, 0, "rank %d: %s", d, f.w.res[d].error);
+    job_free(&jobs[0]);
+    job_free(&jobs[1]);
+    rf_plan_free(other);
+    cluster_free(&c2);
+    fixture_close(&f);
+}
+
 /* Rank 1 alone waits for data rank 0 never sends; stop it by abort (abort_ms) or deadline.
  * Then the world is spent: the same id is refused, a fresh one works. */
 static void fail_then_good(fixture *f, uint64_t abort_ms, double timeout_s, int code,
@@ -652,6 +727,13 @@ Test(xfer_nccl_nogpu, needs_a_world_and_checks_it)
     wd.nlocal = 1;
     cr_assert_eq(rf_xfer_set_world(t, &wd, &err), 0, "%s", err.msg);
     cr_assert(!rf_xfer_needs_world(t));
+    /* Tuning out of range. */
+    cr_assert_eq(rf_xfer_nccl_tune(t, &(rf_xfer_nccl_tuning){.window = 5}, &err), -EINVAL);
+    cr_assert(strstr(err.msg, "at most 4") != NULL, "%s", err.msg);
+    cr_assert_eq(rf_xfer_nccl_tune(t, &(rf_xfer_nccl_tuning){.diag = 0x10}, &err), -EINVAL);
+    cr_assert(strstr(err.msg, "unknown diagnostic flags") != NULL, "%s", err.msg);
+    cr_assert_eq(rf_xfer_nccl_tune(t, &(rf_xfer_nccl_tuning){.copy_blocks = 4, .window = 1},
+                                   &err), 0, "%s", err.msg);
     /* No deadline. */
     job.timeout_s = 0;
     cr_assert_eq(rf_xfer_run(t, &job, NULL, NULL, &err), -EINVAL);
