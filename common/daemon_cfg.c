@@ -76,6 +76,11 @@ static const rf_cfg_key publisherd_keys[] = {
     KADDR(coordinator_addr, "127.0.0.1:7470", 0, 0,
           "Coordinator address: the coordinator listens on it, every other daemon connects "
           "to it."),
+    KINT(busy_poll_ms, "1000", 0, 60000,
+         "Coordinator: once the first daemon reported its data path done, poll the control "
+         "connections without sleeping until the last one does, for at most this long (ms), "
+         "so that the last Done is read at once instead of after the CPU wakes from idle. "
+         "Costs up to one core for that time; 0 turns it off."),
     COMMON_KEYS("/run/refit/publisherd.sock", "127.0.0.1:9464"),
 };
 

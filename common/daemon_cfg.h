@@ -19,6 +19,7 @@ typedef struct rf_daemon_cfg {
     char *node;               /* cluster-unique node name; default: the host name */
     bool coordinator;         /* publisherd only: this daemon runs the cluster state machine */
     char *coordinator_addr;   /* host:port to connect to; to listen on when coordinator */
+    int busy_poll_ms;         /* coordinator: spin after the first Done, at most this long */
     int publishers;           /* expected publisher daemons, the coordinator included */
     int receivers;            /* expected receiver daemons */
     int clients;              /* expected local clients (trainer ranks / engine workers) */

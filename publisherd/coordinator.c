@@ -70,6 +70,10 @@ struct rf_coord {
     uint32_t npub, nmembers;
     member *m;
     uv_timer_t deadline;
+    /* Active from the first Done of a refit to its end (at most busy_poll_ms): the loop then
+     * polls without sleeping. */
+    uv_idle_t spin;
+    uint64_t spin_until; /* uv_now() */
     int closing;
 
     uint64_t plan_gen;     /* bumps at every inventory change */
@@ -132,8 +136,27 @@ static void try_start(rf_coord *c);
 static void schedule_build(rf_coord *c);
 static void on_deadline(uv_timer_t *t);
 static void coord_release(rf_coord *c);
+static void deadline_closed(uv_handle_t *h);
+static void spin_closed(uv_handle_t *h);
 
 /* ---- commit and abort --------------------------------------------------------------------- */
+
+static void on_spin(uv_idle_t *h)
+{
+    rf_coord *c = container_of(h, rf_coord, spin);
+
+    if (uv_now(c->loop) >= c->spin_until)
+        uv_idle_stop(h);
+}
+
+static void spin_start(rf_coord *c)
+{
+    if (c->cfg->busy_poll_ms <= 0 || uv_is_active((uv_handle_t *)&c->spin))
+        return;
+    uv_update_time(c->loop);
+    c->spin_until = uv_now(c->loop) + (uint64_t)c->cfg->busy_poll_ms;
+    uv_idle_start(&c->spin, on_spin);
+}
 
 static void finish_abort(rf_coord *c)
 {
@@ -176,6 +199,7 @@ static void abort_refit(rf_coord *c, const char *reason)
         c->m[i].ready = c->committed;
     c->trigger = c->committed;
     c->state = ST_ABORTING;
+    uv_idle_stop(&c->spin);
     uv_timer_stop(&c->deadline);
     uv_timer_start(&c->deadline, on_deadline, ABORT_SETTLE_MS, 0);
 }
@@ -213,6 +237,7 @@ static void commit_refit(rf_coord *c)
     env.commit = &cm;
     broadcast(c, &env);
     uv_timer_stop(&c->deadline);
+    uv_idle_stop(&c->spin);
     c->committed = c->version;
     c->state = ST_IDLE;
     /* Each receiver says again when its engines are done with this version. */
@@ -636,9 +661,12 @@ static void on_done(rf_coord *c, uint32_t i, const Refit__Done *d)
         abort_refit(c, reason);
         return;
     }
-    for (k = 0; k < c->nmembers; k++)
-        if (!c->m[k].done)
+    for (k = 0; k < c->nmembers; k++) {
+        if (!c->m[k].done) {
+            spin_start(c);
             return;
+        }
+    }
     commit_refit(c);
 }
 
@@ -810,6 +838,7 @@ int rf_coord_start(uv_loop_t *loop, const rf_daemon_cfg *cfg, const rf_peer_key 
         return rf_err_set(err, -EINVAL, "registering the coordinator's metrics failed");
     }
     uv_timer_init(loop, &c->deadline);
+    uv_idle_init(loop, &c->spin);
     pc.key = key;
     pc.role = REFIT__ROLE__ROLE_COORDINATOR;
     pc.node = cfg->node;
@@ -824,9 +853,11 @@ int rf_coord_start(uv_loop_t *loop, const rf_daemon_cfg *cfg, const rf_peer_key 
     pc.data = c;
     rc = rf_peer_listen(loop, cfg->coordinator_addr, &pc, &c->listener, err);
     if (rc < 0) {
-        uv_close((uv_handle_t *)&c->deadline, NULL);
-        free(c->m);
-        free(c);
+        /* Closed handles are forgotten by the loop at its next turn; c must outlive that. */
+        c->closing = 2;
+        uv_close((uv_handle_t *)&c->deadline, deadline_closed);
+        uv_close((uv_handle_t *)&c->spin, spin_closed);
+        *out = NULL;
         return rc;
     }
     RF_INFO("coordinator listening on %s for %u publishers and %u receivers",
@@ -852,6 +883,11 @@ static void deadline_closed(uv_handle_t *h)
     coord_release(container_of((uv_timer_t *)h, rf_coord, deadline));
 }
 
+static void spin_closed(uv_handle_t *h)
+{
+    coord_release(container_of((uv_idle_t *)h, rf_coord, spin));
+}
+
 void rf_coord_close(rf_coord *c)
 {
     uint32_t i;
@@ -860,7 +896,8 @@ void rf_coord_close(rf_coord *c)
     for (i = 0; i < c->nmembers; i++)
         if (c->m[i].peer)
             rf_peer_set_data(c->m[i].peer, NULL);
-    c->closing = c->building ? 2 : 1;
+    c->closing = c->building ? 3 : 2;
     rf_peer_listener_close(c->listener);
     uv_close((uv_handle_t *)&c->deadline, deadline_closed);
+    uv_close((uv_handle_t *)&c->spin, spin_closed);
 }
