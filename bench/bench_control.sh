@@ -22,6 +22,7 @@
 # median(100k) / median(1k) <= 1.5; #wrong (elements the engine found wrong) must be 0.
 #
 # Environment: BUILD (default build), REFITS (30), WARMUP (5), SIZES ("1k 10k 100k"),
+# PIN (1: each daemon on a core of its own), PUB_FLAGS (added to the coordinator's flags), NICE (prefix of the simulated clients, "nice -n 19"),
 # KEEP=1 keeps the work directory with the daemons' logs (kept anyway on failure), WRAP is a
 # command prefix for both daemons, {out} standing for the log's path without .log (to profile:
 # WRAP='perf record -g -o {out}.perf --' KEEP=1 SIZES=100k).
@@ -50,6 +51,18 @@ WRAP = os.environ.get("WRAP", "")
 # same tensor mix at every size, only the layer count changes.
 SIZES = {"1k": 10, "10k": 100, "100k": 1000}
 EXPERTS = 30
+# The simulated clients fill and check every tensor on the CPU (100k tensors: ~50 ms each way),
+# work that real trainers and engines do on their GPUs; at nice 19 it does not hold the daemons'
+# threads off the cores of a small machine. NICE="" runs them at the daemons' priority.
+NICE = os.environ.get("NICE", "nice -n 19").split()
+# The two daemons stand for two nodes: with PIN=1 (the default; 2 CPUs or more) each gets a core
+# of its own (taskset), so that the publisher's packing does not sit on the core the receiver
+# wakes on. PIN=0 leaves placement to the scheduler.
+_cpus = sorted(os.sched_getaffinity(0))
+PIN = ([["taskset", "-c", str(_cpus[0])], ["taskset", "-c", str(_cpus[1])]]
+       if os.environ.get("PIN", "1") == "1" and len(_cpus) >= 2 else [[], []])
+# Extra flags for the coordinator publisherd, e.g. PUB_FLAGS="--busy-poll-ms 0".
+PUB_FLAGS = os.environ.get("PUB_FLAGS", "").split()
 TARGET_MS = 5.0
 TARGET_RATIO = 1.5
 
@@ -146,17 +159,17 @@ def run_size(tag, layers):
               "--heartbeat-ms", "1000", "--peer-timeout-ms", "10000", "--refit-timeout-s", "60",
               "--log-level", "info", "--index", "0"]
     pub_sock, recv_sock = os.path.join(d, "pub0.sock"), os.path.join(d, "recv0.sock")
-    spawn(f"{tag}/pub0", [f"{BIN}/refit-publisherd", *common, "--coordinator",
-                          "--node", "bench-pub0", "--socket", pub_sock], wrap=True)
-    spawn(f"{tag}/recv0", [f"{BIN}/refit-receiverd", *common, "--node", "bench-recv0",
+    spawn(f"{tag}/pub0", [*PIN[0], f"{BIN}/refit-publisherd", *common, "--coordinator",
+                          "--node", "bench-pub0", "--socket", pub_sock, *PUB_FLAGS], wrap=True)
+    spawn(f"{tag}/recv0", [*PIN[1], f"{BIN}/refit-receiverd", *common, "--node", "bench-recv0",
                            "--socket", recv_sock], wrap=True)
     sim = ["--model", spec, "--layout", "tp=1", "--versions", str(REFITS), "--timeout-ms", "60000"]
     t0 = time.time()
     deadline = t0 + 30
     pub = connect_ctl(pub_sock, deadline)
     recv = connect_ctl(recv_sock, deadline)
-    eng = spawn(f"{tag}/engine", [f"{BIN}/refit-sim-engine", "--socket", recv_sock, *sim])
-    tr = spawn(f"{tag}/trainer", [f"{BIN}/refit-sim-trainer", "--socket", pub_sock, *sim],
+    eng = spawn(f"{tag}/engine", [*NICE, f"{BIN}/refit-sim-engine", "--socket", recv_sock, *sim])
+    tr = spawn(f"{tag}/trainer", [*NICE, f"{BIN}/refit-sim-trainer", "--socket", pub_sock, *sim],
                stdout=subprocess.PIPE)
     rows, released = {}, {}
     trlog = open(os.path.join(d, "trainer.out"), "w")

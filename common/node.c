@@ -312,13 +312,14 @@ static void on_xfer_done(rf_xfer_transport *t, const rf_xfer_result *res, void *
         RF_ERROR("%s", msg);
         send_done(n, n->version, res, msg);
     } else {
+        /* Done first: the coordinator waits for it; the bookkeeping does not. */
+        send_done(n, n->version, res, NULL);
         account_bytes(n, &n->slice.job);
         RF_INFO("version %llu: moved %llu bytes in %.3f s (%.2f GB/s)",
                 (unsigned long long)n->version,
                 (unsigned long long)(res->bytes_sent + res->bytes_recv), res->seconds,
                 res->seconds > 0 ? (double)(res->bytes_sent + res->bytes_recv) / res->seconds / 1e9
                                  : 0.0);
-        send_done(n, n->version, res, NULL);
     }
     rf_metric_observe(n->m_stage, n->last.transfer_s, "transfer");
     if (n->slice_stale) {

@@ -322,13 +322,14 @@ static void try_start(rf_coord *c)
     st.plan_id.len = 32;
     env.body_case = REFIT__ENVELOPE__BODY_START;
     env.start = &st;
-    RF_INFO("starting the refit of version %llu", (unsigned long long)target);
     /* Receivers first: they are ready to take bytes before any sender starts gathering, and
-     * their Start is not queued behind a co-located sender's CPU-bound packing. */
+     * their Start is not queued behind a co-located sender's CPU-bound packing. The log line
+     * after: the daemons wait for Start, nobody waits for the line. */
     for (i = c->nmembers; i-- > c->npub;)
         send_to(c, i, &env);
     for (i = 0; i < c->npub; i++)
         send_to(c, i, &env);
+    RF_INFO("starting the refit of version %llu", (unsigned long long)target);
     uv_timer_start(&c->deadline, on_deadline, (uint64_t)c->cfg->refit_timeout_s * 1000 + 1000,
                    0);
 }

@@ -1,7 +1,8 @@
 #!/bin/bash
 # A daemon that cannot start says why and exits non-zero, without hanging or crashing: a status
 # port already taken, a local socket it cannot create, a key file others can read, an unknown
-# config key (start-up and --check-config), a key file that does not exist.
+# config key (start-up and --check-config), a key file that does not exist, a coordinator
+# address already in use.
 . "$(dirname "$0")/lib.sh"
 E2E_PUBLISHERS=1 E2E_RECEIVERS=1
 start_publisher 0 1
@@ -33,5 +34,11 @@ printf 'stagin_mib = 4\n' > "$E2E_DIR/bad.conf"
 expect_exit 78 "did you mean 'staging_mib'" "$E2E_DIR/conf.log" -- $R --config "$E2E_DIR/bad.conf"
 expect_exit 1 "bad.conf:1: unknown key 'stagin_mib'" "$E2E_DIR/check.log" -- \
     "$BIN/refit-receiverd" --config "$E2E_DIR/bad.conf" --check-config
+# A second coordinator on the address the first one listens on: its listener fails after its
+# handles were made; they are closed before the loop is (no "open handles" at exit).
+COORD_ADDR=$(echo $E2E_COMMON | sed -n 's/.*--coordinator-addr \([^ ]*\).*/\1/p')
+expect_exit 1 "$COORD_ADDR" "$E2E_DIR/coord.log" -- "$BIN/refit-publisherd" $E2E_COMMON \
+    --coordinator --index 0 --clients 1 --publishers 1 --receivers 1 --socket "$E2E_DIR/p2.sock"
+grep -q "open handles" "$E2E_DIR/coord.log" && fail "handles left open: $(cat "$E2E_DIR/coord.log")"
 kill -0 "$PUB0_PID" || fail "the running publisherd died"
 echo "ok: start-up errors named, exit codes 1 and 78"
