@@ -24,6 +24,7 @@
 #include "layout.h"
 #include "model.h"
 #include "plan.h"
+#include "slice.h"
 #include "xfer.h"
 
 #define CK(call)                                                                        \
@@ -126,35 +127,11 @@ typedef struct setup {
  * (GPU 1), keeping tensor, region and piece ids: NCCL takes one rank per GPU. */
 static rf_inv *two_endpoints(const rf_inv *in)
 {
-    rf_inv *out = rf_inv_new();
-    uint32_t id, ep;
+    rf_inv *out = NULL;
     rf_err err = {0};
 
-    for (uint32_t i = 0; i < rf_inv_ntensors(in); i++) {
-        const rf_tensor *t = rf_inv_tensor(in, i);
-
-        if (rf_inv_add_tensor(out, t->name, t->dtype, t->ndim, t->shape, &id, &err) < 0)
-            die_err("tensor", &err);
-    }
-    if (rf_inv_add_endpoint(out, RF_SRC, 0, &ep, &err) < 0 ||
-        rf_inv_add_endpoint(out, RF_DST, 1, &ep, &err) < 0)
-        die_err("endpoint", &err);
-    for (uint32_t r = 0; r < rf_inv_nregions(in); r++) {
-        const rf_region *rg = rf_inv_region(in, r);
-
-        if (rf_inv_add_region(out, rf_inv_endpoint(in, rg->endpoint)->side == RF_SRC ? 0 : 1,
-                              rg->size, &id, &err) < 0)
-            die_err("region", &err);
-    }
-    for (int side = 0; side < 2; side++) {
-        for (uint32_t i = 0; i < rf_inv_npieces(in, (rf_side)side); i++) {
-            rf_piece p;
-
-            rf_inv_piece(in, (rf_side)side, i, &p);
-            if (rf_inv_add_piece(out, &p, &id, &err) < 0)
-                die_err("piece", &err);
-        }
-    }
+    if (rf_inv_fold_sides(in, &out, &err) < 0)
+        die_err("folding the inventory", &err);
     return out;
 }
 
@@ -459,28 +436,11 @@ static void on_done(rf_xfer_transport *t, const rf_xfer_result *res, void *arg)
 
 static rf_xfer_msg plan_side(const rf_plan *pl, uint32_t mi, rf_side side, uint8_t **bases)
 {
-    const rf_inv *inv = rf_plan_inv(pl);
-    const rf_msg *pm = rf_plan_msg(pl, mi);
-    rf_xfer_msg m = {.seq = mi, .round = pm->round, .kind = pm->kind, .send = side == RF_SRC,
-                     .peer = side == RF_SRC ? 1 : 0, .bytes = pm->bytes, .nitems = pm->count,
-                     .ep = side == RF_SRC ? pm->src_ep : pm->dst_ep,
-                     .peer_ep = side == RF_SRC ? pm->dst_ep : pm->src_ep};
+    rf_xfer_msg m;
+    rf_err err = {0};
 
-    m.items = calloc(pm->count ? pm->count : 1, sizeof(*m.items));
-    for (uint32_t k = 0; k < pm->count; k++) {
-        const rf_xfer *x = rf_plan_xfer(pl, (uint64_t)pm->first + k);
-        rf_xfer_item *it = &m.items[k];
-        const rf_tensor *t;
-
-        rf_inv_piece(inv, side, side == RF_SRC ? x->src : x->dst, &it->piece);
-        t = rf_inv_tensor(inv, it->piece.tensor);
-        it->base = bases[it->piece.region];
-        it->ndim = t->ndim;
-        it->esize = rf_dtype_size(t->dtype);
-        it->box = *rf_plan_box(pl, x->box);
-        it->msg_off = x->msg_off;
-        it->bytes = x->bytes;
-    }
+    if (rf_slice_msg_from_plan(pl, mi, side, bases, side == RF_SRC ? 1 : 0, &m, &err) < 0)
+        die_err("plan message", &err);
     return m;
 }
 

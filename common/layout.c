@@ -1057,3 +1057,43 @@ bool rf_placement_box(int ndim, const int64_t *shape, int mesh_ndim, const int64
     }
     return nonempty;
 }
+
+int rf_inv_fold_sides(const rf_inv *in, rf_inv **out, rf_err *err)
+{
+    rf_inv *f = rf_inv_new();
+    uint32_t id, ep;
+    int rc = 0;
+
+    *out = NULL;
+    if (!f)
+        return rf_err_set(err, -ENOMEM, "out of memory folding an inventory");
+    for (uint32_t i = 0; i < rf_inv_ntensors(in) && rc == 0; i++) {
+        const rf_tensor *t = rf_inv_tensor(in, i);
+
+        rc = rf_inv_add_tensor(f, t->name, t->dtype, t->ndim, t->shape, &id, err);
+    }
+    if (rc == 0)
+        rc = rf_inv_add_endpoint(f, RF_SRC, 0, &ep, err);
+    if (rc == 0)
+        rc = rf_inv_add_endpoint(f, RF_DST, 1, &ep, err);
+    for (uint32_t r = 0; r < rf_inv_nregions(in) && rc == 0; r++) {
+        const rf_region *rg = rf_inv_region(in, r);
+
+        rc = rf_inv_add_region(f, rf_inv_endpoint(in, rg->endpoint)->side == RF_SRC ? 0 : 1,
+                               rg->size, &id, err);
+    }
+    for (int side = 0; side < 2 && rc == 0; side++) {
+        for (uint32_t i = 0; i < rf_inv_npieces(in, (rf_side)side) && rc == 0; i++) {
+            rf_piece p;
+
+            rf_inv_piece(in, (rf_side)side, i, &p);
+            rc = rf_inv_add_piece(f, &p, &id, err);
+        }
+    }
+    if (rc < 0) {
+        rf_inv_free(f);
+        return rc;
+    }
+    *out = f;
+    return 0;
+}

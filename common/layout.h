@@ -114,6 +114,12 @@ int rf_inv_add_piece(rf_inv *inv, const rf_piece *p, uint32_t *id, rf_err *err);
  * naming both pieces' tensors and boxes. */
 int rf_inv_check_dst_overlap(const rf_inv *inv, rf_err *err);
 
+/* A copy of in in which every source endpoint is folded into one (node 0) and every
+ * destination endpoint into another (node 1), tensor, region and piece ids kept: what a single
+ * GPU pair sees when each side's ranks share a GPU (one NCCL rank per GPU). -ENOMEM, or the
+ * error of a piece that does not validate. */
+int rf_inv_fold_sides(const rf_inv *in, rf_inv **out, rf_err *err);
+
 uint32_t rf_inv_ntensors(const rf_inv *inv);
 uint32_t rf_inv_nendpoints(const rf_inv *inv);
 uint32_t rf_inv_nregions(const rf_inv *inv);

@@ -603,3 +603,34 @@ int rf_slice_job_add(rf_slice_job *j, const Refit__PlanSlice *frame, const rf_in
         j->complete = true;
     return 0;
 }
+
+int rf_slice_msg_from_plan(const rf_plan *plan, uint32_t mi, rf_side side,
+                           uint8_t *const *bases, uint32_t peer, rf_xfer_msg *out, rf_err *err)
+{
+    const rf_inv *inv = rf_plan_inv(plan);
+    const rf_msg *pm = rf_plan_msg(plan, mi);
+
+    *out = (rf_xfer_msg){.seq = mi, .round = pm->round, .kind = pm->kind,
+                         .send = side == RF_SRC, .peer = peer, .bytes = pm->bytes,
+                         .nitems = pm->count, .ep = side == RF_SRC ? pm->src_ep : pm->dst_ep,
+                         .peer_ep = side == RF_SRC ? pm->dst_ep : pm->src_ep};
+    out->items = calloc(pm->count ? pm->count : 1, sizeof(*out->items));
+    if (!out->items)
+        return rf_err_set(err, -ENOMEM, "out of memory for the %u items of message %u",
+                          pm->count, mi);
+    for (uint32_t k = 0; k < pm->count; k++) {
+        const rf_xfer *x = rf_plan_xfer(plan, (uint64_t)pm->first + k);
+        rf_xfer_item *it = &out->items[k];
+        const rf_tensor *t;
+
+        rf_inv_piece(inv, side, side == RF_SRC ? x->src : x->dst, &it->piece);
+        t = rf_inv_tensor(inv, it->piece.tensor);
+        it->base = bases[it->piece.region];
+        it->ndim = t->ndim;
+        it->esize = rf_dtype_size(t->dtype);
+        it->box = *rf_plan_box(plan, x->box);
+        it->msg_off = x->msg_off;
+        it->bytes = x->bytes;
+    }
+    return 0;
+}

@@ -79,4 +79,11 @@ int rf_slice_job_add(rf_slice_job *j, const Refit__PlanSlice *frame, const rf_in
                      rf_side side, uint8_t *const *bases, rf_err *err);
 void rf_slice_job_reset(rf_slice_job *j);
 
+/* Without daemons (a process that drives a plan's transports itself: benchmarks, tests): one
+ * side of plan message mi as a transport message. Items point into bases[region of the piece
+ * on that side]; peer is the caller's index of the other side's transport; ep and peer_ep are
+ * the plan's endpoint ids. out->items is malloc'd (free it). -ENOMEM. */
+int rf_slice_msg_from_plan(const rf_plan *plan, uint32_t mi, rf_side side,
+                           uint8_t *const *bases, uint32_t peer, rf_xfer_msg *out, rf_err *err);
+
 #endif

@@ -19,7 +19,9 @@
 #include "macros.h"
 #include "model.h"
 #include "plan.h"
+#include "slice.h"
 #include "xfer.h"
+#include "xfer_data.h"
 
 #define MAXD 4
 
@@ -186,73 +188,7 @@ static double now_s(void)
     return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
 }
 
-/* ---- data: a pattern per (tensor, element, version) --------------------------------------- */
-
-static uint8_t pattern(uint32_t tensor, uint64_t lin, int byte, uint64_t version)
-{
-    uint64_t x = (lin + 1) * 0x9e3779b97f4a7c15ull ^ ((uint64_t)tensor << 40) ^ (version << 56);
-
-    x ^= x >> 29;
-    x *= 0xbf58476d1ce4e5b9ull;
-    x ^= x >> 32;
-    return (uint8_t)(x >> (8 * byte));
-}
-
-/* Calls fn on every element of box: its global index, row-major linear index in shape. */
-static void for_each(const rf_tensor *t, const rf_box *box,
-                     void (*fn)(void *ctx, const int64_t *idx, uint64_t lin), void *ctx)
-{
-    int64_t idx[RF_MAX_DIMS];
-    int d;
-
-    for (d = 0; d < t->ndim; d++)
-        idx[d] = box->start[d];
-    for (;;) {
-        uint64_t lin = 0;
-
-        for (d = 0; d < t->ndim; d++)
-            lin = lin * (uint64_t)t->shape[d] + (uint64_t)idx[d];
-        fn(ctx, idx, lin);
-        for (d = t->ndim - 1; d >= 0; d--) {
-            if (++idx[d] < box->start[d] + box->extent[d])
-                break;
-            idx[d] = box->start[d];
-        }
-        if (d < 0)
-            return;
-    }
-}
-
-typedef struct elem_ctx {
-    uint8_t *base;
-    const rf_piece *p;
-    const rf_tensor *t;
-    size_t esize;
-    uint64_t version;
-    uint8_t *mask; /* dst: bytes the pieces cover */
-    uint64_t wrong;
-} elem_ctx;
-
-static void fill_elem(void *ctx, const int64_t *idx, uint64_t lin)
-{
-    elem_ctx *c = ctx;
-    uint64_t off = rf_piece_byte_offset(c->p, c->t->ndim, c->esize, idx);
-
-    for (size_t b = 0; b < c->esize; b++)
-        c->base[off + b] = pattern(c->p->tensor, lin, (int)b, c->version);
-}
-
-static void check_elem(void *ctx, const int64_t *idx, uint64_t lin)
-{
-    elem_ctx *c = ctx;
-    uint64_t off = rf_piece_byte_offset(c->p, c->t->ndim, c->esize, idx);
-
-    for (size_t b = 0; b < c->esize; b++) {
-        if (c->base[off + b] != pattern(c->p->tensor, lin, (int)b, c->version))
-            c->wrong++;
-        c->mask[off + b] = 1;
-    }
-}
+/* ---- data: xfer_data.h's pattern per (tensor, element, version) --------------------------- */
 
 /* A cluster in host memory: one buffer per region of the inventory. */
 typedef struct cluster {
@@ -283,48 +219,16 @@ static void cluster_free(cluster *c)
 
 static void fill_sources(cluster *c, uint64_t version)
 {
-    for (uint32_t i = 0; i < rf_inv_npieces(c->inv, RF_SRC); i++) {
-        rf_piece p;
-        elem_ctx e;
-
-        rf_inv_piece(c->inv, RF_SRC, i, &p);
-        e = (elem_ctx){.base = c->bases[p.region], .p = &p,
-                       .t = rf_inv_tensor(c->inv, p.tensor), .version = version};
-        e.esize = rf_dtype_size(e.t->dtype);
-        for_each(e.t, &p.box, fill_elem, &e);
-    }
+    xd_fill(c->inv, c->bases, version);
 }
 
 /* Every destination byte holds the version's pattern; every other byte of a destination
  * region is untouched (0xee). */
 static void check_destinations(cluster *c, uint64_t version)
 {
-    uint8_t **mask = calloc(c->nregions, sizeof(*mask));
-    uint64_t wrong = 0, stray = 0;
+    uint64_t wrong, stray;
 
-    for (uint32_t i = 0; i < rf_inv_npieces(c->inv, RF_DST); i++) {
-        rf_piece p;
-        elem_ctx e;
-
-        rf_inv_piece(c->inv, RF_DST, i, &p);
-        if (!mask[p.region])
-            mask[p.region] = calloc(rf_inv_region(c->inv, p.region)->size + 1, 1);
-        e = (elem_ctx){.base = c->bases[p.region], .p = &p,
-                       .t = rf_inv_tensor(c->inv, p.tensor), .version = version,
-                       .mask = mask[p.region]};
-        e.esize = rf_dtype_size(e.t->dtype);
-        for_each(e.t, &p.box, check_elem, &e);
-        wrong += e.wrong;
-    }
-    for (uint32_t r = 0; r < c->nregions; r++) {
-        if (!mask[r])
-            continue;
-        for (uint64_t b = 0; b <= rf_inv_region(c->inv, r)->size; b++)
-            if (!mask[r][b] && c->bases[r][b] != 0xee)
-                stray++;
-        free(mask[r]);
-    }
-    free(mask);
+    xd_check(c->inv, c->bases, version, &wrong, &stray);
     cr_assert_eq(wrong, 0, "%llu destination bytes wrong", (unsigned long long)wrong);
     cr_assert_eq(stray, 0, "%llu bytes outside destination pieces written",
                  (unsigned long long)stray);
@@ -350,27 +254,10 @@ static void job_free(rf_xfer_job *j)
 static rf_xfer_msg plan_side(const rf_plan *pl, uint32_t mi, rf_side side, uint8_t **bases,
                              uint32_t peer)
 {
-    const rf_inv *inv = rf_plan_inv(pl);
-    const rf_msg *pm = rf_plan_msg(pl, mi);
-    rf_xfer_msg m = {.seq = mi, .round = pm->round, .kind = pm->kind, .send = side == RF_SRC,
-                     .peer = peer, .bytes = pm->bytes, .nitems = pm->count};
+    rf_xfer_msg m;
+    rf_err err;
 
-    m.items = calloc(pm->count ? pm->count : 1, sizeof(*m.items));
-    cr_assert_not_null(m.items);
-    for (uint32_t k = 0; k < pm->count; k++) {
-        const rf_xfer *x = rf_plan_xfer(pl, (uint64_t)pm->first + k);
-        rf_xfer_item *it = &m.items[k];
-        const rf_tensor *t;
-
-        rf_inv_piece(inv, side, side == RF_SRC ? x->src : x->dst, &it->piece);
-        t = rf_inv_tensor(inv, it->piece.tensor);
-        it->base = bases[it->piece.region];
-        it->ndim = t->ndim;
-        it->esize = rf_dtype_size(t->dtype);
-        it->box = *rf_plan_box(pl, x->box);
-        it->msg_off = x->msg_off;
-        it->bytes = x->bytes;
-    }
+    cr_assert_eq(rf_slice_msg_from_plan(pl, mi, side, bases, peer, &m, &err), 0, "%s", err.msg);
     return m;
 }
 
@@ -568,6 +455,82 @@ static void run_plan(rf_inv *inv, const rf_plan_opts *o, const uint32_t *ep_daem
     world_close(&w);
     cluster_free(&c);
     rf_plan_free(pl);
+}
+
+/* A folded inventory keeps every id and moves each side to one endpoint; every message of a
+ * plan over it becomes a transport message on each side with the plan's fields and items. */
+Test(xfer_plan, folded_sides_and_messages_from_plan)
+{
+    rf_model *m = NULL, *sm = NULL;
+    rf_inv *full = rf_inv_new(), *fold = NULL;
+    rf_par ps, pd;
+    rf_plan_opts o = {.staging_bytes = 256 << 10, .direct_min_bytes = 16 << 10};
+    rf_plan *pl = NULL;
+    uint8_t **bases;
+    rf_err err;
+
+    cr_assert_eq(rf_model_load("qwen3-0.6b", &m, &err), 0, "%s", err.msg);
+    cr_assert_eq(rf_model_shrink(m, 16, &sm, &err), 0, "%s", err.msg);
+    cr_assert_eq(rf_par_parse("tp=2,dp=2", RF_SRC, sm, &ps, &err), 0, "%s", err.msg);
+    cr_assert_eq(rf_par_parse("tp=4", RF_DST, sm, &pd, &err), 0, "%s", err.msg);
+    cr_assert_eq(rf_model_build_inv(sm, &ps, &pd, 8, full, &err), 0, "%s", err.msg);
+    cr_assert_eq(rf_inv_fold_sides(full, &fold, &err), 0, "%s", err.msg);
+    cr_assert_eq(rf_inv_nendpoints(fold), 2);
+    cr_assert_eq(rf_inv_ntensors(fold), rf_inv_ntensors(full));
+    cr_assert_eq(rf_inv_nregions(fold), rf_inv_nregions(full));
+    for (uint32_t r = 0; r < rf_inv_nregions(full); r++) {
+        cr_assert_eq(rf_inv_region(fold, r)->size, rf_inv_region(full, r)->size);
+        cr_assert_eq(rf_inv_endpoint(fold, rf_inv_region(fold, r)->endpoint)->side,
+                     rf_inv_endpoint(full, rf_inv_region(full, r)->endpoint)->side);
+    }
+    for (int side = 0; side < 2; side++) {
+        cr_assert_eq(rf_inv_npieces(fold, (rf_side)side), rf_inv_npieces(full, (rf_side)side));
+        for (uint32_t i = 0; i < rf_inv_npieces(full, (rf_side)side); i++) {
+            rf_piece a, b;
+
+            rf_inv_piece(full, (rf_side)side, i, &a);
+            rf_inv_piece(fold, (rf_side)side, i, &b);
+            cr_assert(a.tensor == b.tensor && a.region == b.region &&
+                      memcmp(&a.box, &b.box, sizeof(a.box)) == 0 &&
+                      memcmp(a.strides, b.strides, sizeof(a.strides)) == 0, "piece %u differs", i);
+            cr_assert_eq(rf_inv_piece_endpoint(fold, (rf_side)side, i), (uint32_t)side);
+        }
+    }
+    cr_assert_eq(rf_plan_build(fold, &o, &pl, &err), 0, "%s", err.msg);
+    bases = calloc(rf_inv_nregions(fold), sizeof(*bases));
+    for (uint32_t r = 0; r < rf_inv_nregions(fold); r++)
+        bases[r] = (uint8_t *)(uintptr_t)(0x100000u * (r + 1));
+    for (uint32_t mi = 0; mi < rf_plan_nmsgs(pl); mi++) {
+        const rf_msg *pm = rf_plan_msg(pl, mi);
+
+        for (int side = 0; side < 2; side++) {
+            rf_xfer_msg x;
+            uint64_t sum = 0;
+
+            cr_assert_eq(rf_slice_msg_from_plan(pl, mi, (rf_side)side, bases, 7, &x, &err), 0,
+                         "%s", err.msg);
+            cr_assert(x.seq == mi && x.round == pm->round && x.kind == pm->kind &&
+                      x.bytes == pm->bytes && x.nitems == pm->count && x.peer == 7);
+            cr_assert_eq(x.send, side == RF_SRC);
+            cr_assert_eq(x.ep, side == RF_SRC ? pm->src_ep : pm->dst_ep);
+            cr_assert_eq(x.peer_ep, side == RF_SRC ? pm->dst_ep : pm->src_ep);
+            for (uint32_t k = 0; k < x.nitems; k++) {
+                cr_assert_eq(x.items[k].base, bases[x.items[k].piece.region]);
+                cr_assert_eq(rf_inv_endpoint(fold, rf_inv_region(fold, x.items[k].piece.region)
+                                                       ->endpoint)->side, (rf_side)side);
+                sum += x.items[k].bytes;
+            }
+            cr_assert_eq(sum, x.bytes, "message %u: items hold %llu of %llu bytes", mi,
+                         (unsigned long long)sum, (unsigned long long)x.bytes);
+            free(x.items);
+        }
+    }
+    free(bases);
+    rf_plan_free(pl);
+    rf_inv_free(fold);
+    rf_inv_free(full);
+    rf_model_free(sm);
+    rf_model_free(m);
 }
 
 Test(xfer_plan, hand_layout_three_daemons_tiny_budget)
@@ -776,7 +739,7 @@ Test(xfer_hand, two_rounds_in_flight_do_not_share_staging)
 
     cr_assert(src && d1 && d2);
     for (uint64_t i = 0; i < 2 * n; i++)
-        src[i] = pattern(9, i, 0, 1);
+        src[i] = xd_pattern(9, i, 0, 1);
     si[0] = item1d(src, 2 * n, 0, n, 0);
     si[1] = item1d(src, 2 * n, n, n, 0);
     r1 = item1d(d1, n, 0, n, 0);
@@ -1540,7 +1503,7 @@ Test(xfer_auth, forged_replayed_and_old_hellos_leave_the_job_alone)
 
     cr_assert(src && dst);
     for (uint64_t i = 0; i < 4 * ATK_N; i++)
-        src[i] = pattern(5, i, 0, 9);
+        src[i] = xd_pattern(5, i, 0, 9);
     for (uint32_t q = 0; q < 4; q++) {
         /* seq q: bytes [q * ATK_N, (q + 1) * ATK_N) */
         si[q] = item1d(src, 4 * ATK_N, q * ATK_N, ATK_N, 0);

@@ -12,12 +12,14 @@
 #include "macros.h"
 #include "model.h"
 #include "plan.h"
+#include "slice.h"
 #include "xfer.h"
 
 #ifdef RF_HAVE_CUDA
 #include <cuda_runtime_api.h>
 
 #include "drv_cuda.h"
+#include "xfer_data.h"
 
 static bool two_gpus(void)
 {
@@ -160,72 +162,6 @@ static void world_close(world *w)
 
 /* ---- data ---------------------------------------------------------------------------------- */
 
-static uint8_t pattern(uint32_t tensor, uint64_t lin, int byte, uint64_t version)
-{
-    uint64_t x = (lin + 1) * 0x9e3779b97f4a7c15ull ^ ((uint64_t)tensor << 40) ^ (version << 56);
-
-    x ^= x >> 29;
-    x *= 0xbf58476d1ce4e5b9ull;
-    x ^= x >> 32;
-    return (uint8_t)(x >> (8 * byte));
-}
-
-/* Calls fn on every element of box: its global index and row-major linear index. */
-static void for_each(const rf_tensor *t, const rf_box *box,
-                     void (*fn)(void *ctx, const int64_t *idx, uint64_t lin), void *ctx)
-{
-    int64_t idx[RF_MAX_DIMS];
-    int d;
-
-    for (d = 0; d < t->ndim; d++)
-        idx[d] = box->start[d];
-    for (;;) {
-        uint64_t lin = 0;
-
-        for (d = 0; d < t->ndim; d++)
-            lin = lin * (uint64_t)t->shape[d] + (uint64_t)idx[d];
-        fn(ctx, idx, lin);
-        for (d = t->ndim - 1; d >= 0; d--) {
-            if (++idx[d] < box->start[d] + box->extent[d])
-                break;
-            idx[d] = box->start[d];
-        }
-        if (d < 0)
-            return;
-    }
-}
-
-typedef struct elem_ctx {
-    uint8_t *base;
-    const rf_piece *p;
-    const rf_tensor *t;
-    size_t esize;
-    uint64_t version;
-    uint8_t *mask;
-    uint64_t wrong;
-} elem_ctx;
-
-static void fill_elem(void *ctx, const int64_t *idx, uint64_t lin)
-{
-    elem_ctx *c = ctx;
-    uint64_t off = rf_piece_byte_offset(c->p, c->t->ndim, c->esize, idx);
-
-    for (size_t b = 0; b < c->esize; b++)
-        c->base[off + b] = pattern(c->p->tensor, lin, (int)b, c->version);
-}
-
-static void check_elem(void *ctx, const int64_t *idx, uint64_t lin)
-{
-    elem_ctx *c = ctx;
-    uint64_t off = rf_piece_byte_offset(c->p, c->t->ndim, c->esize, idx);
-
-    for (size_t b = 0; b < c->esize; b++) {
-        if (c->base[off + b] != pattern(c->p->tensor, lin, (int)b, c->version))
-            c->wrong++;
-        c->mask[off + b] = 1;
-    }
-}
-
 /* The cluster's memory: every source region on GPU 0, every destination region on GPU 1,
  * with host mirrors to fill and check. */
 typedef struct cluster {
@@ -266,16 +202,7 @@ static void cluster_free(cluster *c)
 
 static void fill_sources(cluster *c, uint64_t version)
 {
-    for (uint32_t i = 0; i < rf_inv_npieces(c->inv, RF_SRC); i++) {
-        rf_piece p;
-        elem_ctx e;
-
-        rf_inv_piece(c->inv, RF_SRC, i, &p);
-        e = (elem_ctx){.base = c->host[p.region], .p = &p,
-                       .t = rf_inv_tensor(c->inv, p.tensor), .version = version};
-        e.esize = rf_dtype_size(e.t->dtype);
-        for_each(e.t, &p.box, fill_elem, &e);
-    }
+    xd_fill(c->inv, c->host, version);
     for (uint32_t r = 0; r < c->nregions; r++)
         if (rf_inv_endpoint(c->inv, rf_inv_region(c->inv, r)->endpoint)->side == RF_SRC)
             cr_assert_eq(cudaMemcpy(c->dev[r], c->host[r], rf_inv_region(c->inv, r)->size,
@@ -285,36 +212,13 @@ static void fill_sources(cluster *c, uint64_t version)
 /* Every destination byte holds the version's pattern, every other byte is untouched. */
 static void check_destinations(cluster *c, uint64_t version)
 {
-    uint8_t **mask = calloc(c->nregions, sizeof(*mask));
-    uint64_t wrong = 0, stray = 0;
+    uint64_t wrong, stray;
 
     for (uint32_t r = 0; r < c->nregions; r++)
         if (rf_inv_endpoint(c->inv, rf_inv_region(c->inv, r)->endpoint)->side == RF_DST)
             cr_assert_eq(cudaMemcpy(c->host[r], c->dev[r], rf_inv_region(c->inv, r)->size + 1,
                                     cudaMemcpyDeviceToHost), cudaSuccess);
-    for (uint32_t i = 0; i < rf_inv_npieces(c->inv, RF_DST); i++) {
-        rf_piece p;
-        elem_ctx e;
-
-        rf_inv_piece(c->inv, RF_DST, i, &p);
-        if (!mask[p.region])
-            mask[p.region] = calloc(rf_inv_region(c->inv, p.region)->size + 1, 1);
-        e = (elem_ctx){.base = c->host[p.region], .p = &p,
-                       .t = rf_inv_tensor(c->inv, p.tensor), .version = version,
-                       .mask = mask[p.region]};
-        e.esize = rf_dtype_size(e.t->dtype);
-        for_each(e.t, &p.box, check_elem, &e);
-        wrong += e.wrong;
-    }
-    for (uint32_t r = 0; r < c->nregions; r++) {
-        if (!mask[r])
-            continue;
-        for (uint64_t b = 0; b <= rf_inv_region(c->inv, r)->size; b++)
-            if (!mask[r][b] && c->host[r][b] != 0xee)
-                stray++;
-        free(mask[r]);
-    }
-    free(mask);
+    xd_check(c->inv, c->host, version, &wrong, &stray);
     cr_assert_eq(wrong, 0, "%llu destination bytes wrong", (unsigned long long)wrong);
     cr_assert_eq(stray, 0, "%llu bytes outside destination pieces written",
                  (unsigned long long)stray);
@@ -326,62 +230,20 @@ static void check_destinations(cluster *c, uint64_t version)
  * endpoint 1 (GPU 1); tensor, region and piece ids are kept. NCCL takes one rank per GPU. */
 static rf_inv *two_endpoints(const rf_inv *in)
 {
-    rf_inv *out = rf_inv_new();
-    uint32_t id, ep;
+    rf_inv *out = NULL;
     rf_err err;
 
-    cr_assert_not_null(out);
-    for (uint32_t i = 0; i < rf_inv_ntensors(in); i++) {
-        const rf_tensor *t = rf_inv_tensor(in, i);
-
-        cr_assert_eq(rf_inv_add_tensor(out, t->name, t->dtype, t->ndim, t->shape, &id, &err),
-                     0, "%s", err.msg);
-    }
-    cr_assert_eq(rf_inv_add_endpoint(out, RF_SRC, 0, &ep, &err), 0, "%s", err.msg);
-    cr_assert_eq(rf_inv_add_endpoint(out, RF_DST, 1, &ep, &err), 0, "%s", err.msg);
-    for (uint32_t r = 0; r < rf_inv_nregions(in); r++) {
-        const rf_region *rg = rf_inv_region(in, r);
-
-        cr_assert_eq(rf_inv_add_region(out, rf_inv_endpoint(in, rg->endpoint)->side == RF_SRC ?
-                                       0 : 1, rg->size, &id, &err), 0, "%s", err.msg);
-        cr_assert_eq(id, r);
-    }
-    for (int side = 0; side < 2; side++) {
-        for (uint32_t i = 0; i < rf_inv_npieces(in, (rf_side)side); i++) {
-            rf_piece p;
-
-            rf_inv_piece(in, (rf_side)side, i, &p);
-            cr_assert_eq(rf_inv_add_piece(out, &p, &id, &err), 0, "%s", err.msg);
-        }
-    }
+    cr_assert_eq(rf_inv_fold_sides(in, &out, &err), 0, "%s", err.msg);
     return out;
 }
 
 static rf_xfer_msg plan_side(const rf_plan *pl, uint32_t mi, rf_side side, uint8_t **bases)
 {
-    const rf_inv *inv = rf_plan_inv(pl);
-    const rf_msg *pm = rf_plan_msg(pl, mi);
-    rf_xfer_msg m = {.seq = mi, .round = pm->round, .kind = pm->kind, .send = side == RF_SRC,
-                     .peer = side == RF_SRC ? 1 : 0, .bytes = pm->bytes, .nitems = pm->count,
-                     .ep = side == RF_SRC ? pm->src_ep : pm->dst_ep,
-                     .peer_ep = side == RF_SRC ? pm->dst_ep : pm->src_ep};
+    rf_xfer_msg m;
+    rf_err err;
 
-    m.items = calloc(pm->count ? pm->count : 1, sizeof(*m.items));
-    cr_assert_not_null(m.items);
-    for (uint32_t k = 0; k < pm->count; k++) {
-        const rf_xfer *x = rf_plan_xfer(pl, (uint64_t)pm->first + k);
-        rf_xfer_item *it = &m.items[k];
-        const rf_tensor *t;
-
-        rf_inv_piece(inv, side, side == RF_SRC ? x->src : x->dst, &it->piece);
-        t = rf_inv_tensor(inv, it->piece.tensor);
-        it->base = bases[it->piece.region];
-        it->ndim = t->ndim;
-        it->esize = rf_dtype_size(t->dtype);
-        it->box = *rf_plan_box(pl, x->box);
-        it->msg_off = x->msg_off;
-        it->bytes = x->bytes;
-    }
+    cr_assert_eq(rf_slice_msg_from_plan(pl, mi, side, bases, side == RF_SRC ? 1 : 0, &m, &err),
+                 0, "%s", err.msg);
     return m;
 }
 
