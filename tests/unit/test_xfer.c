@@ -457,23 +457,33 @@ static void run_plan(rf_inv *inv, const rf_plan_opts *o, const uint32_t *ep_daem
     rf_plan_free(pl);
 }
 
+/* qwen3-0.6b shrunk 16x, laid out src -> dst into inv (one endpoint per rank). */
+static void shrunk_qwen3(const char *src, const char *dst, rf_inv *inv)
+{
+    rf_model *m = NULL, *s = NULL;
+    rf_par ps, pd;
+    rf_err err;
+
+    cr_assert_eq(rf_model_load("qwen3-0.6b", &m, &err), 0, "%s", err.msg);
+    cr_assert_eq(rf_model_shrink(m, 16, &s, &err), 0, "%s", err.msg);
+    cr_assert_eq(rf_par_parse(src, RF_SRC, s, &ps, &err), 0, "%s", err.msg);
+    cr_assert_eq(rf_par_parse(dst, RF_DST, s, &pd, &err), 0, "%s", err.msg);
+    cr_assert_eq(rf_model_build_inv(s, &ps, &pd, 8, inv, &err), 0, "%s", err.msg);
+    rf_model_free(s);
+    rf_model_free(m);
+}
+
 /* A folded inventory keeps every id and moves each side to one endpoint; every message of a
  * plan over it becomes a transport message on each side with the plan's fields and items. */
 Test(xfer_plan, folded_sides_and_messages_from_plan)
 {
-    rf_model *m = NULL, *sm = NULL;
     rf_inv *full = rf_inv_new(), *fold = NULL;
-    rf_par ps, pd;
     rf_plan_opts o = {.staging_bytes = 256 << 10, .direct_min_bytes = 16 << 10};
     rf_plan *pl = NULL;
     uint8_t **bases;
     rf_err err;
 
-    cr_assert_eq(rf_model_load("qwen3-0.6b", &m, &err), 0, "%s", err.msg);
-    cr_assert_eq(rf_model_shrink(m, 16, &sm, &err), 0, "%s", err.msg);
-    cr_assert_eq(rf_par_parse("tp=2,dp=2", RF_SRC, sm, &ps, &err), 0, "%s", err.msg);
-    cr_assert_eq(rf_par_parse("tp=4", RF_DST, sm, &pd, &err), 0, "%s", err.msg);
-    cr_assert_eq(rf_model_build_inv(sm, &ps, &pd, 8, full, &err), 0, "%s", err.msg);
+    shrunk_qwen3("tp=2,dp=2", "tp=4", full);
     cr_assert_eq(rf_inv_fold_sides(full, &fold, &err), 0, "%s", err.msg);
     cr_assert_eq(rf_inv_nendpoints(fold), 2);
     cr_assert_eq(rf_inv_ntensors(fold), rf_inv_ntensors(full));
@@ -529,8 +539,6 @@ Test(xfer_plan, folded_sides_and_messages_from_plan)
     rf_plan_free(pl);
     rf_inv_free(fold);
     rf_inv_free(full);
-    rf_model_free(sm);
-    rf_model_free(m);
 }
 
 Test(xfer_plan, hand_layout_three_daemons_tiny_budget)
@@ -555,24 +563,15 @@ Test(xfer_plan, hand_layout_large_budget_one_round)
  * (two engine GPUs per daemon). */
 Test(xfer_plan, qwen3_tp2_to_tp4_four_daemons)
 {
-    rf_model *m = NULL, *s = NULL;
-    rf_par ps, pd;
     rf_inv *inv = rf_inv_new();
     rf_plan_opts o = {.staging_bytes = 1 << 20, .direct_min_bytes = 16 << 10};
     uint32_t *ep_daemon;
-    rf_err err;
 
-    cr_assert_eq(rf_model_load("qwen3-0.6b", &m, &err), 0, "%s", err.msg);
-    cr_assert_eq(rf_model_shrink(m, 16, &s, &err), 0, "%s", err.msg);
-    cr_assert_eq(rf_par_parse("tp=2", RF_SRC, s, &ps, &err), 0, "%s", err.msg);
-    cr_assert_eq(rf_par_parse("tp=4", RF_DST, s, &pd, &err), 0, "%s", err.msg);
-    cr_assert_eq(rf_model_build_inv(s, &ps, &pd, 8, inv, &err), 0, "%s", err.msg);
+    shrunk_qwen3("tp=2", "tp=4", inv);
     cr_assert_eq(rf_inv_nendpoints(inv), 6);
     ep_daemon = (uint32_t[]){0, 1, 2, 2, 3, 3};
     run_plan(inv, &o, ep_daemon, 4, 2);
     rf_inv_free(inv);
-    rf_model_free(s);
-    rf_model_free(m);
 }
 
 /* ---- jobs by hand ------------------------------------------------------------------------- */
