@@ -22,8 +22,8 @@
 # median(100k) / median(1k) <= 1.5; #wrong (elements the engine found wrong) must be 0.
 #
 # Environment: BUILD (default build), REFITS (30), WARMUP (5), SIZES ("1k 10k 100k"),
-# PIN (1: each daemon on a core of its own), PUB_FLAGS (added to the coordinator's flags), NICE (prefix of the simulated clients, "nice -n 19"),
-# KEEP=1 keeps the work directory with the daemons' logs (kept anyway on failure), WRAP is a
+# PIN (1: each daemon on a core of its own), PUB_FLAGS (added to the coordinator's flags),
+# NICE (prefix of the simulated clients, "nice -n 19"), KEEP=1 keeps the work directory with the daemons' logs (kept anyway on failure), WRAP is a
 # command prefix for both daemons, {out} standing for the log's path without .log (to profile:
 # WRAP='perf record -g -o {out}.perf --' KEEP=1 SIZES=100k).
 set -u
