@@ -361,8 +361,6 @@ static void on_start(rf_node *n, const Refit__Start *s)
         send_done(n, s->version, NULL, msg);
         return;
     }
-    if (n->side == RF_DST)
-        rf_registry_notify(n->reg, RF_REG_INSTALLING, s->version, NULL);
     n->slice.job.version = s->version;
     n->t_begin = now_s();
     rf_registry_hold(n->reg, true);
@@ -376,6 +374,11 @@ static void on_start(rf_node *n, const Refit__Start *s)
         return;
     }
     n->running = true;
+    /* After the data path is under way: the event is asynchronous (engines never acknowledge
+     * it, their gate is the receive quorum), so writing it first would only hold the bytes
+     * back by a write to every engine. */
+    if (n->side == RF_DST)
+        rf_registry_notify(n->reg, RF_REG_INSTALLING, s->version, NULL);
     refresh_snapshot(n);
 }
 

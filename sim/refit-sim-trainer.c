@@ -28,6 +28,8 @@ static void usage(FILE *f)
             "  --retries R        publishes of one version after aborts (default 5)\n"
             "  --timeout-ms T     wait for a release at most T ms (default 120000)\n"
             "  --report           print the cluster's refit summary after each version\n"
+            "  --step-ms T        wait T ms after each release before writing the next version,\n"
+            "                     as a training step would (default 0)\n"
             "  --hold V           then write version V's weights without publishing them and\n"
             "                     stay registered (for `refitctl refit --version V`)\n",
             REFIT_SOCKET_PUBLISHER);
@@ -62,8 +64,8 @@ int main(int argc, char **argv)
 {
     static const struct option opts[] = {SIM_COMMON_OPTIONS, {"retries", 1, 0, 'R'},
                                          {"report", 0, 0, 'p'}, {"hold", 1, 0, 'H'},
-                                         {"help", 0, 0, 'h'}, {0, 0, 0, 0}};
-    int retries = 5, do_report = 0, o, i, status = 1;
+                                         {"step-ms", 1, 0, 'S'}, {"help", 0, 0, 'h'}, {0, 0, 0, 0}};
+    int retries = 5, do_report = 0, step_ms = 0, o, i, status = 1;
     uint64_t v, hold = 0;
     sim_opts so;
     sim s;
@@ -76,6 +78,20 @@ int main(int argc, char **argv)
         case 'R': retries = atoi(optarg); break;
         case 'p': do_report = 1; break;
         case 'H': hold = strtoull(optarg, NULL, 10); break;
+        case 'S': {
+            char *end;
+            long ms;
+
+            errno = 0;
+            ms = strtol(optarg, &end, 10);
+            if (errno || end == optarg || *end || ms < 0 || ms > 3600000) {
+                fprintf(stderr, "refit-sim-trainer: --step-ms must be 0 or more, up to 3600000, "
+                        "not %s\n", optarg);
+                return 2;
+            }
+            step_ms = (int)ms;
+            break;
+        }
         case 'h': usage(stdout); return 0;
         default: usage(stderr); return 2;
         }
@@ -91,6 +107,8 @@ int main(int argc, char **argv)
     for (v = so.start; v < so.start + so.versions; v++) {
         int attempt, rc = 0;
 
+        if (v > so.start && step_ms > 0)
+            usleep((useconds_t)step_ms * 1000);
         sim_fill(&s, v);
         for (attempt = 0; attempt <= retries; attempt++) {
             double t0 = sim_now();
