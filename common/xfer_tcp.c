@@ -96,8 +96,8 @@ typedef struct jstate {
     uint32_t lo, hi;       /* admitted rounds: [lo, hi), at most two */
     uint64_t arena_size;   /* staging this job uses */
     uint64_t staging_now;
-    rf_copy_desc *desc;
-    uint32_t desc_cap;
+    rf_copy_desc *desc;    /* the transport's (desc_reserve), for the largest message */
+    uint32_t maxitems;     /* items of the largest message */
     uint32_t left;         /* messages not done */
 } jstate;
 
@@ -123,6 +123,10 @@ typedef struct tcp {
      * that two open rounds never overlap. */
     uint8_t *arena;
     uint64_t arena_cap;
+    /* The copy descriptors of one message, kept between jobs for the same reason: a message of
+     * 100k tiny tensors needs 35 MB of them. */
+    rf_copy_desc *desc;
+    uint32_t desc_cap;
 
     bool running, closing, handle_closed;
     atomic_bool abort_req, finished;
@@ -238,7 +242,6 @@ static void js_free(jstate *s)
     free(s->round_first);
     free(s->round_left);
     free(s->round_bytes);
-    free(s->desc);
     memset(s, 0, sizeof(*s));
 }
 
@@ -298,10 +301,7 @@ static int js_init(jstate *s, const rf_xfer_job *job, uint32_t npeers)
     for (uint32_t r = 1; r <= nr; r++)
         if (s->round_first[r] < s->round_first[r - 1])
             s->round_first[r] = s->round_first[r - 1];
-    s->desc = calloc(maxitems, sizeof(rf_copy_desc));
-    if (!s->desc)
-        return -ENOMEM;
-    s->desc_cap = maxitems;
+    s->maxitems = maxitems;
     s->left = n;
     return 0;
 }
@@ -430,6 +430,24 @@ static int arena_reserve(tcp *t)
         return fail(t, -ENOMEM, "out of memory for %llu bytes of staging; lower the staging "
                     "budget", (unsigned long long)need);
     t->arena_cap = need;
+    return 0;
+}
+
+/* Descriptors for the job's largest message, grown only. */
+static int desc_reserve(tcp *t)
+{
+    jstate *s = &t->js;
+
+    if (t->desc_cap < s->maxitems) {
+        free(t->desc);
+        t->desc_cap = 0;
+        t->desc = malloc((size_t)s->maxitems * sizeof(rf_copy_desc));
+        if (!t->desc)
+            return fail(t, -ENOMEM, "out of memory for the copy descriptors of a message of %u "
+                        "items", s->maxitems);
+        t->desc_cap = s->maxitems;
+    }
+    s->desc = t->desc;
     return 0;
 }
 
@@ -1113,7 +1131,7 @@ static int run_job(tcp *t)
             conn_close(c);
         t->in[p].active = false;
     }
-    if ((rc = arena_reserve(t)) < 0 || (rc = window_update(t)) < 0)
+    if ((rc = arena_reserve(t)) < 0 || (rc = desc_reserve(t)) < 0 || (rc = window_update(t)) < 0)
         goto out;
     while (s->left > 0) {
         size_t need = 2 + t->npending + 2 * (size_t)t->npeers, n = 0;
@@ -1245,6 +1263,7 @@ static void free_tcp(tcp *t)
     free(t->in);
     free(t->pending);
     free(t->arena);
+    free(t->desc);
     if (t->key)
         sodium_memzero(t->key, t->key_len);
     free(t->key);

@@ -559,6 +559,58 @@ Test(xfer_plan, hand_layout_large_budget_one_round)
     rf_inv_free(inv);
 }
 
+static uint32_t max_items(const rf_xfer_job *jobs, int n)
+{
+    uint32_t m = 0;
+
+    for (int d = 0; d < n; d++)
+        for (uint32_t i = 0; i < jobs[d].nmsgs; i++)
+            if (jobs[d].msgs[i].nitems > m)
+                m = jobs[d].msgs[i].nitems;
+    return m;
+}
+
+/* The transports keep their copy descriptors between jobs: a job whose largest message has
+ * more items than any before it (a new plan with a larger budget packs more tensors into one
+ * message) grows them, and every byte still lands. */
+Test(xfer_plan, descriptors_grow_between_jobs)
+{
+    rf_inv *inv = hand_inv();
+    rf_plan_opts o[2] = {{.staging_bytes = 64 << 10, .direct_min_bytes = 64 << 10},
+                         {.staging_bytes = 64 << 20, .direct_min_bytes = 64 << 20}};
+    rf_xfer_job jobs[2][MAXD], *jp[MAXD];
+    rf_plan *pl[2] = {NULL, NULL};
+    cluster c;
+    world w;
+    rf_err err;
+
+    cluster_alloc(&c, inv);
+    world_open(&w, 3);
+    for (int k = 0; k < 2; k++) {
+        cr_assert_eq(rf_plan_build(inv, &o[k], &pl[k], &err), 0, "%s", err.msg);
+        fill_sources(&c, (uint64_t)k + 1);
+        jobs_from_plan(pl[k], &o[k], hand_ep_daemon, 3, c.bases, (uint64_t)k + 1, 1, jobs[k]);
+        for (int d = 0; d < 3; d++)
+            jp[d] = &jobs[k][d];
+        world_run(&w, jp);
+        for (int d = 0; d < 3; d++)
+            cr_assert_eq(w.res[d].code, 0, "plan %d, daemon %d: %s", k, d, w.res[d].error);
+        check_destinations(&c, (uint64_t)k + 1);
+        digests_agree(&w);
+    }
+    cr_assert_gt(max_items(jobs[1], 3), max_items(jobs[0], 3),
+                 "the second plan's largest message (%u items) is no larger than the first's "
+                 "(%u)", max_items(jobs[1], 3), max_items(jobs[0], 3));
+    for (int k = 0; k < 2; k++) {
+        for (int d = 0; d < 3; d++)
+            job_free(&jobs[k][d]);
+        rf_plan_free(pl[k]);
+    }
+    world_close(&w);
+    cluster_free(&c);
+    rf_inv_free(inv);
+}
+
 /* A real model layout: qwen3 shrunk, trainer tp=2 on daemons 0-1, engine tp=4 on daemons 2-3
  * (two engine GPUs per daemon). */
 Test(xfer_plan, qwen3_tp2_to_tp4_four_daemons)
