@@ -48,6 +48,8 @@
 #define ADDR_MAX 300
 /* One sendmsg/recv moves at most this much, so that one busy peer cannot hold the worker. */
 #define IO_CHUNK (16u << 20)
+/* Items of a packed message gathered or scattered per batch of copy descriptors (~90 KB). */
+#define DESC_BATCH 256u
 
 enum { MSG_PENDING = 0, MSG_BUSY, MSG_DONE };
 
@@ -96,8 +98,6 @@ typedef struct jstate {
     uint32_t lo, hi;       /* admitted rounds: [lo, hi), at most two */
     uint64_t arena_size;   /* staging this job uses */
     uint64_t staging_now;
-    rf_copy_desc *desc;    /* the transport's (desc_reserve), for the largest message */
-    uint32_t maxitems;     /* items of the largest message */
     uint32_t left;         /* messages not done */
 } jstate;
 
@@ -123,10 +123,10 @@ typedef struct tcp {
      * that two open rounds never overlap. */
     uint8_t *arena;
     uint64_t arena_cap;
-    /* The copy descriptors of one message, kept between jobs for the same reason: a message of
-     * 100k tiny tensors needs 35 MB of them. */
-    rf_copy_desc *desc;
-    uint32_t desc_cap;
+    /* Copy descriptors for DESC_BATCH items at a time (worker thread): a message of 100k tiny
+     * tensors would need 35 MB of them at once, twice the bytes it moves, and walking that
+     * much memory every refit evicted everything else from the caches. */
+    rf_copy_desc desc[DESC_BATCH];
 
     bool running, closing, handle_closed;
     atomic_bool abort_req, finished;
@@ -254,7 +254,7 @@ static int seq_cmp(const void *a, const void *b)
 
 static int js_init(jstate *s, const rf_xfer_job *job, uint32_t npeers)
 {
-    uint32_t i, maxitems = 1, nr = job->nrounds, n = job->nmsgs;
+    uint32_t i, nr = job->nrounds, n = job->nmsgs;
 
     memset(s, 0, sizeof(*s));
     s->job = job;
@@ -282,8 +282,6 @@ static int js_init(jstate *s, const rf_xfer_job *job, uint32_t npeers)
         s->round_left[m->round]++;
         if (m->kind == RF_XFER_PACKED)
             s->round_bytes[m->round] += m->bytes;
-        if (m->nitems > maxitems)
-            maxitems = m->nitems;
     }
     for (uint32_t p = 0; p < npeers; p++)
         s->send_first[p + 1] += s->send_first[p];
@@ -301,7 +299,6 @@ static int js_init(jstate *s, const rf_xfer_job *job, uint32_t npeers)
     for (uint32_t r = 1; r <= nr; r++)
         if (s->round_first[r] < s->round_first[r - 1])
             s->round_first[r] = s->round_first[r - 1];
-    s->maxitems = maxitems;
     s->left = n;
     return 0;
 }
@@ -385,14 +382,28 @@ static void digest_msg(const rf_xfer_msg *m, const uint8_t *payload, uint64_t by
         acc[i] ^= h[i];
 }
 
-static void fill_desc(jstate *s, const rf_xfer_msg *m)
+/* Gathers a packed message's items into its staging, or scatters them from it, DESC_BATCH
+ * at a time. */
+static int copy_items(tcp *t, const rf_xfer_msg *m, uint8_t *staging, bool gather, rf_err *err)
 {
-    for (uint32_t k = 0; k < m->nitems; k++) {
-        const rf_xfer_item *it = &m->items[k];
+    for (uint32_t k0 = 0; k0 < m->nitems; k0 += DESC_BATCH) {
+        uint32_t n = m->nitems - k0 < DESC_BATCH ? m->nitems - k0 : DESC_BATCH;
+        int rc;
 
-        rf_copy_desc_set(&s->desc[k], it->base, &it->piece, it->ndim, it->esize, &it->box,
-                         it->msg_off);
+        for (uint32_t k = 0; k < n; k++) {
+            const rf_xfer_item *it = &m->items[k0 + k];
+
+            rf_copy_desc_set(&t->desc[k], it->base, &it->piece, it->ndim, it->esize, &it->box,
+                             it->msg_off);
+        }
+        rc = gather ? rf_copy_gather(t->desc, n, staging, err)
+                    : rf_copy_scatter(t->desc, n, staging, err);
+        if (rc < 0) {
+            rf_err_wrap(err, "items %u-%u: ", k0, k0 + n - 1);
+            return rc;
+        }
     }
+    return 0;
 }
 
 /* Admits rounds while at most two are open and their packed payloads fit in the budget
@@ -430,24 +441,6 @@ static int arena_reserve(tcp *t)
         return fail(t, -ENOMEM, "out of memory for %llu bytes of staging; lower the staging "
                     "budget", (unsigned long long)need);
     t->arena_cap = need;
-    return 0;
-}
-
-/* Descriptors for the job's largest message, grown only. */
-static int desc_reserve(tcp *t)
-{
-    jstate *s = &t->js;
-
-    if (t->desc_cap < s->maxitems) {
-        free(t->desc);
-        t->desc_cap = 0;
-        t->desc = malloc((size_t)s->maxitems * sizeof(rf_copy_desc));
-        if (!t->desc)
-            return fail(t, -ENOMEM, "out of memory for the copy descriptors of a message of %u "
-                        "items", s->maxitems);
-        t->desc_cap = s->maxitems;
-    }
-    s->desc = t->desc;
     return 0;
 }
 
@@ -584,9 +577,8 @@ static int prepare_send(tcp *t, conn *c, uint32_t i)
     int rc;
 
     if (m->kind == RF_XFER_PACKED) {
-        fill_desc(s, m);
         rf_err_clear(&err);
-        rc = rf_copy_gather(s->desc, m->nitems, s->staging[i], &err);
+        rc = copy_items(t, m, s->staging[i], true, &err);
         if (rc < 0)
             return fail(t, rc, "packing message seq %u for peer %u: %s", m->seq, m->peer,
                         err.msg);
@@ -850,9 +842,8 @@ static int finish_recv(tcp *t, conn *c)
     if (rf_xfer_msg_verified(s->job, m))
         digest_msg(m, c->payload, rf_xfer_msg_digest_bytes(s->job, m), t->result.digest_recv);
     if (m->kind == RF_XFER_PACKED) {
-        fill_desc(s, m);
         rf_err_clear(&err);
-        rc = rf_copy_scatter(s->desc, m->nitems, s->staging[i], &err);
+        rc = copy_items(t, m, s->staging[i], false, &err);
         if (rc < 0)
             return fail(t, rc, "unpacking message seq %u from peer %u: %s", m->seq, m->peer,
                         err.msg);
@@ -1131,7 +1122,7 @@ static int run_job(tcp *t)
             conn_close(c);
         t->in[p].active = false;
     }
-    if ((rc = arena_reserve(t)) < 0 || (rc = desc_reserve(t)) < 0 || (rc = window_update(t)) < 0)
+    if ((rc = arena_reserve(t)) < 0 || (rc = window_update(t)) < 0)
         goto out;
     while (s->left > 0) {
         size_t need = 2 + t->npending + 2 * (size_t)t->npeers, n = 0;
@@ -1263,7 +1254,6 @@ static void free_tcp(tcp *t)
     free(t->in);
     free(t->pending);
     free(t->arena);
-    free(t->desc);
     if (t->key)
         sodium_memzero(t->key, t->key_len);
     free(t->key);
