@@ -6,8 +6,9 @@
 # O(1) control messages per daemon, whatever the tensor count").
 #
 # Per size: one coordinator refit-publisherd and one refit-receiverd on loopback (transport tcp,
-# verify off), one refit-sim-trainer (tp=1) and one refit-sim-engine (tp=1, checks every byte of
-# every version), REFITS refits of which the first WARMUP are discarded (plan build, connection
+# or nccl with TRANSPORT=nccl: trainer on GPU 0, engine on GPU 1; verify off), one
+# refit-sim-trainer (tp=1) and one refit-sim-engine (tp=1, checks every byte of every
+# version), REFITS refits of which the first WARMUP are discarded (plan build, connection
 # set-up, first mappings). After each release the driver reads the coordinator's status over its
 # local socket (the same call as `refit-sim-trainer --report`, full precision) and the
 # receiverd's; a refit whose successor committed before that read is not measured (the table
@@ -22,7 +23,7 @@
 # trainer waits after each release before it writes and publishes the next version, as an RL
 # loop does. With a step, every size sees the daemons asleep for the same time before Start,
 # so the tensor count is the only thing that changes between sizes. Back to back (step 0) the
-# refit cycle itself grows with the tensor count (0.6 ms at 1k, ~110 ms at 100k, mostly the
+# refit cycle itself grows with the tensor count (0.6 ms at 1k, ~40 ms at 100k, mostly the
 # simulators' CPU fill and check and the host data path), and so does the cost of waking a
 # daemon that slept that long (on the 2-core development VM a socket round trip took 16-22 us
 # between busy processes and 60-80 us after the reader slept 5-50 ms; bench/RESULTS.md). That
@@ -32,7 +33,7 @@
 # cadence; with a training step, median(100k) / median(1k) <= 1.5; #wrong (elements the engine
 # found wrong) must be 0.
 #
-# Environment: BUILD (default build), STEPS ("100 0"), REFITS (30), WARMUP (5),
+# Environment: BUILD (default build), TRANSPORT (tcp), STEPS ("100 0"), REFITS (30), WARMUP (5),
 # SIZES ("1k 10k 100k"), PIN (1: each daemon on cores of its own, see below), PUB_FLAGS (added
 # to the coordinator's flags), NICE (prefix of the simulated clients, "nice -n 19"), KEEP=1
 # keeps the work directory with the daemons' logs (kept anyway on failure), WRAP is a command
@@ -45,7 +46,7 @@ BIN=$(cd "$BUILD" 2>/dev/null && pwd) || { echo "bench_control: no build directo
 for b in refit-publisherd refit-receiverd refit-sim-trainer refit-sim-engine refitctl librefit.so; do
     [ -e "$BIN/$b" ] || { echo "bench_control: $BIN/$b is missing; run 'make BUILD=$BUILD all'" >&2; exit 1; }
 done
-export BIN STEPS=${STEPS:-"100 0"} REFITS=${REFITS:-30} WARMUP=${WARMUP:-5} SIZES=${SIZES:-"1k 10k 100k"} KEEP=${KEEP:-} WRAP=${WRAP:-}
+export BIN TRANSPORT=${TRANSPORT:-tcp} STEPS=${STEPS:-"100 0"} REFITS=${REFITS:-30} WARMUP=${WARMUP:-5} SIZES=${SIZES:-"1k 10k 100k"} KEEP=${KEEP:-} WRAP=${WRAP:-}
 export REFIT_LIB="$BIN/librefit.so" PYTHONPATH="$PWD/client/python${PYTHONPATH:+:$PYTHONPATH}"
 exec python3 -u - <<'PY'
 import json, os, re, shutil, signal, socket, statistics, subprocess, sys, tempfile, time
@@ -100,6 +101,9 @@ except ValueError:
     sys.exit(f"bench_control: STEPS must be whole milliseconds, not '{os.environ['STEPS']}'")
 if not STEPS or min(STEPS) < 0:
     sys.exit(f"bench_control: STEPS needs at least one value, none negative: '{os.environ['STEPS']}'")
+TRANSPORT = os.environ.get("TRANSPORT", "tcp")
+if TRANSPORT not in ("tcp", "nccl"):
+    sys.exit(f"bench_control: TRANSPORT is tcp or nccl, not '{TRANSPORT}'")
 TARGET_MS = 5.0
 TARGET_RATIO = 1.5
 
@@ -192,7 +196,7 @@ def run_size(tag, layers, step_ms):
         f.write(os.urandom(32).hex())
     os.chmod(key, 0o600)
     common = ["--cluster-key-file", key, "--coordinator-addr", f"127.0.0.1:{free_port()}",
-              "--status-listen", "127.0.0.1:0", "--transport", "tcp", "--verify", "off",
+              "--status-listen", "127.0.0.1:0", "--transport", TRANSPORT, "--verify", "off",
               "--publishers", "1", "--receivers", "1", "--clients", "1",
               "--heartbeat-ms", "1000", "--peer-timeout-ms", "10000", "--refit-timeout-s", "60",
               "--log-level", "info", "--index", "0"]
@@ -202,13 +206,15 @@ def run_size(tag, layers, step_ms):
     spawn(f"{tag}/recv0", [*PIN[1], f"{BIN}/refit-receiverd", *common, "--node", "bench-recv0",
                            "--socket", recv_sock], wrap=True)
     sim = ["--model", spec, "--layout", "tp=1", "--versions", str(REFITS), "--timeout-ms", "60000"]
+    dev = [["--device", "cuda:0"], ["--device", "cuda:1"]] if TRANSPORT == "nccl" else [[], []]
     t0 = time.time()
     deadline = t0 + 30
     pub = connect_ctl(pub_sock, deadline)
     recv = connect_ctl(recv_sock, deadline)
-    eng = spawn(f"{tag}/engine", [*SIM_PIN, *NICE, f"{BIN}/refit-sim-engine", "--socket", recv_sock, *sim])
-    tr = spawn(f"{tag}/trainer", [*SIM_PIN, *NICE, f"{BIN}/refit-sim-trainer", "--socket", pub_sock, *sim,
-                                  "--step-ms", str(step_ms)],
+    eng = spawn(f"{tag}/engine", [*SIM_PIN, *NICE, f"{BIN}/refit-sim-engine", "--socket",
+                                  recv_sock, *sim, *dev[1]])
+    tr = spawn(f"{tag}/trainer", [*SIM_PIN, *NICE, f"{BIN}/refit-sim-trainer", "--socket",
+                                  pub_sock, *sim, *dev[0], "--step-ms", str(step_ms)],
                stdout=subprocess.PIPE)
     rows, released = {}, {}
     trlog = open(os.path.join(d, "trainer.out"), "w")
@@ -300,7 +306,7 @@ finally:
     stop_all()
 
 print(f"# refit control-plane benchmark: 1 coordinator publisherd + 1 receiverd on loopback, "
-      f"transport tcp, verify off, trainer tp=1 -> engine tp=1, tiny tensors")
+      f"transport {TRANSPORT}, verify off, trainer tp=1 -> engine tp=1, tiny tensors")
 print(f"# {len(_cpus)} CPUs; placement: {PLACEMENT}")
 print(f"# {REFITS} refits per size, first {WARMUP} discarded; times in ms, medians unless "
       "marked p90")
