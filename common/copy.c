@@ -102,12 +102,11 @@ void rf_copy_flatten(const rf_copy_desc *d, rf_copy_flat *f)
     memcpy(f->str, str, sizeof(str[0]) * (size_t)f->n);
 }
 
-/* Walks the runs of one descriptor; to_staging picks the direction. */
-static void copy_one(const rf_copy_desc *d, uint8_t *stage, bool to_staging)
+void rf_copy_run(const rf_copy_desc *d, void *staging, bool to_staging)
 {
     flat f;
     int64_t idx[RF_MAX_DIMS] = {0};
-    uint8_t *s = stage + d->staging_off;
+    uint8_t *s = (uint8_t *)staging + d->staging_off;
 
     rf_copy_flatten(d, &f);
     for (;;) {
@@ -149,7 +148,7 @@ int rf_copy_gather(const rf_copy_desc *d, size_t n, void *staging, rf_err *err)
         if ((rc = check(&d[i], i, err)) != 0)
             return rc;
     for (size_t i = 0; i < n; i++)
-        copy_one(&d[i], staging, true);
+        rf_copy_run(&d[i], staging, true);
     return 0;
 }
 
@@ -161,7 +160,7 @@ int rf_copy_scatter(const rf_copy_desc *d, size_t n, const void *staging, rf_err
         if ((rc = check(&d[i], i, err)) != 0)
             return rc;
     for (size_t i = 0; i < n; i++)
-        copy_one(&d[i], (uint8_t *)(uintptr_t)staging, false);
+        rf_copy_run(&d[i], (void *)(uintptr_t)staging, false);
     return 0;
 }
 

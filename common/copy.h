@@ -48,6 +48,9 @@ typedef struct rf_copy_flat {
 int rf_copy_check(const rf_copy_desc *d, size_t i, rf_err *err);
 /* Reduces a checked descriptor. */
 void rf_copy_flatten(const rf_copy_desc *d, rf_copy_flat *f);
+/* Copies one checked descriptor's box between its piece and staging + d->staging_off;
+ * to_staging picks the direction (gather when true). */
+void rf_copy_run(const rf_copy_desc *d, void *staging, bool to_staging);
 
 /* Piece memory -> staging, for every descriptor. -EINVAL (nothing copied) when a descriptor
  * is malformed: ndim outside 1..RF_MAX_DIMS, esize 0, a negative stride, or sub not inside

@@ -48,8 +48,6 @@
 #define ADDR_MAX 300
 /* One sendmsg/recv moves at most this much, so that one busy peer cannot hold the worker. */
 #define IO_CHUNK (16u << 20)
-/* Items of a packed message gathered or scattered per batch of copy descriptors (~90 KB). */
-#define DESC_BATCH 256u
 
 enum { MSG_PENDING = 0, MSG_BUSY, MSG_DONE };
 
@@ -80,6 +78,16 @@ typedef struct conn {
 typedef struct seq_ent {
     uint32_t seq, idx;
 } seq_ent;
+
+/* One item of a packed message reduced for the host copy: `count` runs of `run` bytes,
+ * `stride` bytes apart in client memory, packed back to back in staging from `soff`; count 0
+ * marks a shape with more than one strided dim, copied through a descriptor of item `idx`. */
+typedef struct run_item {
+    uint8_t *mem;
+    uint64_t soff, run;
+    int64_t stride;
+    uint32_t count, idx;
+} run_item;
 
 /* State of one job, owned by the worker thread. */
 typedef struct jstate {
@@ -123,10 +131,14 @@ typedef struct tcp {
      * that two open rounds never overlap. */
     uint8_t *arena;
     uint64_t arena_cap;
-    /* Copy descriptors for DESC_BATCH items at a time (worker thread). A message of 100k tiny
-     * tensors would need 35 MB of them at once, nearly three times the bytes it moves:
-     * allocating, faulting in and walking them made that refit's data path ~2.6x slower. */
-    rf_copy_desc desc[DESC_BATCH];
+    /* The packed messages' items reduced to runs (worker thread), msg_first[i] .. [i + 1] for
+     * message i, kept between jobs of the same plan_key: a refit then reads 40 bytes an item
+     * rather than its ~380-byte geometry, and checks and reduces nothing (100k tiny tensors:
+     * 38 MB of items walked on each side every refit, more than the bytes moved). */
+    run_item *runs;
+    uint32_t *msg_first;
+    uint64_t runs_key;
+    rf_copy_desc desc; /* the general case, one item at a time */
 
     bool running, closing, handle_closed;
     atomic_bool abort_req, finished;
@@ -382,28 +394,82 @@ static void digest_msg(const rf_xfer_msg *m, const uint8_t *payload, uint64_t by
         acc[i] ^= h[i];
 }
 
-/* Gathers a packed message's items into its staging, or scatters them from it, DESC_BATCH
- * at a time. */
-static int copy_items(tcp *t, const rf_xfer_msg *m, uint8_t *staging, bool gather, rf_err *err)
+/* Reduces every packed item of the job to runs, unless the table was built for this job's
+ * plan_key already. */
+static int runs_build(tcp *t)
 {
-    for (uint32_t k0 = 0; k0 < m->nitems; k0 += DESC_BATCH) {
-        uint32_t n = m->nitems - k0 < DESC_BATCH ? m->nitems - k0 : DESC_BATCH;
-        int rc;
+    const rf_xfer_job *job = t->js.job;
+    uint64_t total = 0;
+    uint32_t i, k, n = 0;
+    rf_err err;
 
-        for (uint32_t k = 0; k < n; k++) {
-            const rf_xfer_item *it = &m->items[k0 + k];
+    if (job->plan_key != 0 && job->plan_key == t->runs_key)
+        return 0;
+    free(t->runs);
+    free(t->msg_first);
+    t->runs_key = 0;
+    for (i = 0; i < job->nmsgs; i++)
+        if (job->msgs[i].kind == RF_XFER_PACKED)
+            total += job->msgs[i].nitems;
+    t->runs = malloc((total ? total : 1) * sizeof(run_item));
+    t->msg_first = malloc(((size_t)job->nmsgs + 1) * sizeof(uint32_t));
+    if (!t->runs || !t->msg_first || total > UINT32_MAX)
+        return fail(t, -ENOMEM, "out of memory reducing %llu packed items",
+                    (unsigned long long)total);
+    for (i = 0; i < job->nmsgs; i++) {
+        const rf_xfer_msg *m = &job->msgs[i];
 
-            rf_copy_desc_set(&t->desc[k], it->base, &it->piece, it->ndim, it->esize, &it->box,
+        t->msg_first[i] = n;
+        if (m->kind != RF_XFER_PACKED)
+            continue;
+        for (k = 0; k < m->nitems; k++) {
+            const rf_xfer_item *it = &m->items[k];
+            run_item *r = &t->runs[n++];
+            rf_copy_flat f;
+
+            rf_copy_desc_set(&t->desc, it->base, &it->piece, it->ndim, it->esize, &it->box,
                              it->msg_off);
-        }
-        rc = gather ? rf_copy_gather(t->desc, n, staging, err)
-                    : rf_copy_scatter(t->desc, n, staging, err);
-        if (rc < 0) {
-            rf_err_wrap(err, "items %u-%u: ", k0, k0 + n - 1);
-            return rc;
+            rf_err_clear(&err);
+            if (rf_copy_check(&t->desc, k, &err) < 0)
+                return fail(t, -EINVAL, "message seq %u: %s", m->seq, err.msg);
+            rf_copy_flatten(&t->desc, &f);
+            *r = (run_item){.mem = it->base + f.first, .soff = it->msg_off, .run = f.run,
+                            .stride = f.inner_str, .count = 1, .idx = k};
+            if (f.n > 0)
+                r->count = 0;
+            else if (f.inner_str != 0)
+                r->count = (uint32_t)f.inner_ext;
         }
     }
+    t->msg_first[job->nmsgs] = n;
+    t->runs_key = job->plan_key;
     return 0;
+}
+
+/* Gathers packed message i's items into its staging, or scatters them from it. */
+static void copy_items(tcp *t, uint32_t i, uint8_t *staging, bool gather)
+{
+    const rf_xfer_msg *m = &t->js.job->msgs[i];
+
+    for (uint32_t e = t->msg_first[i]; e < t->msg_first[i + 1]; e++) {
+        const run_item *r = &t->runs[e];
+        uint8_t *mem = r->mem, *st = staging + r->soff;
+
+        if (r->count == 0) {
+            const rf_xfer_item *it = &m->items[r->idx];
+
+            rf_copy_desc_set(&t->desc, it->base, &it->piece, it->ndim, it->esize, &it->box,
+                             it->msg_off);
+            rf_copy_run(&t->desc, staging, gather);
+            continue;
+        }
+        for (uint32_t c = 0; c < r->count; c++, mem += r->stride, st += r->run) {
+            if (gather)
+                memcpy(st, mem, r->run);
+            else
+                memcpy(mem, st, r->run);
+        }
+    }
 }
 
 /* Admits rounds while at most two are open and their packed payloads fit in the budget
@@ -572,16 +638,10 @@ static int prepare_send(tcp *t, conn *c, uint32_t i)
 {
     jstate *s = &t->js;
     const rf_xfer_msg *m = &s->job->msgs[i];
-    rf_err err;
     uint8_t *h;
-    int rc;
 
     if (m->kind == RF_XFER_PACKED) {
-        rf_err_clear(&err);
-        rc = copy_items(t, m, s->staging[i], true, &err);
-        if (rc < 0)
-            return fail(t, rc, "packing message seq %u for peer %u: %s", m->seq, m->peer,
-                        err.msg);
+        copy_items(t, i, s->staging[i], true);
         c->payload = s->staging[i];
     } else {
         c->payload = rf_xfer_direct_ptr(m);
@@ -836,18 +896,11 @@ static int finish_recv(tcp *t, conn *c)
     jstate *s = &t->js;
     uint32_t i = (uint32_t)c->cur;
     const rf_xfer_msg *m = &s->job->msgs[i];
-    rf_err err;
-    int rc;
 
     if (rf_xfer_msg_verified(s->job, m))
         digest_msg(m, c->payload, rf_xfer_msg_digest_bytes(s->job, m), t->result.digest_recv);
-    if (m->kind == RF_XFER_PACKED) {
-        rf_err_clear(&err);
-        rc = copy_items(t, m, s->staging[i], false, &err);
-        if (rc < 0)
-            return fail(t, rc, "unpacking message seq %u from peer %u: %s", m->seq, m->peer,
-                        err.msg);
-    }
+    if (m->kind == RF_XFER_PACKED)
+        copy_items(t, i, s->staging[i], false);
     t->result.bytes_recv += m->bytes;
     rf_xfer__progress(&t->base, m->bytes);
     c->cur = -1;
@@ -1122,7 +1175,7 @@ static int run_job(tcp *t)
             conn_close(c);
         t->in[p].active = false;
     }
-    if ((rc = arena_reserve(t)) < 0 || (rc = window_update(t)) < 0)
+    if ((rc = arena_reserve(t)) < 0 || (rc = runs_build(t)) < 0 || (rc = window_update(t)) < 0)
         goto out;
     while (s->left > 0) {
         size_t need = 2 + t->npending + 2 * (size_t)t->npeers, n = 0;
@@ -1254,6 +1307,8 @@ static void free_tcp(tcp *t)
     free(t->in);
     free(t->pending);
     free(t->arena);
+    free(t->runs);
+    free(t->msg_first);
     if (t->key)
         sodium_memzero(t->key, t->key_len);
     free(t->key);

@@ -561,7 +561,7 @@ Test(xfer_plan, hand_layout_large_budget_one_round)
 
 /* 700 small fp16 tensors, whole on src endpoint 0 (daemon 0); on dst endpoint 1 (daemon 1) each
  * is two pieces, the second with padded elements (stride 2): one packed message of 1,400
- * items, more than the transport copies per batch of descriptors. */
+ * items. */
 static const uint32_t many_ep_daemon[2] = {0, 1};
 
 static rf_inv *many_inv(void)
@@ -592,9 +592,9 @@ static rf_inv *many_inv(void)
     return b.inv;
 }
 
-/* A packed message of more items than one batch of copy descriptors: gathered and scattered
- * batch by batch, every byte lands, twice over (the second job reuses the batch). */
-Test(xfer_plan, message_of_more_items_than_a_descriptor_batch)
+/* A packed message of 1,400 items, contiguous and strided: every byte lands, twice over (the
+ * second job has the same plan_key and reuses the items reduced for the first). */
+Test(xfer_plan, message_of_1400_items_twice)
 {
     rf_inv *inv = many_inv();
     rf_plan_opts o = {.staging_bytes = 64 << 20, .direct_min_bytes = 64 << 20};
@@ -612,6 +612,7 @@ Test(xfer_plan, message_of_more_items_than_a_descriptor_batch)
         fill_sources(&c, v);
         jobs_from_plan(pl, &o, many_ep_daemon, 2, c.bases, v, 1, jobs);
         for (int d = 0; d < 2; d++) {
+            jobs[d].plan_key = 1;
             jp[d] = &jobs[d];
             for (uint32_t i = 0; i < jobs[d].nmsgs; i++)
                 if (jobs[d].msgs[i].nitems > most)
@@ -629,6 +630,58 @@ Test(xfer_plan, message_of_more_items_than_a_descriptor_batch)
     cr_assert_geq(most, 1400, "the largest message has %u items, fewer than the test needs", most);
     world_close(&w);
     cluster_free(&c);
+    rf_plan_free(pl);
+    rf_inv_free(inv);
+}
+
+/* Runs one version of plan pl over cluster c's memory with plan_key key on w and checks every
+ * destination byte. */
+static void run_keyed(world *w, const rf_plan *pl, const rf_plan_opts *o, cluster *c,
+                      uint64_t v, uint64_t key)
+{
+    rf_xfer_job jobs[MAXD], *jp[MAXD];
+
+    fill_sources(c, v);
+    jobs_from_plan(pl, o, hand_ep_daemon, 3, c->bases, v, 1, jobs);
+    for (int d = 0; d < 3; d++) {
+        jobs[d].plan_key = key;
+        jp[d] = &jobs[d];
+    }
+    world_run(w, jp);
+    for (int d = 0; d < 3; d++)
+        cr_assert_eq(w->res[d].code, 0, "key %llu, version %llu, daemon %d: %s",
+                     (unsigned long long)key, (unsigned long long)v, d, w->res[d].error);
+    check_destinations(c, v);
+    digests_agree(w);
+    for (int d = 0; d < 3; d++)
+        job_free(&jobs[d]);
+}
+
+/* The tcp transport keeps the packed items it reduced for a plan_key: the same plan over
+ * other memory under another key lands its bytes there (a kept table would write into the
+ * first memory), and going back to the first key rebuilds again. */
+Test(xfer_plan, kept_items_follow_the_plan_key)
+{
+    rf_inv *inv = hand_inv();
+    rf_plan_opts o = {.staging_bytes = 64 << 10, .direct_min_bytes = 64 << 10};
+    rf_plan *pl = NULL;
+    cluster a, b;
+    world w;
+    rf_err err;
+
+    cr_assert_eq(rf_plan_build(inv, &o, &pl, &err), 0, "%s", err.msg);
+    cluster_alloc(&a, inv);
+    cluster_alloc(&b, inv);
+    world_open(&w, 3);
+    run_keyed(&w, pl, &o, &a, 1, 5);
+    run_keyed(&w, pl, &o, &a, 2, 5);
+    run_keyed(&w, pl, &o, &b, 3, 6);
+    check_destinations(&a, 2);
+    run_keyed(&w, pl, &o, &a, 4, 5);
+    check_destinations(&b, 3);
+    world_close(&w);
+    cluster_free(&a);
+    cluster_free(&b);
     rf_plan_free(pl);
     rf_inv_free(inv);
 }
@@ -761,6 +814,29 @@ Test(xfer_hand, direct_and_packed_between_two)
     cr_assert_gt(w.res[1].seconds, 0);
     pair_check(&p);
     digests_agree(&w);
+    world_close(&w);
+    pair_free(&p);
+}
+
+/* A job its caller marked checked (a daemon's cached slice) whose packed item lies outside its
+ * piece all the same: the transport refuses it when it reduces the items, naming the message,
+ * before any byte moves, and both sides report the failure. */
+Test(xfer_hand, packed_item_outside_its_piece_is_refused)
+{
+    pair p;
+    world w;
+
+    pair_init(&p, 3);
+    p.s_items[2].box.start[0] = ROWS;
+    p.sjob.checked = true;
+    p.rjob.timeout_s = 1; /* it waits for bytes that never come */
+    world_open(&w, 2);
+    world_run(&w, (rf_xfer_job *[]){&p.sjob, &p.rjob});
+    cr_assert_eq(w.res[0].code, -EINVAL, "%d: %s", w.res[0].code, w.res[0].error);
+    cr_assert(strstr(w.res[0].error, "message seq 11") &&
+              strstr(w.res[0].error, "not inside its piece"), "%s", w.res[0].error);
+    cr_assert_eq(w.res[0].bytes_sent, 0);
+    cr_assert_neq(w.res[1].code, 0, "the receiver did not notice the sender's failure");
     world_close(&w);
     pair_free(&p);
 }
