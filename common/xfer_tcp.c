@@ -81,7 +81,8 @@ typedef struct seq_ent {
 
 /* One item of a packed message reduced for the host copy: `count` runs of `run` bytes,
  * `stride` bytes apart in client memory, packed back to back in staging from `soff`; count 0
- * marks a shape with more than one strided dim, copied through a descriptor of item `idx`. */
+ * marks a shape with more than one strided dim (or 2^32 runs or more), copied through a
+ * descriptor of item `idx`. */
 typedef struct run_item {
     uint8_t *mem;
     uint64_t soff, run;
@@ -402,6 +403,7 @@ static int runs_build(tcp *t)
     uint64_t total = 0;
     uint32_t i, k, n = 0;
     rf_err err;
+    int rc;
 
     if (job->plan_key != 0 && job->plan_key == t->runs_key)
         return 0;
@@ -430,12 +432,12 @@ static int runs_build(tcp *t)
             rf_copy_desc_set(&t->desc, it->base, &it->piece, it->ndim, it->esize, &it->box,
                              it->msg_off);
             rf_err_clear(&err);
-            if (rf_copy_check(&t->desc, k, &err) < 0)
-                return fail(t, -EINVAL, "message seq %u: %s", m->seq, err.msg);
+            if ((rc = rf_copy_check(&t->desc, k, &err)) < 0)
+                return fail(t, rc, "message seq %u: %s", m->seq, err.msg);
             rf_copy_flatten(&t->desc, &f);
             *r = (run_item){.mem = it->base + f.first, .soff = it->msg_off, .run = f.run,
                             .stride = f.inner_str, .count = 1, .idx = k};
-            if (f.n > 0)
+            if (f.n > 0 || f.inner_ext > UINT32_MAX)
                 r->count = 0;
             else if (f.inner_str != 0)
                 r->count = (uint32_t)f.inner_ext;

@@ -7,6 +7,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "sim.h"
@@ -64,7 +65,8 @@ int main(int argc, char **argv)
 {
     static const struct option opts[] = {SIM_COMMON_OPTIONS, {"retries", 1, 0, 'R'},
                                          {"report", 0, 0, 'p'}, {"hold", 1, 0, 'H'},
-                                         {"step-ms", 1, 0, 'S'}, {"help", 0, 0, 'h'}, {0, 0, 0, 0}};
+                                         {"step-ms", 1, 0, 'S'}, {"help", 0, 0, 'h'},
+                                         {0, 0, 0, 0}};
     int retries = 5, do_report = 0, step_ms = 0, o, i, status = 1;
     uint64_t v, hold = 0;
     sim_opts so;
@@ -107,8 +109,12 @@ int main(int argc, char **argv)
     for (v = so.start; v < so.start + so.versions; v++) {
         int attempt, rc = 0;
 
-        if (v > so.start && step_ms > 0)
-            usleep((useconds_t)step_ms * 1000);
+        if (v > so.start && step_ms > 0) {
+            struct timespec ts = {step_ms / 1000, (long)(step_ms % 1000) * 1000000L};
+
+            while (nanosleep(&ts, &ts) < 0 && errno == EINTR)
+                ;
+        }
         sim_fill(&s, v);
         for (attempt = 0; attempt <= retries; attempt++) {
             double t0 = sim_now();
