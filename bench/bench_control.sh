@@ -25,11 +25,11 @@
 # trainer waits after each release before it writes and publishes the next version, as an RL
 # loop does. With a step, every size sees the daemons asleep for the same time before Start,
 # so the tensor count is the only thing that changes between sizes. Back to back (step 0) the
-# refit cycle itself grows with the tensor count (0.4 ms at 1k, ~17 ms at 100k, mostly the
-# simulators' CPU fill and check and the host data path), and so does the cost of waking a
-# daemon that slept that long (on the 2-core development VM a socket round trip took 16-22 us
-# between busy processes and 60-80 us after the reader slept 5-50 ms; bench/RESULTS.md). That
-# table is printed for comparison; its ratio is not judged.
+# refit cycle itself grows with the tensor count (quorum and transfer: ~1 ms at 1k, ~75 ms at
+# 100k on the 2-core VM, mostly the simulators' CPU fill and check, then the host data path),
+# and so does the cost of waking a daemon that slept that long (on the 2-core VM a socket
+# round trip took 16-22 us between busy processes and 60-80 us after the reader slept 5-50 ms;
+# bench/RESULTS.md). That table is printed for comparison; its ratio is not judged.
 #
 # Targets (issue "control-plane benchmark"): median control overhead <= 5 ms at every size and
 # cadence; with a training step, median(100k) / median(1k) <= 1.5; #wrong (elements the engine
