@@ -16,6 +16,9 @@
 #include "slice.h"
 #include "xfer.h"
 
+/* How late the status endpoint's snapshot may be after a change (snapshot_soon). */
+#define SNAPSHOT_DELAY_MS 2
+
 struct rf_node {
     uv_loop_t *loop;
     const rf_daemon_cfg *cfg;
@@ -26,6 +29,7 @@ struct rf_node {
     rf_peer_connector *conn;
     rf_peer *coord;
     uv_timer_t tick;
+    uv_timer_t snap_timer; /* a pending refresh of the status snapshot (snapshot_soon) */
 
     rf_slice_job slice; /* what Start runs */
     rf_slice_job next;  /* a slice still arriving, or complete while a refit ran */
@@ -100,6 +104,21 @@ static void refresh_snapshot(rf_node *n)
     pthread_mutex_unlock(&n->snap_lock);
 }
 
+static void on_snap_timer(uv_timer_t *t)
+{
+    refresh_snapshot(container_of(t, rf_node, snap_timer));
+}
+
+/* The status endpoint's snapshot after a state change, at most SNAPSHOT_DELAY_MS late: building
+ * it (status JSON, ~70 us on the 2-core dev VM) then happens once for a burst of changes and
+ * not between a refit's Done and the next message the loop reads (on the coordinator's daemon
+ * that is the other daemons' Done). */
+static void snapshot_soon(rf_node *n)
+{
+    if (n->closing == 0 && !uv_is_active((uv_handle_t *)&n->snap_timer))
+        uv_timer_start(&n->snap_timer, on_snap_timer, SNAPSHOT_DELAY_MS, 0);
+}
+
 static void install_slice(rf_node *n);
 static void drop_slice(rf_node *n);
 
@@ -153,7 +172,7 @@ static void on_inventory(rf_registry *r, void *ud)
     (void)r;
     drop_slice(n);
     send_inventory(n);
-    refresh_snapshot(n);
+    snapshot_soon(n);
 }
 
 static void on_change(rf_registry *r, void *ud)
@@ -166,7 +185,7 @@ static void on_change(rf_registry *r, void *ud)
                 (unsigned long long)n->version);
     drop_slice(n);
     send_inventory(n);
-    refresh_snapshot(n);
+    snapshot_soon(n);
 }
 
 /* Receive quorum: UINT64_MAX once every gated engine consumed what this daemon committed
@@ -203,7 +222,7 @@ static void on_ready(rf_registry *r, uint64_t version, void *ud)
         n->ready = version;
     RF_INFO("local trainers published version %llu", (unsigned long long)version);
     send_ready(n);
-    refresh_snapshot(n);
+    snapshot_soon(n);
 }
 
 static int on_status(rf_registry *r, char **json, rf_err *err, void *ud)
@@ -328,7 +347,7 @@ static void on_xfer_done(rf_xfer_transport *t, const rf_xfer_result *res, void *
     }
     if (n->next.complete)
         install_slice(n);
-    refresh_snapshot(n);
+    snapshot_soon(n);
 }
 
 static void on_start(rf_node *n, const Refit__Start *s)
@@ -379,7 +398,7 @@ static void on_start(rf_node *n, const Refit__Start *s)
      * back by a write to every engine. */
     if (n->side == RF_DST)
         rf_registry_notify(n->reg, RF_REG_INSTALLING, s->version, NULL);
-    refresh_snapshot(n);
+    snapshot_soon(n);
 }
 
 /* transport = nccl: joins the world of the slice, one rank per local GPU endpoint. */
@@ -487,7 +506,7 @@ static void install_slice(rf_node *n)
     RF_INFO("plan slice complete: %u messages, %llu bytes, %u rounds", n->slice.job.nmsgs,
             (unsigned long long)n->slice.bytes, n->slice.job.nrounds);
     free(addrs);
-    refresh_snapshot(n);
+    snapshot_soon(n);
     return;
 fail:
     free(addrs);
@@ -557,7 +576,7 @@ static void on_commit(rf_node *n, uint64_t version)
     rf_metric_set(n->m_committed, (double)version);
     rf_metric_observe(n->m_stage, now_s() - n->t_start, "total");
     RF_INFO("version %llu committed", (unsigned long long)version);
-    refresh_snapshot(n);
+    snapshot_soon(n);
 }
 
 static void on_abort(rf_node *n, uint64_t version, const char *reason)
@@ -579,7 +598,7 @@ static void on_abort(rf_node *n, uint64_t version, const char *reason)
     if (n->last.version == version || !n->running)
         snprintf(n->last.result, sizeof(n->last.result), "aborted");
     rf_metric_add(n->m_refits, 1, "aborted");
-    refresh_snapshot(n);
+    snapshot_soon(n);
 }
 
 /* ---- the coordinator connection --------------------------------------------------------- */
@@ -600,7 +619,7 @@ static void coord_up(rf_peer *p, const Refit__Hello *hello)
     send_inventory(n);
     send_ready(n);
     send_idle(n);
-    refresh_snapshot(n);
+    snapshot_soon(n);
 }
 
 static void coord_envelope(rf_peer *p, const Refit__Envelope *env)
@@ -640,7 +659,7 @@ static void coord_down(rf_peer *p, const char *reason)
     n->coord = NULL;
     rf_metric_set(n->m_peers, 0);
     drop_slice(n);
-    refresh_snapshot(n);
+    snapshot_soon(n);
 }
 
 /* ---- status -------------------------------------------------------------------------------- */
@@ -834,6 +853,7 @@ int rf_node_start(uv_loop_t *loop, const rf_node_opts *opts, rf_node **out, rf_e
 
     uv_timer_init(loop, &n->tick);
     uv_timer_start(&n->tick, on_tick, 1000, 1000);
+    uv_timer_init(loop, &n->snap_timer);
     refresh_snapshot(n);
     RF_INFO("%s %s: local socket %s, transport %s%s%s, coordinator %s", role_name(n), cfg->node,
             cfg->socket, rf_xfer_name(n->xfer), pc.data_addr[0] ? " on " : "", pc.data_addr,
@@ -866,6 +886,11 @@ static void tick_closed(uv_handle_t *h)
     node_free(container_of((uv_timer_t *)h, rf_node, tick));
 }
 
+static void snap_timer_closed(uv_handle_t *h)
+{
+    node_free(container_of((uv_timer_t *)h, rf_node, snap_timer));
+}
+
 /* The registry (and the client memory it maps) goes only after the data path stopped. */
 static void xfer_closed(void *arg)
 {
@@ -881,8 +906,9 @@ void rf_node_close(rf_node *n)
     if (n->coord)
         rf_peer_set_data(n->coord, NULL);
     n->coord = NULL;
-    n->closing = 2;
+    n->closing = 3;
     rf_peer_connector_close(n->conn);
     rf_xfer_close(n->xfer, xfer_closed, n);
     uv_close((uv_handle_t *)&n->tick, tick_closed);
+    uv_close((uv_handle_t *)&n->snap_timer, snap_timer_closed);
 }
