@@ -110,9 +110,9 @@ static void on_snap_timer(uv_timer_t *t)
 }
 
 /* The status endpoint's snapshot after a state change, at most SNAPSHOT_DELAY_MS late: building
- * it (status JSON, ~70 us on the 2-core dev VM) then happens once for a burst of changes and
- * not between a refit's Done and the next message the loop reads (on the coordinator's daemon
- * that is the other daemons' Done). */
+ * it (status JSON, ~70 us on the 2-core dev VM) then happens once for a burst of changes, and
+ * not right after a node's Done, when the coordinator on the same loop is about to read the
+ * other daemons' Done. */
 static void snapshot_soon(rf_node *n)
 {
     if (n->closing == 0 && !uv_is_active((uv_handle_t *)&n->snap_timer))
