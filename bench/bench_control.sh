@@ -11,10 +11,10 @@
 # version), REFITS refits of which the first WARMUP are discarded (plan build, connection
 # set-up, first mappings); LAUNCHES such runs, each with fresh processes, pooled (where the
 # scheduler places the processes differs between launches and moved the 1k median between 0.15
-# and 0.25 ms on the 2-core VM). After each release the driver reads the coordinator's status over its
-# local socket (the same call as `refit-sim-trainer --report`, full precision) and the
-# receiverd's; a refit whose successor committed before that read is not measured (the table
-# says how many were; at least 80% must be).
+# and 0.25 ms on the 2-core VM). After each release the driver reads the coordinator's status
+# over its local socket (the same call as `refit-sim-trainer --report`, full precision) and
+# the receiverd's; a refit whose successor committed before that read is not measured (the
+# table says how many were; at least 80% must be).
 #
 #   control overhead = cluster.last_refit.start_to_commit_s - cluster.last_refit.transfer_s
 #     (Start broadcast to Commit at the coordinator, minus the slowest daemon's data path)
@@ -37,9 +37,10 @@
 #
 # Environment: BUILD (default build), TRANSPORT (tcp), STEPS ("100 0"), LAUNCHES (3), REFITS
 # (20 per launch), WARMUP (5 per launch), SIZES ("1k 10k 100k"), PIN (1: each daemon on cores
-# of its own, see below), PUB_FLAGS (added to the coordinator's flags), NICE (prefix of the simulated clients, "nice -n 19"), KEEP=1
-# keeps the work directory with the daemons' logs (kept anyway on failure), WRAP is a command
-# prefix for both daemons, {out} standing for the log's path without .log (to profile:
+# of its own, see below), PUB_FLAGS (added to the coordinator's flags), NICE (prefix of the
+# simulated clients, "nice -n 19"), KEEP=1 keeps the work directory with the daemons' logs
+# (kept anyway on failure), WRAP is a command prefix for both daemons, {out} standing for the
+# log's path without .log (to profile:
 # WRAP='perf record -g -o {out}.perf --' KEEP=1 SIZES=100k).
 set -u
 BUILD=${BUILD:-build}
@@ -48,7 +49,9 @@ BIN=$(cd "$BUILD" 2>/dev/null && pwd) || { echo "bench_control: no build directo
 for b in refit-publisherd refit-receiverd refit-sim-trainer refit-sim-engine refitctl librefit.so; do
     [ -e "$BIN/$b" ] || { echo "bench_control: $BIN/$b is missing; run 'make BUILD=$BUILD all'" >&2; exit 1; }
 done
-export BIN TRANSPORT=${TRANSPORT:-tcp} STEPS=${STEPS:-"100 0"} LAUNCHES=${LAUNCHES:-3} REFITS=${REFITS:-20} WARMUP=${WARMUP:-5} SIZES=${SIZES:-"1k 10k 100k"} KEEP=${KEEP:-} WRAP=${WRAP:-}
+export BIN TRANSPORT=${TRANSPORT:-tcp} STEPS=${STEPS:-"100 0"} LAUNCHES=${LAUNCHES:-3}
+export REFITS=${REFITS:-20} WARMUP=${WARMUP:-5} SIZES=${SIZES:-"1k 10k 100k"} KEEP=${KEEP:-}
+export WRAP=${WRAP:-}
 export REFIT_LIB="$BIN/librefit.so" PYTHONPATH="$PWD/client/python${PYTHONPATH:+:$PYTHONPATH}"
 exec python3 -u - <<'PY'
 import json, os, re, shutil, signal, socket, statistics, subprocess, sys, tempfile, time
@@ -103,7 +106,8 @@ try:
 except ValueError:
     sys.exit(f"bench_control: STEPS must be whole milliseconds, not '{os.environ['STEPS']}'")
 if not STEPS or min(STEPS) < 0:
-    sys.exit(f"bench_control: STEPS needs at least one value, none negative: '{os.environ['STEPS']}'")
+    sys.exit("bench_control: STEPS needs at least one value, none negative: "
+             f"'{os.environ['STEPS']}'")
 TRANSPORT = os.environ.get("TRANSPORT", "tcp")
 if TRANSPORT not in ("tcp", "nccl"):
     sys.exit(f"bench_control: TRANSPORT is tcp or nccl, not '{TRANSPORT}'")
@@ -374,7 +378,8 @@ for step in STEPS:
                      "%.2f" % med(r["quorum"]), "%.2f" % med(r["trn"]), r["wrong"],
                      "PASS" if good else "FAIL"))
         if not complete:
-            print(f"#   {r['tag']}: trainer/engine exit {r['rc']}, {r['committed']}/{REFITS * LAUNCHES} "
+            print(f"#   {r['tag']}: trainer/engine exit {r['rc']}, "
+                  f"{r['committed']}/{REFITS * LAUNCHES} "
                   f"versions checked by the engine, {r['n']}/{r['expected']} refits measured")
     if len(rows) >= 2 and rows[0]["ovh"] and rows[-1]["ovh"]:
         ratio = statistics.median(rows[-1]["ovh"]) / statistics.median(rows[0]["ovh"])
