@@ -592,15 +592,43 @@ static rf_inv *many_inv(void)
     return b.inv;
 }
 
+/* Runs version v of plan pl over cluster c's memory on w's nd daemons, every job with plan_key
+ * key, and checks every destination byte and the digests. Returns the most items one message
+ * had. */
+static uint32_t run_keyed(world *w, const rf_plan *pl, const rf_plan_opts *o,
+                          const uint32_t *ep_daemon, int nd, cluster *c, uint64_t v, uint64_t key)
+{
+    rf_xfer_job jobs[MAXD], *jp[MAXD];
+    uint32_t most = 0;
+
+    fill_sources(c, v);
+    jobs_from_plan(pl, o, ep_daemon, nd, c->bases, v, 1, jobs);
+    for (int d = 0; d < nd; d++) {
+        jobs[d].plan_key = key;
+        jp[d] = &jobs[d];
+        for (uint32_t i = 0; i < jobs[d].nmsgs; i++)
+            if (jobs[d].msgs[i].nitems > most)
+                most = jobs[d].msgs[i].nitems;
+    }
+    world_run(w, jp);
+    for (int d = 0; d < nd; d++)
+        cr_assert_eq(w->res[d].code, 0, "key %llu, version %llu, daemon %d: %s",
+                     (unsigned long long)key, (unsigned long long)v, d, w->res[d].error);
+    check_destinations(c, v);
+    digests_agree(w);
+    for (int d = 0; d < nd; d++)
+        job_free(&jobs[d]);
+    return most;
+}
+
 /* A packed message of 1,400 items, contiguous and strided: every byte lands, twice over (the
  * second job has the same plan_key and reuses the items reduced for the first). */
 Test(xfer_plan, message_of_1400_items_twice)
 {
     rf_inv *inv = many_inv();
     rf_plan_opts o = {.staging_bytes = 64 << 20, .direct_min_bytes = 64 << 20};
-    rf_xfer_job jobs[MAXD], *jp[MAXD];
     rf_plan *pl = NULL;
-    uint32_t most = 0;
+    uint32_t most;
     cluster c;
     world w;
     rf_err err;
@@ -608,53 +636,13 @@ Test(xfer_plan, message_of_1400_items_twice)
     cr_assert_eq(rf_plan_build(inv, &o, &pl, &err), 0, "%s", err.msg);
     cluster_alloc(&c, inv);
     world_open(&w, 2);
-    for (uint64_t v = 1; v <= 2; v++) {
-        fill_sources(&c, v);
-        jobs_from_plan(pl, &o, many_ep_daemon, 2, c.bases, v, 1, jobs);
-        for (int d = 0; d < 2; d++) {
-            jobs[d].plan_key = 1;
-            jp[d] = &jobs[d];
-            for (uint32_t i = 0; i < jobs[d].nmsgs; i++)
-                if (jobs[d].msgs[i].nitems > most)
-                    most = jobs[d].msgs[i].nitems;
-        }
-        world_run(&w, jp);
-        for (int d = 0; d < 2; d++)
-            cr_assert_eq(w.res[d].code, 0, "version %llu, daemon %d: %s",
-                         (unsigned long long)v, d, w.res[d].error);
-        check_destinations(&c, v);
-        digests_agree(&w);
-        for (int d = 0; d < 2; d++)
-            job_free(&jobs[d]);
-    }
+    most = run_keyed(&w, pl, &o, many_ep_daemon, 2, &c, 1, 1);
     cr_assert_geq(most, 1400, "the largest message has %u items, fewer than the test needs", most);
+    run_keyed(&w, pl, &o, many_ep_daemon, 2, &c, 2, 1);
     world_close(&w);
     cluster_free(&c);
     rf_plan_free(pl);
     rf_inv_free(inv);
-}
-
-/* Runs one version of plan pl over cluster c's memory with plan_key key on w and checks every
- * destination byte. */
-static void run_keyed(world *w, const rf_plan *pl, const rf_plan_opts *o, cluster *c,
-                      uint64_t v, uint64_t key)
-{
-    rf_xfer_job jobs[MAXD], *jp[MAXD];
-
-    fill_sources(c, v);
-    jobs_from_plan(pl, o, hand_ep_daemon, 3, c->bases, v, 1, jobs);
-    for (int d = 0; d < 3; d++) {
-        jobs[d].plan_key = key;
-        jp[d] = &jobs[d];
-    }
-    world_run(w, jp);
-    for (int d = 0; d < 3; d++)
-        cr_assert_eq(w->res[d].code, 0, "key %llu, version %llu, daemon %d: %s",
-                     (unsigned long long)key, (unsigned long long)v, d, w->res[d].error);
-    check_destinations(c, v);
-    digests_agree(w);
-    for (int d = 0; d < 3; d++)
-        job_free(&jobs[d]);
 }
 
 /* The tcp transport keeps the packed items it reduced for a plan_key: the same plan over
@@ -673,11 +661,11 @@ Test(xfer_plan, kept_items_follow_the_plan_key)
     cluster_alloc(&a, inv);
     cluster_alloc(&b, inv);
     world_open(&w, 3);
-    run_keyed(&w, pl, &o, &a, 1, 5);
-    run_keyed(&w, pl, &o, &a, 2, 5);
-    run_keyed(&w, pl, &o, &b, 3, 6);
+    run_keyed(&w, pl, &o, hand_ep_daemon, 3, &a, 1, 5);
+    run_keyed(&w, pl, &o, hand_ep_daemon, 3, &a, 2, 5);
+    run_keyed(&w, pl, &o, hand_ep_daemon, 3, &b, 3, 6);
     check_destinations(&a, 2);
-    run_keyed(&w, pl, &o, &a, 4, 5);
+    run_keyed(&w, pl, &o, hand_ep_daemon, 3, &a, 4, 5);
     check_destinations(&b, 3);
     world_close(&w);
     cluster_free(&a);
