@@ -190,14 +190,10 @@ def pct(xs, q):
     return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
 
 
-def run_size(tag, layers, step_ms, launch):
+def run_size(tag, spec, plan, step_ms, launch):
     tag = f"{tag}-step{step_ms}-{launch}"
     d = os.path.join(work, tag)
     os.makedirs(d)
-    spec = model_spec(tag, layers)
-    plan = json.loads(subprocess.run([f"{BIN}/refitctl", "plan", "--model", spec, "--src", "tp=1",
-                                      "--dst", "tp=1", "--json"], check=True,
-                                     capture_output=True, text=True).stdout)
     key = os.path.join(d, "cluster.key")
     with open(key, "w") as f:
         f.write(os.urandom(32).hex())
@@ -299,7 +295,11 @@ def pooled(tag, layers, step_ms):
     """LAUNCHES runs of one size at one cadence, each with fresh daemons and clients, pooled:
     where the scheduler puts processes differs between launches and moves a small size's
     median by tens of microseconds; pooling keeps one launch from deciding the ratio."""
-    runs = [run_size(tag, layers, step_ms, k) for k in range(LAUNCHES)]
+    spec = model_spec(tag, layers)
+    plan = json.loads(subprocess.run([f"{BIN}/refitctl", "plan", "--model", spec, "--src", "tp=1",
+                                      "--dst", "tp=1", "--json"], check=True,
+                                     capture_output=True, text=True).stdout)
+    runs = [run_size(tag, spec, plan, step_ms, k) for k in range(LAUNCHES)]
     p = dict(runs[0])
     p["tag"] = f"{tag}-step{step_ms}"
     for key in ("ovh", "xfer", "s2c", "trn", "quorum", "rwait", "pwait", "around"):
