@@ -188,8 +188,8 @@ static void on_change(rf_registry *r, void *ud)
     snapshot_soon(n);
 }
 
-/* Receive quorum: UINT64_MAX once every gated engine consumed what this daemon committed
- * last (always, with no gated engine), else what they consumed. Sent at connect, after every
+/* Receive quorum: ready once every gated engine consumed what this daemon committed last
+ * (always, with no gated engine). Sent at connect, after every
  * commit and whenever the engines consume. */
 static void send_idle(rf_node *n)
 {
@@ -200,7 +200,8 @@ static void send_idle(rf_node *n)
     if (n->side != RF_DST)
         return;
     consumed = rf_registry_consumed(n->reg);
-    idle.version = consumed >= n->committed ? UINT64_MAX : consumed;
+    idle.ready = consumed >= n->committed;
+    idle.version = consumed == UINT64_MAX ? n->committed : consumed;
     env.body_case = REFIT__ENVELOPE__BODY_IDLE;
     env.idle = &idle;
     send_env(n, &env);

@@ -30,8 +30,8 @@ typedef struct member {
     bool inv_complete;
     uint64_t inv_gen;
     uint64_t ready;    /* publishers: highest version all its trainers published */
-    uint64_t idle;     /* receivers: UINT64_MAX when their gated engines consumed the last
-                          commit (receive quorum), else what they consumed; 0 until told */
+    bool idle;         /* receivers: their gated engines consumed the last commit (receive
+                          quorum); false until told after every commit */
     bool done, done_ok;
     uint64_t done_bytes;
     double done_transfer_s;
@@ -242,7 +242,7 @@ static void commit_refit(rf_coord *c)
     c->state = ST_IDLE;
     /* Each receiver says again when its engines are done with this version. */
     for (i = c->npub; i < c->nmembers; i++)
-        c->m[i].idle = 0;
+        c->m[i].idle = false;
     c->last.version = c->version;
     snprintf(c->last.result, sizeof(c->last.result), "committed");
     c->last.bytes = bytes;
@@ -299,7 +299,7 @@ static void try_start(rf_coord *c)
             return;
     /* Receive quorum: every receiver's gated engines are done with what it committed. */
     for (i = c->npub; i < c->nmembers; i++)
-        if (c->m[i].idle != UINT64_MAX)
+        if (!c->m[i].idle)
             return;
     for (i = 0; i < c->npub; i++)
         if (c->m[i].ready < target)
@@ -599,7 +599,7 @@ static void peer_up(rf_peer *p, const Refit__Hello *h)
         m->inv_len = 0;
         m->inv_complete = false;
         m->ready = c->committed;
-        m->idle = 0;
+        m->idle = false;
     }
     m->daemon_id = h->daemon_id;
     snprintf(m->node, sizeof(m->node), "%s", h->node);
@@ -695,7 +695,7 @@ static void peer_envelope(rf_peer *p, const Refit__Envelope *env)
     case REFIT__ENVELOPE__BODY_IDLE:
         if ((uint32_t)i < c->npub)
             break;
-        c->m[i].idle = env->idle->version;
+        c->m[i].idle = env->idle->ready;
         try_start(c);
         break;
     case REFIT__ENVELOPE__BODY_TRIGGER:
@@ -773,7 +773,7 @@ void rf_coord_status(json_t *status, void *arg)
         if (i < c->npub)
             json_object_set_new(o, "ready", json_integer((json_int_t)m->ready));
         else
-            json_object_set_new(o, "ready_to_install", json_boolean(m->idle == UINT64_MAX));
+            json_object_set_new(o, "ready_to_install", json_boolean(m->idle));
         json_array_append_new(members, o);
     }
     if (c->plan_ready)
