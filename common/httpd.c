@@ -9,10 +9,14 @@
 #include <netdb.h>
 #include <netinet/in.h>
 #include <stdarg.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <pthread.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "cfg.h"
@@ -20,12 +24,29 @@
 
 #define METRICS_TYPE "text/plain; version=0.0.4; charset=utf-8"
 
+/* Slow or half-open clients (a request line and never the end of its headers) must not keep
+ * /status from its scraper. Every client we serve sends its request at once, so a connection
+ * idle for HTTPD_TIMEOUT_S is dropped; one address holds at most HTTPD_PER_IP connections, so
+ * one host cannot fill the server; and the server holds up to HTTPD_MAX_CONNS connections (a
+ * quarter of the descriptors the process may open, at most), so the half-open connections of
+ * many hosts fit beside the real scrapers. */
+#define HTTPD_TIMEOUT_S 5u
+#define HTTPD_PER_IP 32u
+#define HTTPD_MAX_CONNS 1024u
+#define HTTPD_MIN_CONNS 64u
+#define HTTPD_BACKLOG 256u
+#define HTTPD_WARN_EVERY_S 10
+
 struct rf_httpd {
     struct MHD_Daemon *d;
     rf_metrics *metrics;
     rf_httpd_status_fn status;
     void *status_arg;
     int port;
+    unsigned max_conns;
+    pthread_mutex_t log_mu; /* mhd_log's rate limit */
+    time_t log_window;
+    unsigned log_held;
 };
 
 static enum MHD_Result reply(struct MHD_Connection *conn, unsigned code, const char *type,
@@ -105,17 +126,57 @@ static enum MHD_Result handle(void *cls, struct MHD_Connection *conn, const char
                       url);
 }
 
+/* Runs on libmicrohttpd's thread (and on ours while it starts). A client that opens
+ * connections past the limits makes a warning per refused connection: one line per
+ * HTTPD_WARN_EVERY_S is logged, with the count of the ones held back. */
 static void mhd_log(void *cls, const char *fmt, va_list ap)
 {
+    rf_httpd *h = cls;
     char msg[512];
+    unsigned before = 0;
+    bool say = false;
+    time_t now = time(NULL);
     size_t n;
 
-    (void)cls;
     vsnprintf(msg, sizeof(msg), fmt, ap);
     n = strlen(msg);
     while (n > 0 && msg[n - 1] == '\n')
         msg[--n] = '\0';
-    RF_WARN("status http: %s", msg);
+    pthread_mutex_lock(&h->log_mu);
+    if (now - h->log_window >= HTTPD_WARN_EVERY_S) {
+        h->log_window = now;
+        before = h->log_held;
+        h->log_held = 0;
+        say = true;
+    } else {
+        h->log_held++;
+    }
+    pthread_mutex_unlock(&h->log_mu);
+    if (!say)
+        return;
+    if (before > 0)
+        RF_WARN("status http: %u more warnings like the next were held back", before);
+    if (strstr(msg, "connection limit") != NULL)
+        RF_WARN("status http: %s (limits: %u connections, %u from one address; idle ones are "
+                "closed after %u s)", msg, h->max_conns, HTTPD_PER_IP, HTTPD_TIMEOUT_S);
+    else
+        RF_WARN("status http: %s", msg);
+}
+
+/* The connection limit: HTTPD_MAX_CONNS, or a quarter of RLIMIT_NOFILE when that is lower,
+ * so that a flood of HTTP clients cannot take the descriptors the daemon's own clients,
+ * peers and memory need. */
+static unsigned conn_limit(void)
+{
+    struct rlimit rl;
+    rlim_t quarter;
+
+    if (getrlimit(RLIMIT_NOFILE, &rl) != 0 || rl.rlim_cur == RLIM_INFINITY)
+        return HTTPD_MAX_CONNS;
+    quarter = rl.rlim_cur / 4;
+    if (quarter < HTTPD_MIN_CONNS)
+        return HTTPD_MIN_CONNS;
+    return quarter < HTTPD_MAX_CONNS ? (unsigned)quarter : HTTPD_MAX_CONNS;
 }
 
 /* Binds and listens on addr; 0 with the socket and its port, or a negative errno with err filled. */
@@ -147,7 +208,7 @@ static int listen_on(const char *addr, int *fd_out, int *port_out, int *ipv6, rf
         goto out;
     }
     setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
-    if (bind(fd, res->ai_addr, res->ai_addrlen) != 0 || listen(fd, 64) != 0 ||
+    if (bind(fd, res->ai_addr, res->ai_addrlen) != 0 || listen(fd, (int)HTTPD_BACKLOG) != 0 ||
         getsockname(fd, (struct sockaddr *)&ss, &sslen) != 0) {
         rc = rf_err_set(err, -errno,
                         "cannot listen on %s for status HTTP: %s; choose another "
@@ -182,6 +243,8 @@ int rf_httpd_start(rf_httpd **out, const char *listen_addr, rf_metrics *metrics,
     h->metrics = metrics;
     h->status = status;
     h->status_arg = status_arg;
+    h->max_conns = conn_limit();
+    pthread_mutex_init(&h->log_mu, NULL);
     rc = listen_on(listen_addr, &fd, &h->port, &ipv6, err);
     if (rc != 0)
         goto out;
@@ -191,10 +254,11 @@ int rf_httpd_start(rf_httpd **out, const char *listen_addr, rf_metrics *metrics,
      * closes it is not documented, so we give it up either way: a leaked socket in a start-up
      * that fails anyway beats closing a descriptor number another thread may reuse. */
     h->d = MHD_start_daemon(flags, 0, NULL, NULL, handle, h,
-                            MHD_OPTION_EXTERNAL_LOGGER, mhd_log, NULL,
+                            MHD_OPTION_EXTERNAL_LOGGER, mhd_log, h,
                             MHD_OPTION_LISTEN_SOCKET, fd,
-                            MHD_OPTION_CONNECTION_LIMIT, (unsigned)64,
-                            MHD_OPTION_CONNECTION_TIMEOUT, (unsigned)10,
+                            MHD_OPTION_CONNECTION_LIMIT, h->max_conns,
+                            MHD_OPTION_PER_IP_CONNECTION_LIMIT, HTTPD_PER_IP,
+                            MHD_OPTION_CONNECTION_TIMEOUT, HTTPD_TIMEOUT_S,
                             MHD_OPTION_END);
     fd = -1;
     if (h->d == NULL) {
@@ -207,6 +271,8 @@ int rf_httpd_start(rf_httpd **out, const char *listen_addr, rf_metrics *metrics,
 out:
     if (fd >= 0)
         close(fd);
+    if (h != NULL)
+        pthread_mutex_destroy(&h->log_mu);
     free(h);
     return rc;
 }
@@ -221,5 +287,6 @@ void rf_httpd_stop(rf_httpd *h)
     if (h == NULL)
         return;
     MHD_stop_daemon(h->d);
+    pthread_mutex_destroy(&h->log_mu);
     free(h);
 }

@@ -1,0 +1,126 @@
+#!/bin/bash
+# /status stays answerable while many half-open requests (a request line and never the end of
+# the headers) hold connections: 200 of them from ten addresses are held by the daemon when a
+# fresh GET /status is answered at once; one address gets at most 32 connections, the rest are
+# closed at once (one rate-limited warning); idle connections are closed after 5 s.
+. "$(dirname "$0")/lib.sh"
+E2E_PUBLISHERS=1 E2E_RECEIVERS=1
+start_publisher 0 1
+wait_for "$E2E_DIR/pub0.log" "status endpoint on" 20
+PORT=$(sed -n 's|.*status endpoint on http://.*:\([0-9][0-9]*\)/ .*|\1|p' "$E2E_DIR/pub0.log" | head -n 1)
+[ -n "$PORT" ] || fail "no status port in the log"
+
+python3 - "$PORT" "$PUB0_PID" <<'PY' || fail "status under half-open connections (see above)"
+import json, os, socket, sys, time
+
+port, pid = int(sys.argv[1]), int(sys.argv[2])
+HALF = b"GET /status HTTP/1.1\r\nHost: refit\r\n"   # no blank line: the headers never end
+
+
+def daemon_sockets():
+    n = 0
+    for fd in os.listdir("/proc/%d/fd" % pid):
+        try:
+            if os.readlink("/proc/%d/fd/%s" % (pid, fd)).startswith("socket:"):
+                n += 1
+        except OSError:
+            pass
+    return n
+
+
+def half_open(src, count):
+    out = []
+    for _ in range(count):
+        s = socket.socket()
+        s.bind((src, 0))
+        s.connect(("127.0.0.1", port))
+        s.sendall(HALF)
+        s.setblocking(False)
+        out.append(s)
+    return out
+
+
+def state(s):
+    """'open' while the server holds the connection, 'closed' once it closed it."""
+    try:
+        return "closed" if s.recv(1, socket.MSG_PEEK) == b"" else "data"
+    except BlockingIOError:
+        return "open"
+    except OSError:
+        return "closed"
+
+
+def wait(what, pred, limit):
+    t = time.time() + limit
+    while not pred():
+        if time.time() > t:
+            raise SystemExit("FAIL: %s within %.1f s" % (what, limit))
+        time.sleep(0.02)
+
+
+def get_status(src):
+    t0 = time.monotonic()
+    g = socket.create_connection(("127.0.0.1", port), timeout=3, source_address=(src, 0))
+    g.sendall(b"GET /status HTTP/1.1\r\nHost: refit\r\nConnection: close\r\n\r\n")
+    data = b""
+    while True:
+        b = g.recv(65536)
+        if not b:
+            break
+        data += b
+    g.close()
+    took = time.monotonic() - t0
+    head, _, body = data.partition(b"\r\n\r\n")
+    if not head.startswith(b"HTTP/1.1 200"):
+        raise SystemExit("FAIL: GET /status answered %r" % head[:60])
+    json.loads(body)
+    return took
+
+
+base = daemon_sockets()
+opened = time.monotonic()
+held = []
+for i in range(10):
+    held += half_open("127.0.0.%d" % (i + 2), 20)
+# The daemon accepted every one of them (its own descriptors, not the kernel's backlog).
+wait("the daemon holding 200 half-open connections",
+     lambda: daemon_sockets() >= base + 200, 4)
+took = get_status("127.0.0.1")
+still = sum(state(s) == "open" for s in held)
+server_side = daemon_sockets() - base
+if still != 200 or server_side < 200:
+    raise SystemExit("FAIL: when /status was answered only %d of 200 half-open connections "
+                     "were connected (%d held by the daemon)" % (still, server_side))
+if took > 1.0:
+    raise SystemExit("FAIL: GET /status took %.2f s beside 200 half-open connections" % took)
+print("GET /status answered in %.3f s while the daemon held %d half-open connections"
+      % (took, server_side))
+
+# One address: 32 connections are held, the 8 beyond are closed at once.
+flood = half_open("127.0.0.12", 40)
+wait("the daemon closing the connections beyond 32 from one address",
+     lambda: sum(state(s) == "closed" for s in flood) >= 8, 4)
+nopen = sum(state(s) == "open" for s in flood)
+if nopen != 32:
+    raise SystemExit("FAIL: %d connections from one address stayed open, not 32" % nopen)
+took = get_status("127.0.0.1")
+print("per-address limit: 32 of 40 held, /status answered in %.3f s" % took)
+
+# Idle connections are closed by the daemon after its 5 s timeout, not before.
+wait("the daemon closing idle connections", lambda: all(state(s) == "closed" for s in held),
+     10)
+idle = time.monotonic() - opened
+if idle < 4.5:
+    raise SystemExit("FAIL: half-open connections were closed after %.2f s, before the 5 s "
+                     "idle timeout" % idle)
+print("idle half-open connections closed after %.1f s" % idle)
+for s in held + flood:
+    s.close()
+PY
+n=$(grep -c "status http: Server reached connection limit" "$E2E_DIR/pub0.log")
+[ "$n" -ge 1 ] || fail "no warning for the refused connections: $(grep 'status http' "$E2E_DIR/pub0.log")"
+[ "$n" -le 2 ] || fail "$n warning lines for 8 refused connections (they should be rate-limited)"
+grep -q "limits: [0-9]* connections, 32 from one address; idle ones are closed after 5 s" \
+    "$E2E_DIR/pub0.log" || fail "the warning does not state the limits: $(grep 'status http' "$E2E_DIR/pub0.log")"
+kill -0 "$PUB0_PID" || fail "the publisherd died"
+echo "ok: /status answered beside 200 half-open connections; per-address limit; idle timeout"
