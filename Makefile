@@ -7,17 +7,37 @@ PREFIX    ?= /usr/local
 DESTDIR   ?=
 
 CC      ?= cc
+# CFLAGS, LDFLAGS and LDLIBS are the user's (`make CFLAGS=-O0`); the project's own flags are
+# kept apart in RF_CFLAGS and RF_LDLIBS, so giving them on the command line drops nothing.
 CFLAGS  ?= -O2 -g
 # Messages for people are cut to their buffers on purpose, so truncation is not an error.
-CFLAGS  += -std=c11 -D_GNU_SOURCE -Wall -Wextra -Werror -Wno-format-truncation -fPIC -MMD -MP \
-           -I common -I client -I $(BUILD)/gen
-LDLIBS  += -luv -lprotobuf-c -linih -ljansson -lsodium -lmicrohttpd -lpthread -lm
+RF_CFLAGS := -std=c11 -D_GNU_SOURCE -Wall -Wextra -Werror -Wno-format-truncation -fPIC -MMD -MP \
+             -I common -I client -I $(BUILD)/gen
+RF_LDLIBS := -luv -lprotobuf-c -linih -ljansson -lsodium -lmicrohttpd -lpthread -lm
 
 ifeq ($(V),1)
 Q :=
 else
 Q := @
 endif
+
+# Sanitizers, each in a build directory of its own. SAN=1: AddressSanitizer and
+# UndefinedBehaviorSanitizer on every object and program (`make asan` builds that in
+# $(ASAN_BUILD) and runs the tests with it). FUZZ=1: the same with clang and libFuzzer's
+# coverage instrumentation, for the targets in fuzz/ (`make fuzz`, in $(FUZZ_BUILD)); the CUDA
+# parts stay out of that build, nvcc does not take clang's sanitizer flags.
+ifeq ($(FUZZ),1)
+override HAVE_CUDA :=
+SAN_CFLAGS  := -fsanitize=fuzzer-no-link,address,undefined -fno-sanitize-recover=undefined \
+               -fno-omit-frame-pointer
+SAN_LDFLAGS := -fsanitize=address,undefined
+# clang before 17 does not know -Wno-format-truncation (nor the warning it silences).
+RF_CFLAGS   += -Wno-unknown-warning-option
+else ifeq ($(SAN),1)
+SAN_CFLAGS  := -fsanitize=address,undefined -fno-omit-frame-pointer
+SAN_LDFLAGS := -fsanitize=address,undefined
+endif
+ALL_CFLAGS = $(RF_CFLAGS) $(SAN_CFLAGS) $(CFLAGS)
 
 # The GPU data path (CUDA memory import, copy kernels, NCCL transport) builds when a CUDA
 # toolkit with NCCL is found; everything else builds and works without one. Files named
@@ -30,8 +50,8 @@ NVFLAGS   := -O2 -std=c++17 -gencode arch=compute_90,code=sm_90 \
 GPU_SRC   := $(wildcard common/*_cuda.c common/*_nccl.c sim/*_cuda.c client/lib/*_cuda.c)
 CU_SRC    := $(wildcard common/*.cu sim/*.cu)
 ifeq ($(HAVE_CUDA),1)
-CFLAGS    += -DRF_HAVE_CUDA -I $(CUDA_HOME)/include -I $(NCCL_HOME)/include
-LDLIBS    += -L$(CUDA_HOME)/lib64 -L$(NCCL_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 \
+RF_CFLAGS += -DRF_HAVE_CUDA -I $(CUDA_HOME)/include -I $(NCCL_HOME)/include
+RF_LDLIBS += -L$(CUDA_HOME)/lib64 -L$(NCCL_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 \
              -lnccl -lcudart -ldl -lstdc++
 endif
 
@@ -63,7 +83,8 @@ BENCH_BINS:= $(patsubst bench/%.c,$(BUILD)/bench/%,$(wildcard bench/bench_*.c))
 BINS := $(if $(PUB_O),$(BUILD)/refit-publisherd) $(if $(RECV_O),$(BUILD)/refit-receiverd) \
         $(if $(LIBREFIT_O),$(BUILD)/librefit.so) $(if $(CTL_O),$(BUILD)/refitctl) $(SIM_BINS)
 
-.PHONY: all deps test unit e2e bench demo install clean fuzz
+.PHONY: all deps test unit e2e bench demo install clean asan asan-tests fuzz fuzz-bins fuzz-long \
+        fuzz-corpus
 # Objects are never intermediates: keep them, so a second make (or make install) relinks nothing.
 .SECONDARY:
 all: $(LIBCOMMON) $(BINS) $(UNIT_BINS) $(BENCH_BINS)
@@ -78,12 +99,12 @@ $(BUILD)/gen/%.pb-c.c $(BUILD)/gen/%.pb-c.h: proto/%.proto
 
 $(BUILD)/gen/%.pb-c.o: $(BUILD)/gen/%.pb-c.c
 	@echo "  CC      $<"
-	$(Q)$(CC) $(CFLAGS) -Wno-unused-parameter -c -o $@ $<
+	$(Q)$(CC) $(ALL_CFLAGS) -Wno-unused-parameter -c -o $@ $<
 
 $(BUILD)/%.o: %.c | $(PROTO_H)
 	@mkdir -p $(dir $@)
 	@echo "  CC      $<"
-	$(Q)$(CC) $(CFLAGS) -c -o $@ $<
+	$(Q)$(CC) $(ALL_CFLAGS) -c -o $@ $<
 
 $(BUILD)/%.cu.o: %.cu
 	@mkdir -p $(dir $@)
@@ -96,32 +117,33 @@ $(LIBCOMMON): $(COMMON_O)
 
 $(BUILD)/refit-publisherd: $(PUB_O) $(LIBCOMMON)
 	@echo "  LD      $@"
-	$(Q)$(CC) -o $@ $^ $(LDFLAGS) $(LDLIBS)
+	$(Q)$(CC) $(SAN_LDFLAGS) -o $@ $^ $(LDFLAGS) $(LDLIBS) $(RF_LDLIBS)
 
 $(BUILD)/refit-receiverd: $(RECV_O) $(LIBCOMMON)
 	@echo "  LD      $@"
-	$(Q)$(CC) -o $@ $^ $(LDFLAGS) $(LDLIBS)
+	$(Q)$(CC) $(SAN_LDFLAGS) -o $@ $^ $(LDFLAGS) $(LDLIBS) $(RF_LDLIBS)
 
 $(BUILD)/librefit.so: $(LIBREFIT_O) $(LIBCOMMON)
 	@echo "  LD      $@"
-	$(Q)$(CC) -shared -Wl,-soname,librefit.so.0 -o $@ $^ $(LDFLAGS) $(LDLIBS)
+	$(Q)$(CC) $(SAN_LDFLAGS) -shared -Wl,-soname,librefit.so.0 -o $@ $^ $(LDFLAGS) $(LDLIBS) \
+		$(RF_LDLIBS)
 
 $(BUILD)/refitctl: $(CTL_O) $(LIBREFIT_O) $(LIBCOMMON)
 	@echo "  LD      $@"
-	$(Q)$(CC) -o $@ $^ $(LDFLAGS) $(LDLIBS)
+	$(Q)$(CC) $(SAN_LDFLAGS) -o $@ $^ $(LDFLAGS) $(LDLIBS) $(RF_LDLIBS)
 
 $(BUILD)/refit-sim-%: $(BUILD)/sim/refit-sim-%.o $(SIM_LIB_O) $(LIBREFIT_O) $(LIBCOMMON)
 	@echo "  LD      $@"
-	$(Q)$(CC) -o $@ $^ $(LDFLAGS) $(LDLIBS)
+	$(Q)$(CC) $(SAN_LDFLAGS) -o $@ $^ $(LDFLAGS) $(LDLIBS) $(RF_LDLIBS)
 
 $(BUILD)/tests/%: $(BUILD)/tests/unit/%.o $(LIBREFIT_O) $(LIBCOMMON)
 	@mkdir -p $(dir $@)
 	@echo "  LD      $@"
-	$(Q)$(CC) -o $@ $^ $(LDFLAGS) $(LDLIBS) -lcriterion
+	$(Q)$(CC) $(SAN_LDFLAGS) -o $@ $^ $(LDFLAGS) $(LDLIBS) $(RF_LDLIBS) -lcriterion
 
 $(BUILD)/bench/%: $(BUILD)/bench/%.o $(LIBREFIT_O) $(LIBCOMMON)
 	@echo "  LD      $@"
-	$(Q)$(CC) -o $@ $^ $(LDFLAGS) $(LDLIBS)
+	$(Q)$(CC) $(SAN_LDFLAGS) -o $@ $^ $(LDFLAGS) $(LDLIBS) $(RF_LDLIBS)
 
 # Unit tests: one Criterion binary per module. End-to-end tests: scripts that start the real
 # daemons and clients as processes (tests/e2e/*.sh), then the Python package's tests.
@@ -145,6 +167,86 @@ bench: deps
 demo: deps
 	$(Q)$(MAKE) --no-print-directory all
 	$(Q)BUILD=$(BUILD) scripts/demo.sh
+
+# The sanitizer build: everything with ASan and UBSan in $(ASAN_BUILD), then the unit and
+# end-to-end tests with it. Every report of every process (daemons the scripts kill, Criterion
+# workers) goes to a file under $(ASAN_BUILD)/san, so none is lost in a log nobody reads; any
+# such file fails the run and is printed. Python is not instrumented: it runs through a
+# wrapper that preloads the ASan runtime (which must come first to load librefit) and does
+# not check python's own leaks.
+ASAN_BUILD ?= build-asan
+LIBASAN     = $(shell $(CC) -print-file-name=libasan.so)
+PYTHON3     = $(shell command -v python3)
+SAN_DIR     = $(abspath $(BUILD))/san
+SAN_ENV     = PATH="$(SAN_DIR)/bin:$$PATH" \
+              ASAN_OPTIONS="halt_on_error=1:detect_leaks=1:log_path=$(SAN_DIR)/asan$(if \
+              $(filter 1,$(HAVE_CUDA)),:protect_shadow_gap=0)" \
+              UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1:log_path=$(SAN_DIR)/ubsan"
+
+asan: deps
+	$(Q)$(MAKE) --no-print-directory BUILD=$(ASAN_BUILD) SAN=1 all
+	$(Q)$(MAKE) --no-print-directory BUILD=$(ASAN_BUILD) SAN=1 asan-tests
+
+asan-tests:
+	$(Q)test "$(SAN)" = 1 || { echo "asan-tests: run 'make asan' (it builds with SAN=1)"; exit 1; }
+	$(Q)rm -rf $(SAN_DIR) && mkdir -p $(SAN_DIR)/bin
+	$(Q)printf '#!/bin/sh\nLD_PRELOAD="%s$${LD_PRELOAD:+ $$LD_PRELOAD}" ASAN_OPTIONS="$$ASAN_OPTIONS:detect_leaks=0" exec %s "$$@"\n' \
+		"$(LIBASAN)" "$(PYTHON3)" >$(SAN_DIR)/bin/python3 && chmod +x $(SAN_DIR)/bin/python3
+	$(Q)rc=0; $(SAN_ENV) $(MAKE) --no-print-directory unit e2e || rc=$$?; \
+	for f in $(SAN_DIR)/*san.*; do \
+		[ -e "$$f" ] || continue; rc=1; echo "--- sanitizer report $$f"; cat "$$f"; \
+	done; \
+	if [ $$rc = 0 ]; then echo "make asan: all passed, no sanitizer report"; \
+	else echo "make asan: FAILED (tests above, reports in $(SAN_DIR))"; fi; exit $$rc
+
+# Fuzzing with libFuzzer: every fuzz/fuzz_NAME.c is a target built with clang against the
+# project's objects (instrumented, in $(FUZZ_BUILD)) and run for FUZZ_SECONDS from its seed
+# corpus fuzz/corpus/NAME (read-only; what it finds goes to $(FUZZ_BUILD)/corpus/NAME). A
+# crash leaves its input in fuzz/crashes/NAME/ and fails the run after all targets ran.
+# `make fuzz-corpus` rewrites the seeds from real messages (fuzz/gen_corpus.c).
+FUZZ_BUILD        ?= build-fuzz
+FUZZ_CC           ?= clang
+FUZZ_SECONDS      ?= 20
+FUZZ_LONG_SECONDS ?= 600
+FUZZ_NAMES := $(patsubst fuzz/fuzz_%.c,%,$(wildcard fuzz/fuzz_*.c))
+FUZZ_BINS  := $(patsubst %,$(BUILD)/fuzz/fuzz_%,$(FUZZ_NAMES))
+
+$(FUZZ_BINS): $(BUILD)/fuzz/%: $(BUILD)/fuzz/%.o $(LIBCOMMON)
+	@echo "  LD      $@"
+	$(Q)$(CC) -fsanitize=fuzzer,address,undefined -o $@ $^ $(LDFLAGS) $(LDLIBS) $(RF_LDLIBS)
+
+$(BUILD)/fuzz/gen_corpus: $(BUILD)/fuzz/gen_corpus.o $(LIBCOMMON)
+	@echo "  LD      $@"
+	$(Q)$(CC) $(SAN_LDFLAGS) -o $@ $^ $(LDFLAGS) $(LDLIBS) $(RF_LDLIBS)
+
+fuzz-bins: $(FUZZ_BINS) $(BUILD)/fuzz/gen_corpus
+	$(Q)test "$(FUZZ)" = 1 || { echo "fuzz-bins: run 'make fuzz' (it builds with FUZZ=1)"; exit 1; }
+
+fuzz:
+	$(Q)scripts/deps.sh fuzz
+	$(Q)$(MAKE) --no-print-directory BUILD=$(FUZZ_BUILD) FUZZ=1 CC=$(FUZZ_CC) fuzz-bins
+	$(Q)failed=""; for t in $(FUZZ_NAMES); do \
+		log=$(FUZZ_BUILD)/fuzz/$$t.log; \
+		mkdir -p $(FUZZ_BUILD)/corpus/$$t fuzz/crashes/$$t; \
+		echo "== fuzz $$t, $(FUZZ_SECONDS) s (log $$log)"; \
+		if $(FUZZ_BUILD)/fuzz/fuzz_$$t -max_total_time=$(FUZZ_SECONDS) -print_final_stats=1 \
+			-artifact_prefix=fuzz/crashes/$$t/ $(FUZZ_ARGS) \
+			$(FUZZ_BUILD)/corpus/$$t fuzz/corpus/$$t >$$log 2>&1; then \
+			grep -E '^(Done|stat::number_of_executed_units|stat::new_units_added|stat::peak_rss_mb)' $$log; \
+		else \
+			failed="$$failed $$t"; tail -n 60 $$log; \
+		fi; \
+	done; \
+	if [ -n "$$failed" ]; then echo "make fuzz: FAILED:$$failed (inputs in fuzz/crashes/)"; exit 1; fi; \
+	echo "make fuzz: no crash in $(FUZZ_NAMES)"
+
+fuzz-long:
+	$(Q)$(MAKE) --no-print-directory fuzz FUZZ_SECONDS=$(FUZZ_LONG_SECONDS)
+
+fuzz-corpus:
+	$(Q)scripts/deps.sh fuzz
+	$(Q)$(MAKE) --no-print-directory BUILD=$(FUZZ_BUILD) FUZZ=1 CC=$(FUZZ_CC) $(FUZZ_BUILD)/fuzz/gen_corpus
+	$(Q)$(FUZZ_BUILD)/fuzz/gen_corpus fuzz/corpus
 
 # Install: programs, librefit (+ header, pkg-config file, Python package), systemd units with
 # @BINDIR@ expanded, example configs. PREFIX is where things run from; DESTDIR stages the tree
