@@ -976,74 +976,152 @@ static bool closed_within(int fd, double secs)
     return false;
 }
 
-/* The data hello of protocol 2, as the spec says: magic, protocol, from, to, then
- * HMAC-SHA256(key, "refit-data-v1" || acceptor's nonce || from || to). */
-static void make_hello(uint8_t out[48], uint8_t key_fill, const uint8_t nonce[32],
-                       uint32_t from, uint32_t to)
+/* ---- the data protocol (3), written here from its specification ---------------------- */
+
+#define HELLO_BODY 48 /* "RFXH", 3, from, to, the connector's nonce */
+#define HELLO_LEN 80  /* body and HMAC-SHA256 */
+#define ACK_LEN 36    /* "RFXA" and HMAC-SHA256 */
+#define HDR_LEN 24    /* "RFXF", seq, version, bytes */
+#define TAG_LEN 16    /* Poly1305 */
+#define SEG_LEN (256u << 10)
+
+/* HMAC-SHA256(key, tag with its NUL || acceptor's nonce || hello body). */
+static void hs_mac(uint8_t key_fill, const char *tag, const uint8_t nonce[32],
+                   const uint8_t body[HELLO_BODY], uint8_t out[32])
 {
-    static const char tag[] = "refit-data-v1";
     uint8_t key[RF_XFER_TCP_KEY_MIN];
     crypto_auth_hmacsha256_state st;
 
     key_bytes(key_fill, key);
+    crypto_auth_hmacsha256_init(&st, key, sizeof(key));
+    crypto_auth_hmacsha256_update(&st, (const uint8_t *)tag, strlen(tag) + 1);
+    crypto_auth_hmacsha256_update(&st, nonce, 32);
+    crypto_auth_hmacsha256_update(&st, body, HELLO_BODY);
+    crypto_auth_hmacsha256_final(&st, out);
+}
+
+/* The hello of peer `from` to `to` holding key_fill, answering the acceptor's nonce na with
+ * its own nonce nc. */
+static void make_hello(uint8_t out[HELLO_LEN], uint8_t key_fill, const uint8_t na[32],
+                       const uint8_t nc[32], uint32_t from, uint32_t to)
+{
     put32(out, 0x48584652u);
-    put32(out + 4, 2);
+    put32(out + 4, 3);
     put32(out + 8, from);
     put32(out + 12, to);
-    crypto_auth_hmacsha256_init(&st, key, sizeof(key));
-    crypto_auth_hmacsha256_update(&st, (const uint8_t *)tag, sizeof(tag) - 1);
-    crypto_auth_hmacsha256_update(&st, nonce, 32);
-    crypto_auth_hmacsha256_update(&st, out + 8, 8);
-    crypto_auth_hmacsha256_final(&st, out + 16);
+    memcpy(out + 16, nc, 32);
+    hs_mac(key_fill, "refit-data-v3 hello", na, out, out + HELLO_BODY);
+}
+
+/* One side of an authenticated connection: its frame key and tag counter. */
+typedef struct fconn {
+    int fd;
+    uint8_t key[32];
+    uint64_t ctr;
+} fconn;
+
+static void fconn_keys(fconn *f, uint8_t key_fill, const uint8_t na[32],
+                       const uint8_t hello[HELLO_BODY])
+{
+    hs_mac(key_fill, "refit-data-v3 frames", na, hello, f->key);
+    f->ctr = 0;
+}
+
+/* The connection's next tag: Poly1305 under ChaCha20(frame key, nonce = counter)[0..32). */
+static void ftag(fconn *f, const uint8_t *p, size_t len, uint8_t out[TAG_LEN])
+{
+    uint8_t otk[32], n[8];
+
+    put64(n, f->ctr++);
+    crypto_stream_chacha20(otk, sizeof(otk), n, f->key);
+    crypto_onetimeauth(out, p, len, otk);
+}
+
+static void write_all(int fd, const void *buf, size_t len)
+{
+    cr_assert_eq(write(fd, buf, len), (ssize_t)len);
 }
 
 /* Connects to a running transport as peer `from` (to `to`) holding key_fill: reads the
- * nonce, sends the hello. *accepted tells whether the acceptance came back. */
-static int auth_dial(const char *addr, uint8_t key_fill, uint32_t from, uint32_t to,
-                     bool *accepted)
+ * nonce, sends the hello. *accepted tells whether an acceptance that proves key_fill came
+ * back; then f is ready for frames. */
+static fconn auth_dial(const char *addr, uint8_t key_fill, uint32_t from, uint32_t to,
+                       bool *accepted)
 {
-    uint8_t nonce[32], hello[48], ack[4];
-    int fd = dial(addr);
+    uint8_t na[32], nc[32], hello[HELLO_LEN], ack[ACK_LEN], want[32];
+    fconn f = {.fd = dial(addr)};
 
-    cr_assert_eq(read_full(fd, nonce, sizeof(nonce)), sizeof(nonce), "no nonce from %s", addr);
-    make_hello(hello, key_fill, nonce, from, to);
-    cr_assert_eq(write(fd, hello, sizeof(hello)), (ssize_t)sizeof(hello));
-    *accepted = read_full(fd, ack, sizeof(ack)) == sizeof(ack) && memcmp(ack, "RFXA", 4) == 0;
-    return fd;
+    cr_assert_eq(read_full(f.fd, na, sizeof(na)), sizeof(na), "no nonce from %s", addr);
+    randombytes_buf(nc, sizeof(nc));
+    make_hello(hello, key_fill, na, nc, from, to);
+    write_all(f.fd, hello, sizeof(hello));
+    hs_mac(key_fill, "refit-data-v3 accept", na, hello, want);
+    *accepted = read_full(f.fd, ack, sizeof(ack)) == sizeof(ack) &&
+                memcmp(ack, "RFXA", 4) == 0 && memcmp(ack + 4, want, 32) == 0;
+    fconn_keys(&f, key_fill, na, hello);
+    return f;
+}
+
+/* A frame header and its tag. */
+static void fake_header(fconn *f, uint32_t magic, uint32_t seq, uint64_t version,
+                        uint64_t bytes)
+{
+    uint8_t h[HDR_LEN + TAG_LEN];
+
+    put32(h, magic);
+    put32(h + 4, seq);
+    put64(h + 8, version);
+    put64(h + 16, bytes);
+    ftag(f, h, HDR_LEN, h + HDR_LEN);
+    write_all(f->fd, h, sizeof(h));
+}
+
+/* `len` bytes of payload from p, in segments each followed by its tag; a last segment cut
+ * short by len goes without one. */
+static void fake_payload(fconn *f, const uint8_t *p, uint64_t bytes, size_t len)
+{
+    for (uint64_t off = 0; off < len; off += SEG_LEN) {
+        uint64_t seg = bytes - off < SEG_LEN ? bytes - off : SEG_LEN;
+        uint8_t tag[TAG_LEN];
+
+        if (off + seg > len) {
+            write_all(f->fd, p + off, len - off);
+            return;
+        }
+        ftag(f, p + off, seg, tag);
+        write_all(f->fd, p + off, seg);
+        write_all(f->fd, tag, sizeof(tag));
+    }
 }
 
 /* A fake peer `from` that authenticates to daemon `to` (whose job must be running) and writes
- * a frame header, then `len` bytes of payload. */
-static int fake_sender(const char *addr, uint32_t from, uint32_t to, uint32_t magic,
-                       uint32_t seq, uint64_t version, uint64_t bytes, size_t len)
+ * a frame header, then `len` bytes of (zero) payload. */
+static fconn fake_sender(const char *addr, uint32_t from, uint32_t to, uint32_t magic,
+                         uint32_t seq, uint64_t version, uint64_t bytes, size_t len)
 {
-    uint8_t buf[24];
     uint8_t *payload = calloc(len + 1, 1);
     bool accepted;
-    int fd = auth_dial(addr, KEY_A, from, to, &accepted);
+    fconn f = auth_dial(addr, KEY_A, from, to, &accepted);
 
     cr_assert(accepted, "the fake peer's hello was not accepted");
-    put32(buf, magic);
-    put32(buf + 4, seq);
-    put64(buf + 8, version);
-    put64(buf + 16, bytes);
-    cr_assert_eq(write(fd, buf, sizeof(buf)), (ssize_t)sizeof(buf));
-    if (len)
-        cr_assert_eq(write(fd, payload, len), (ssize_t)len);
+    fake_header(&f, magic, seq, version, bytes);
+    fake_payload(&f, payload, bytes, len);
     free(payload);
-    return fd;
+    return f;
 }
 
-/* What poke_fake does once daemon 1's job runs: fake_sender as daemon 0 with these, then
- * `extra` bytes, then close when asked. */
+/* What poke_fake does once daemon 1's job runs: fake_sender as daemon 0 with these, then the
+ * same header again when asked (tagged in its place), then `extra` bytes, then close when
+ * asked. */
 static struct {
     uint32_t magic, seq;
     uint64_t version, bytes;
     size_t len;
+    bool twice;
     const uint8_t *extra;
     size_t extra_len;
     bool close_after;
-    int fd;
+    fconn f;
 } fk;
 
 static void fake_set(uint32_t magic, uint32_t seq, uint64_t version, uint64_t bytes, size_t len)
@@ -1054,17 +1132,19 @@ static void fake_set(uint32_t magic, uint32_t seq, uint64_t version, uint64_t by
     fk.version = version;
     fk.bytes = bytes;
     fk.len = len;
-    fk.fd = -1;
+    fk.f.fd = -1;
 }
 
 static void poke_fake(world *w)
 {
-    fk.fd = fake_sender(addr_of(w, 1), 0, 1, fk.magic, fk.seq, fk.version, fk.bytes, fk.len);
+    fk.f = fake_sender(addr_of(w, 1), 0, 1, fk.magic, fk.seq, fk.version, fk.bytes, fk.len);
+    if (fk.twice)
+        fake_header(&fk.f, fk.magic, fk.seq, fk.version, fk.bytes);
     if (fk.extra_len)
-        cr_assert_eq(write(fk.fd, fk.extra, fk.extra_len), (ssize_t)fk.extra_len);
+        write_all(fk.f.fd, fk.extra, fk.extra_len);
     if (fk.close_after) {
-        close(fk.fd);
-        fk.fd = -1;
+        close(fk.f.fd);
+        fk.f.fd = -1;
     }
 }
 
@@ -1100,7 +1180,7 @@ Test(xfer_fail, sender_dies_mid_payload_then_good_job)
     world_close(&w);
 }
 
-static int second_fd = -1;
+static fconn second;
 
 static void poke_reconnect(world *w)
 {
@@ -1108,7 +1188,7 @@ static void poke_reconnect(world *w)
 
     poke_fake(w);
     usleep(100000);
-    second_fd = auth_dial(addr_of(w, 1), KEY_A, 0, 1, &accepted);
+    second = auth_dial(addr_of(w, 1), KEY_A, 0, 1, &accepted);
     cr_assert(!accepted, "a reconnection in the middle of a message was accepted");
 }
 
@@ -1126,8 +1206,8 @@ Test(xfer_fail, reconnect_mid_message_fails)
     cr_assert_eq(w.res[1].code, -ECONNRESET, "%s", w.res[1].error);
     cr_assert(strstr(w.res[1].error, "reconnected") && strstr(w.res[1].error, "seq 10"), "%s",
               w.res[1].error);
-    close(fk.fd);
-    close(second_fd);
+    close(fk.f.fd);
+    close(second.fd);
     pair_free(&p);
     good_pair_run(&w, 4);
     world_close(&w);
@@ -1158,7 +1238,7 @@ Test(xfer_fail, bad_magic_and_unexpected_seq)
         world_open(&w, 2);
         fake_set(cases[i].magic, cases[i].seq, 3, cases[i].bytes, 0);
         world_run_poke(&w, (rf_xfer_job *[]){NULL, &p.rjob}, poke_fake, 1);
-        close(fk.fd);
+        close(fk.f.fd);
         cr_assert_eq(w.res[1].code, cases[i].code, "case %zu: %s", i, w.res[1].error);
         cr_assert(strstr(w.res[1].error, cases[i].says) && strstr(w.res[1].error, "peer 0"),
                   "case %zu: %s", i, w.res[1].error);
@@ -1179,24 +1259,19 @@ Test(xfer_fail, same_message_twice)
 {
     pair p;
     world w;
-    uint8_t hdr[24];
 
     pair_init(&p, 3);
     pair_small_direct(&p);
     world_open(&w, 2);
-    put32(hdr, 0x46584652u);
-    put32(hdr + 4, 10);
-    put64(hdr + 8, 3);
-    put64(hdr + 16, COLS * 4);
+    /* The second header is tagged in its place: the transport itself sees the same seq. */
     fake_set(0x46584652u, 10, 3, COLS * 4, COLS * 4);
-    fk.extra = hdr;
-    fk.extra_len = sizeof(hdr);
+    fk.twice = true;
     world_run_poke(&w, (rf_xfer_job *[]){NULL, &p.rjob}, poke_fake, 1);
     cr_assert_eq(w.res[1].code, -EPROTO, "%s", w.res[1].error);
     cr_assert(strstr(w.res[1].error, "seq 10 twice"), "%s", w.res[1].error);
     /* The first copy was installed, the job still failed. */
     cr_assert_eq(w.res[1].bytes_recv, COLS * 4);
-    close(fk.fd);
+    close(fk.f.fd);
     pair_free(&p);
     good_pair_run(&w, 4);
     world_close(&w);
@@ -1483,28 +1558,47 @@ static size_t count_of(const char *text, const char *what)
 }
 
 /* A stand-in for daemon 1 that daemon 0 connects to: it closes at once, or sends a nonce and
- * takes the hello (keeping it), then closes or answers something that is no acceptance. */
-enum { ACC_CLOSE, ACC_TAKE_HELLO, ACC_BAD_ACK };
+ * takes the hello (keeping it), then closes or answers something that is no acceptance, or an
+ * acceptance that does not prove the cluster key: under another key, or the proof of another
+ * connection (as a replayed one would be). It then counts what daemon 0 sends until it hangs
+ * up. */
+enum { ACC_CLOSE, ACC_TAKE_HELLO, ACC_BAD_ACK, ACC_OTHER_KEY, ACC_STALE_PROOF };
 
 static struct {
     int lfd, how;
-    uint8_t nonce[32], hello[48];
-    size_t got;
+    uint8_t nonce[32], hello[HELLO_LEN];
+    size_t got, after;
 } fa;
 
 static void poke_fake_acceptor(world *w)
 {
     int fd = accept(fa.lfd, NULL, NULL);
+    uint8_t ack[ACK_LEN], other[HELLO_LEN], sink[4096];
+    ssize_t n;
 
     (void)w;
     cr_assert_geq(fd, 0, "daemon 0 did not connect");
-    fa.got = 0;
+    fa.got = fa.after = 0;
     if (fa.how != ACC_CLOSE) {
         randombytes_buf(fa.nonce, sizeof(fa.nonce));
-        cr_assert_eq(write(fd, fa.nonce, sizeof(fa.nonce)), (ssize_t)sizeof(fa.nonce));
+        write_all(fd, fa.nonce, sizeof(fa.nonce));
         fa.got = read_full(fd, fa.hello, sizeof(fa.hello));
+        memcpy(ack, "RFXA", 4);
+        memcpy(other, fa.hello, sizeof(other));
+        other[16] ^= 1; /* another connector nonce: another connection's hello */
         if (fa.how == ACC_BAD_ACK)
-            cr_assert_eq(write(fd, "NOPE", 4), 4);
+            write_all(fd, "NOPE", 4);
+        if (fa.how == ACC_OTHER_KEY)
+            hs_mac(KEY_B, "refit-data-v3 accept", fa.nonce, fa.hello, ack + 4);
+        if (fa.how == ACC_STALE_PROOF)
+            hs_mac(KEY_A, "refit-data-v3 accept", fa.nonce, other, ack + 4);
+        if (fa.how == ACC_OTHER_KEY || fa.how == ACC_STALE_PROOF) {
+            write_all(fd, ack, sizeof(ack));
+            /* read_full's 5 s receive timeout bounds this: daemon 0 must hang up first. */
+            while ((n = read(fd, sink, sizeof(sink))) > 0)
+                fa.after += (size_t)n;
+            cr_assert_eq(n, 0, "daemon 0 neither sent nor hung up: %s", strerror(errno));
+        }
     }
     close(fd);
 }
@@ -1521,8 +1615,10 @@ static void run_against_fake(world *w, int how, const char *fake, rf_xfer_job *j
 }
 
 /* The connector's side: a peer that sends no nonce, one that takes the hello and hangs up,
- * one that answers with no acceptance; each fails the job naming the peer and the message.
- * The hello it took is the spec's, byte for byte. */
+ * one that answers with no acceptance, and two impostors whose acceptance does not prove the
+ * key (they hold another one, or replay another connection's); each fails the job naming the
+ * peer and the message, and the impostors get not one byte after the hello. The hello it took
+ * is the spec's, byte for byte. */
 Test(xfer_auth, connector_names_a_peer_that_refuses)
 {
     struct {
@@ -1532,13 +1628,15 @@ Test(xfer_auth, connector_names_a_peer_that_refuses)
         {ACC_CLOSE, -ECONNRESET, "sent no challenge"},
         {ACC_TAKE_HELLO, -EACCES, "different cluster key"},
         {ACC_BAD_ACK, -EPROTO, "not an acceptance"},
+        {ACC_OTHER_KEY, -EACCES, "without proving the cluster key"},
+        {ACC_STALE_PROOF, -EACCES, "nothing was sent to it"},
     };
     world w;
 
     world_open(&w, 2);
     for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
         char fake[64];
-        uint8_t want[48];
+        uint8_t want[HELLO_LEN];
         pair p;
 
         pair_init(&p, 1);
@@ -1548,11 +1646,13 @@ Test(xfer_auth, connector_names_a_peer_that_refuses)
         cr_assert(strstr(w.res[0].error, cases[i].says) && strstr(w.res[0].error, "peer 1") &&
                   strstr(w.res[0].error, fake) && strstr(w.res[0].error, "seq 10"),
                   "case %zu: %s", i, w.res[0].error);
+        cr_assert_eq(w.res[0].bytes_sent, 0, "case %zu", i);
+        cr_assert_eq(fa.after, 0, "case %zu: %zu bytes went to an impostor", i, fa.after);
         if (cases[i].how != ACC_CLOSE) {
             cr_assert_eq(fa.got, sizeof(fa.hello), "case %zu: hello of %zu bytes", i, fa.got);
-            make_hello(want, KEY_A, fa.nonce, 0, 1);
+            make_hello(want, KEY_A, fa.nonce, fa.hello + 16, 0, 1);
             cr_assert(memcmp(fa.hello, want, sizeof(want)) == 0,
-                      "case %zu: the hello is not {RFXH, 2, 0, 1, HMAC(key, tag||nonce||0||1)}",
+                      "case %zu: the hello is not {RFXH, 3, 0, 1, nc, HMAC(key, tag||na||body)}",
                       i);
         }
         close(fa.lfd);
@@ -1571,15 +1671,16 @@ Test(xfer_auth, connector_names_a_peer_that_refuses)
 
 static struct {
     rf_xfer_job *late;
-    char captured[48];
+    uint8_t captured[HELLO_LEN];
 } atk;
 
 static void poke_attacks(world *w)
 {
     const char *a1 = addr_of(w, 1);
-    uint8_t nonce[32], hello[48], old[16];
+    uint8_t nonce[32], nc[32] = {0}, hello[HELLO_LEN], old[48];
     bool accepted;
     int silent, fd;
+    fconn f;
     double t0;
     rf_err err;
 
@@ -1588,36 +1689,37 @@ static void poke_attacks(world *w)
     cr_assert_eq(read_full(silent, nonce, sizeof(nonce)), sizeof(nonce));
     t0 = now_s();
     /* A hello as daemon 0 with the MAC of another key. */
-    fd = auth_dial(a1, KEY_B, 0, 1, &accepted);
+    f = auth_dial(a1, KEY_B, 0, 1, &accepted);
     cr_assert(!accepted, "a hello under another key was accepted");
-    cr_assert(closed_within(fd, 2));
-    close(fd);
+    cr_assert(closed_within(f.fd, 2));
+    close(f.fd);
     /* The hello captured from daemon 0's real connection, replayed against a fresh nonce. */
     fd = dial(a1);
     cr_assert_eq(read_full(fd, nonce, sizeof(nonce)), sizeof(nonce));
     cr_assert(memcmp(nonce, fa.nonce, sizeof(nonce)) != 0);
-    cr_assert_eq(write(fd, atk.captured, sizeof(atk.captured)), (ssize_t)sizeof(atk.captured));
+    write_all(fd, atk.captured, sizeof(atk.captured));
     cr_assert(closed_within(fd, 2), "a replayed hello was not dropped");
     close(fd);
-    /* The old unauthenticated hello of protocol 1, as daemon 0. */
+    /* The hello of the previous release (protocol 2), as daemon 0. */
     fd = dial(a1);
     cr_assert_eq(read_full(fd, nonce, sizeof(nonce)), sizeof(nonce));
+    memset(old, 0, sizeof(old));
     put32(old, 0x48584652u);
-    put32(old + 4, 1);
+    put32(old + 4, 2);
     put32(old + 8, 0);
     put32(old + 12, 1);
-    cr_assert_eq(write(fd, old, sizeof(old)), (ssize_t)sizeof(old));
+    write_all(fd, old, sizeof(old));
     cr_assert(closed_within(fd, 2), "an old hello was not dropped");
     close(fd);
     /* A hello with the right key, but for daemon 2. */
-    fd = auth_dial(a1, KEY_A, 0, 2, &accepted);
+    f = auth_dial(a1, KEY_A, 0, 2, &accepted);
     cr_assert(!accepted, "a hello for another daemon was accepted");
-    close(fd);
+    close(f.fd);
     /* Half a hello, then gone. */
     fd = dial(a1);
     cr_assert_eq(read_full(fd, nonce, sizeof(nonce)), sizeof(nonce));
-    make_hello(hello, KEY_A, nonce, 0, 1);
-    cr_assert_eq(write(fd, hello, 20), 20);
+    make_hello(hello, KEY_A, nonce, nc, 0, 1);
+    write_all(fd, hello, 20);
     close(fd);
     cr_assert(closed_within(silent, 8), "a silent connection outlived the hello timeout");
     cr_assert(now_s() - t0 > 4.5, "a silent connection was dropped after %.1f s",
@@ -1694,10 +1796,10 @@ Test(xfer_auth, forged_replayed_and_old_hellos_leave_the_job_alone)
     cr_assert_eq(count_of(log, "dropped the data connection from 127.0.0.1:"), 6, "%s", log);
     cr_assert_eq(count_of(log, "claims to be peer 0") , 2, "%s", log);
     cr_assert(strstr(log, "fails authentication"), "%s", log);
-    cr_assert(strstr(log, "magic 0x48584652, protocol 1"), "%s", log);
+    cr_assert(strstr(log, "magic 0x48584652, protocol 2"), "%s", log);
     cr_assert(strstr(log, "from peer 0 to peer 2"), "%s", log);
-    cr_assert(strstr(log, "closed after 20 of the 48 bytes"), "%s", log);
-    cr_assert(strstr(log, "no complete hello within 5 s (0 of 48 bytes)"), "%s", log);
+    cr_assert(strstr(log, "closed after 20 of the 80 bytes"), "%s", log);
+    cr_assert(strstr(log, "no complete hello within 5 s (0 of 80 bytes)"), "%s", log);
     free(log);
     world_close(&w);
     free(src);
