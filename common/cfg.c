@@ -517,8 +517,9 @@ void rf_cfg_print_help(const rf_cfg_table *t, FILE *f)
             "  --config PATH     config file (default %s)\n"
             "                    keys are read from sections [%s]\n"
             "                    and from before the first section\n"
-            "  --check-config    check the config file and flags, print the result, exit 0 if\n"
-            "                    valid and 1 if not\n"
+            "  --check-config    check the config file and flags and what start-up needs of\n"
+            "                    the machine (files, paths, addresses), print the result,\n"
+            "                    exit 0 if valid and 1 if not\n"
             "  --help            print this help\n"
             "  --version         print the version\n\n"
             "Keys: write \"key = value\" in the config file, or --key=value or --key value\n"
@@ -685,6 +686,11 @@ int rf_cfg_load(const rf_cfg_table *t, void *obj, int argc, char **argv, rf_cfg_
             rf_err_wrap(err, "%s%s: ", config, config_missing ? " (not found) and flags" : "");
             goto out;
         }
+    }
+    if (check && t->check != NULL) {
+        rc = t->check(obj, err);
+        if (rc != 0)
+            goto out;
     }
     if (check) {
         printf("%s: %s%s: configuration is valid\n", t->program, config,

@@ -55,6 +55,10 @@ typedef struct rf_cfg_table {
     size_t nkeys;
     /* Checks across keys and fills computed values, after file and flags; 0 or an error. */
     int (*finish)(void *obj, rf_err *err);
+    /* Checks what start-up would refuse beyond the keys themselves (files, paths, addresses),
+     * without side effects; run by --check-config after finish. May be NULL. The program
+     * calls the same function before it starts, so that the two refuse the same things. */
+    int (*check)(void *obj, rf_err *err);
 } rf_cfg_table;
 
 typedef enum rf_cfg_next {
@@ -65,8 +69,8 @@ typedef enum rf_cfg_next {
 /* Loads obj (the program's config struct, zeroed by the caller) from the defaults, the config
  * file (--config PATH or table->default_config; a missing default file is not an error, a
  * missing --config file is), then the flags of argv, then table->finish.
- * --help and --version print to stdout; --check-config prints "PATH: configuration is valid"
- * once everything checked out. Returns 0 with *next, or a negative errno with err naming the
+ * --help and --version print to stdout; --check-config also runs table->check and prints
+ * "PATH: configuration is valid" once everything checked out. Returns 0 with *next, or a negative errno with err naming the
  * file and line or the flag ("publisherd.conf:12: unknown key 'stagin_mib' (did you mean
  * 'staging_mib'?)"); the caller prints it and exits 1 under --check-config (see
  * rf_cfg_check_only) and RF_CFG_EXIT_CONFIG otherwise. obj must be released with

@@ -3,6 +3,7 @@
 #define RF_LOG_MODULE "daemon"
 #include "daemon.h"
 
+#include <errno.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -102,10 +103,12 @@ int rf_daemon_main(int role, int argc, char **argv, const rf_daemon_hooks *hooks
         RF_ERROR("libsodium failed to initialise");
         goto out_cfg;
     }
-    rc = rf_peer_load_key(cfg.cluster_key_file, &key, &err);
+    /* The same check as --check-config. An address that is not (yet) this machine's may be
+     * a network still coming up: exit 1, which systemd retries; the rest is the config's. */
+    rc = rf_daemon_cfg_check(&cfg, &key, &err);
     if (rc < 0) {
         RF_ERROR("%s", err.msg);
-        status = RF_CFG_EXIT_CONFIG;
+        status = rc == -EADDRNOTAVAIL ? 1 : RF_CFG_EXIT_CONFIG;
         goto out_cfg;
     }
     randombytes_buf(&daemon_id, sizeof(daemon_id));

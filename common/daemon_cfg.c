@@ -2,10 +2,17 @@
 #include "daemon_cfg.h"
 
 #include <errno.h>
+#include <netdb.h>
 #include <stddef.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
 #include <unistd.h>
+
+#include <sodium.h>
+
+#include "rpc.h"
 
 static const char *const transport_names[] = { "tcp", "nccl", NULL };
 static const char *const verify_names[] = { "off", "sample", "full", NULL };
@@ -131,6 +138,91 @@ static int finish(rf_daemon_cfg *c, rf_err *err)
     return 0;
 }
 
+/* An address the daemon will listen on must resolve to an address of this machine. Bound
+ * with port 0, so a daemon already listening on the configured port (the one whose new config
+ * is being checked) does not count against it. The port itself is taken only at start-up. */
+static int check_listen(const char *key, const char *addr, const char *advice, rf_err *err)
+{
+    struct addrinfo hints, *res = NULL, *ai;
+    char host[256];
+    int port, g, fd, rc = 0, e = 0;
+
+    if (rf_cfg_hostport_split(addr, host, sizeof(host), &port) != 0)
+        return rf_err_set(err, -EINVAL, "'%s' %s is not host:port", key, addr);
+    memset(&hints, 0, sizeof(hints));
+    hints.ai_family = AF_UNSPEC;
+    hints.ai_socktype = SOCK_STREAM;
+    hints.ai_flags = AI_PASSIVE | AI_NUMERICSERV;
+    g = getaddrinfo(host[0] ? host : NULL, "0", &hints, &res);
+    if (g != 0)
+        return rf_err_set(err, -EADDRNOTAVAIL, "'%s' %s: cannot resolve '%s': %s; %s", key, addr,
+                          host, gai_strerror(g), advice);
+    for (ai = res; ai != NULL; ai = ai->ai_next) {
+        fd = socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC, ai->ai_protocol);
+        if (fd < 0) {
+            e = errno;
+            continue;
+        }
+        if (bind(fd, ai->ai_addr, ai->ai_addrlen) == 0) {
+            close(fd);
+            goto out;
+        }
+        e = errno;
+        close(fd);
+    }
+    rc = rf_err_set(err, e == EADDRNOTAVAIL ? -EADDRNOTAVAIL : -e,
+                    "'%s' %s: cannot listen on %s here: %s; %s", key, addr,
+                    host[0] ? host : "any address", strerror(e), advice);
+out:
+    freeaddrinfo(res);
+    return rc;
+}
+
+int rf_daemon_cfg_check(const rf_daemon_cfg *c, rf_peer_key *key, rf_err *err)
+{
+    int rc;
+
+    rc = rf_peer_load_key(c->cluster_key_file, key, err);
+    if (rc < 0)
+        return rc;
+    rc = rf_rpc_path_check(c->socket, err);
+    if (rc < 0)
+        goto fail;
+    if (c->status_listen[0] != '\0') {
+        rc = check_listen("status_listen", c->status_listen, "use an address of this machine, "
+                          "or \"\" to disable the status endpoint", err);
+        if (rc < 0)
+            goto fail;
+    }
+    /* The data listener exists with the tcp transport; NCCL brings up its own. */
+    if (c->transport == RF_TRANSPORT_TCP) {
+        rc = check_listen("data_listen", c->data_listen, "use an address of this machine "
+                          "that the other nodes can reach", err);
+        if (rc < 0)
+            goto fail;
+    }
+    if (c->role == RF_DAEMON_PUBLISHER && c->coordinator) {
+        rc = check_listen("coordinator_addr", c->coordinator_addr, "the coordinator listens "
+                          "on it: use an address of this machine", err);
+        if (rc < 0)
+            goto fail;
+    }
+    return 0;
+fail:
+    sodium_memzero(key, sizeof(*key));
+    return rc;
+}
+
+/* --check-config: the same check as start-up; the key is read and forgotten. */
+static int check(void *obj, rf_err *err)
+{
+    rf_peer_key key;
+    int rc = rf_daemon_cfg_check(obj, &key, err);
+
+    sodium_memzero(&key, sizeof(key));
+    return rc;
+}
+
 static int finish_publisherd(void *obj, rf_err *err)
 {
     rf_daemon_cfg *c = obj;
@@ -155,6 +247,7 @@ const rf_cfg_table rf_daemon_cfg_publisherd = {
     .keys = publisherd_keys,
     .nkeys = sizeof(publisherd_keys) / sizeof(publisherd_keys[0]),
     .finish = finish_publisherd,
+    .check = check,
 };
 
 const rf_cfg_table rf_daemon_cfg_receiverd = {
@@ -165,6 +258,7 @@ const rf_cfg_table rf_daemon_cfg_receiverd = {
     .keys = receiverd_keys,
     .nkeys = sizeof(receiverd_keys) / sizeof(receiverd_keys[0]),
     .finish = finish_receiverd,
+    .check = check,
 };
 
 static const rf_cfg_table *table_of(int role)

@@ -7,6 +7,7 @@
 
 #include "cfg.h"
 #include "err.h"
+#include "peer.h"
 
 #define RF_VERSION "0.1.0"
 
@@ -50,6 +51,15 @@ extern const rf_cfg_table rf_daemon_cfg_receiverd;
 int rf_daemon_cfg_load(rf_daemon_cfg *c, int role, int argc, char **argv, rf_cfg_next *next,
                        rf_err *err);
 void rf_daemon_cfg_free(rf_daemon_cfg *c);
+
+/* What start-up needs of the machine, checked without changing anything: the cluster key
+ * file (loaded into *key), the local socket path (fits a Unix socket address; a file there
+ * is a socket), and the addresses the daemon listens on (resolve to addresses of this
+ * machine). Start-up and --check-config both run it, so --check-config refuses what start-up
+ * would. 0, or a negative errno with err saying what to change: -EADDRNOTAVAIL when an
+ * address does not resolve or is not this machine's (the network may still be coming up),
+ * anything else is wrong in the configuration or its files. */
+int rf_daemon_cfg_check(const rf_daemon_cfg *c, rf_peer_key *key, rf_err *err);
 
 const char *rf_transport_name(int transport);
 const char *rf_verify_name(int verify);

@@ -105,18 +105,46 @@ static int fill_addr(const char *path, struct sockaddr_un *sa, rf_err *err)
     return 0;
 }
 
-/* A socket file left by a dead daemon is replaced; one somebody answers on is not. */
-static int clear_stale(const char *path, const struct sockaddr_un *sa, rf_err *err)
+/* The checks of a socket path that need nothing but the path: it fits sun_path, and what is
+ * there, if anything, is a socket (*exists says whether something is). */
+static int path_check(const char *path, struct sockaddr_un *sa, bool *exists, rf_err *err)
 {
     struct stat st;
-    int fd = -1, rc = 0;
+    int rc;
 
-    if (lstat(path, &st) < 0)
-        return errno == ENOENT ? 0 : rf_err_set(err, -errno, "cannot stat %s: %s", path,
-                                                strerror(errno));
+    *exists = false;
+    rc = fill_addr(path, sa, err);
+    if (rc < 0)
+        return rc;
+    if (lstat(path, &st) < 0) {
+        if (errno == ENOENT)
+            return 0; /* the directories are made when the socket is */
+        if (errno == ENOTDIR)
+            return rf_err_set(err, -ENOTDIR, "socket path %s goes through a file that is not "
+                              "a directory: choose another socket path", path);
+        return rf_err_set(err, -errno, "cannot look at socket path %s: %s", path,
+                          strerror(errno));
+    }
     if (!S_ISSOCK(st.st_mode))
         return rf_err_set(err, -EEXIST, "%s exists and is not a socket: remove it or choose "
                           "another socket path", path);
+    *exists = true;
+    return 0;
+}
+
+int rf_rpc_path_check(const char *path, rf_err *err)
+{
+    struct sockaddr_un sa;
+    bool exists;
+
+    return path_check(path, &sa, &exists, err);
+}
+
+/* A socket file left by a dead daemon is replaced; one somebody answers on is not. */
+static int clear_stale(const char *path, const struct sockaddr_un *sa, rf_err *err)
+{
+    int fd = -1, rc = 0;
+
     fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
     if (fd < 0)
         return rf_err_set(err, -errno, "socket(): %s", strerror(errno));
@@ -512,11 +540,11 @@ int rf_rpc_server_open(uv_loop_t *loop, const rf_rpc_server_opts *opts,
     struct sockaddr_un sa;
     struct stat st;
     rf_rpc_server *s = NULL;
-    bool bound = false;
+    bool bound = false, exists;
     int rc;
 
     *out = NULL;
-    rc = fill_addr(opts->path, &sa, err);
+    rc = path_check(opts->path, &sa, &exists, err);
     if (rc < 0)
         return rc;
     s = calloc(1, sizeof(*s));
@@ -550,9 +578,11 @@ int rf_rpc_server_open(uv_loop_t *loop, const rf_rpc_server_opts *opts,
     rc = mkdir_parents(opts->path, err);
     if (rc < 0)
         goto out;
-    rc = clear_stale(opts->path, &sa, err);
-    if (rc < 0)
-        goto out;
+    if (exists) {
+        rc = clear_stale(opts->path, &sa, err);
+        if (rc < 0)
+            goto out;
+    }
     s->fd = socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
     if (s->fd < 0) {
         rc = rf_err_set(err, -errno, "socket() for %s: %s", opts->path, strerror(errno));

@@ -41,6 +41,11 @@ typedef struct rf_rpc_server_opts {
     uint32_t max_frame;            /* largest request accepted; 0: RF_RPC_MAX_FRAME_DEFAULT */
 } rf_rpc_server_opts;
 
+/* What rf_rpc_server_open checks of path before it touches anything: not empty, short
+ * enough for a Unix socket address, and nothing but a socket there (a stale one is replaced,
+ * a live one is found only when opening). 0 or a negative errno with err saying what to
+ * change. Changes nothing: --check-config runs it. */
+int rf_rpc_path_check(const char *path, rf_err *err);
 /* Creates the socket (mode 0660), replacing a stale socket file only when nobody answers on
  * it, and starts accepting on loop. -EADDRINUSE when a live server holds the path. */
 int rf_rpc_server_open(uv_loop_t *loop, const rf_rpc_server_opts *opts,

@@ -9,6 +9,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "cfg.h"
@@ -441,10 +442,25 @@ Test(cfg, help_lists_every_key_with_type_and_default)
         cr_assert_leq(nl - p, 80, "%.*s", (int)(nl - p), p);
 }
 
+static char key[160];
+
+/* A 32-byte cluster key in dir with the given mode. */
+static void write_key(mode_t mode)
+{
+    int fd;
+
+    snprintf(key, sizeof(key), "%s/cluster.key", dir);
+    fd = open(key, O_WRONLY | O_CREAT | O_TRUNC, 0600);
+    cr_assert_geq(fd, 0);
+    cr_assert_eq(write(fd, "0123456789abcdef0123456789abcdef", 32), 32);
+    close(fd);
+    cr_assert_eq(chmod(key, mode), 0);
+}
+
 Test(cfg, version_and_check_config_print_and_exit)
 {
     rf_cfg_next next;
-    char *out;
+    char text[512], *out;
     int rc;
 
     run_argv = (char *[]){ "refit-publisherd", "--version", NULL };
@@ -454,7 +470,12 @@ Test(cfg, version_and_check_config_print_and_exit)
     cr_assert_eq(next, RF_CFG_EXIT);
     cr_assert_str_eq(out, "refit-publisherd " RF_VERSION "\n");
 
-    write_conf("staging_mib = 8\n");
+    /* --check-config also checks what start-up needs: a key file, a socket path, addresses
+     * of this machine. */
+    write_key(0600);
+    snprintf(text, sizeof(text), "staging_mib = 8\ncluster_key_file = %s\nsocket = %s/p.sock\n"
+             "status_listen = 127.0.0.1:0\n", key, dir);
+    write_conf(text);
     run_argv = (char *[]){ "refit-publisherd", "--check-config", "--config", conf, NULL };
     run_argc = 4;
     out = capture_stdout(run_daemon, &next, &rc);
@@ -463,6 +484,38 @@ Test(cfg, version_and_check_config_print_and_exit)
     cr_assert_not_null(strstr(out, "refit-publisherd: "), "%s", out);
     cr_assert_not_null(strstr(out, "publisherd.conf: configuration is valid\n"), "%s", out);
     cr_assert_eq(c.staging_mib, 8);
+    unlink(key);
+}
+
+/* The check --check-config adds is the one start-up runs (rf_daemon_cfg_check): what it
+ * refuses, --check-config refuses, without printing "valid"; without --check-config loading
+ * does not run it (start-up does, once, and keeps the key). */
+Test(cfg, check_config_runs_the_start_up_check)
+{
+    rf_cfg_next next;
+    rf_peer_key k;
+    char text[512], *out;
+    int rc;
+
+    write_key(0644);
+    snprintf(text, sizeof(text), "cluster_key_file = %s\nsocket = %s/p.sock\n", key, dir);
+    write_conf(text);
+    cr_assert_eq(LOAD("--status-listen", "127.0.0.1:0"), 0, "%s", err.msg);
+    cr_assert_eq(next, RF_CFG_RUN);
+    cr_assert_eq(rf_daemon_cfg_check(&c, &k, &err), -EPERM);
+    cr_assert(strstr(err.msg, "has mode 0644"), "%s", err.msg);
+
+    run_argv = (char *[]){ "refit-publisherd", "--check-config", "--config", conf, NULL };
+    run_argc = 4;
+    out = capture_stdout(run_daemon, &next, &rc);
+    cr_assert_eq(rc, -EPERM, "%s", err.msg);
+    cr_assert(strstr(err.msg, "has mode 0644"), "%s", err.msg);
+    cr_assert_null(strstr(out, "valid"), "%s", out);
+
+    chmod(key, 0600);
+    cr_assert_eq(rf_daemon_cfg_check(&c, &k, &err), 0, "%s", err.msg);
+    cr_assert_eq(k.len, 32);
+    unlink(key);
 }
 
 Test(cfg, missing_default_file_means_defaults_and_doubles_parse)

@@ -450,8 +450,25 @@ Test(rpc, bad_paths_refused)
     snprintf(file, sizeof(file), "%s/plain/sub/t.sock", S.dir);
     o.path = file;
     cr_assert_eq(rf_rpc_server_open(&S.loop, &o, &cb, NULL, &s, &err), -ENOTDIR);
-    cr_assert(strstr(err.msg, "cannot create runtime directory"), "%s", err.msg);
+    cr_assert(strstr(err.msg, "goes through a file that is not a directory"), "%s", err.msg);
     cr_assert_null(s);
+
+    /* --check-config asks the same question without opening anything. */
+    cr_assert_eq(rf_rpc_path_check(longp, &err), -ENAMETOOLONG);
+    cr_assert(strstr(err.msg, "Unix sockets allow at most 107"), "%s", err.msg);
+    cr_assert_eq(rf_rpc_path_check("", &err), -EINVAL);
+    cr_assert_eq(rf_rpc_path_check(file, &err), -ENOTDIR);
+    snprintf(file, sizeof(file), "%s/plain", S.dir);
+    cr_assert_eq(rf_rpc_path_check(file, &err), -EEXIST);
+    snprintf(file, sizeof(file), "%s/not/yet/t.sock", S.dir);
+    cr_assert_eq(rf_rpc_path_check(file, &err), 0, "%s", err.msg);
+    snprintf(file, sizeof(file), "%s/not", S.dir);
+    cr_assert_neq(access(file, F_OK), 0, "the check made a directory");
+    snprintf(file, sizeof(file), "%s/loop", S.dir);
+    cr_assert_eq(symlink("loop", file), 0);
+    snprintf(file, sizeof(file), "%s/loop/t.sock", S.dir);
+    cr_assert_eq(rf_rpc_path_check(file, &err), -ELOOP);
+    cr_assert(strstr(err.msg, "cannot look at socket path"), "%s", err.msg);
 }
 
 Test(rpc, dial_errors_say_what_to_check)
