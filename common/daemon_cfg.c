@@ -74,7 +74,10 @@ static const char *const level_names[] = { "error", "warn", "info", "debug", NUL
          "A refit not done by then is aborted and the committed version stays, seconds."),    \
     KENUM(log_level, "info", level_names, "Log level: error, warn, info or debug."),          \
     KINT(max_frame_mib, "64", 1, 2048,                                                         \
-         "Largest control message accepted from a peer or client, MiB.")
+         "Largest control message accepted from another daemon (plan slices are the large "    \
+         "ones), MiB. Local clients' requests have a fixed limit of 64 KiB.")
+
+_Static_assert(RF_RPC_MAX_REQUEST == 64u << 10, "max_frame_mib's help names the RPC limit");
 
 static const rf_cfg_key publisherd_keys[] = {
     KBOOL(coordinator, "false",

@@ -442,8 +442,10 @@ static void conn_read(rf_rpc_conn *c)
         }
         rc = rf_wire_reader_feed(&c->reader, buf, (size_t)n, on_frame, c);
         if (rc == -EMSGSIZE)
-            rf_rpc_conn_reply(c, 0, -EMSGSIZE, "request frame larger than the maximum of %u "
-                              "bytes: closing the connection", c->srv->max_frame);
+            rf_rpc_conn_reply(c, 0, -EMSGSIZE, "request frame of %u bytes is larger than the "
+                              "maximum of %u bytes for a request (no real request comes "
+                              "near it): closing the connection", c->reader.body_len,
+                              c->srv->max_frame);
         else if (rc == -ENOMEM)
             rf_rpc_conn_reply(c, 0, -ENOMEM, "out of memory reading a request: closing the "
                               "connection");
@@ -554,7 +556,8 @@ int rf_rpc_server_open(uv_loop_t *loop, const rf_rpc_server_opts *opts,
     s->loop = loop;
     s->cb = *cb;
     s->ud = ud;
-    s->max_frame = opts->max_frame ? opts->max_frame : RF_RPC_MAX_FRAME_DEFAULT;
+    s->max_frame = opts->max_frame && opts->max_frame < RF_RPC_MAX_REQUEST ? opts->max_frame
+                                                                          : RF_RPC_MAX_REQUEST;
     snprintf(s->path, sizeof(s->path), "%s", opts->path);
     if (opts->n_allowed_uids == 0 && opts->n_allowed_gids == 0) {
         s->nuids = 1;
@@ -702,6 +705,12 @@ int rf_rpc_send(int fd, const Refit__Rpc__Request *req, int passfd, rf_err *err)
     rc = rf_wire_pack(&req->base, &frame, &len);
     if (rc < 0) {
         rf_err_set(err, rc, "cannot pack request: %s", strerror(-rc));
+        goto out;
+    }
+    if (len - 4 > RF_RPC_MAX_REQUEST) {
+        rc = rf_err_set(err, -EMSGSIZE, "request of %zu bytes is larger than the %u bytes a "
+                        "daemon accepts (a name or string in it is far too long)", len - 4,
+                        RF_RPC_MAX_REQUEST);
         goto out;
     }
     while (off < len) {

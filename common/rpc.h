@@ -14,7 +14,13 @@
 #include "rpc.pb-c.h"
 
 #define RF_RPC_PROTOCOL_VERSION 1
-#define RF_RPC_MAX_FRAME_DEFAULT (1u << 20) /* requests are small: pieces come one a frame */
+/* The largest request a daemon accepts from a local client, checked on the 4-byte length
+ * before anything is allocated: a longer one is answered with an error naming this limit and
+ * the connection is closed. Requests are small: the largest real one is a RegisterPiece (a
+ * tensor name of at most 255 bytes and 8 dims of shape, start, extent and strides), under
+ * 700 bytes packed; pieces come one a request. Answers (a status document) go the other way
+ * and are not bound by it. */
+#define RF_RPC_MAX_REQUEST (64u << 10)
 #define RF_RPC_MAX_FDS 16                   /* received fds not yet claimed by a request */
 #define RF_RPC_MAX_OUTPUT (16u << 20)       /* unread replies/events before a client is cut */
 
@@ -38,7 +44,8 @@ typedef struct rf_rpc_server_opts {
     size_t n_allowed_uids;
     const gid_t *allowed_gids;
     size_t n_allowed_gids;
-    uint32_t max_frame;            /* largest request accepted; 0: RF_RPC_MAX_FRAME_DEFAULT */
+    uint32_t max_frame;            /* a lower limit than RF_RPC_MAX_REQUEST (tests); 0 or a
+                                      larger value: RF_RPC_MAX_REQUEST */
 } rf_rpc_server_opts;
 
 /* What rf_rpc_server_open checks of path before it touches anything: not empty, short
@@ -72,7 +79,8 @@ void rf_rpc_conn_cred(const rf_rpc_conn *c, pid_t *pid, uid_t *uid, gid_t *gid);
 
 /* Client side, blocking. Connects to path (close-on-exec); messages say what to check. */
 int rf_rpc_dial(const char *path, int *fd, rf_err *err);
-/* Packs req into one frame and sends it, with passfd (>= 0) as SCM_RIGHTS on its first byte. */
+/* Packs req into one frame and sends it, with passfd (>= 0) as SCM_RIGHTS on its first byte.
+ * A request over RF_RPC_MAX_REQUEST is not sent: -EMSGSIZE. */
 int rf_rpc_send(int fd, const Refit__Rpc__Request *req, int passfd, rf_err *err);
 
 #endif

@@ -308,6 +308,95 @@ Test(rpc, oversized_frame_refused_before_reading_it)
     close(good);
 }
 
+/* The daemons pass their peer limit (64 MiB) as max_frame; requests are held to
+ * RF_RPC_MAX_REQUEST all the same. A frame of exactly the limit is read; one byte more, or a
+ * 4 GiB length, is refused on the length alone (no body sent, nothing allocated for it),
+ * with a message naming the limit, and only that connection is closed. */
+Test(rpc, request_limit_checked_on_the_length)
+{
+    Refit__Rpc__Request q = REFIT__RPC__REQUEST__INIT;
+    Refit__Rpc__Hello h = REFIT__RPC__HELLO__INIT;
+    Refit__Rpc__Response *r;
+    rf_rpc_server_opts o = {0};
+    rf_err err = {0};
+    uint8_t over[4], huge[4] = {0xff, 0xff, 0xff, 0xff};
+    uint32_t be = htonl(RF_RPC_MAX_REQUEST + 1);
+    char *name = calloc(1, RF_RPC_MAX_REQUEST);
+    size_t n = RF_RPC_MAX_REQUEST - 16;
+    char text[128];
+    int good, bad;
+
+    o.max_frame = 64u << 20;
+    cr_assert_eq(start(&S, &o, &err), 0, "%s", err.msg);
+    q.id = 5;
+    q.body_case = REFIT__RPC__REQUEST__BODY_HELLO;
+    q.hello = &h;
+    h.name = name;
+    memset(name, 'n', n);
+    while (refit__rpc__request__get_packed_size(&q) > RF_RPC_MAX_REQUEST)
+        name[--n] = '\0';
+    while (refit__rpc__request__get_packed_size(&q) < RF_RPC_MAX_REQUEST)
+        name[n++] = 'n';
+    cr_assert_eq(refit__rpc__request__get_packed_size(&q), RF_RPC_MAX_REQUEST);
+    good = dial();
+    cr_assert_eq(rf_rpc_send(good, &q, -1, &err), 0, "%s", err.msg);
+    r = read_resp(good);
+    cr_assert_not_null(r, "a request of exactly the limit was not answered");
+    cr_assert_eq(r->id, 5);
+    cr_assert_eq(r->code, 0, "%s", r->message);
+    refit__rpc__response__free_unpacked(r, NULL);
+
+    memcpy(over, &be, 4);
+    snprintf(text, sizeof(text), "request frame of %u bytes is larger than the maximum of %u "
+             "bytes", RF_RPC_MAX_REQUEST + 1, RF_RPC_MAX_REQUEST);
+    bad = dial();
+    cr_assert_eq(send(bad, over, 4, 0), 4);
+    expect_error_then_eof(bad, -EMSGSIZE, text);
+    close(bad);
+    bad = dial();
+    cr_assert_eq(send(bad, huge, 4, 0), 4);
+    expect_error_then_eof(bad, -EMSGSIZE, "request frame of 4294967295 bytes is larger than "
+                          "the maximum of 65536 bytes");
+    close(bad);
+    ping(good, 6);
+    close(good);
+
+    /* The client side does not send what the daemon would refuse. */
+    name[n] = 'n';
+    good = dial();
+    cr_assert_eq(rf_rpc_send(good, &q, -1, &err), -EMSGSIZE);
+    cr_assert(strstr(err.msg, "larger than the 65536 bytes a daemon accepts"), "%s", err.msg);
+    ping(good, 7);
+    close(good);
+    free(name);
+}
+
+/* The limit is far above the largest request a client can make: a RegisterPiece with the
+ * longest tensor name, every dim, and every number at its longest encoding. */
+Test(rpc, largest_real_request_is_far_under_the_limit)
+{
+    Refit__Rpc__Request q = REFIT__RPC__REQUEST__INIT;
+    Refit__Rpc__RegisterPiece m = REFIT__RPC__REGISTER_PIECE__INIT;
+    int64_t dims[8];
+    char name[256];
+
+    memset(name, 'x', 255);
+    name[255] = '\0';
+    for (int i = 0; i < 8; i++)
+        dims[i] = INT64_MIN;
+    m.tensor = name;
+    m.dtype = UINT32_MAX;
+    m.region = UINT32_MAX;
+    m.offset = UINT64_MAX;
+    m.n_shape = m.n_start = m.n_extent = m.n_strides = 8;
+    m.shape = m.start = m.extent = m.strides = dims;
+    q.id = UINT64_MAX;
+    q.body_case = REFIT__RPC__REQUEST__BODY_REGISTER_PIECE;
+    q.register_piece = &m;
+    cr_assert_leq(refit__rpc__request__get_packed_size(&q), 700);
+    cr_assert_leq(refit__rpc__request__get_packed_size(&q) * 64, RF_RPC_MAX_REQUEST);
+}
+
 Test(rpc, unknown_request_answered_and_kept)
 {
     /* A Request with only an id: no body this daemon knows (a newer client's request). */
