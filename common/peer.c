@@ -1,5 +1,6 @@
 /* common/peer.c - authenticated control connections between daemons: handshake (Hello, then
- * HMAC-SHA256 challenge/response over the cluster key), heartbeats, dead-peer detection, a
+ * an HMAC-SHA256 challenge/response over the cluster key in which the connector proves first),
+ * a keyed MAC and sequence number on every later frame, heartbeats, dead-peer detection, a
  * listener and a reconnecting connector. */
 #include "peer.h"
 
@@ -33,6 +34,7 @@ struct peer_settings {
     uint32_t index;
     uint32_t version;
     uint32_t max_frame;
+    uint32_t max_pending;
     uint64_t heartbeat_ms, timeout_ms, backoff_min_ms, backoff_max_ms;
     rf_peer_callbacks cb;
     void *data;
@@ -50,13 +52,20 @@ struct rf_peer {
     rf_peer *next, **pprev;     /* the listener's list */
     int open_handles;
     int established;            /* TCP connected or accepted: on_down will be called */
-    int answered;               /* got the peer's Challenge and sent our Auth */
-    int up;
+    int pending;                /* counted in its listener's handshakes in progress */
+    int challenged;             /* the peer's Challenge arrived (a connector then proved) */
+    int up;                     /* both proofs checked: frames carry seq and MAC from now on */
     int closing;                /* no more reads or sends; waiting for shutdown or linger */
     int handles_closing;
     uint8_t nonce[RF_PEER_NONCE_BYTES];       /* ours, sent in our Challenge */
     uint8_t their_nonce[RF_PEER_NONCE_BYTES]; /* from their Challenge */
+    uint8_t my_hello[crypto_generichash_BYTES];    /* BLAKE2b of the Hello frame we sent */
+    uint8_t their_hello[crypto_generichash_BYTES]; /* and of the one we received */
+    uint8_t tx_key[RF_PEER_MAC_BYTES];        /* frame MAC keys of this connection, per direction */
+    uint8_t rx_key[RF_PEER_MAC_BYTES];
+    uint64_t tx_seq, rx_seq;    /* the last frame sent / received with a MAC */
     Refit__Envelope *hello_env; /* the peer's Hello, owned here until the peer is freed */
+    uint64_t t_start;           /* TCP up: the handshake deadline counts from here */
     uint64_t last_rx;
     uint64_t hb_seq;
     char remote[320];
@@ -69,6 +78,7 @@ struct rf_peer_listener {
     uv_tcp_t tcp;
     struct peer_settings set;
     rf_peer *peers;
+    uint32_t pending;           /* accepted connections still in their handshake */
     int port;
     int closing;
     int tcp_closed;
@@ -99,6 +109,11 @@ static int settings_init(struct peer_settings *s, uv_loop_t *loop, const rf_peer
                           "load it with rf_peer_load_key", RF_PEER_KEY_MIN, RF_PEER_KEY_MAX);
     if (sodium_init() < 0)
         return rf_err_set(err, -EIO, "libsodium failed to initialise (no entropy source?)");
+    /* Our Hello must fit the small frames a peer accepts before authentication. */
+    if ((cfg->node && strlen(cfg->node) > RF_PEER_HELLO_STR_MAX) ||
+        (cfg->data_addr && strlen(cfg->data_addr) > RF_PEER_HELLO_STR_MAX))
+        return rf_err_set(err, -EINVAL, "peer config: node name or data address longer than %d "
+                          "bytes; choose a shorter node name", RF_PEER_HELLO_STR_MAX);
     s->loop = loop;
     s->key = *cfg->key;
     s->role = cfg->role;
@@ -114,6 +129,7 @@ static int settings_init(struct peer_settings *s, uv_loop_t *loop, const rf_peer
     s->index = cfg->index;
     s->version = cfg->protocol_version ? cfg->protocol_version : RF_PEER_PROTOCOL_VERSION;
     s->max_frame = cfg->max_frame ? cfg->max_frame : RF_WIRE_MAX_DEFAULT;
+    s->max_pending = cfg->max_pending ? cfg->max_pending : RF_PEER_MAX_PENDING_DEFAULT;
     s->heartbeat_ms = cfg->heartbeat_ms ? cfg->heartbeat_ms : RF_PEER_HEARTBEAT_MS_DEFAULT;
     s->timeout_ms = cfg->timeout_ms ? cfg->timeout_ms : RF_PEER_TIMEOUT_MS_DEFAULT;
     s->backoff_min_ms = cfg->backoff_min_ms ? cfg->backoff_min_ms : RF_PEER_BACKOFF_MIN_MS_DEFAULT;
@@ -277,10 +293,21 @@ static void peer_set_reason(rf_peer *p, const char *fmt, ...)
     va_end(ap);
 }
 
+/* The connection left its handshake (it came up, or it is gone): it no longer counts
+ * against its listener's limit. */
+static void peer_unpend(rf_peer *p)
+{
+    if (!p->pending)
+        return;
+    p->pending = 0;
+    p->listener->pending--;
+}
+
 static void peer_release(rf_peer *p)
 {
     if (--p->open_handles > 0)
         return;
+    peer_unpend(p);
     if (p->established && p->set->cb.on_down)
         p->set->cb.on_down(p, p->reason[0] ? p->reason : "closed");
     if (p->hello_env)
@@ -289,6 +316,8 @@ static void peer_release(rf_peer *p)
         listener_peer_gone(p->listener, p);
     else
         connector_peer_gone(p->connector, p);
+    sodium_memzero(p->tx_key, sizeof(p->tx_key));
+    sodium_memzero(p->rx_key, sizeof(p->rx_key));
     free(p);
 }
 
@@ -350,9 +379,49 @@ static void peer_write_done(void *ctx, int status)
     }
 }
 
+/* The bytes that end every frame after the handshake: protobuf field 15 (Envelope.mac),
+ * length-delimited, 32 bytes. */
+#define PEER_MAC_FIELD 0x7a
+#define PEER_MAC_TRAILER (2 + RF_PEER_MAC_BYTES)
+
+/* Before the handshake completes frames go out as they are. After it, each carries the next
+ * sequence number of its direction and ends with a BLAKE2b MAC, keyed for this connection and
+ * direction, over the frame's bytes before it: an on-path attacker can then neither forge,
+ * alter, replay, reorder nor drop a frame (a Commit, say) unnoticed, and a frame cannot be
+ * moved to another connection or sent back the other way. */
 static int peer_write(rf_peer *p, const Refit__Envelope *env)
 {
-    return rf_wire_write((uv_stream_t *)&p->tcp, &env->base, peer_write_done, p);
+    Refit__Envelope e;
+    uint8_t *buf, *body;
+    size_t len, blen;
+    int rc;
+
+    if (!p->up)
+        return rf_wire_write((uv_stream_t *)&p->tcp, &env->base, peer_write_done, p);
+    e = *env;
+    e.mac.data = NULL;
+    e.mac.len = 0;
+    e.seq = p->tx_seq + 1;
+    rc = rf_wire_pack_tail(&e.base, PEER_MAC_TRAILER, &buf, &len);
+    if (rc < 0)
+        return rc;
+    body = buf + 4;
+    blen = len - 4 - PEER_MAC_TRAILER;
+    body[blen] = PEER_MAC_FIELD;
+    body[blen + 1] = RF_PEER_MAC_BYTES;
+    crypto_generichash(body + blen + 2, RF_PEER_MAC_BYTES, body, blen, p->tx_key,
+                       sizeof(p->tx_key));
+    rc = rf_wire_write_buf((uv_stream_t *)&p->tcp, buf, len, peer_write_done, p);
+    if (rc < 0) {
+        /* The peer would see a gap in the sequence; the stream is broken anyway. */
+        if (!p->closing) {
+            peer_set_reason(p, "cannot write to %s: %s", p->remote, uv_strerror(rc));
+            peer_close_now(p);
+        }
+        return rc;
+    }
+    p->tx_seq++;
+    return 0;
 }
 
 /* Tells the peer what was wrong with an Error frame, records the same words as the reason,
@@ -380,34 +449,87 @@ static void peer_fail(rf_peer *p, int code, const char *fmt, ...)
     peer_linger_close(p);
 }
 
-/* The proof a side sends: HMAC-SHA256(key, tag || challenger's nonce || prover's nonce ||
- * prover's role). Binding both nonces means an answer computed on one connection is worth
- * nothing on another: a peer without the key cannot get the daemon to compute its proof by
- * reflecting the daemon's challenge on a second connection. */
-static void peer_mac(const rf_peer_key *k, const uint8_t *challenger_nonce,
-                     const uint8_t *prover_nonce, Refit__Role role, uint8_t *out)
+/* The handshake of protocol 3 (proto/refit.proto has the formulas). The connector proves
+ * first and the acceptor answers only a proof it has checked: the old symmetric exchange made
+ * the acceptor compute its proof for whoever sent it a Challenge, which a client without the
+ * key could reflect through a second connection. The transcript T binds both Hellos (roles,
+ * ids, addresses) and both nonces, and every use of the key has its own label, so a proof is
+ * worth nothing on another connection, in the other direction, or as a frame key. */
+static const char lbl_connector[] = "refit-ctl-v3/connector-proof";
+static const char lbl_acceptor[] = "refit-ctl-v3/acceptor-proof";
+static const char lbl_c2a[] = "refit-ctl-v3/frames-c2a";
+static const char lbl_a2c[] = "refit-ctl-v3/frames-a2c";
+
+#define PEER_T_BYTES (2 * crypto_generichash_BYTES + 2 * RF_PEER_NONCE_BYTES)
+
+/* T = BLAKE2b(connector's Hello) || nonce_c || BLAKE2b(acceptor's Hello) || nonce_a. */
+static void peer_transcript(const rf_peer *p, uint8_t *t)
 {
-    static const char tag[] = "refit-auth-v1";
+    int conn = p->connector != NULL;
+
+    memcpy(t, conn ? p->my_hello : p->their_hello, crypto_generichash_BYTES);
+    t += crypto_generichash_BYTES;
+    memcpy(t, conn ? p->nonce : p->their_nonce, RF_PEER_NONCE_BYTES);
+    t += RF_PEER_NONCE_BYTES;
+    memcpy(t, conn ? p->their_hello : p->my_hello, crypto_generichash_BYTES);
+    t += crypto_generichash_BYTES;
+    memcpy(t, conn ? p->their_nonce : p->nonce, RF_PEER_NONCE_BYTES);
+}
+
+/* HMAC-SHA256(key, label || 0 || T); the labels are given with their terminating NUL. */
+static void peer_hmac(const rf_peer_key *k, const char *label, size_t label_len,
+                      const uint8_t *t, uint8_t *out)
+{
     crypto_auth_hmacsha256_state st;
-    uint8_t r = (uint8_t)role;
 
     crypto_auth_hmacsha256_init(&st, k->bytes, k->len);
-    crypto_auth_hmacsha256_update(&st, (const uint8_t *)tag, sizeof(tag) - 1);
-    crypto_auth_hmacsha256_update(&st, challenger_nonce, RF_PEER_NONCE_BYTES);
-    crypto_auth_hmacsha256_update(&st, prover_nonce, RF_PEER_NONCE_BYTES);
-    crypto_auth_hmacsha256_update(&st, &r, 1);
+    crypto_auth_hmacsha256_update(&st, (const uint8_t *)label, label_len);
+    crypto_auth_hmacsha256_update(&st, t, PEER_T_BYTES);
     crypto_auth_hmacsha256_final(&st, out);
     sodium_memzero(&st, sizeof(st));
+}
+
+static void peer_send_auth(rf_peer *p, const uint8_t *mac)
+{
+    Refit__Envelope out = REFIT__ENVELOPE__INIT;
+    Refit__Auth auth = REFIT__AUTH__INIT;
+
+    auth.mac.data = (uint8_t *)mac;
+    auth.mac.len = RF_PEER_MAC_BYTES;
+    out.body_case = REFIT__ENVELOPE__BODY_AUTH;
+    out.auth = &auth;
+    peer_write(p, &out);
+}
+
+/* Both proofs are checked: derive the frame keys, take large frames from now on, and tell
+ * the owner. */
+static void peer_come_up(rf_peer *p, const uint8_t *t)
+{
+    const struct peer_settings *s = p->set;
+    int conn = p->connector != NULL;
+
+    peer_hmac(&s->key, conn ? lbl_c2a : lbl_a2c, sizeof(lbl_c2a), t, p->tx_key);
+    peer_hmac(&s->key, conn ? lbl_a2c : lbl_c2a, sizeof(lbl_c2a), t, p->rx_key);
+    p->up = 1;
+    peer_unpend(p);
+    rf_wire_reader_set_max(&p->ws.reader, s->max_frame);
+    /* Heartbeats from now on; until here the timer held the handshake deadline. */
+    uv_timer_start(&p->timer, peer_tick, s->heartbeat_ms, s->heartbeat_ms);
+    if (p->connector)
+        p->connector->backoff = s->backoff_min_ms;
+    if (s->cb.on_up)
+        s->cb.on_up(p, p->hello_env->hello);
 }
 
 static const char auth_failed[] =
     "authentication failed: cluster keys differ (check cluster_key_file on both nodes)";
 
-/* Handles one frame before authentication completed. Returns 1 when env was kept. */
-static int peer_handshake(rf_peer *p, Refit__Envelope *env)
+/* Handles one frame (env, decoded from body) before authentication completed. Returns 1 when
+ * env was kept. */
+static int peer_handshake(rf_peer *p, Refit__Envelope *env, const uint8_t *body, uint32_t len)
 {
     const struct peer_settings *s = p->set;
-    uint8_t mac[crypto_auth_hmacsha256_BYTES];
+    uint8_t t[PEER_T_BYTES], mac[RF_PEER_MAC_BYTES];
 
     switch (env->body_case) {
     case REFIT__ENVELOPE__BODY_HELLO: {
@@ -430,6 +552,7 @@ static int peer_handshake(rf_peer *p, Refit__Envelope *env)
                       h->node, (int)h->role);
             return 0;
         }
+        crypto_generichash(p->their_hello, sizeof(p->their_hello), body, len, NULL, 0);
         p->hello_env = env;
         return 1;
     }
@@ -438,7 +561,7 @@ static int peer_handshake(rf_peer *p, Refit__Envelope *env)
             peer_fail(p, -EPROTO, "protocol error: Challenge before Hello");
             return 0;
         }
-        if (p->answered) {
+        if (p->challenged) {
             peer_fail(p, -EPROTO, "protocol error: second Challenge on one connection");
             return 0;
         }
@@ -452,37 +575,47 @@ static int peer_handshake(rf_peer *p, Refit__Envelope *env)
             peer_fail(p, -EPROTO, "protocol error: Challenge repeats our own nonce");
             return 0;
         }
-        {
-            Refit__Envelope out = REFIT__ENVELOPE__INIT;
-            Refit__Auth auth = REFIT__AUTH__INIT;
-
-            memcpy(p->their_nonce, env->challenge->nonce.data, RF_PEER_NONCE_BYTES);
-            peer_mac(&s->key, p->their_nonce, p->nonce, s->role, mac);
-            auth.mac.data = mac;
-            auth.mac.len = sizeof(mac);
-            out.body_case = REFIT__ENVELOPE__BODY_AUTH;
-            out.auth = &auth;
-            peer_write(p, &out);
+        memcpy(p->their_nonce, env->challenge->nonce.data, RF_PEER_NONCE_BYTES);
+        p->challenged = 1;
+        /* The connector proves first; an acceptor waits for that proof. */
+        if (p->connector) {
+            peer_transcript(p, t);
+            peer_hmac(&s->key, lbl_connector, sizeof(lbl_connector), t, mac);
+            peer_send_auth(p, mac);
         }
-        p->answered = 1;
-        return 0;
+        break;
     case REFIT__ENVELOPE__BODY_AUTH:
-        if (!p->answered) {
+        if (!p->challenged) {
             peer_fail(p, -EPROTO, "protocol error: Auth before Challenge");
             return 0;
         }
-        peer_mac(&s->key, p->nonce, p->their_nonce, p->hello_env->hello->role, mac);
-        if (env->auth->mac.len != sizeof(mac) ||
-            crypto_verify_32(env->auth->mac.data, mac) != 0) {
-            peer_fail(p, -EACCES, "%s", auth_failed);
+        if (env->auth->mac.len != RF_PEER_MAC_BYTES) {
+            peer_fail(p, -EPROTO, "protocol error: Auth of %zu bytes, expected %d",
+                      env->auth->mac.len, RF_PEER_MAC_BYTES);
             return 0;
         }
-        p->up = 1;
-        if (p->connector)
-            p->connector->backoff = s->backoff_min_ms;
-        if (s->cb.on_up)
-            s->cb.on_up(p, p->hello_env->hello);
-        return 0;
+        peer_transcript(p, t);
+        if (p->connector) {
+            peer_hmac(&s->key, lbl_acceptor, sizeof(lbl_acceptor), t, mac);
+            if (crypto_verify_32(env->auth->mac.data, mac) != 0) {
+                peer_fail(p, -EACCES, "authentication failed: %s answered with a wrong proof "
+                          "of the cluster key: keys differ, or it is not a refit daemon of "
+                          "this cluster (check cluster_key_file and coordinator_addr)",
+                          p->remote);
+                break;
+            }
+        } else {
+            peer_hmac(&s->key, lbl_connector, sizeof(lbl_connector), t, mac);
+            if (crypto_verify_32(env->auth->mac.data, mac) != 0) {
+                peer_fail(p, -EACCES, "%s", auth_failed);
+                break;
+            }
+            /* Only now, to a peer that showed the key, does the acceptor prove it too. */
+            peer_hmac(&s->key, lbl_acceptor, sizeof(lbl_acceptor), t, mac);
+            peer_send_auth(p, mac);
+        }
+        peer_come_up(p, t);
+        break;
     case REFIT__ENVELOPE__BODY_ERROR:
         peer_set_reason(p, "rejected by peer %s: %s", p->remote,
                         env->error->message ? env->error->message : "");
@@ -498,17 +631,48 @@ static int peer_handshake(rf_peer *p, Refit__Envelope *env)
                   body_name(env->body_case));
         return 0;
     }
+    sodium_memzero(t, sizeof(t));
+    sodium_memzero(mac, sizeof(mac));
+    return 0;
+}
+
+/* After the handshake: checks the frame's MAC (before decoding anything) and leaves the
+ * length of the frame without it in *len. 0, or the code peer_fail was given. */
+static int peer_check_mac(rf_peer *p, const uint8_t *body, uint32_t *len)
+{
+    uint8_t tag[RF_PEER_MAC_BYTES];
+    uint32_t blen;
+
+    if (*len < PEER_MAC_TRAILER || body[*len - PEER_MAC_TRAILER] != PEER_MAC_FIELD ||
+        body[*len - PEER_MAC_TRAILER + 1] != RF_PEER_MAC_BYTES) {
+        peer_fail(p, -EBADMSG, "frame %" PRIu64 " from %s carries no MAC, which every frame "
+                  "after the handshake must end with (injected on the way?); closing the "
+                  "connection", p->rx_seq + 1, p->remote);
+        return -EBADMSG;
+    }
+    blen = *len - PEER_MAC_TRAILER;
+    crypto_generichash(tag, sizeof(tag), body, blen, p->rx_key, sizeof(p->rx_key));
+    if (crypto_verify_32(tag, body + blen + 2) != 0) {
+        peer_fail(p, -EBADMSG, "frame %" PRIu64 " from %s failed its MAC check: altered on "
+                  "the way, or not sent by the authenticated peer; closing the connection",
+                  p->rx_seq + 1, p->remote);
+        return -EBADMSG;
+    }
+    *len = blen;
+    return 0;
 }
 
 static int peer_frame(void *ctx, const uint8_t *body, uint32_t len)
 {
     rf_peer *p = ctx;
     Refit__Envelope *env;
-    int kept = 0;
+    int kept = 0, rc;
 
     if (p->closing)
         return -ECANCELED;
     p->last_rx = uv_now(p->set->loop);
+    if (p->up && (rc = peer_check_mac(p, body, &len)) < 0)
+        return rc;
     env = refit__envelope__unpack(NULL, len, body);
     if (env == NULL) {
         peer_fail(p, -EBADMSG, "malformed frame: %" PRIu32 " bytes that do not decode as a "
@@ -516,8 +680,18 @@ static int peer_frame(void *ctx, const uint8_t *body, uint32_t len)
         return -EBADMSG;
     }
     if (!p->up) {
-        kept = peer_handshake(p, env);
+        kept = peer_handshake(p, env, body, len);
+    } else if (env->seq != p->rx_seq + 1) {
+        if (env->seq <= p->rx_seq)
+            peer_fail(p, -EPROTO, "replayed frame from %s: sequence %" PRIu64 " came before "
+                      "(expected %" PRIu64 "); closing the connection", p->remote, env->seq,
+                      p->rx_seq + 1);
+        else
+            peer_fail(p, -EPROTO, "frame from %s has sequence %" PRIu64 ", expected %" PRIu64
+                      ": frames were dropped or reordered on the way; closing the connection",
+                      p->remote, env->seq, p->rx_seq + 1);
     } else {
+        p->rx_seq = env->seq;
         switch (env->body_case) {
         case REFIT__ENVELOPE__BODY_HEARTBEAT:
             break;
@@ -555,9 +729,15 @@ static void peer_read_error(void *ctx, int err)
 
     if (p->closing)
         return;
+    if (err == -EMSGSIZE && !p->up) {
+        peer_fail(p, -EMSGSIZE, "frame of %" PRIu32 " bytes exceeds the maximum of %" PRIu32
+                  " bytes before authentication (Hello, Challenge and Auth are small)",
+                  p->ws.reader.body_len, p->ws.reader.max);
+        return;
+    }
     if (err == -EMSGSIZE) {
         peer_fail(p, -EMSGSIZE, "frame of %" PRIu32 " bytes exceeds the maximum of %" PRIu32
-                  " bytes", p->ws.reader.body_len, p->set->max_frame);
+                  " bytes", p->ws.reader.body_len, p->ws.reader.max);
         return;
     }
     if (err == UV_EOF && p->peer_error[0])
@@ -577,10 +757,22 @@ static void peer_tick(uv_timer_t *t)
 {
     rf_peer *p = container_of(t, rf_peer, timer);
     const struct peer_settings *s = p->set;
-    uint64_t idle = uv_now(s->loop) - p->last_rx;
+    uint64_t now = uv_now(s->loop), idle = now - p->last_rx;
 
     if (p->closing) {
         /* The linger ran out: the other end did not take our last frames. */
+        peer_close_now(p);
+        return;
+    }
+    /* The handshake has one deadline from the moment TCP came up, however the peer paces its
+     * frames or drips a frame's bytes. */
+    if (p->established && !p->up) {
+        if (now - p->t_start < s->timeout_ms) {
+            uv_timer_start(&p->timer, peer_tick, s->timeout_ms - (now - p->t_start), 0);
+            return;
+        }
+        peer_set_reason(p, "handshake with %s not completed within %" PRIu64 " ms", p->remote,
+                        s->timeout_ms);
         peer_close_now(p);
         return;
     }
@@ -598,9 +790,6 @@ static void peer_tick(uv_timer_t *t)
     }
     if (!p->established)
         peer_set_reason(p, "connect to %s timed out after %" PRIu64 " ms", p->remote, idle);
-    else if (!p->up)
-        peer_set_reason(p, "handshake with %s not completed within %" PRIu64 " ms", p->remote,
-                        s->timeout_ms);
     else
         peer_set_reason(p, "heartbeat timeout: no frame from %s for %" PRIu64 " ms (limit %"
                         PRIu64 " ms); peer presumed dead", p->remote, idle, s->timeout_ms);
@@ -642,21 +831,26 @@ static void peer_describe_remote(rf_peer *p)
     }
 }
 
-/* The TCP connection exists: send Hello and our Challenge, start reading and the timer. */
+/* The TCP connection exists: send Hello and our Challenge, start reading (small frames until
+ * the handshake is done) and the handshake deadline. */
 static void peer_start(rf_peer *p)
 {
     const struct peer_settings *s = p->set;
     Refit__Envelope env = REFIT__ENVELOPE__INIT;
     Refit__Hello hello = REFIT__HELLO__INIT;
     Refit__Challenge ch = REFIT__CHALLENGE__INIT;
+    uint8_t *buf;
+    size_t len;
     int rc;
 
     p->established = 1;
-    p->last_rx = uv_now(s->loop);
+    p->t_start = p->last_rx = uv_now(s->loop);
     peer_describe_remote(p);
     uv_tcp_nodelay(&p->tcp, 1);
-    rc = rf_wire_read_start(&p->ws, (uv_stream_t *)&p->tcp, s->max_frame, peer_frame,
-                            peer_read_error, p);
+    rc = rf_wire_read_start(&p->ws, (uv_stream_t *)&p->tcp,
+                            s->max_frame < RF_PEER_PREAUTH_FRAME_MAX ? s->max_frame
+                                                                     : RF_PEER_PREAUTH_FRAME_MAX,
+                            peer_frame, peer_read_error, p);
     if (rc < 0) {
         peer_set_reason(p, "cannot read from %s: %s", p->remote, uv_strerror(rc));
         peer_close_now(p);
@@ -671,7 +865,12 @@ static void peer_start(rf_peer *p)
     hello.index = s->index;
     env.body_case = REFIT__ENVELOPE__BODY_HELLO;
     env.hello = &hello;
-    rc = peer_write(p, &env);
+    /* Packed here so that the proofs bind exactly the bytes the peer receives. */
+    rc = rf_wire_pack(&env.base, &buf, &len);
+    if (rc == 0) {
+        crypto_generichash(p->my_hello, sizeof(p->my_hello), buf + 4, len - 4, NULL, 0);
+        rc = rf_wire_write_buf((uv_stream_t *)&p->tcp, buf, len, peer_write_done, p);
+    }
     if (rc == 0) {
         ch.nonce.data = p->nonce;
         ch.nonce.len = sizeof(p->nonce);
@@ -684,7 +883,7 @@ static void peer_start(rf_peer *p)
         peer_close_now(p);
         return;
     }
-    uv_timer_start(&p->timer, peer_tick, s->heartbeat_ms, s->heartbeat_ms);
+    uv_timer_start(&p->timer, peer_tick, s->timeout_ms, 0);
 }
 
 int rf_peer_send(rf_peer *p, const Refit__Envelope *env)
@@ -758,6 +957,35 @@ static void listener_peer_gone(rf_peer_listener *l, rf_peer *p)
     listener_maybe_free(l);
 }
 
+/* One connection over the limit of handshakes in progress: closed as it is accepted, before
+ * anything is allocated for it but the peer itself. Each connection still in its handshake
+ * holds at most a small frame, and goes at the handshake deadline. The Error is best effort
+ * (one non-blocking write); the owner hears the reason through on_down. */
+static void listener_refuse(rf_peer_listener *l, rf_peer *p)
+{
+    Refit__Envelope env = REFIT__ENVELOPE__INIT;
+    Refit__Error e = REFIT__ERROR__INIT;
+    uint8_t *buf;
+    size_t len;
+    uv_buf_t b;
+
+    p->established = 1;
+    peer_describe_remote(p);
+    peer_set_reason(p, "refused at once: %" PRIu32 " connections to this listener are already "
+                    "in their handshake (limit %" PRIu32 "); a flood of connections that do not "
+                    "authenticate?", l->pending, l->set.max_pending);
+    e.code = -EBUSY;
+    e.message = p->reason;
+    env.body_case = REFIT__ENVELOPE__BODY_ERROR;
+    env.error = &e;
+    if (rf_wire_pack(&env.base, &buf, &len) == 0) {
+        b = uv_buf_init((char *)buf, (unsigned int)len);
+        uv_try_write((uv_stream_t *)&p->tcp, &b, 1);
+        free(buf);
+    }
+    peer_close_now(p);
+}
+
 static void listener_accept(uv_stream_t *server, int status)
 {
     rf_peer_listener *l = container_of((uv_tcp_t *)server, rf_peer_listener, tcp);
@@ -779,6 +1007,12 @@ static void listener_accept(uv_stream_t *server, int status)
         peer_close_now(p);
         return;
     }
+    if (l->pending >= l->set.max_pending) {
+        listener_refuse(l, p);
+        return;
+    }
+    l->pending++;
+    p->pending = 1;
     peer_start(p);
 }
 

@@ -1,7 +1,8 @@
 /* common/peer.h - authenticated daemon-to-daemon control connections over libuv TCP: a
  * listener, an outgoing connector that reconnects with backoff, the Hello / HMAC challenge
- * handshake, heartbeats and dead-peer detection. After the handshake every Envelope goes to the
- * owner's callback. */
+ * handshake (the connector proves the cluster key first), a MAC and sequence number on every
+ * frame after it, heartbeats and dead-peer detection. After the handshake every Envelope goes
+ * to the owner's callback. */
 #ifndef RF_PEER_H
 #define RF_PEER_H
 
@@ -13,8 +14,18 @@
 #include "err.h"
 #include "refit.pb-c.h"
 
-#define RF_PEER_PROTOCOL_VERSION 2 /* 2: both nonces bound into the auth proof */
+/* 2: both nonces bound into the proof. 3: the connector proves first and the acceptor answers
+ * only a valid proof; proofs bind both Hellos and both nonces and are labelled by direction;
+ * every frame after the handshake carries a sequence number and a MAC. */
+#define RF_PEER_PROTOCOL_VERSION 3
 #define RF_PEER_NONCE_BYTES 32
+#define RF_PEER_MAC_BYTES 32
+/* Until a connection is authenticated its frames may be at most this long (Hello, Challenge,
+ * Auth and Error are small), so a stranger cannot make the daemon allocate max_frame. */
+#define RF_PEER_PREAUTH_FRAME_MAX 4096
+/* Longest node name and data address a Hello may carry, so that it fits the limit above. */
+#define RF_PEER_HELLO_STR_MAX 1024
+#define RF_PEER_MAX_PENDING_DEFAULT 64
 #define RF_PEER_KEY_MIN 32
 #define RF_PEER_KEY_MAX 1024
 #define RF_PEER_HEARTBEAT_MS_DEFAULT 1000
@@ -59,7 +70,11 @@ typedef struct rf_peer_config {
     uint32_t protocol_version;   /* 0: RF_PEER_PROTOCOL_VERSION */
     uint32_t max_frame;          /* 0: RF_WIRE_MAX_DEFAULT */
     uint64_t heartbeat_ms;       /* 0: RF_PEER_HEARTBEAT_MS_DEFAULT */
-    uint64_t timeout_ms;         /* 0: RF_PEER_TIMEOUT_MS_DEFAULT; also bounds handshake and connect */
+    uint64_t timeout_ms;         /* 0: RF_PEER_TIMEOUT_MS_DEFAULT; also bounds the connect, and
+                                  * the whole handshake from the moment TCP is up */
+    uint32_t max_pending;        /* listeners, 0: RF_PEER_MAX_PENDING_DEFAULT. At most this many
+                                  * accepted connections may be in their handshake at once; one
+                                  * more is closed as it is accepted (on_down says why) */
     uint64_t backoff_min_ms;     /* 0: RF_PEER_BACKOFF_MIN_MS_DEFAULT (connectors) */
     uint64_t backoff_max_ms;     /* 0: RF_PEER_BACKOFF_MAX_MS_DEFAULT (connectors) */
     rf_peer_callbacks cb;
@@ -74,7 +89,8 @@ int rf_peer_load_key(const char *path, rf_peer_key *key, rf_err *err);
 
 /* Listens on addr ("host:port", "[v6]:port", "*:port" or ":port" for all interfaces; port 0
  * picks one, see rf_peer_listener_port). Accepted connections run the handshake and then the
- * callbacks in cfg. */
+ * callbacks in cfg. -EINVAL also for a node name or data address longer than
+ * RF_PEER_HELLO_STR_MAX (same for rf_peer_connect). */
 int rf_peer_listen(uv_loop_t *loop, const char *addr, const rf_peer_config *cfg,
                    rf_peer_listener **out, rf_err *err);
 int rf_peer_listener_port(const rf_peer_listener *l);

@@ -20,6 +20,11 @@ void rf_wire_reader_reset(rf_wire_reader *r)
     r->body_have = 0;
 }
 
+void rf_wire_reader_set_max(rf_wire_reader *r, uint32_t max_frame)
+{
+    r->max = max_frame ? max_frame : RF_WIRE_MAX_DEFAULT;
+}
+
 int rf_wire_reader_feed(rf_wire_reader *r, const uint8_t *data, size_t len,
                         int (*on_frame)(void *ctx, const uint8_t *body, uint32_t len), void *ctx)
 {
@@ -89,26 +94,32 @@ int rf_wire_reader_feed(rf_wire_reader *r, const uint8_t *data, size_t len,
     return 0;
 }
 
-int rf_wire_pack(const ProtobufCMessage *msg, uint8_t **out, size_t *out_len)
+int rf_wire_pack_tail(const ProtobufCMessage *msg, size_t tail, uint8_t **out, size_t *out_len)
 {
     size_t size = protobuf_c_message_get_packed_size(msg);
+    size_t flen = size + tail;
     uint8_t *buf;
 
     *out = NULL;
     *out_len = 0;
-    if (size > UINT32_MAX)
+    if (size > UINT32_MAX || tail > UINT32_MAX - size)
         return -EMSGSIZE;
-    buf = malloc(4 + size);
+    buf = malloc(4 + flen);
     if (buf == NULL)
         return -ENOMEM;
-    buf[0] = (uint8_t)(size >> 24);
-    buf[1] = (uint8_t)(size >> 16);
-    buf[2] = (uint8_t)(size >> 8);
-    buf[3] = (uint8_t)size;
+    buf[0] = (uint8_t)(flen >> 24);
+    buf[1] = (uint8_t)(flen >> 16);
+    buf[2] = (uint8_t)(flen >> 8);
+    buf[3] = (uint8_t)flen;
     protobuf_c_message_pack(msg, buf + 4);
     *out = buf;
-    *out_len = 4 + size;
+    *out_len = 4 + flen;
     return 0;
+}
+
+int rf_wire_pack(const ProtobufCMessage *msg, uint8_t **out, size_t *out_len)
+{
+    return rf_wire_pack_tail(msg, 0, out, out_len);
 }
 
 /* One write in flight: the request and the buffer it owns, freed in write_done. */

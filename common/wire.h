@@ -24,6 +24,10 @@ typedef struct rf_wire_reader {
 void rf_wire_reader_init(rf_wire_reader *r, uint32_t max_frame);
 /* Frees a partial body and starts again at a frame boundary (body_len is left as it was). */
 void rf_wire_reader_reset(rf_wire_reader *r);
+/* Changes the maximum for the headers still to come (0 means RF_WIRE_MAX_DEFAULT), so that a
+ * connection can take small frames until it is authenticated and large ones after. Safe to
+ * call from on_frame: the next frame of the same feed is checked against the new maximum. */
+void rf_wire_reader_set_max(rf_wire_reader *r, uint32_t max_frame);
 
 /* Feeds bytes; for every complete frame calls on_frame(ctx, body, len) (body owned by the
  * reader, valid during the call; never NULL, even for len 0). The length is checked against
@@ -37,6 +41,10 @@ int rf_wire_reader_feed(rf_wire_reader *r, const uint8_t *data, size_t len,
 /* Packs a protobuf-c message behind its 4-byte big-endian length into one malloc'd buffer
  * (the caller owns *out). -EMSGSIZE when it would not fit a 32-bit length, -ENOMEM. */
 int rf_wire_pack(const ProtobufCMessage *msg, uint8_t **out, size_t *out_len);
+/* The same with tail more bytes inside the frame, after the message: the length prefix
+ * counts them and the caller fills (*out)[*out_len - tail ..] before writing, e.g. with a MAC
+ * over the message encoded as a protobuf field of its own. */
+int rf_wire_pack_tail(const ProtobufCMessage *msg, size_t tail, uint8_t **out, size_t *out_len);
 
 /* Called when a frame written by rf_wire_write* has gone out (status 0) or failed (a libuv
  * code; UV_ECANCELED when the stream was closed first, before its close callback runs). */

@@ -1,11 +1,14 @@
 /* tests/unit/test_peer.c - authenticated control connections over real TCP on 127.0.0.1: the
- * handshake both ways, wrong keys, version mismatch, hostile raw clients, heartbeats and
- * timeouts, reconnect with backoff, key files, and a loop that closes cleanly every time. */
+ * handshake both ways, wrong keys, version mismatch, hostile raw clients and acceptors (the
+ * reflection attack, replayed proofs, tampered, replayed and reordered frames), the limits
+ * before authentication, heartbeats and timeouts, reconnect with backoff, key files, and a
+ * loop that closes cleanly every time. */
 #include <criterion/criterion.h>
 
 #include <arpa/inet.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <inttypes.h>
 #include <netinet/in.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -331,15 +334,79 @@ Test(peer, protocol_version_mismatch_names_both_versions)
     finish();
 }
 
-/* ---- a raw client: a plain blocking socket driven by hand ---- */
+/* ---- a raw client or acceptor: a plain blocking socket driven by hand, speaking protocol 3
+ * as proto/refit.proto describes it, written independently of peer.c ---- */
+
+#define RAW_MAX 512
 
 struct raw {
     int fd;
     rf_wire_reader r;
-    Refit__Envelope *env[256];
+    Refit__Envelope *env[RAW_MAX];
+    uint8_t *body[RAW_MAX];     /* every frame's bytes as they arrived */
+    uint32_t blen[RAW_MAX];
     int n;
     int eof;
+    /* Frames from index mac_from on (when > 0) must carry a valid MAC and the next seq. */
+    int mac_from;
+    uint8_t tx[32], rx[32];
+    uint64_t tx_seq, rx_seq;
+    uint8_t hs[1024];           /* the handshake frames this side sent, byte for byte */
+    size_t hs_len;
 };
+
+static const char L_CONNECTOR[] = "refit-ctl-v3/connector-proof";
+static const char L_ACCEPTOR[] = "refit-ctl-v3/acceptor-proof";
+static const char L_C2A[] = "refit-ctl-v3/frames-c2a";
+static const char L_A2C[] = "refit-ctl-v3/frames-a2c";
+
+/* HMAC-SHA256(key, label || 0 || T), T = H(hello_c) || nonce_c || H(hello_a) || nonce_a. */
+static void spec_hmac(const rf_peer_key *k, const char *label, const uint8_t t[128],
+                      uint8_t out[32])
+{
+    crypto_auth_hmacsha256_state st;
+
+    crypto_auth_hmacsha256_init(&st, k->bytes, k->len);
+    crypto_auth_hmacsha256_update(&st, (const uint8_t *)label, strlen(label) + 1);
+    crypto_auth_hmacsha256_update(&st, t, 128);
+    crypto_auth_hmacsha256_final(&st, out);
+}
+
+static void spec_t(uint8_t t[128], const uint8_t *hello_c, size_t hello_c_len,
+                   const uint8_t nonce_c[32], const uint8_t *hello_a, size_t hello_a_len,
+                   const uint8_t nonce_a[32])
+{
+    crypto_generichash(t, 32, hello_c, hello_c_len, NULL, 0);
+    memcpy(t + 32, nonce_c, 32);
+    crypto_generichash(t + 64, 32, hello_a, hello_a_len, NULL, 0);
+    memcpy(t + 96, nonce_a, 32);
+}
+
+/* A frame as a keyed sender builds it: seq set, then field 15 with BLAKE2b-256 keyed over the
+ * bytes before it. Returns the malloc'd frame, length prefix included. */
+static uint8_t *spec_keyed_frame(const Refit__Envelope *env, uint64_t seq, const uint8_t key[32],
+                                 size_t *len)
+{
+    Refit__Envelope e = *env;
+    size_t n;
+    uint8_t *out;
+    uint32_t be;
+
+    e.seq = seq;
+    e.mac.data = NULL;
+    e.mac.len = 0;
+    n = refit__envelope__get_packed_size(&e);
+    out = malloc(4 + n + 34);
+    cr_assert_not_null(out);
+    cr_assert_eq(refit__envelope__pack(&e, out + 4), n);
+    out[4 + n] = 0x7a;
+    out[5 + n] = 32;
+    crypto_generichash(out + 6 + n, 32, out + 4, n, key, 32);
+    be = htonl((uint32_t)(n + 34));
+    memcpy(out, &be, 4);
+    *len = 4 + n + 34;
+    return out;
+}
 
 static int raw_frame(void *ctx, const uint8_t *body, uint32_t len)
 {
@@ -347,21 +414,41 @@ static int raw_frame(void *ctx, const uint8_t *body, uint32_t len)
     Refit__Envelope *e = refit__envelope__unpack(NULL, len, body);
 
     cr_assert_not_null(e, "the daemon sent an undecodable frame");
-    if (w->n < 256)
-        w->env[w->n++] = e;
-    else
-        refit__envelope__free_unpacked(e, NULL);
+    cr_assert_lt(w->n, RAW_MAX);
+    if (w->mac_from > 0 && w->n >= w->mac_from) {
+        uint8_t tag[32];
+
+        cr_assert_geq(len, 34, "the daemon's frame %d has no MAC", w->n);
+        cr_assert(body[len - 34] == 0x7a && body[len - 33] == 32,
+                  "the daemon's frame %d does not end with its MAC field", w->n);
+        crypto_generichash(tag, 32, body, len - 34, w->rx, 32);
+        cr_assert_eq(memcmp(tag, body + len - 32, 32), 0, "the daemon's frame %d: wrong MAC",
+                     w->n);
+        cr_assert_eq(e->seq, w->rx_seq + 1, "the daemon's frame %d: seq %" PRIu64 ", expected %"
+                     PRIu64, w->n, e->seq, w->rx_seq + 1);
+        w->rx_seq = e->seq;
+    }
+    w->body[w->n] = malloc(len ? len : 1);
+    memcpy(w->body[w->n], body, len);
+    w->blen[w->n] = len;
+    w->env[w->n++] = e;
     return 0;
+}
+
+static void raw_init(struct raw *w, int fd)
+{
+    memset(w, 0, sizeof(*w));
+    rf_wire_reader_init(&w->r, 0);
+    w->fd = fd;
 }
 
 static void raw_open(struct raw *w, int port)
 {
     struct sockaddr_in a;
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
 
-    memset(w, 0, sizeof(*w));
-    rf_wire_reader_init(&w->r, 0);
-    w->fd = socket(AF_INET, SOCK_STREAM, 0);
-    cr_assert_geq(w->fd, 0);
+    cr_assert_geq(fd, 0);
+    raw_init(w, fd);
     memset(&a, 0, sizeof(a));
     a.sin_family = AF_INET;
     a.sin_port = htons((uint16_t)port);
@@ -371,8 +458,10 @@ static void raw_open(struct raw *w, int port)
 
 static void raw_close(struct raw *w)
 {
-    for (int i = 0; i < w->n; i++)
+    for (int i = 0; i < w->n; i++) {
         refit__envelope__free_unpacked(w->env[i], NULL);
+        free(w->body[i]);
+    }
     rf_wire_reader_reset(&w->r);
     close(w->fd);
 }
@@ -382,14 +471,41 @@ static void raw_write(struct raw *w, const void *b, size_t n)
     cr_assert_eq(write(w->fd, b, n), (ssize_t)n);
 }
 
-static void raw_send(struct raw *w, const Refit__Envelope *env)
+/* Sends env without a MAC; during the handshake the bytes are kept in w->hs. Returns where
+ * the frame's body starts in w->hs (or -1). */
+static long raw_send(struct raw *w, const Refit__Envelope *env)
 {
     uint8_t *buf;
     size_t len;
+    long at = -1;
 
     cr_assert_eq(rf_wire_pack(&env->base, &buf, &len), 0);
+    if (w->hs_len + len <= sizeof(w->hs)) {
+        memcpy(w->hs + w->hs_len, buf, len);
+        at = (long)w->hs_len + 4;
+        w->hs_len += len;
+    }
     raw_write(w, buf, len);
     free(buf);
+    return at;
+}
+
+/* The length of the frame whose body starts at w->hs + at. */
+static size_t hs_body_len(const struct raw *w, long at)
+{
+    uint32_t be;
+
+    memcpy(&be, w->hs + at - 4, 4);
+    return ntohl(be);
+}
+
+static void raw_send_keyed(struct raw *w, const Refit__Envelope *env)
+{
+    size_t len;
+    uint8_t *f = spec_keyed_frame(env, ++w->tx_seq, w->tx, &len);
+
+    raw_write(w, f, len);
+    free(f);
 }
 
 /* Drives the loop and reads what the daemon sent until n frames (or EOF when n < 0). */
@@ -412,65 +528,7 @@ static int raw_pump(struct raw *w, int n, int ms)
     return 0;
 }
 
-static void mac(const rf_peer_key *k, const uint8_t *challenger, const uint8_t *prover,
-                Refit__Role role, uint8_t *out)
-{
-    crypto_auth_hmacsha256_state st;
-    uint8_t r = (uint8_t)role;
-
-    crypto_auth_hmacsha256_init(&st, k->bytes, k->len);
-    crypto_auth_hmacsha256_update(&st, (const uint8_t *)"refit-auth-v1", 13);
-    crypto_auth_hmacsha256_update(&st, challenger, 32);
-    crypto_auth_hmacsha256_update(&st, prover, 32);
-    crypto_auth_hmacsha256_update(&st, &r, 1);
-    crypto_auth_hmacsha256_final(&st, out);
-}
-
-/* The handshake written out from the protocol description, independently of peer.c; checks
- * the daemon's own Auth too. */
-static void raw_handshake(struct raw *w, const rf_peer_key *k, Refit__Role daemon_role)
-{
-    Refit__Envelope env = REFIT__ENVELOPE__INIT;
-    Refit__Hello h = REFIT__HELLO__INIT;
-    Refit__Challenge ch = REFIT__CHALLENGE__INIT;
-    Refit__Auth au = REFIT__AUTH__INIT;
-    uint8_t nonce[32], m[32];
-
-    cr_assert(raw_pump(w, 2, 3000));
-    cr_assert_eq(w->env[0]->body_case, REFIT__ENVELOPE__BODY_HELLO);
-    cr_assert_eq(w->env[0]->hello->protocol_version, RF_PEER_PROTOCOL_VERSION);
-    cr_assert_eq(w->env[0]->hello->role, daemon_role);
-    cr_assert_eq(w->env[1]->body_case, REFIT__ENVELOPE__BODY_CHALLENGE);
-    cr_assert_eq(w->env[1]->challenge->nonce.len, 32);
-
-    h.protocol_version = RF_PEER_PROTOCOL_VERSION;
-    h.role = REFIT__ROLE__ROLE_RECEIVER;
-    h.node = "raw";
-    env.body_case = REFIT__ENVELOPE__BODY_HELLO;
-    env.hello = &h;
-    raw_send(w, &env);
-    randombytes_buf(nonce, sizeof(nonce));
-    ch.nonce.data = nonce;
-    ch.nonce.len = 32;
-    env.body_case = REFIT__ENVELOPE__BODY_CHALLENGE;
-    env.challenge = &ch;
-    raw_send(w, &env);
-    mac(k, w->env[1]->challenge->nonce.data, nonce, REFIT__ROLE__ROLE_RECEIVER, m);
-    au.mac.data = m;
-    au.mac.len = 32;
-    env.body_case = REFIT__ENVELOPE__BODY_AUTH;
-    env.auth = &au;
-    raw_send(w, &env);
-
-    cr_assert(raw_pump(w, 3, 3000));
-    cr_assert_eq(w->env[2]->body_case, REFIT__ENVELOPE__BODY_AUTH);
-    mac(k, nonce, w->env[1]->challenge->nonce.data, daemon_role, m);
-    cr_assert_eq(w->env[2]->auth->mac.len, 32);
-    cr_assert_eq(memcmp(w->env[2]->auth->mac.data, m, 32), 0, "daemon's Auth is not "
-                 "HMAC-SHA256(key, tag || our nonce || its nonce || its role)");
-}
-
-/* The last Error the raw client received, or NULL. */
+/* The last Error received, or NULL. */
 static const char *raw_error(struct raw *w)
 {
     for (int i = w->n - 1; i >= 0; i--)
@@ -479,39 +537,168 @@ static const char *raw_error(struct raw *w)
     return NULL;
 }
 
-enum bad_kind { BAD_OVERSIZED, BAD_GARBAGE, BAD_NO_BODY, BAD_START_FIRST, BAD_HTTP,
-                BAD_START_AFTER_HELLO, BAD_AUTH_FIRST, BAD_SHORT_NONCE, BAD_WRONG_MAC,
-                BAD_HELLO_AFTER_AUTH, BAD_NO_ROLE };
+static int raw_count(struct raw *w, Refit__Envelope__BodyCase bc)
+{
+    int k = 0;
+
+    for (int i = 0; i < w->n; i++)
+        k += w->env[i]->body_case == bc;
+    return k;
+}
+
+static long raw_hello(struct raw *w, Refit__Role role, const char *node)
+{
+    Refit__Envelope env = REFIT__ENVELOPE__INIT;
+    Refit__Hello h = REFIT__HELLO__INIT;
+
+    h.protocol_version = RF_PEER_PROTOCOL_VERSION;
+    h.role = role;
+    h.node = (char *)node;
+    h.daemon_id = 77;
+    env.body_case = REFIT__ENVELOPE__BODY_HELLO;
+    env.hello = &h;
+    return raw_send(w, &env);
+}
+
+static void raw_challenge(struct raw *w, const uint8_t *nonce, size_t len)
+{
+    Refit__Envelope env = REFIT__ENVELOPE__INIT;
+    Refit__Challenge ch = REFIT__CHALLENGE__INIT;
+
+    ch.nonce.data = (uint8_t *)nonce;
+    ch.nonce.len = len;
+    env.body_case = REFIT__ENVELOPE__BODY_CHALLENGE;
+    env.challenge = &ch;
+    raw_send(w, &env);
+}
+
+static void raw_auth(struct raw *w, const uint8_t *mac, size_t len)
+{
+    Refit__Envelope env = REFIT__ENVELOPE__INIT;
+    Refit__Auth au = REFIT__AUTH__INIT;
+
+    au.mac.data = (uint8_t *)mac;
+    au.mac.len = len;
+    env.body_case = REFIT__ENVELOPE__BODY_AUTH;
+    env.auth = &au;
+    raw_send(w, &env);
+}
+
+/* The connector's side of the handshake against a daemon's listener, with key k and the
+ * given proof label (L_CONNECTOR for an honest one). Leaves T in t. Returns after sending
+ * Auth; the daemon's answer is not read yet. */
+static void raw_prove(struct raw *w, const rf_peer_key *k, const char *label, uint8_t t[128])
+{
+    uint8_t nonce[32], m[32];
+    long hello_at;
+
+    cr_assert(raw_pump(w, 2, 3000));
+    cr_assert_eq(w->env[0]->body_case, REFIT__ENVELOPE__BODY_HELLO);
+    cr_assert_eq(w->env[0]->hello->protocol_version, RF_PEER_PROTOCOL_VERSION);
+    cr_assert_eq(w->env[1]->body_case, REFIT__ENVELOPE__BODY_CHALLENGE);
+    cr_assert_eq(w->env[1]->challenge->nonce.len, 32);
+    hello_at = raw_hello(w, REFIT__ROLE__ROLE_RECEIVER, "raw");
+    cr_assert_geq(hello_at, 0);
+    randombytes_buf(nonce, sizeof(nonce));
+    raw_challenge(w, nonce, 32);
+    spec_t(t, w->hs + hello_at, hs_body_len(w, hello_at), nonce, w->body[0], w->blen[0],
+           w->env[1]->challenge->nonce.data);
+    spec_hmac(k, label, t, m);
+    raw_auth(w, m, 32);
+}
+
+/* A complete, honest handshake as a connector; checks the daemon's own proof and from then
+ * on every frame's MAC and sequence. */
+static void raw_handshake(struct raw *w, const rf_peer_key *k, Refit__Role daemon_role)
+{
+    uint8_t t[128], m[32];
+
+    raw_prove(w, k, L_CONNECTOR, t);
+    cr_assert_eq(w->env[0]->hello->role, daemon_role);
+    spec_hmac(k, L_C2A, t, w->tx);
+    spec_hmac(k, L_A2C, t, w->rx);
+    w->mac_from = 3;
+    cr_assert(raw_pump(w, 3, 3000));
+    cr_assert_eq(w->env[2]->body_case, REFIT__ENVELOPE__BODY_AUTH, "%s", raw_error(w));
+    spec_hmac(k, L_ACCEPTOR, t, m);
+    cr_assert_eq(w->env[2]->auth->mac.len, 32);
+    cr_assert_eq(memcmp(w->env[2]->auth->mac.data, m, 32), 0, "daemon's Auth is not "
+                 "HMAC-SHA256(key, 'refit-ctl-v3/acceptor-proof' 0 || T)");
+}
+
+enum bad_kind { BAD_OVERSIZED, BAD_PREAUTH_BIG, BAD_GARBAGE, BAD_NO_BODY, BAD_START_FIRST,
+                BAD_HTTP, BAD_START_AFTER_HELLO, BAD_CHALLENGE_FIRST, BAD_AUTH_FIRST,
+                BAD_HELLO_TWICE, BAD_CHALLENGE_TWICE, BAD_OWN_NONCE, BAD_SHORT_NONCE,
+                BAD_MAC_LEN, BAD_WRONG_MAC, BAD_WRONG_KEY, BAD_ACCEPTOR_LABEL, BAD_NO_ROLE,
+                BAD_HELLO_AFTER_AUTH, BAD_NO_MAC, BAD_TAMPERED, BAD_REPLAYED, BAD_SEQ_SKIP,
+                BAD_REFLECTED_FRAME, BAD_OTHER_CONNECTION };
 
 static const struct {
     enum bad_kind kind;
     const char *expect;
+    int authed;                 /* the raw client completes the handshake first */
 } bad_cases[] = {
-    {BAD_OVERSIZED, "frame of 1048576 bytes exceeds the maximum of 65536 bytes"},
-    {BAD_GARBAGE, "malformed frame: 5 bytes"},
-    {BAD_NO_BODY, "frame without a message body"},
-    {BAD_START_FIRST, "start received before authentication completed"},
-    {BAD_HTTP, "exceeds the maximum"},
-    {BAD_START_AFTER_HELLO, "start received before authentication completed"},
-    {BAD_AUTH_FIRST, "Auth before Challenge"},
-    {BAD_SHORT_NONCE, "Challenge nonce of 8 bytes, expected 32"},
-    {BAD_WRONG_MAC, "authentication failed: cluster keys differ"},
-    {BAD_HELLO_AFTER_AUTH, "hello after authentication completed"},
-    {BAD_NO_ROLE, "has no valid role"},
+    {BAD_OVERSIZED, "frame of 1048576 bytes exceeds the maximum of 4096 bytes before "
+                    "authentication", 0},
+    /* Under max_frame (65536 here) but over the limit before authentication. */
+    {BAD_PREAUTH_BIG, "frame of 5000 bytes exceeds the maximum of 4096 bytes before "
+                      "authentication", 0},
+    {BAD_GARBAGE, "malformed frame: 5 bytes", 0},
+    {BAD_NO_BODY, "frame without a message body", 0},
+    {BAD_START_FIRST, "start received before authentication completed", 0},
+    {BAD_HTTP, "exceeds the maximum", 0},
+    {BAD_START_AFTER_HELLO, "start received before authentication completed", 0},
+    {BAD_CHALLENGE_FIRST, "Challenge before Hello", 0},
+    {BAD_AUTH_FIRST, "Auth before Challenge", 0},
+    {BAD_HELLO_TWICE, "second Hello on one connection", 0},
+    {BAD_CHALLENGE_TWICE, "second Challenge on one connection", 0},
+    {BAD_OWN_NONCE, "Challenge repeats our own nonce", 0},
+    {BAD_SHORT_NONCE, "Challenge nonce of 8 bytes, expected 32", 0},
+    {BAD_MAC_LEN, "Auth of 16 bytes, expected 32", 0},
+    {BAD_WRONG_MAC, "authentication failed: cluster keys differ", 0},
+    {BAD_WRONG_KEY, "authentication failed: cluster keys differ", 0},
+    /* The right key and transcript, but the acceptor's label: a proof for the other
+     * direction is no proof. */
+    {BAD_ACCEPTOR_LABEL, "authentication failed: cluster keys differ", 0},
+    {BAD_NO_ROLE, "has no valid role", 0},
+    {BAD_HELLO_AFTER_AUTH, "hello after authentication completed", 1},
+    {BAD_NO_MAC, "frame 1 from 127.0.0.1:", 1},
+    {BAD_TAMPERED, "frame 2 from 127.0.0.1:", 1},
+    {BAD_REPLAYED, "replayed frame from 127.0.0.1:", 1},
+    {BAD_SEQ_SKIP, "has sequence 5, expected 2: frames were dropped or reordered", 1},
+    {BAD_REFLECTED_FRAME, "failed its MAC check", 1},
+    {BAD_OTHER_CONNECTION, "failed its MAC check", 1},
 };
 
-static void send_bad(struct raw *w, enum bad_kind kind)
+/* A second message each post-handshake case needs: what it says after the frame number. */
+static const char *bad_detail(enum bad_kind kind)
+{
+    switch (kind) {
+    case BAD_NO_MAC:
+        return "carries no MAC";
+    case BAD_TAMPERED:
+        return "failed its MAC check: altered on the way";
+    case BAD_REPLAYED:
+        return "sequence 1 came before (expected 2)";
+    default:
+        return "";
+    }
+}
+
+static void send_bad(struct raw *w, enum bad_kind kind, int port)
 {
     Refit__Envelope env = REFIT__ENVELOPE__INIT;
     Refit__Hello h = REFIT__HELLO__INIT;
     Refit__Start st = REFIT__START__INIT;
-    Refit__Challenge ch = REFIT__CHALLENGE__INIT;
-    Refit__Auth au = REFIT__AUTH__INIT;
-    uint8_t zeros[32] = {0};
+    uint8_t zeros[32] = {0}, nonce[32], t[128];
     static const uint8_t big[4] = {0, 0x10, 0, 0};
+    static const uint8_t big5000[4] = {0, 0, 0x13, 0x88};
     static const uint8_t garbage[9] = {0, 0, 0, 5, 0xff, 0xff, 0xff, 0xff, 0xff};
     static const uint8_t empty[4] = {0, 0, 0, 0};
+    uint8_t *f;
+    size_t len;
 
+    randombytes_buf(nonce, sizeof(nonce));
     h.protocol_version = RF_PEER_PROTOCOL_VERSION;
     h.role = REFIT__ROLE__ROLE_RECEIVER;
     h.node = "raw";
@@ -519,6 +706,9 @@ static void send_bad(struct raw *w, enum bad_kind kind)
     switch (kind) {
     case BAD_OVERSIZED:
         raw_write(w, big, 4);
+        break;
+    case BAD_PREAUTH_BIG:
+        raw_write(w, big5000, 4);
         break;
     case BAD_GARBAGE:
         raw_write(w, garbage, sizeof(garbage));
@@ -530,56 +720,53 @@ static void send_bad(struct raw *w, enum bad_kind kind)
         raw_write(w, "GET / HTTP/1.1\r\n\r\n", 18);
         break;
     case BAD_START_AFTER_HELLO:
-        env.body_case = REFIT__ENVELOPE__BODY_HELLO;
-        env.hello = &h;
-        raw_send(w, &env);
+        raw_hello(w, REFIT__ROLE__ROLE_RECEIVER, "raw");
         /* fall through */
     case BAD_START_FIRST:
         env.body_case = REFIT__ENVELOPE__BODY_START;
         env.start = &st;
         raw_send(w, &env);
         break;
+    case BAD_CHALLENGE_FIRST:
+        raw_challenge(w, nonce, 32);
+        break;
     case BAD_AUTH_FIRST:
-        env.body_case = REFIT__ENVELOPE__BODY_HELLO;
-        env.hello = &h;
-        raw_send(w, &env);
-        au.mac.data = zeros;
-        au.mac.len = 32;
-        env.body_case = REFIT__ENVELOPE__BODY_AUTH;
-        env.auth = &au;
-        raw_send(w, &env);
+        raw_hello(w, REFIT__ROLE__ROLE_RECEIVER, "raw");
+        raw_auth(w, zeros, 32);
+        break;
+    case BAD_HELLO_TWICE:
+        raw_hello(w, REFIT__ROLE__ROLE_RECEIVER, "raw");
+        raw_hello(w, REFIT__ROLE__ROLE_RECEIVER, "raw");
+        break;
+    case BAD_CHALLENGE_TWICE:
+        raw_hello(w, REFIT__ROLE__ROLE_RECEIVER, "raw");
+        raw_challenge(w, nonce, 32);
+        raw_challenge(w, nonce, 32);
+        break;
+    case BAD_OWN_NONCE:
+        cr_assert(raw_pump(w, 2, 3000));
+        raw_hello(w, REFIT__ROLE__ROLE_RECEIVER, "raw");
+        raw_challenge(w, w->env[1]->challenge->nonce.data, 32);
         break;
     case BAD_SHORT_NONCE:
-        env.body_case = REFIT__ENVELOPE__BODY_HELLO;
-        env.hello = &h;
-        raw_send(w, &env);
-        ch.nonce.data = zeros;
-        ch.nonce.len = 8;
-        env.body_case = REFIT__ENVELOPE__BODY_CHALLENGE;
-        env.challenge = &ch;
-        raw_send(w, &env);
+        raw_hello(w, REFIT__ROLE__ROLE_RECEIVER, "raw");
+        raw_challenge(w, zeros, 8);
+        break;
+    case BAD_MAC_LEN:
+        raw_hello(w, REFIT__ROLE__ROLE_RECEIVER, "raw");
+        raw_challenge(w, nonce, 32);
+        raw_auth(w, zeros, 16);
         break;
     case BAD_WRONG_MAC:
-        env.body_case = REFIT__ENVELOPE__BODY_HELLO;
-        env.hello = &h;
-        raw_send(w, &env);
-        zeros[0] = 1;
-        ch.nonce.data = zeros;
-        ch.nonce.len = 32;
-        env.body_case = REFIT__ENVELOPE__BODY_CHALLENGE;
-        env.challenge = &ch;
-        raw_send(w, &env);
-        au.mac.data = zeros;
-        au.mac.len = 32;
-        env.body_case = REFIT__ENVELOPE__BODY_AUTH;
-        env.auth = &au;
-        raw_send(w, &env);
+        raw_hello(w, REFIT__ROLE__ROLE_RECEIVER, "raw");
+        raw_challenge(w, nonce, 32);
+        raw_auth(w, zeros, 32);
         break;
-    case BAD_HELLO_AFTER_AUTH:
-        raw_handshake(w, &key1, REFIT__ROLE__ROLE_COORDINATOR);
-        env.body_case = REFIT__ENVELOPE__BODY_HELLO;
-        env.hello = &h;
-        raw_send(w, &env);
+    case BAD_WRONG_KEY:
+        raw_prove(w, &key2, L_CONNECTOR, t);
+        break;
+    case BAD_ACCEPTOR_LABEL:
+        raw_prove(w, &key1, L_ACCEPTOR, t);
         break;
     case BAD_NO_ROLE:
         h.role = REFIT__ROLE__ROLE_UNKNOWN;
@@ -587,11 +774,81 @@ static void send_bad(struct raw *w, enum bad_kind kind)
         env.hello = &h;
         raw_send(w, &env);
         break;
+    case BAD_HELLO_AFTER_AUTH:
+        raw_handshake(w, &key1, REFIT__ROLE__ROLE_COORDINATOR);
+        env.body_case = REFIT__ENVELOPE__BODY_HELLO;
+        env.hello = &h;
+        raw_send_keyed(w, &env);
+        break;
+    case BAD_NO_MAC:
+        raw_handshake(w, &key1, REFIT__ROLE__ROLE_COORDINATOR);
+        env.body_case = REFIT__ENVELOPE__BODY_START;
+        env.start = &st;
+        raw_send(w, &env);
+        break;
+    case BAD_TAMPERED:
+        /* One good frame, then one whose version was changed after the MAC was computed. */
+        raw_handshake(w, &key1, REFIT__ROLE__ROLE_COORDINATOR);
+        env.body_case = REFIT__ENVELOPE__BODY_START;
+        env.start = &st;
+        raw_send_keyed(w, &env);
+        f = spec_keyed_frame(&env, ++w->tx_seq, w->tx, &len);
+        cr_assert_eq(f[4 + 3], 9, "Start.version is not where the test expects it");
+        f[4 + 3] = 10;
+        raw_write(w, f, len);
+        free(f);
+        break;
+    case BAD_REPLAYED:
+        raw_handshake(w, &key1, REFIT__ROLE__ROLE_COORDINATOR);
+        env.body_case = REFIT__ENVELOPE__BODY_START;
+        env.start = &st;
+        f = spec_keyed_frame(&env, ++w->tx_seq, w->tx, &len);
+        raw_write(w, f, len);
+        raw_write(w, f, len);
+        free(f);
+        break;
+    case BAD_SEQ_SKIP:
+        raw_handshake(w, &key1, REFIT__ROLE__ROLE_COORDINATOR);
+        env.body_case = REFIT__ENVELOPE__BODY_START;
+        env.start = &st;
+        raw_send_keyed(w, &env);
+        f = spec_keyed_frame(&env, 5, w->tx, &len);
+        raw_write(w, f, len);
+        free(f);
+        break;
+    case BAD_REFLECTED_FRAME:
+        /* The daemon's own first authenticated frame (a heartbeat), sent back to it: valid
+         * in its direction, so not in ours. */
+        raw_handshake(w, &key1, REFIT__ROLE__ROLE_COORDINATOR);
+        cr_assert(raw_pump(w, 4, 3000));
+        {
+            uint32_t be = htonl(w->blen[3]);
+
+            raw_write(w, &be, 4);
+            raw_write(w, w->body[3], w->blen[3]);
+        }
+        break;
+    case BAD_OTHER_CONNECTION: {
+        /* A frame made for another authenticated connection of the same listener. */
+        struct raw o;
+
+        raw_open(&o, port);
+        raw_handshake(&o, &key1, REFIT__ROLE__ROLE_COORDINATOR);
+        raw_handshake(w, &key1, REFIT__ROLE__ROLE_COORDINATOR);
+        env.body_case = REFIT__ENVELOPE__BODY_START;
+        env.start = &st;
+        f = spec_keyed_frame(&env, 1, o.tx, &len);
+        raw_write(w, f, len);
+        free(f);
+        raw_close(&o);
+        break;
+    }
     }
 }
 
 /* Every hostile client gets an Error naming its problem and is closed; the listener keeps
- * serving and a good peer still comes up after each. */
+ * serving and a good peer still comes up after each. After the handshake the daemon's
+ * Error carries its MAC like every frame (raw_frame checks it). */
 Test(peer, bad_clients_get_error_and_close_listener_survives)
 {
     struct side L = {0};
@@ -608,22 +865,28 @@ Test(peer, bad_clients_get_error_and_close_listener_survives)
         struct raw w;
         const char *msg;
         int downs = L.down, ups = L.up;
+        int extra = bad_cases[i].kind == BAD_OTHER_CONNECTION;
 
         raw_open(&w, rf_peer_listener_port(l));
-        send_bad(&w, bad_cases[i].kind);
+        send_bad(&w, bad_cases[i].kind, rf_peer_listener_port(l));
         cr_assert(raw_pump(&w, -1, 3000), "case %zu: not closed", i);
         msg = raw_error(&w);
         cr_assert_not_null(msg, "case %zu: no Error envelope", i);
         cr_assert(strstr(msg, bad_cases[i].expect), "case %zu: Error '%s', expected '%s'", i,
                   msg, bad_cases[i].expect);
-        cr_assert(run_until(&L.down, downs + 1, 3000));
-        cr_assert(strstr(L.down_reason, bad_cases[i].expect), "case %zu: reason '%s'", i,
-                  L.down_reason);
+        cr_assert(strstr(msg, bad_detail(bad_cases[i].kind)), "case %zu: Error '%s', "
+                  "expected '%s'", i, msg, bad_detail(bad_cases[i].kind));
+        cr_assert(run_until(&L.down, downs + 1 + extra, 3000));
+        cr_assert_eq(L.up, ups + (bad_cases[i].authed ? 1 + extra : 0), "case %zu", i);
         raw_close(&w);
+        /* The reason of this client's connection (the other one closed without a reason). */
+        cr_assert(strstr(L.down_reason, bad_cases[i].expect) || extra, "case %zu: reason '%s'",
+                  i, L.down_reason);
 
+        ups = L.up;
         c = connect_to(&C, rf_peer_listener_port(l), &cc);
         cr_assert(run_until(&C.up, 1, 3000), "case %zu: good peer did not come up", i);
-        cr_assert(run_until(&L.up, ups + 1 + (bad_cases[i].kind == BAD_HELLO_AFTER_AUTH), 3000));
+        cr_assert(run_until(&L.up, ups + 1, 3000));
         rf_peer_connector_close(c);
         cr_assert(run_until(&C.down, 1, 3000));
     }
@@ -923,57 +1186,384 @@ Test(peer, load_key_files)
     finish();
 }
 
-/* A client without the key cannot borrow the daemon's own proof: it reflects the daemon's
- * challenge of one connection as its challenge on a second connection, claims the daemon's
- * role, and replays the daemon's answer on the first. Both nonces are bound into the proof,
- * so this fails. */
-Test(peer, reflected_challenge_does_not_authenticate)
+/* The reflection attack of protocol 2, over two connections to a real listener by a client
+ * without the key: it echoes the daemon's own Hello and reflects each connection's challenge
+ * into the other, hoping the daemon computes on one connection the proof it needs on the
+ * other. The acceptor proves nothing before it has checked the connector's proof, so it
+ * sends no Auth on either connection; what the client can send is refused, and the other
+ * connection ends at the handshake deadline. */
+Test(peer, reflection_without_key_gets_no_proof)
 {
     struct side L = {0};
     rf_peer_config lc = mkcfg(&L, &key1, REFIT__ROLE__ROLE_COORDINATOR, "coord");
     rf_peer_listener *l;
-    Refit__Envelope env = REFIT__ENVELOPE__INIT;
-    Refit__Hello h = REFIT__HELLO__INIT;
-    Refit__Challenge ch = REFIT__CHALLENGE__INIT;
-    Refit__Auth au = REFIT__AUTH__INIT;
     struct raw a, b;
-    uint8_t na[32];
+    uint8_t guess[32];
     const char *msg;
 
+    lc.timeout_ms = 500;
     l = listen_on(&L, &key1, "127.0.0.1:0", &lc);
     raw_open(&a, rf_peer_listener_port(l));
     raw_open(&b, rf_peer_listener_port(l));
     cr_assert(raw_pump(&a, 2, 3000));
     cr_assert(raw_pump(&b, 2, 3000));
-    cr_assert_eq(a.env[1]->body_case, REFIT__ENVELOPE__BODY_CHALLENGE);
-    h.protocol_version = RF_PEER_PROTOCOL_VERSION;
-    h.role = REFIT__ROLE__ROLE_COORDINATOR;
-    h.node = "mirror";
-    env.body_case = REFIT__ENVELOPE__BODY_HELLO;
-    env.hello = &h;
-    raw_send(&a, &env);
-    raw_send(&b, &env);
-    randombytes_buf(na, sizeof(na));
-    ch.nonce.data = na;
-    ch.nonce.len = sizeof(na);
-    env.body_case = REFIT__ENVELOPE__BODY_CHALLENGE;
-    env.challenge = &ch;
-    raw_send(&a, &env);
-    ch.nonce = a.env[1]->challenge->nonce;
-    raw_send(&b, &env);
-    cr_assert(raw_pump(&b, 3, 3000), "the daemon did not answer the reflected challenge");
-    cr_assert_eq(b.env[2]->body_case, REFIT__ENVELOPE__BODY_AUTH);
-    au.mac = b.env[2]->auth->mac;
-    env.body_case = REFIT__ENVELOPE__BODY_AUTH;
-    env.auth = &au;
-    raw_send(&a, &env);
-    cr_assert(raw_pump(&a, -1, 3000), "connection with a reflected proof not closed");
+    /* The daemon's own Hello, byte for byte, and the other connection's nonce. */
+    {
+        uint32_t be = htonl(a.blen[0]);
+
+        raw_write(&a, &be, 4);
+        raw_write(&a, a.body[0], a.blen[0]);
+        raw_write(&b, &be, 4);
+        raw_write(&b, a.body[0], a.blen[0]);
+    }
+    raw_challenge(&a, b.env[1]->challenge->nonce.data, 32);
+    raw_challenge(&b, a.env[1]->challenge->nonce.data, 32);
+    /* a tries the best it has: bytes it has seen. */
+    memcpy(guess, b.env[1]->challenge->nonce.data, 32);
+    raw_auth(&a, guess, 32);
+    cr_assert(raw_pump(&a, -1, 3000));
     msg = raw_error(&a);
-    cr_assert_not_null(msg);
+    cr_assert_not_null(msg, "a was closed without an Error");
     cr_assert(strstr(msg, "authentication failed"), "%s", msg);
+    /* b gives the daemon every chance to answer, until it is closed at the deadline. */
+    cr_assert(raw_pump(&b, -1, 3000), "b was not closed at the handshake deadline");
+    cr_assert_eq(b.n, 2, "b got more than Hello and Challenge");
+    cr_assert_eq(raw_count(&a, REFIT__ENVELOPE__BODY_AUTH) +
+                 raw_count(&b, REFIT__ENVELOPE__BODY_AUTH), 0,
+                 "the daemon sent a proof to a client that showed none");
+    cr_assert(run_until(&L.down, 2, 3000));
+    cr_assert(strstr(L.down_reason, "handshake with 127.0.0.1:"), "%s", L.down_reason);
     cr_assert_eq(L.up, 0, "a peer without the key came up");
     raw_close(&a);
     raw_close(&b);
     rf_peer_listener_close(l);
+    finish();
+}
+
+/* A complete handshake recorded on one connection and replayed byte for byte on another is
+ * refused: the proof binds the acceptor's fresh nonce. */
+Test(peer, replayed_proof_fails_on_a_new_connection)
+{
+    struct side L = {0};
+    rf_peer_listener *l = listen_on(&L, &key1, "127.0.0.1:0", NULL);
+    struct raw a, b;
+    const char *msg;
+
+    raw_open(&a, rf_peer_listener_port(l));
+    raw_handshake(&a, &key1, REFIT__ROLE__ROLE_COORDINATOR);
+    cr_assert(run_until(&L.up, 1, 3000));
+    raw_open(&b, rf_peer_listener_port(l));
+    cr_assert(raw_pump(&b, 2, 3000));
+    raw_write(&b, a.hs, a.hs_len);
+    cr_assert(raw_pump(&b, -1, 3000), "replayed handshake not closed");
+    msg = raw_error(&b);
+    cr_assert_not_null(msg);
+    cr_assert(strstr(msg, "authentication failed: cluster keys differ"), "%s", msg);
+    cr_assert_eq(raw_count(&b, REFIT__ENVELOPE__BODY_AUTH), 0);
+    cr_assert(run_until(&L.down, 1, 3000));
+    cr_assert_eq(L.up, 1);
+    raw_close(&b);
+    raw_close(&a);
+    rf_peer_listener_close(l);
+    finish();
+}
+
+/* Before authentication a frame may be 4 KiB: a header announcing max_frame - 1 bytes is
+ * refused by itself, before any body byte is sent (the reader allocates nothing for it,
+ * test_wire checks that). After the handshake frames up to max_frame pass. */
+Test(peer, small_frames_until_authenticated)
+{
+    struct side L = {0};
+    rf_peer_listener *l = listen_on(&L, &key1, "127.0.0.1:0", NULL);
+    Refit__Envelope env = REFIT__ENVELOPE__INIT;
+    Refit__Start st = REFIT__START__INIT;
+    static uint8_t blob[100000];
+    uint8_t hdr[4];
+    uint32_t be = htonl(RF_WIRE_MAX_DEFAULT - 1);
+    struct raw a, b;
+    char expect[128];
+    const char *msg;
+
+    raw_open(&a, rf_peer_listener_port(l));
+    memcpy(hdr, &be, 4);
+    raw_write(&a, hdr, 4);
+    cr_assert(raw_pump(&a, -1, 3000));
+    msg = raw_error(&a);
+    cr_assert_not_null(msg);
+    snprintf(expect, sizeof(expect), "frame of %u bytes exceeds the maximum of %d bytes before "
+             "authentication", RF_WIRE_MAX_DEFAULT - 1, RF_PEER_PREAUTH_FRAME_MAX);
+    cr_assert(strstr(msg, expect), "%s", msg);
+    cr_assert(run_until(&L.down, 1, 3000));
+
+    raw_open(&b, rf_peer_listener_port(l));
+    raw_handshake(&b, &key1, REFIT__ROLE__ROLE_COORDINATOR);
+    st.version = 5;
+    st.plan_id.data = blob;
+    st.plan_id.len = sizeof(blob);
+    env.body_case = REFIT__ENVELOPE__BODY_START;
+    env.start = &st;
+    raw_send_keyed(&b, &env);
+    cr_assert(run_until(&L.envs, 1, 3000));
+    cr_assert_eq(L.last_case, REFIT__ENVELOPE__BODY_START);
+    cr_assert_eq(L.last_version, 5);
+    raw_close(&a);
+    raw_close(&b);
+    rf_peer_listener_close(l);
+    finish();
+}
+
+/* At most 64 connections of a listener may be in their handshake at once; the 65th is
+ * closed as it is accepted, with the reason given to the owner (and, best effort, to the
+ * client). A connection that leaves its handshake (closed, or authenticated) frees its
+ * place. */
+Test(peer, unauthenticated_connections_are_capped)
+{
+    struct side L = {0}, C = {0};
+    rf_peer_config lc = mkcfg(&L, &key1, REFIT__ROLE__ROLE_COORDINATOR, "coord");
+    rf_peer_config cc = mkcfg(&C, &key1, REFIT__ROLE__ROLE_RECEIVER, "good");
+    rf_peer_listener *l;
+    rf_peer_connector *c;
+    static struct raw w[RF_PEER_MAX_PENDING_DEFAULT + 2];
+    const int cap = RF_PEER_MAX_PENDING_DEFAULT;
+    struct raw over;
+    char expect[128];
+    const char *msg;
+
+    lc.timeout_ms = 20000;      /* nobody reaches the deadline here */
+    l = listen_on(&L, &key1, "127.0.0.1:0", &lc);
+    for (int i = 0; i < cap; i++) {
+        raw_open(&w[i], rf_peer_listener_port(l));
+        cr_assert(raw_pump(&w[i], 2, 3000), "connection %d not served", i);
+    }
+    raw_open(&over, rf_peer_listener_port(l));
+    cr_assert(raw_pump(&over, -1, 3000), "connection %d not closed at once", cap + 1);
+    cr_assert_eq(raw_count(&over, REFIT__ENVELOPE__BODY_HELLO), 0);
+    msg = raw_error(&over);
+    snprintf(expect, sizeof(expect), "refused at once: %d connections to this listener are "
+             "already in their handshake (limit %d)", cap, cap);
+    cr_assert(msg && strstr(msg, expect), "%s", msg ? msg : "(no Error)");
+    cr_assert(run_until(&L.down, 1, 3000));
+    cr_assert(strstr(L.down_reason, expect), "%s", L.down_reason);
+    raw_close(&over);
+    /* The others are still there, waiting. */
+    for (int i = 0; i < cap; i++)
+        cr_assert_not(w[i].eof, "connection %d was closed", i);
+
+    /* One leaves: a daemon gets its place and authenticates, which frees it again. */
+    raw_close(&w[0]);
+    cr_assert(run_until(&L.down, 2, 3000));
+    c = connect_to(&C, rf_peer_listener_port(l), &cc);
+    cr_assert(run_until(&C.up, 1, 3000));
+    cr_assert(run_until(&L.up, 1, 3000));
+    raw_open(&w[0], rf_peer_listener_port(l));
+    cr_assert(raw_pump(&w[0], 2, 3000), "the place of an authenticated peer was not freed");
+    raw_open(&w[cap], rf_peer_listener_port(l));
+    cr_assert(raw_pump(&w[cap], -1, 3000), "over the limit again, not closed");
+    cr_assert_eq(raw_count(&w[cap], REFIT__ENVELOPE__BODY_HELLO), 0);
+    cr_assert(run_until(&L.down, 3, 3000));
+    cr_assert(strstr(L.down_reason, "refused at once"), "%s", L.down_reason);
+    for (int i = 0; i <= cap; i++)
+        raw_close(&w[i]);
+    rf_peer_connector_close(c);
+    rf_peer_listener_close(l);
+    finish();
+}
+
+/* The handshake deadline counts from the moment TCP is up, not from the last frame: a client
+ * that paces its frames (a Hello after 60% of the deadline, then one byte at a time) is
+ * closed at the deadline. Counted from its last frame it would have lived to 160%. */
+Test(peer, handshake_deadline_counts_from_connect)
+{
+    struct side L = {0};
+    rf_peer_config lc = mkcfg(&L, &key1, REFIT__ROLE__ROLE_COORDINATOR, "coord");
+    rf_peer_listener *l;
+    struct raw w;
+    uint64_t t0, hello_at, closed_at;
+    uint8_t drip[40];
+    size_t dripped = 0;
+
+    lc.heartbeat_ms = 20;
+    lc.timeout_ms = 400;
+    l = listen_on(&L, &key1, "127.0.0.1:0", &lc);
+    uv_update_time(&loop);
+    t0 = uv_now(&loop);
+    raw_open(&w, rf_peer_listener_port(l));
+    cr_assert(raw_pump(&w, 2, 3000));
+    memset(drip, 0x0a, sizeof(drip));
+    drip[0] = drip[1] = 0;              /* a 2570-byte frame that never completes */
+    do {
+        raw_pump(&w, 3, 1);
+        uv_update_time(&loop);
+    } while (uv_now(&loop) - t0 < 240 && !w.eof);
+    hello_at = uv_now(&loop) - t0;
+    raw_hello(&w, REFIT__ROLE__ROLE_RECEIVER, "slow");
+    while (!w.eof && uv_now(&loop) - t0 < 3000) {
+        if (dripped < sizeof(drip))
+            raw_write(&w, drip + dripped++, 1);
+        raw_pump(&w, -1, 20);
+        uv_update_time(&loop);
+    }
+    closed_at = uv_now(&loop) - t0;
+    cr_assert(w.eof, "slow client never closed");
+    cr_assert(run_until(&L.down, 1, 3000));
+    cr_assert(strstr(L.down_reason, "not completed within 400 ms"), "%s", L.down_reason);
+    cr_assert_geq(closed_at, 400);
+    cr_assert_lt(closed_at, hello_at + 400, "closed %" PRIu64 " ms after connect, the Hello "
+                 "came at %" PRIu64 " ms: the deadline was extended by the Hello", closed_at,
+                 hello_at);
+    raw_close(&w);
+    rf_peer_listener_close(l);
+    finish();
+}
+
+/* ---- the daemon as connector, against a raw acceptor ---- */
+
+static int raw_listen(int *port)
+{
+    struct sockaddr_in a;
+    socklen_t alen = sizeof(a);
+    int fd = socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK, 0);
+
+    cr_assert_geq(fd, 0);
+    memset(&a, 0, sizeof(a));
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    cr_assert_eq(bind(fd, (struct sockaddr *)&a, sizeof(a)), 0);
+    cr_assert_eq(listen(fd, 8), 0);
+    cr_assert_eq(getsockname(fd, (struct sockaddr *)&a, &alen), 0);
+    *port = ntohs(a.sin_port);
+    return fd;
+}
+
+static void raw_accept(struct raw *w, int lfd)
+{
+    int fd = -1;
+
+    for (int i = 0; i < 3000 && fd < 0; i++) {
+        uv_run(&loop, UV_RUN_NOWAIT);
+        fd = accept(lfd, NULL, NULL);
+        if (fd < 0)
+            usleep(1000);
+    }
+    cr_assert_geq(fd, 0, "the connector did not connect");
+    raw_init(w, fd);
+}
+
+enum acceptor_answer { ANSWER_HONEST, ANSWER_REFLECT, ANSWER_OTHER_KEY, ANSWER_NOTHING };
+
+/* The acceptor's side: Hello and Challenge, then the connector's proof, which must be the
+ * one the protocol defines; then an answer. Returns with the keys set for ANSWER_HONEST. */
+static void raw_acceptor(struct raw *w, enum acceptor_answer ans)
+{
+    uint8_t nonce[32], t[128], m[32];
+    long hello_at;
+
+    hello_at = raw_hello(w, REFIT__ROLE__ROLE_COORDINATOR, "fake-coord");
+    randombytes_buf(nonce, sizeof(nonce));
+    raw_challenge(w, nonce, 32);
+    cr_assert(raw_pump(w, 3, 3000));
+    cr_assert_eq(w->env[0]->body_case, REFIT__ENVELOPE__BODY_HELLO);
+    cr_assert_eq(w->env[1]->body_case, REFIT__ENVELOPE__BODY_CHALLENGE);
+    cr_assert_eq(w->env[2]->body_case, REFIT__ENVELOPE__BODY_AUTH);
+    spec_t(t, w->body[0], w->blen[0], w->env[1]->challenge->nonce.data, w->hs + hello_at,
+           hs_body_len(w, hello_at), nonce);
+    spec_hmac(&key1, L_CONNECTOR, t, m);
+    cr_assert_eq(w->env[2]->auth->mac.len, 32);
+    cr_assert_eq(memcmp(w->env[2]->auth->mac.data, m, 32), 0, "the connector's Auth is not "
+                 "HMAC-SHA256(key, 'refit-ctl-v3/connector-proof' 0 || T)");
+    switch (ans) {
+    case ANSWER_HONEST:
+        spec_hmac(&key1, L_ACCEPTOR, t, m);
+        spec_hmac(&key1, L_A2C, t, w->tx);
+        spec_hmac(&key1, L_C2A, t, w->rx);
+        w->mac_from = 3;
+        raw_auth(w, m, 32);
+        break;
+    case ANSWER_REFLECT:
+        raw_auth(w, w->env[2]->auth->mac.data, 32);
+        break;
+    case ANSWER_OTHER_KEY:
+        spec_hmac(&key2, L_ACCEPTOR, t, m);
+        raw_auth(w, m, 32);
+        break;
+    case ANSWER_NOTHING:
+        break;
+    }
+}
+
+/* A daemon's connector against an acceptor that holds the key and follows the protocol as
+ * written: the connector's proof is the defined one, it comes up, and frames in both
+ * directions carry the defined MAC and sequence. */
+Test(peer, connector_speaks_the_protocol)
+{
+    struct side C = {0};
+    rf_peer_config cc = mkcfg(&C, &key1, REFIT__ROLE__ROLE_RECEIVER, "recv");
+    Refit__Envelope env = REFIT__ENVELOPE__INIT;
+    Refit__Start st = REFIT__START__INIT;
+    Refit__Commit cm = REFIT__COMMIT__INIT;
+    rf_peer_connector *c;
+    struct raw w;
+    int port, lfd = raw_listen(&port);
+
+    c = connect_to(&C, port, &cc);
+    raw_accept(&w, lfd);
+    raw_acceptor(&w, ANSWER_HONEST);
+    cr_assert(run_until(&C.up, 1, 3000), "%s", C.down_reason);
+    st.version = 7;
+    env.body_case = REFIT__ENVELOPE__BODY_START;
+    env.start = &st;
+    raw_send_keyed(&w, &env);
+    raw_send_keyed(&w, &env);
+    cr_assert(run_until(&C.envs, 2, 3000), "%s", C.down_reason);
+    cr_assert_eq(C.last_version, 7);
+    cm.version = 7;
+    env.body_case = REFIT__ENVELOPE__BODY_COMMIT;
+    env.commit = &cm;
+    cr_assert_eq(rf_peer_send(C.peer, &env), 0);
+    /* Its Commit and heartbeats, each checked by raw_frame. */
+    cr_assert(raw_pump(&w, 6, 3000));
+    cr_assert_eq(raw_count(&w, REFIT__ENVELOPE__BODY_COMMIT), 1);
+    cr_assert_eq(C.down, 0, "%s", C.down_reason);
+    rf_peer_connector_close(c);
+    cr_assert(run_until(&C.down, 1, 3000));
+    raw_close(&w);
+    close(lfd);
+    finish();
+}
+
+/* A daemon's connector refuses an acceptor that cannot prove the key: one that sends the
+ * connector's own proof back, one with another key, and one that never answers (closed at
+ * the handshake deadline). It never comes up. */
+Test(peer, connector_refuses_acceptor_without_the_key)
+{
+    struct side C = {0};
+    rf_peer_config cc = mkcfg(&C, &key1, REFIT__ROLE__ROLE_RECEIVER, "recv");
+    static const enum acceptor_answer answers[] = {ANSWER_REFLECT, ANSWER_OTHER_KEY,
+                                                   ANSWER_NOTHING};
+    static const char *expect[] = {"answered with a wrong proof of the cluster key",
+                                   "answered with a wrong proof of the cluster key",
+                                   "not completed within 300 ms"};
+    rf_peer_connector *c;
+    int port, lfd = raw_listen(&port);
+
+    cc.timeout_ms = 300;
+    c = connect_to(&C, port, &cc);
+    for (int i = 0; i < 3; i++) {
+        struct raw w;
+
+        raw_accept(&w, lfd);
+        raw_acceptor(&w, answers[i]);
+        cr_assert(run_until(&C.down, i + 1, 3000), "case %d", i);
+        cr_assert(strstr(C.down_reason, expect[i]), "case %d: %s", i, C.down_reason);
+        if (answers[i] != ANSWER_NOTHING) {
+            cr_assert(raw_pump(&w, -1, 3000));
+            cr_assert(raw_error(&w) && strstr(raw_error(&w), "authentication failed"),
+                      "case %d: %s", i, raw_error(&w) ? raw_error(&w) : "(no Error)");
+        }
+        raw_close(&w);
+    }
+    cr_assert_eq(C.up, 0);
+    rf_peer_connector_close(c);
+    close(lfd);
     finish();
 }

@@ -264,6 +264,104 @@ Test(wire, reset_frees_partial_body)
     got_free(&g);
 }
 
+/* The limit can change between frames, from on_frame itself: a connection takes small frames
+ * until it is authenticated and large ones after, in the same stream and even the same feed. */
+struct grow {
+    struct got g;
+    rf_wire_reader *r;
+    uint32_t new_max;
+};
+
+static int collect_then_set_max(void *ctx, const uint8_t *body, uint32_t len)
+{
+    struct grow *gr = ctx;
+    int rc = collect(&gr->g, body, len);
+
+    if (gr->g.n == 1)
+        rf_wire_reader_set_max(gr->r, gr->new_max);
+    return rc;
+}
+
+Test(wire, set_max_from_on_frame_applies_to_the_next_frame)
+{
+    uint8_t buf[1024], small[8] = {1, 2, 3, 4, 5, 6, 7, 8}, large[500];
+    size_t off = 0;
+    rf_wire_reader r;
+    struct grow gr = {.r = &r, .new_max = 512};
+
+    memset(large, 0x5a, sizeof(large));
+    put_frame(buf, &off, small, sizeof(small));
+    put_frame(buf, &off, large, sizeof(large));
+    /* Raised after the first frame: the second, over the old limit, passes. */
+    rf_wire_reader_init(&r, 16);
+    cr_assert_eq(rf_wire_reader_feed(&r, buf, off, collect_then_set_max, &gr), 0);
+    cr_assert_eq(gr.g.n, 2);
+    cr_assert_eq(gr.g.len[1], 500);
+    cr_assert_eq(memcmp(gr.g.body[1], large, 500), 0);
+    got_free(&gr.g);
+    /* Without the change the same stream stops at the second header, nothing allocated. */
+    rf_wire_reader_init(&r, 16);
+    cr_assert_eq(rf_wire_reader_feed(&r, buf, off, collect, &gr.g), -EMSGSIZE);
+    cr_assert_eq(gr.g.n, 1);
+    cr_assert_eq(r.body_len, 500);
+    cr_assert_null(r.body);
+    got_free(&gr.g);
+    /* Lowered after the first frame, fed one byte at a time: refused at the header. */
+    rf_wire_reader_init(&r, 1024);
+    gr.new_max = 100;
+    for (size_t i = 0; i < off; i++) {
+        int rc = rf_wire_reader_feed(&r, buf + i, 1, collect_then_set_max, &gr);
+
+        if (rc < 0) {
+            cr_assert_eq(rc, -EMSGSIZE);
+            cr_assert_eq(i, sizeof(small) + 4 + 3, "refused at byte %zu, not at the header", i);
+            break;
+        }
+    }
+    cr_assert_eq(gr.g.n, 1);
+    cr_assert_null(r.body);
+    got_free(&gr.g);
+    /* 0 means the default. */
+    rf_wire_reader_set_max(&r, 0);
+    cr_assert_eq(r.max, RF_WIRE_MAX_DEFAULT);
+}
+
+/* rf_wire_pack_tail: the length counts the tail, the message comes first; a tail holding a
+ * protobuf field (here Envelope.mac, as peer.c appends it) decodes with the message. */
+Test(wire, pack_tail_reserves_bytes_inside_the_frame)
+{
+    Refit__Envelope env = REFIT__ENVELOPE__INIT;
+    Refit__Commit c = REFIT__COMMIT__INIT;
+    Refit__Envelope *back;
+    uint8_t *buf;
+    size_t len, n;
+
+    c.version = 41;
+    env.body_case = REFIT__ENVELOPE__BODY_COMMIT;
+    env.commit = &c;
+    env.seq = 3;
+    n = refit__envelope__get_packed_size(&env);
+    cr_assert_eq(rf_wire_pack_tail(&env.base, 34, &buf, &len), 0);
+    cr_assert_eq(len, 4 + n + 34);
+    cr_assert_eq(((uint32_t)buf[0] << 24 | buf[1] << 16 | buf[2] << 8 | buf[3]), n + 34);
+    buf[4 + n] = 0x7a;
+    buf[4 + n + 1] = 32;
+    memset(buf + 4 + n + 2, 0xab, 32);
+    back = refit__envelope__unpack(NULL, len - 4, buf + 4);
+    cr_assert_not_null(back);
+    cr_assert_eq(back->body_case, REFIT__ENVELOPE__BODY_COMMIT);
+    cr_assert_eq(back->commit->version, 41);
+    cr_assert_eq(back->seq, 3);
+    cr_assert_eq(back->mac.len, 32);
+    cr_assert_eq(back->mac.data[31], 0xab);
+    refit__envelope__free_unpacked(back, NULL);
+    free(buf);
+    /* A tail that cannot fit a 32-bit length is refused, nothing allocated. */
+    cr_assert_eq(rf_wire_pack_tail(&env.base, UINT32_MAX, &buf, &len), -EMSGSIZE);
+    cr_assert_null(buf);
+    cr_assert_eq(len, 0);
+}
+
 Test(wire, pack_round_trip)
 {
     Refit__Envelope env = REFIT__ENVELOPE__INIT;
