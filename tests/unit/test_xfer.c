@@ -1,10 +1,13 @@
 /* tests/unit/test_xfer.c - the tcp transport between several instances in one process over
  * 127.0.0.1: jobs by hand and from real plans checked byte for byte, rounds under a tiny
- * staging budget, verification digests, dead peers, stale versions, deadlines, aborts, and
- * the authenticated hello against forged, replayed and old ones. */
+ * staging budget, verification digests, dead peers, stale versions, deadlines, aborts, the
+ * authenticated handshake against forged, replayed and old hellos and impostor acceptors, and
+ * the tagged frames against an attacker on the path who flips, replays or moves bytes. */
 #include <criterion/criterion.h>
 #include <arpa/inet.h>
 #include <netinet/in.h>
+#include <poll.h>
+#include <pthread.h>
 #include <sodium.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -1889,6 +1892,320 @@ Test(xfer_auth, reset_before_accept_is_dropped)
     cr_assert(strstr(log, "sending its challenge failed"), "%s", log);
     free(log);
     world_close(&w);
+}
+
+/* ---- an attacker on the path ------------------------------------------------------------ */
+
+/* A relay between daemon 0 and daemon 1 on a thread of its own: daemon 0's peer table names
+ * it as daemon 1, and it connects every connection it accepts to the real daemon 1 and
+ * forwards both ways. To the bytes daemon 0 sends after its hello (frame offsets, 0 = the
+ * first byte of the first frame) it does what `how` says; it keeps the first rec_cap of them
+ * from its first connection. */
+enum { MITM_PASS, MITM_FLIP, MITM_REPLAY, MITM_INJECT_OLD };
+
+typedef struct mitm {
+    int lfd, stop[2];
+    char addr[64], target[64];
+    pthread_t th;
+    int how;
+    uint64_t at;   /* FLIP: the byte flipped. REPLAY: where [0, at) is sent a second time. */
+    uint8_t *rec;  /* INJECT_OLD: sent right after the hello of every later connection */
+    uint64_t rec_cap;
+    int conns;
+} mitm;
+
+static bool send_all(int fd, const uint8_t *p, size_t len)
+{
+    while (len > 0) {
+        ssize_t n = send(fd, p, len, MSG_NOSIGNAL);
+
+        if (n <= 0)
+            return false;
+        p += n;
+        len -= (size_t)n;
+    }
+    return true;
+}
+
+/* Forwards n bytes of connection `conn` from daemon 0, the stream's first *off bytes being
+ * gone already, doing the attack on the way. */
+static bool mitm_forward(mitm *m, int afd, int conn, uint8_t *buf, size_t n, uint64_t *off)
+{
+    for (size_t i = 0; i < n; i++) {
+        uint64_t a = *off + i;
+
+        if (a < HELLO_LEN)
+            continue;
+        if (conn == 0 && a - HELLO_LEN < m->rec_cap)
+            m->rec[a - HELLO_LEN] = buf[i];
+        if (m->how == MITM_FLIP && conn == 0 && a - HELLO_LEN == m->at)
+            buf[i] ^= 0x01;
+    }
+    while (n > 0) {
+        /* Cut at the points where something is slipped in. */
+        uint64_t cut = n;
+
+        if (*off < HELLO_LEN && HELLO_LEN - *off < cut)
+            cut = HELLO_LEN - *off;
+        if (m->how == MITM_REPLAY && conn == 0 && *off < HELLO_LEN + m->at &&
+            HELLO_LEN + m->at - *off < cut)
+            cut = HELLO_LEN + m->at - *off;
+        if (!send_all(afd, buf, cut))
+            return false;
+        buf += cut;
+        n -= cut;
+        *off += cut;
+        if (*off == HELLO_LEN && m->how == MITM_INJECT_OLD && conn > 0 &&
+            !send_all(afd, m->rec, m->rec_cap))
+            return false;
+        if (m->how == MITM_REPLAY && conn == 0 && *off == HELLO_LEN + m->at &&
+            !send_all(afd, m->rec, m->at))
+            return false;
+    }
+    return true;
+}
+
+/* Relays one connection until either end or the test hangs up. */
+static void mitm_relay(mitm *m, int cfd, int afd, int conn)
+{
+    static uint8_t buf[64 << 10];
+    uint64_t off = 0;
+
+    for (;;) {
+        struct pollfd pf[3] = {{.fd = cfd, .events = POLLIN}, {.fd = afd, .events = POLLIN},
+                               {.fd = m->stop[0], .events = POLLIN}};
+        ssize_t n;
+
+        if (poll(pf, 3, -1) < 0 || pf[2].revents)
+            return;
+        if (pf[1].revents) {
+            n = read(afd, buf, sizeof(buf));
+            if (n <= 0 || !send_all(cfd, buf, (size_t)n))
+                return;
+        }
+        if (pf[0].revents) {
+            n = read(cfd, buf, sizeof(buf));
+            if (n <= 0 || !mitm_forward(m, afd, conn, buf, (size_t)n, &off))
+                return;
+        }
+    }
+}
+
+static void *mitm_main(void *arg)
+{
+    mitm *m = arg;
+
+    for (;;) {
+        struct pollfd pf[2] = {{.fd = m->lfd, .events = POLLIN},
+                               {.fd = m->stop[0], .events = POLLIN}};
+        int cfd, afd;
+
+        if (poll(pf, 2, -1) < 0 || pf[1].revents)
+            return NULL;
+        if ((cfd = accept(m->lfd, NULL, NULL)) < 0)
+            continue;
+        afd = socket(AF_INET, SOCK_STREAM, 0);
+        {
+            struct sockaddr_in sa = {.sin_family = AF_INET};
+
+            sa.sin_port = htons((uint16_t)atoi(strrchr(m->target, ':') + 1));
+            inet_pton(AF_INET, "127.0.0.1", &sa.sin_addr);
+            if (connect(afd, (struct sockaddr *)&sa, sizeof(sa)) == 0)
+                mitm_relay(m, cfd, afd, m->conns);
+        }
+        m->conns++;
+        close(cfd);
+        close(afd);
+    }
+}
+
+/* Starts the relay and puts it in daemon 0's peer table in place of daemon 1. */
+static void mitm_start(mitm *m, world *w, int how, uint64_t at, uint64_t rec_cap)
+{
+    const char *addrs[2];
+    rf_err err;
+
+    memset(m, 0, sizeof(*m));
+    m->how = how;
+    m->at = at;
+    m->rec_cap = rec_cap;
+    m->rec = calloc(rec_cap + 1, 1);
+    cr_assert_not_null(m->rec);
+    m->lfd = listen_local(m->addr, sizeof(m->addr));
+    snprintf(m->target, sizeof(m->target), "%s", addr_of(w, 1));
+    cr_assert_eq(pipe(m->stop), 0);
+    cr_assert_eq(pthread_create(&m->th, NULL, mitm_main, m), 0);
+    addrs[0] = addr_of(w, 0);
+    addrs[1] = m->addr;
+    cr_assert_eq(rf_xfer_set_peers(w->t[0], 0, 2, addrs, &err), 0, "%s", err.msg);
+}
+
+static void mitm_stop(mitm *m, world *w)
+{
+    cr_assert_eq(write(m->stop[1], "x", 1), 1);
+    pthread_join(m->th, NULL);
+    close(m->stop[0]);
+    close(m->stop[1]);
+    close(m->lfd);
+    free(m->rec);
+    world_set_peers(w);
+}
+
+/* The pair's frames on daemon 0's connection: seq 10 (direct, 1 MiB: four segments), then
+ * seq 11 (packed, the same size). */
+#define SEG_WIRE ((uint64_t)SEG_LEN + TAG_LEN)
+#define F10 ((uint64_t)HDR_LEN + TAG_LEN + 4 * SEG_WIRE)
+
+/* Elements of the pair's two destinations that hold their source value (installed) and that
+ * hold neither it nor the initial 0 (wrong). */
+static void pair_count(const pair *p, uint64_t *direct, uint64_t *packed, uint64_t *wrong)
+{
+    *direct = *packed = *wrong = 0;
+    for (int64_t r = 0; r < ROWS; r++) {
+        for (int64_t c = 0; c < COLS; c++) {
+            float want = p->src[r * COLS + c], d = p->dst_direct[r * COLS + c];
+            float t = p->dst_t[c * ROWS + r];
+
+            *direct += d == want;
+            *packed += t == want;
+            *wrong += (d != want && d != 0.0f) + (t != want && t != 0.0f);
+        }
+    }
+}
+
+/* A relay that only forwards changes nothing: the pair's job goes through it whole. */
+Test(xfer_mitm, a_faithful_relay_changes_nothing)
+{
+    pair p;
+    world w;
+    mitm m;
+
+    pair_init(&p, 1);
+    world_open(&w, 2);
+    mitm_start(&m, &w, MITM_PASS, 0, 0);
+    world_run(&w, (rf_xfer_job *[]){&p.sjob, &p.rjob});
+    cr_assert_eq(w.res[0].code, 0, "%s", w.res[0].error);
+    cr_assert_eq(w.res[1].code, 0, "%s", w.res[1].error);
+    pair_check(&p);
+    digests_agree(&w);
+    mitm_stop(&m, &w);
+    cr_assert_eq(m.conns, 1);
+    world_close(&w);
+    pair_free(&p);
+}
+
+/* One bit flipped on the way, in a header, a payload segment or a tag, of the direct message
+ * or the packed one: the receiver fails the job naming what failed, no element holds a wrong
+ * value, and exactly the segments checked before the flip are installed (a packed message is
+ * scattered only once all of it passed). A good job follows. */
+Test(xfer_mitm, a_flipped_bit_fails_the_job_and_installs_nothing_wrong)
+{
+    const uint64_t seg_elems = SEG_LEN / 4, all = (uint64_t)ROWS * COLS;
+    struct {
+        uint64_t at;
+        const char *says;
+        uint64_t direct; /* elements of seq 10 installed */
+    } cases[] = {
+        {4, "header from peer 0 (127.0.0.1:", 0},
+        {HDR_LEN + TAG_LEN + 2 * SEG_WIRE + 100, "bytes 524288..786432 of message seq 10",
+         2 * seg_elems},
+        {HDR_LEN + TAG_LEN + SEG_LEN + 3, "bytes 0..262144 of message seq 10", 0},
+        {F10 + 9, "message seq 11 expected, fails", all},
+        {F10 + HDR_LEN + TAG_LEN + 3 * SEG_WIRE + SEG_LEN - 1,
+         "bytes 786432..1048576 of message seq 11", all},
+    };
+
+    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+        uint64_t direct, packed, wrong;
+        pair p;
+        world w;
+        mitm m;
+
+        pair_init(&p, 1);
+        world_open(&w, 2);
+        mitm_start(&m, &w, MITM_FLIP, cases[i].at, 0);
+        world_run(&w, (rf_xfer_job *[]){&p.sjob, &p.rjob});
+        cr_assert_eq(w.res[1].code, -EBADMSG, "case %zu: %d %s", i, w.res[1].code,
+                     w.res[1].error);
+        cr_assert(strstr(w.res[1].error, cases[i].says) &&
+                  strstr(w.res[1].error, "authentication") &&
+                  strstr(w.res[1].error, "Nothing of"), "case %zu: %s", i, w.res[1].error);
+        pair_count(&p, &direct, &packed, &wrong);
+        cr_assert_eq(wrong, 0, "case %zu: %llu wrong elements installed", i,
+                     (unsigned long long)wrong);
+        cr_assert_eq(direct, cases[i].direct, "case %zu: %llu of seq 10 installed", i,
+                     (unsigned long long)direct);
+        cr_assert_eq(packed, 0, "case %zu: %llu of seq 11 installed", i,
+                     (unsigned long long)packed);
+        mitm_stop(&m, &w);
+        good_pair_run(&w, 2);
+        world_close(&w);
+        pair_free(&p);
+    }
+}
+
+/* The whole first frame sent again right after itself: the copy's tags are the first
+ * frame's, not the next ones, so the repeated header fails and nothing of it is installed. */
+Test(xfer_mitm, a_replayed_frame_fails_the_job)
+{
+    uint64_t direct, packed, wrong;
+    pair p;
+    world w;
+    mitm m;
+
+    pair_init(&p, 1);
+    world_open(&w, 2);
+    mitm_start(&m, &w, MITM_REPLAY, F10, F10);
+    world_run(&w, (rf_xfer_job *[]){&p.sjob, &p.rjob});
+    cr_assert_eq(w.res[1].code, -EBADMSG, "%d %s", w.res[1].code, w.res[1].error);
+    cr_assert(strstr(w.res[1].error, "frame header from peer 0") &&
+              strstr(w.res[1].error, "message seq 11 expected, fails authentication"), "%s",
+              w.res[1].error);
+    pair_count(&p, &direct, &packed, &wrong);
+    cr_assert_eq(wrong, 0);
+    cr_assert_eq(direct, (uint64_t)ROWS * COLS, "seq 10 itself was good");
+    cr_assert_eq(packed, 0);
+    mitm_stop(&m, &w);
+    good_pair_run(&w, 2);
+    world_close(&w);
+    pair_free(&p);
+}
+
+/* A frame recorded on one connection, slipped into the next one right after its hello (the
+ * same job again, so that only the connection differs): refused, nothing installed. */
+Test(xfer_mitm, a_frame_from_an_old_connection_fails_the_job)
+{
+    uint64_t direct, packed, wrong;
+    pair p;
+    world w;
+    mitm m;
+
+    pair_init(&p, 1);
+    world_open(&w, 2);
+    mitm_start(&m, &w, MITM_INJECT_OLD, 0, F10);
+    world_run(&w, (rf_xfer_job *[]){&p.sjob, &p.rjob});
+    cr_assert_eq(w.res[0].code, 0, "%s", w.res[0].error);
+    cr_assert_eq(w.res[1].code, 0, "%s", w.res[1].error);
+    pair_check(&p);
+    memset(p.dst_direct, 0, (size_t)ROWS * COLS * 4);
+    memset(p.dst_t, 0, (size_t)ROWS * COLS * 4);
+    /* A changed key closes the connections: both daemons connect afresh under KEY_A. */
+    for (int d = 0; d < 2; d++) {
+        set_key(w.t[d], KEY_B);
+        set_key(w.t[d], KEY_A);
+    }
+    world_run(&w, (rf_xfer_job *[]){&p.sjob, &p.rjob});
+    cr_assert_eq(w.res[1].code, -EBADMSG, "%d %s", w.res[1].code, w.res[1].error);
+    cr_assert(strstr(w.res[1].error, "message seq 10 expected, fails authentication"), "%s",
+              w.res[1].error);
+    pair_count(&p, &direct, &packed, &wrong);
+    cr_assert_eq(wrong + direct + packed, 0, "%llu %llu %llu", (unsigned long long)wrong,
+                 (unsigned long long)direct, (unsigned long long)packed);
+    mitm_stop(&m, &w);
+    cr_assert_eq(m.conns, 2, "the second job did not connect afresh");
+    good_pair_run(&w, 2);
+    world_close(&w);
+    pair_free(&p);
 }
 
 /* ---- refused jobs and bad arguments ----------------------------------------------------- */
