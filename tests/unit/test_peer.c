@@ -1095,6 +1095,39 @@ Test(peer, listen_errors)
     cr_assert(strstr(err.msg, "cluster key"), "%s", err.msg);
     cr_assert_eq(rf_peer_connect(&loop, "127.0.0.1:1", &cfg, &c, &err), -EINVAL);
     cfg.key = &key1;
+    /* A Hello that would not fit the frames a peer takes before authentication. */
+    {
+        static char longname[RF_PEER_HELLO_STR_MAX + 2];
+
+        memset(longname, 'n', RF_PEER_HELLO_STR_MAX + 1);
+        cfg.node = longname;
+        cr_assert_eq(rf_peer_listen(&loop, "127.0.0.1:0", &cfg, &l, &err), -EINVAL);
+        cr_assert(strstr(err.msg, "longer than 1024 bytes"), "%s", err.msg);
+        cfg.node = "coord";
+        cfg.data_addr = longname;
+        cr_assert_eq(rf_peer_connect(&loop, "127.0.0.1:1", &cfg, &c, &err), -EINVAL);
+        cr_assert(strstr(err.msg, "node name or data address"), "%s", err.msg);
+        /* The longest allowed still comes up: its Hello fits. */
+        longname[RF_PEER_HELLO_STR_MAX] = '\0';
+        cfg.node = longname;
+        {
+            struct side C = {0};
+            rf_peer_listener *ll = listen_on(&L, &key1, "127.0.0.1:0", &cfg);
+            rf_peer_config cc = mkcfg(&C, &key1, REFIT__ROLE__ROLE_RECEIVER, longname);
+            rf_peer_connector *cn;
+
+            cc.data_addr = longname;
+            cn = connect_to(&C, rf_peer_listener_port(ll), &cc);
+            cr_assert(run_until(&C.up, 1, 3000), "%s", C.down_reason);
+            cr_assert(run_until(&L.up, 1, 3000));
+            cr_assert_eq(strlen(C.hello_node), 63, "(the test keeps 63 bytes of it)");
+            rf_peer_connector_close(cn);
+            rf_peer_listener_close(ll);
+            cr_assert(run_until(&C.down, 1, 3000));
+        }
+        cfg.node = "coord";
+        cfg.data_addr = NULL;
+    }
 
     /* A port in use. */
     l = listen_on(&L, &key1, "127.0.0.1:0", NULL);
