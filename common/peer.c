@@ -476,14 +476,13 @@ static void peer_transcript(const rf_peer *p, uint8_t *t)
     memcpy(t, conn ? p->their_nonce : p->nonce, RF_PEER_NONCE_BYTES);
 }
 
-/* HMAC-SHA256(key, label || 0 || T); the labels are given with their terminating NUL. */
-static void peer_hmac(const rf_peer_key *k, const char *label, size_t label_len,
-                      const uint8_t *t, uint8_t *out)
+/* HMAC-SHA256(key, label || 0 || T). */
+static void peer_hmac(const rf_peer_key *k, const char *label, const uint8_t *t, uint8_t *out)
 {
     crypto_auth_hmacsha256_state st;
 
     crypto_auth_hmacsha256_init(&st, k->bytes, k->len);
-    crypto_auth_hmacsha256_update(&st, (const uint8_t *)label, label_len);
+    crypto_auth_hmacsha256_update(&st, (const uint8_t *)label, strlen(label) + 1);
     crypto_auth_hmacsha256_update(&st, t, PEER_T_BYTES);
     crypto_auth_hmacsha256_final(&st, out);
     sodium_memzero(&st, sizeof(st));
@@ -508,8 +507,8 @@ static void peer_come_up(rf_peer *p, const uint8_t *t)
     const struct peer_settings *s = p->set;
     int conn = p->connector != NULL;
 
-    peer_hmac(&s->key, conn ? lbl_c2a : lbl_a2c, sizeof(lbl_c2a), t, p->tx_key);
-    peer_hmac(&s->key, conn ? lbl_a2c : lbl_c2a, sizeof(lbl_c2a), t, p->rx_key);
+    peer_hmac(&s->key, conn ? lbl_c2a : lbl_a2c, t, p->tx_key);
+    peer_hmac(&s->key, conn ? lbl_a2c : lbl_c2a, t, p->rx_key);
     p->up = 1;
     peer_unpend(p);
     rf_wire_reader_set_max(&p->ws.reader, s->max_frame);
@@ -580,7 +579,7 @@ static int peer_handshake(rf_peer *p, Refit__Envelope *env, const uint8_t *body,
         /* The connector proves first; an acceptor waits for that proof. */
         if (p->connector) {
             peer_transcript(p, t);
-            peer_hmac(&s->key, lbl_connector, sizeof(lbl_connector), t, mac);
+            peer_hmac(&s->key, lbl_connector, t, mac);
             peer_send_auth(p, mac);
         }
         break;
@@ -596,7 +595,7 @@ static int peer_handshake(rf_peer *p, Refit__Envelope *env, const uint8_t *body,
         }
         peer_transcript(p, t);
         if (p->connector) {
-            peer_hmac(&s->key, lbl_acceptor, sizeof(lbl_acceptor), t, mac);
+            peer_hmac(&s->key, lbl_acceptor, t, mac);
             if (crypto_verify_32(env->auth->mac.data, mac) != 0) {
                 peer_fail(p, -EACCES, "authentication failed: %s answered with a wrong proof "
                           "of the cluster key: keys differ, or it is not a refit daemon of "
@@ -605,13 +604,13 @@ static int peer_handshake(rf_peer *p, Refit__Envelope *env, const uint8_t *body,
                 break;
             }
         } else {
-            peer_hmac(&s->key, lbl_connector, sizeof(lbl_connector), t, mac);
+            peer_hmac(&s->key, lbl_connector, t, mac);
             if (crypto_verify_32(env->auth->mac.data, mac) != 0) {
                 peer_fail(p, -EACCES, "%s", auth_failed);
                 break;
             }
             /* Only now, to a peer that showed the key, does the acceptor prove it too. */
-            peer_hmac(&s->key, lbl_acceptor, sizeof(lbl_acceptor), t, mac);
+            peer_hmac(&s->key, lbl_acceptor, t, mac);
             peer_send_auth(p, mac);
         }
         peer_come_up(p, t);

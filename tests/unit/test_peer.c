@@ -1600,3 +1600,143 @@ Test(peer, connector_refuses_acceptor_without_the_key)
     close(lfd);
     finish();
 }
+
+/* ---- an attacker on the path between two real daemons ---- */
+
+/* Frames from the connector (side c) go to the listener (side a) and back, frame by frame;
+ * edit may change a frame's bytes or return 0 to drop it. */
+struct relay {
+    struct raw c, a;
+    int fwd_c, fwd_a;           /* frames of each side already passed on */
+    int (*edit)(int to_acceptor, int idx, uint8_t *body, uint32_t len);
+};
+
+static void relay_pass(struct raw *from, int *fwd, struct raw *to, int to_acceptor,
+                       int (*edit)(int, int, uint8_t *, uint32_t))
+{
+    for (; *fwd < from->n; (*fwd)++) {
+        uint32_t be = htonl(from->blen[*fwd]);
+
+        if (edit && !edit(to_acceptor, *fwd, from->body[*fwd], from->blen[*fwd]))
+            continue;
+        /* The other end may have closed already: what it did not take is lost, as on a
+         * real path. */
+        if (send(to->fd, &be, 4, MSG_NOSIGNAL) == 4)
+            (void)send(to->fd, from->body[*fwd], from->blen[*fwd], MSG_NOSIGNAL);
+    }
+}
+
+/* Runs the loop and the relay until *counter reaches target; false after ms. */
+static int relay_until(struct relay *r, const int *counter, int target, int ms)
+{
+    for (int i = 0; i < ms && *counter < target; i++) {
+        raw_pump(&r->c, RAW_MAX, 1);
+        raw_pump(&r->a, RAW_MAX, 1);
+        relay_pass(&r->c, &r->fwd_c, &r->a, 1, r->edit);
+        relay_pass(&r->a, &r->fwd_a, &r->c, 0, r->edit);
+    }
+    return *counter >= target;
+}
+
+static void relay_open(struct relay *r, int listener_port, int lfd)
+{
+    memset(r, 0, sizeof(*r));
+    raw_accept(&r->c, lfd);
+    raw_open(&r->a, listener_port);
+}
+
+/* Changes one byte of the acceptor's Hello on its way to the connector. */
+static int edit_hello(int to_acceptor, int idx, uint8_t *body, uint32_t len)
+{
+    if (!to_acceptor && idx == 0)
+        body[len - 1] ^= 1;
+    return 1;
+}
+
+/* Drops the connector's first frame after the handshake (its frames 0-2 are Hello,
+ * Challenge and Auth). */
+static int edit_drop(int to_acceptor, int idx, uint8_t *body, uint32_t len)
+{
+    (void)body;
+    (void)len;
+    return !(to_acceptor && idx == 3);
+}
+
+/* A relay that passes everything changes nothing; but an altered Hello fails the handshake on
+ * both sides, and after a faithful handshake a frame the relay injects, or one it drops, closes
+ * the connection with the reason. */
+Test(peer, attacker_on_the_path)
+{
+    struct side L = {0}, C = {0};
+    rf_peer_config lc = mkcfg(&L, &key1, REFIT__ROLE__ROLE_COORDINATOR, "coord");
+    rf_peer_config cc = mkcfg(&C, &key1, REFIT__ROLE__ROLE_PUBLISHER, "pub");
+    rf_peer_listener *l;
+    rf_peer_connector *c;
+    Refit__Envelope env = REFIT__ENVELOPE__INIT;
+    Refit__Start st = REFIT__START__INIT;
+    uint8_t forged_key[32];
+    struct relay r;
+    int port, lfd = raw_listen(&port);
+    size_t len;
+    uint8_t *f;
+
+    lc.heartbeat_ms = cc.heartbeat_ms = 1000;   /* only the test's frames after the handshake */
+    l = listen_on(&L, &key1, "127.0.0.1:0", &lc);
+    c = connect_to(&C, port, &cc);
+    st.version = 3;
+    env.body_case = REFIT__ENVELOPE__BODY_START;
+    env.start = &st;
+
+    /* 1. Faithful: both come up through the relay, and a Start arrives. */
+    relay_open(&r, rf_peer_listener_port(l), lfd);
+    cr_assert(relay_until(&r, &C.up, 1, 3000), "%s", C.down_reason);
+    cr_assert(relay_until(&r, &L.up, 1, 3000), "%s", L.down_reason);
+    cr_assert_eq(rf_peer_send(C.peer, &env), 0);
+    cr_assert(relay_until(&r, &L.envs, 1, 3000));
+    cr_assert_eq(L.last_version, 3);
+    /* Then the relay injects a Start of its own, without the frame key. */
+    randombytes_buf(forged_key, sizeof(forged_key));
+    f = spec_keyed_frame(&env, 2, forged_key, &len);
+    raw_write(&r.a, f, len);
+    free(f);
+    cr_assert(relay_until(&r, &L.down, 1, 3000));
+    cr_assert(strstr(L.down_reason, "frame 2 from 127.0.0.1:"), "%s", L.down_reason);
+    cr_assert(strstr(L.down_reason, "failed its MAC check"), "%s", L.down_reason);
+    cr_assert_eq(L.envs, 1, "the injected Start reached the owner");
+    cr_assert(relay_until(&r, &C.down, 1, 3000));
+    raw_close(&r.c);
+    raw_close(&r.a);
+
+    /* 2. The acceptor's Hello altered on the way: neither side comes up. */
+    relay_open(&r, rf_peer_listener_port(l), lfd);
+    r.edit = edit_hello;
+    cr_assert(relay_until(&r, &L.down, 2, 3000));
+    cr_assert(relay_until(&r, &C.down, 2, 3000));
+    cr_assert(strstr(L.down_reason, "authentication failed"), "%s", L.down_reason);
+    cr_assert(strstr(C.down_reason, "authentication failed"), "%s", C.down_reason);
+    cr_assert_eq(L.up, 1);
+    cr_assert_eq(C.up, 1);
+    raw_close(&r.c);
+    raw_close(&r.a);
+
+    /* 3. A faithful handshake, then the connector's first frame dropped. */
+    relay_open(&r, rf_peer_listener_port(l), lfd);
+    r.edit = edit_drop;
+    cr_assert(relay_until(&r, &C.up, 2, 3000), "%s", C.down_reason);
+    cr_assert(relay_until(&r, &L.up, 2, 3000), "%s", L.down_reason);
+    st.version = 4;
+    cr_assert_eq(rf_peer_send(C.peer, &env), 0);
+    st.version = 5;
+    cr_assert_eq(rf_peer_send(C.peer, &env), 0);
+    cr_assert(relay_until(&r, &L.down, 3, 3000));
+    cr_assert(strstr(L.down_reason, "has sequence 2, expected 1: frames were dropped or "
+                     "reordered"), "%s", L.down_reason);
+    cr_assert_eq(L.envs, 1, "a Start after the dropped one reached the owner");
+    raw_close(&r.c);
+    raw_close(&r.a);
+
+    rf_peer_connector_close(c);
+    rf_peer_listener_close(l);
+    close(lfd);
+    finish();
+}
