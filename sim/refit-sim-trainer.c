@@ -32,7 +32,10 @@ static void usage(FILE *f)
             "  --step-ms T        wait T ms after each release before writing the next version,\n"
             "                     as a training step would (default 0)\n"
             "  --hold V           then write version V's weights without publishing them and\n"
-            "                     stay registered (for `refitctl refit --version V`)\n",
+            "                     stay registered (for `refitctl refit --version V`)\n"
+            "  --publish-when F   publish version V only once file F holds a number >= V, so\n"
+            "                     that a test decides when each version becomes ready (gives up\n"
+            "                     after --timeout-ms)\n",
             REFIT_SOCKET_PUBLISHER);
 }
 
@@ -61,14 +64,51 @@ static void report(refit_client *c, uint64_t version)
     json_decref(st);
 }
 
+/* The number in file path, or 0 while it is missing, empty or being rewritten. */
+static uint64_t read_gate(const char *path)
+{
+    char buf[32] = "";
+    FILE *f = fopen(path, "r");
+    size_t n;
+
+    if (!f)
+        return 0;
+    n = fread(buf, 1, sizeof(buf) - 1, f);
+    fclose(f);
+    buf[n] = '\0';
+    return strtoull(buf, NULL, 10);
+}
+
+/* --publish-when: waits until the test allows version v to be published. A test that forgot to
+ * allow it must not leave the trainer waiting forever: -ETIMEDOUT after timeout_ms. */
+static int wait_gate(const char *path, uint64_t v, int timeout_ms)
+{
+    const struct timespec poll = {0, 2 * 1000000L};
+    double deadline = sim_now() + timeout_ms / 1000.0;
+    uint64_t allowed;
+
+    while ((allowed = read_gate(path)) < v) {
+        if (sim_now() > deadline) {
+            fprintf(stderr, "refit-sim-trainer: version %llu was not allowed within %d ms: %s "
+                    "holds %llu; write a number >= %llu there to publish it\n",
+                    (unsigned long long)v, timeout_ms, path, (unsigned long long)allowed,
+                    (unsigned long long)v);
+            return -ETIMEDOUT;
+        }
+        nanosleep(&poll, NULL);
+    }
+    return 0;
+}
+
 int main(int argc, char **argv)
 {
     static const struct option opts[] = {SIM_COMMON_OPTIONS, {"retries", 1, 0, 'R'},
                                          {"report", 0, 0, 'p'}, {"hold", 1, 0, 'H'},
-                                         {"step-ms", 1, 0, 'S'}, {"help", 0, 0, 'h'},
-                                         {0, 0, 0, 0}};
+                                         {"step-ms", 1, 0, 'S'}, {"publish-when", 1, 0, 'W'},
+                                         {"help", 0, 0, 'h'}, {0, 0, 0, 0}};
     int retries = 5, do_report = 0, step_ms = 0, o, i, status = 1;
     uint64_t v, hold = 0;
+    const char *gate = NULL;
     sim_opts so;
     sim s;
 
@@ -80,6 +120,7 @@ int main(int argc, char **argv)
         case 'R': retries = atoi(optarg); break;
         case 'p': do_report = 1; break;
         case 'H': hold = strtoull(optarg, NULL, 10); break;
+        case 'W': gate = optarg; break;
         case 'S': {
             char *end;
             long ms;
@@ -116,6 +157,8 @@ int main(int argc, char **argv)
                 ;
         }
         sim_fill(&s, v);
+        if (gate && wait_gate(gate, v, so.timeout_ms) < 0)
+            goto out;
         for (attempt = 0; attempt <= retries; attempt++) {
             double t0 = sim_now();
 
