@@ -764,11 +764,13 @@ void rf_coord_status(json_t *status, void *arg)
     for (i = 0; i < c->nmembers; i++) {
         const member *m = &c->m[i];
 
-        json_t *o = json_pack("{s:s, s:i, s:s, s:b, s:b}", "role",
+        /* done: this member's Done of the version in flight is in (tests hold a refit
+         * between the others' Done and the commit by it). */
+        json_t *o = json_pack("{s:s, s:i, s:s, s:b, s:b, s:b}", "role",
                               i < c->npub ? "publisher" : "receiver", "index",
                               (int)(i < c->npub ? i : i - c->npub), "node", m->node,
                               "connected", m->peer != NULL, "inventory_complete",
-                              m->inv_complete);
+                              m->inv_complete, "done", c->state != ST_IDLE && m->done);
 
         if (i < c->npub)
             json_object_set_new(o, "ready", json_integer((json_int_t)m->ready));
