@@ -451,19 +451,160 @@ int rf_inv_find_tensor(const rf_inv *inv, const char *name, uint32_t *id)
     return -ENOENT;
 }
 
+/* One UTF-8 sequence at s (n bytes left): its length and code point, or 0 when the bytes
+ * there are not valid UTF-8 (a stray continuation byte, a truncated sequence, an overlong
+ * form, a surrogate, a code point past U+10FFFF). */
+static size_t utf8_next(const unsigned char *s, size_t n, uint32_t *cp)
+{
+    size_t len, i;
+    uint32_t c, min;
+
+    if (s[0] < 0x80) {
+        *cp = s[0];
+        return 1;
+    }
+    if ((s[0] & 0xe0) == 0xc0) {
+        len = 2, c = s[0] & 0x1f, min = 0x80;
+    } else if ((s[0] & 0xf0) == 0xe0) {
+        len = 3, c = s[0] & 0x0f, min = 0x800;
+    } else if ((s[0] & 0xf8) == 0xf0) {
+        len = 4, c = s[0] & 0x07, min = 0x10000;
+    } else {
+        return 0;
+    }
+    if (n < len)
+        return 0;
+    for (i = 1; i < len; i++) {
+        if ((s[i] & 0xc0) != 0x80)
+            return 0;
+        c = c << 6 | (s[i] & 0x3f);
+    }
+    if (c < min || c > 0x10ffff || (c >= 0xd800 && c <= 0xdfff))
+        return 0;
+    *cp = c;
+    return len;
+}
+
+/* Characters that would make a log line or a message read differently from what it holds. */
+static const char *unprintable(uint32_t c)
+{
+    if (c < 0x20 || c == 0x7f || (c >= 0x80 && c <= 0x9f))
+        return "a control character";
+    if (c == 0x2028 || c == 0x2029)
+        return "a line or paragraph separator";
+    if (c == 0x200e || c == 0x200f || (c >= 0x202a && c <= 0x202e) ||
+        (c >= 0x2066 && c <= 0x2069))
+        return "a bidirectional control";
+    return NULL;
+}
+
+char *rf_name_escape(const char *s, char *out, size_t outlen)
+{
+    const unsigned char *p = (const unsigned char *)s;
+    size_t n = strlen(s), o = 0, i = 0;
+
+    if (outlen < 6) {
+        if (outlen > 0)
+            out[0] = '\0';
+        return out;
+    }
+    out[o++] = '"';
+    while (i < n) {
+        char tmp[8];
+        size_t len, tl;
+        uint32_t c = 0;
+
+        len = utf8_next(p + i, n - i, &c);
+        if (len == 0 || unprintable(c) != NULL) {
+            static const char *const named[] = {['\n'] = "\\n", ['\t'] = "\\t",
+                                                ['\r'] = "\\r"};
+
+            if (len == 1 && c < sizeof(named) / sizeof(named[0]) && named[c] != NULL)
+                tl = (size_t)snprintf(tmp, sizeof(tmp), "%s", named[c]);
+            else
+                tl = (size_t)snprintf(tmp, sizeof(tmp), "\\x%02x", p[i]);
+            len = 1; /* a refused sequence is shown byte by byte */
+        } else if (c == '"' || c == '\\') {
+            tl = (size_t)snprintf(tmp, sizeof(tmp), "\\%c", (char)c);
+        } else {
+            memcpy(tmp, p + i, len);
+            tl = len;
+        }
+        /* Room for this, the closing quote and the NUL, or the cut mark "..." instead. */
+        if (o + tl + 2 > outlen || (i + len < n && o + tl + 5 > outlen)) {
+            if (o + 5 > outlen)
+                o = outlen - 5;
+            memcpy(out + o, "...", 3);
+            o += 3;
+            break;
+        }
+        memcpy(out + o, tmp, tl);
+        o += tl;
+        i += len;
+    }
+    out[o++] = '"';
+    out[o] = '\0';
+    return out;
+}
+
+int rf_tensor_name_check(const char *name, rf_err *err)
+{
+    const unsigned char *p = (const unsigned char *)name;
+    const char *what = NULL;
+    char esc[160];
+    size_t n, i, len;
+    uint32_t c = 0;
+
+    if (name == NULL || name[0] == '\0')
+        return rf_err_set(err, -EINVAL, "tensor with an empty name: every tensor needs its HF "
+                          "name");
+    n = strlen(name);
+    if (n >= RF_NAME_MAX)
+        return rf_err_set(err, -EINVAL, "tensor name %s is %zu bytes long; the limit is %d",
+                          rf_name_escape(name, esc, 80), n, RF_NAME_MAX - 1);
+    for (i = 0; i < n; i += len) {
+        len = utf8_next(p + i, n - i, &c);
+        if (len == 0) {
+            what = "a byte that is not valid UTF-8";
+            break;
+        }
+        what = unprintable(c);
+        if (what == NULL && c == ' ')
+            what = "a space";
+        else if (what == NULL && (c == '"' || c == '\''))
+            what = "a quote";
+        else if (what == NULL && c == '\\')
+            what = "a backslash";
+        if (what != NULL)
+            break;
+    }
+    if (what == NULL)
+        return 0;
+    return rf_err_set(err, -EINVAL, "tensor name %s has %s (byte %zu, 0x%02x): a tensor name is "
+                      "printable UTF-8 without spaces, quotes, backslashes or control "
+                      "characters, like model.layers.0.mlp.up_proj.weight",
+                      rf_name_escape(name, esc, sizeof(esc)), what, i, p[i]);
+}
+
 int rf_inv_add_tensor(rf_inv *inv, const char *name, rf_dtype dtype, int ndim,
                       const int64_t *shape, uint32_t *id, rf_err *err)
 {
     char want[160], have[160];
     rf_tensor *t;
     uint32_t old;
+    bool found;
     int rc;
 
     if (name == NULL || name[0] == '\0')
         return rf_err_set(err, -EINVAL, "tensor with an empty name: every tensor needs its HF name");
-    if (strlen(name) >= RF_NAME_MAX)
-        return rf_err_set(err, -EINVAL, "tensor name %.64s... is %zu bytes long; the limit is %d",
-                          name, strlen(name), RF_NAME_MAX - 1);
+    /* A name already in the inventory passed the check when it came in; a piece registry of
+     * millions of pieces names the same tensors again and again. */
+    found = rf_inv_find_tensor(inv, name, &old) == 0;
+    if (!found) {
+        rc = rf_tensor_name_check(name, err);
+        if (rc < 0)
+            return rc;
+    }
     if (rf_dtype_size(dtype) == 0)
         return rf_err_set(err, -EINVAL, "tensor %s has an unknown dtype %d", name, (int)dtype);
     if (ndim < 1 || ndim > RF_MAX_DIMS)
@@ -476,7 +617,7 @@ int rf_inv_add_tensor(rf_inv *inv, const char *name, rf_dtype dtype, int ndim,
                               name, want);
         }
     }
-    if (rf_inv_find_tensor(inv, name, &old) == 0) {
+    if (found) {
         t = &inv->tensors[old];
         if (t->dtype != dtype || t->ndim != ndim ||
             memcmp(t->shape, shape, (size_t)ndim * sizeof(int64_t)) != 0) {

@@ -94,8 +94,22 @@ typedef struct rf_inv rf_inv;
 rf_inv *rf_inv_new(void);
 void rf_inv_free(rf_inv *inv);
 
+/* Whether name may name a tensor: 1 to RF_NAME_MAX - 1 bytes of valid UTF-8 (no overlong
+ * forms, surrogates or code points past U+10FFFF) made of printable characters other than
+ * space, quotes (" ') and backslash. Refused besides: control characters (C0 with newline and
+ * tab, DEL, C1), the line and paragraph separators and the bidirectional controls, which
+ * change how a line reads. Names are printed verbatim in logs, messages and status, and no
+ * framework's parameter names (model.layers.3.mlp.up_proj.weight) need any of these. 0, or
+ * -EINVAL with err naming the problem, its byte offset and the name escaped. */
+int rf_tensor_name_check(const char *name, rf_err *err);
+/* Writes s into out (always NUL-terminated, cut with "..." when it does not fit) between
+ * double quotes, with C escapes for quotes, backslashes and control characters and \xNN for
+ * bytes that are not valid UTF-8: safe to print whatever s holds. Returns out. */
+char *rf_name_escape(const char *s, char *out, size_t outlen);
+
 /* Adds a tensor or returns the id of the one with this name, which must then have the same
- * dtype and shape (-EINVAL naming both otherwise). Shape dims must be >= 1. */
+ * dtype and shape (-EINVAL naming both otherwise). A new name must pass
+ * rf_tensor_name_check. Shape dims must be >= 1. */
 int rf_inv_add_tensor(rf_inv *inv, const char *name, rf_dtype dtype, int ndim,
                       const int64_t *shape, uint32_t *id, rf_err *err);
 /* 0 and *id, or -ENOENT. O(1) on average. */

@@ -209,6 +209,100 @@ Test(layout, tensors)
     cr_assert_eq(rf_inv_tensor(inv, 1)->ndim, 1);
 }
 
+/* Tensor names: what passes, and what is refused with the problem, its byte and the name
+ * escaped (never raw: the message goes to logs). */
+typedef struct name_case {
+    const char *name;
+    const char *problem; /* NULL: accepted */
+    const char *shown;   /* the escaped name in the message */
+    int byte;
+} name_case;
+
+static const name_case name_cases[] = {
+    {"model.layers.0.mlp.up_proj.weight", NULL, NULL, 0},
+    {"model.embed_tokens.weight", NULL, NULL, 0},
+    {"experts.w13_weight:0/shard-1", NULL, NULL, 0},
+    {"\xe6\xa8\xa1\xe5\x9e\x8b.\xe6\x9d\x83\xe9\x87\x8d", NULL, NULL, 0}, /* 模型.权重 */
+    {"\xf0\x9f\xa6\x99.weight", NULL, NULL, 0},                                   /* U+1F999 */
+    {"model.layers.0\n.weight", "a control character", "\"model.layers.0\\n.weight\"", 14},
+    {"a\tb", "a control character", "\"a\\tb\"", 1},
+    {"a\rb", "a control character", "\"a\\rb\"", 1},
+    {"a\x1b[31mred", "a control character", "\"a\\x1b[31mred\"", 1},
+    {"a\x7f", "a control character", "\"a\\x7f\"", 1},
+    {"a\xc2\x85" "b", "a control character", "\"a\\xc2\\x85b\"", 1},               /* NEL, C1 */
+    {"a\"b", "a quote", "\"a\\\"b\"", 1},
+    {"a'b", "a quote", "\"a'b\"", 1},
+    {"a\\b", "a backslash", "\"a\\\\b\"", 1},
+    {"a b", "a space", "\"a b\"", 1},
+    {"ab\xff", "not valid UTF-8", "\"ab\\xff\"", 2},
+    {"a\xc0\xaf", "not valid UTF-8", "\"a\\xc0\\xaf\"", 1},                    /* overlong / */
+    {"a\xed\xa0\x80", "not valid UTF-8", "\"a\\xed\\xa0\\x80\"", 1},           /* surrogate */
+    {"a\xf4\x90\x80\x80", "not valid UTF-8", "\"a\\xf4\\x90\\x80\\x80\"", 1}, /* > U+10FFFF */
+    {"a\xe6\xa8", "not valid UTF-8", "\"a\\xe6\\xa8\"", 1},                      /* truncated */
+    {"\x80" "a", "not valid UTF-8", "\"\\x80a\"", 0},                                 /* stray */
+    {"a\xe2\x80\xa8" "b", "a line or paragraph separator", "\"a\\xe2\\x80\\xa8b\"", 1},
+    {"abc\xe2\x80\xae" "txt.exe", "a bidirectional control", "\"abc\\xe2\\x80\\xaetxt.exe\"", 3},
+};
+
+Test(layout, tensor_names)
+{
+    int64_t shape[1] = {4};
+    uint32_t id, n = 0;
+    char msg[64];
+
+    for (size_t i = 0; i < sizeof(name_cases) / sizeof(name_cases[0]); i++) {
+        const name_case *c = &name_cases[i];
+        rf_err err = {0};
+        int rc = rf_inv_add_tensor(inv, c->name, RF_DT_FP32, 1, shape, &id, &err);
+
+        if (c->problem == NULL) {
+            cr_assert_eq(rc, 0, "case %zu refused: %s", i, err.msg);
+            cr_assert_eq(rf_tensor_name_check(c->name, &err), 0);
+            n++;
+            continue;
+        }
+        cr_assert_eq(rc, -EINVAL, "case %zu (%s) accepted", i, c->shown);
+        cr_assert(strstr(err.msg, c->problem), "case %zu: %s", i, err.msg);
+        cr_assert(strstr(err.msg, c->shown), "case %zu: no %s in: %s", i, c->shown, err.msg);
+        snprintf(msg, sizeof(msg), "(byte %d, 0x", c->byte);
+        cr_assert(strstr(err.msg, msg), "case %zu: not at byte %d: %s", i, c->byte, err.msg);
+        for (const char *p = err.msg; *p; p++)
+            cr_assert((unsigned char)*p >= 0x20 && *p != 0x7f, "case %zu: raw byte in %s", i,
+                      err.msg);
+        cr_assert_eq(rf_tensor_name_check(c->name, &err), -EINVAL);
+    }
+    cr_assert_eq(rf_inv_ntensors(inv), n, "a refused name was added");
+}
+
+Test(layout, tensor_name_length_and_escape_cut)
+{
+    int64_t shape[1] = {4};
+    char name[300], out[32];
+    rf_err err = {0};
+    uint32_t id;
+
+    memset(name, 'a', sizeof(name));
+    name[RF_NAME_MAX - 1] = '\0'; /* 255 bytes: the longest name */
+    cr_assert_eq(rf_inv_add_tensor(inv, name, RF_DT_FP32, 1, shape, &id, &err), 0, "%s",
+                 err.msg);
+    name[RF_NAME_MAX - 1] = '\n';
+    name[RF_NAME_MAX] = '\0';
+    cr_assert_eq(rf_inv_add_tensor(inv, name, RF_DT_FP32, 1, shape, &id, &err), -EINVAL);
+    cr_assert(strstr(err.msg, "is 256 bytes long; the limit is 255"), "%s", err.msg);
+    cr_assert(strstr(err.msg, "aaa...\""), "the name is not shown cut: %s", err.msg);
+    cr_assert_null(strchr(err.msg, '\n'));
+
+    /* Cut on whole escapes and characters, closed with a quote, never past the buffer. */
+    cr_assert_str_eq(rf_name_escape("abc", out, sizeof(out)), "\"abc\"");
+    cr_assert_str_eq(rf_name_escape("\n\n\n\n\n\n\n\n\n\n\n\n\n\n\n\n", out, 16),
+                     "\"\\n\\n\\n\\n\\n...\"");
+    cr_assert_str_eq(rf_name_escape("0123456789", out, 12), "\"012345...\"");
+    cr_assert_eq(strlen(rf_name_escape("0123456789abcdef", out, 12)), 11, "%s", out);
+    cr_assert_str_eq(rf_name_escape("\xe6\xa8\xa1\xe6\xa8\xa1\xe6\xa8\xa1", out, 10),
+                     "\"\xe6\xa8\xa1...\"");
+    cr_assert_str_eq(rf_name_escape("abc", out, 4), "");
+}
+
 Test(layout, many_tensors_hash)
 {
     char name[64];
