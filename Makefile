@@ -21,6 +21,11 @@ else
 Q := @
 endif
 
+# A build directory remembers how it was made: `make asan` and `make fuzz` write its
+# flavour.mk, so that a later plain `make BUILD=build-asan ...` (tests/e2e/40-install.sh runs
+# `make install` on the build under test) builds the same way instead of mixing objects.
+-include $(BUILD)/flavour.mk
+
 # Sanitizers, each in a build directory of its own. SAN=1: AddressSanitizer and
 # UndefinedBehaviorSanitizer on every object and program (`make asan` builds that in
 # $(ASAN_BUILD) and runs the tests with it). FUZZ=1: the same with clang and libFuzzer's
@@ -184,6 +189,7 @@ SAN_ENV     = PATH="$(SAN_DIR)/bin:$$PATH" \
               UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1:log_path=$(SAN_DIR)/ubsan"
 
 asan: deps
+	$(Q)mkdir -p $(ASAN_BUILD) && echo 'SAN = 1' >$(ASAN_BUILD)/flavour.mk
 	$(Q)$(MAKE) --no-print-directory BUILD=$(ASAN_BUILD) SAN=1 all
 	$(Q)$(MAKE) --no-print-directory BUILD=$(ASAN_BUILD) SAN=1 asan-tests
 
@@ -192,7 +198,8 @@ asan-tests:
 	$(Q)rm -rf $(SAN_DIR) && mkdir -p $(SAN_DIR)/bin
 	$(Q)printf '#!/bin/sh\nLD_PRELOAD="%s$${LD_PRELOAD:+ $$LD_PRELOAD}" ASAN_OPTIONS="$$ASAN_OPTIONS:detect_leaks=0" exec %s "$$@"\n' \
 		"$(LIBASAN)" "$(PYTHON3)" >$(SAN_DIR)/bin/python3 && chmod +x $(SAN_DIR)/bin/python3
-	$(Q)rc=0; $(SAN_ENV) $(MAKE) --no-print-directory unit e2e || rc=$$?; \
+	$(Q)rc=0; { $(SAN_ENV) $(MAKE) --no-print-directory unit && \
+		$(SAN_ENV) $(MAKE) --no-print-directory e2e; } || rc=$$?; \
 	for f in $(SAN_DIR)/*san.*; do \
 		[ -e "$$f" ] || continue; rc=1; echo "--- sanitizer report $$f"; cat "$$f"; \
 	done; \
@@ -224,6 +231,7 @@ fuzz-bins: $(FUZZ_BINS) $(BUILD)/fuzz/gen_corpus
 
 fuzz:
 	$(Q)scripts/deps.sh fuzz
+	$(Q)mkdir -p $(FUZZ_BUILD) && printf 'FUZZ = 1\nCC = %s\n' $(FUZZ_CC) >$(FUZZ_BUILD)/flavour.mk
 	$(Q)$(MAKE) --no-print-directory BUILD=$(FUZZ_BUILD) FUZZ=1 CC=$(FUZZ_CC) fuzz-bins
 	$(Q)failed=""; for t in $(FUZZ_NAMES); do \
 		log=$(FUZZ_BUILD)/fuzz/$$t.log; \
@@ -245,6 +253,7 @@ fuzz-long:
 
 fuzz-corpus:
 	$(Q)scripts/deps.sh fuzz
+	$(Q)mkdir -p $(FUZZ_BUILD) && printf 'FUZZ = 1\nCC = %s\n' $(FUZZ_CC) >$(FUZZ_BUILD)/flavour.mk
 	$(Q)$(MAKE) --no-print-directory BUILD=$(FUZZ_BUILD) FUZZ=1 CC=$(FUZZ_CC) $(FUZZ_BUILD)/fuzz/gen_corpus
 	$(Q)$(FUZZ_BUILD)/fuzz/gen_corpus fuzz/corpus
 
