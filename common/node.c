@@ -14,6 +14,7 @@
 #endif
 #include "registry.h"
 #include "slice.h"
+#include "version.h"
 #include "xfer.h"
 
 /* How late the status endpoint's snapshot may be after a change (snapshot_soon). */
@@ -35,7 +36,6 @@ struct rf_node {
     rf_slice_job next;  /* a slice still arriving, or complete while a refit ran */
     bool slice_stale;   /* slice must go once the running data path ends */
     uint64_t slice_keys; /* plan_key of the last slice made runnable: one per slice */
-    uint64_t ready;  /* highest version the local trainers published */
 
     /* The refit in flight (running) and the last one that ended. */
     bool running;
@@ -142,6 +142,7 @@ static void send_inventory(rf_node *n)
         inv.generation = rf_registry_generation(n->reg);
         inv.complete = false;
     }
+    inv.committed = n->committed;
     env.body_case = REFIT__ENVELOPE__BODY_INVENTORY;
     env.inventory = &inv;
     send_env(n, &env);
@@ -152,14 +153,18 @@ static void send_inventory(rf_node *n)
         rf_slice_inv_msg_free(&inv);
 }
 
+/* Publishers: what the registry says now, also when it is "not ready" (0). The coordinator
+ * takes each Ready as the whole truth, so it is sent at every change, after every inventory
+ * and after every Abort. */
 static void send_ready(rf_node *n)
 {
     Refit__Envelope env = REFIT__ENVELOPE__INIT;
     Refit__Ready ready = REFIT__READY__INIT;
+    uint64_t v = rf_registry_ready(n->reg);
 
-    if (n->side != RF_SRC || n->ready <= n->committed)
+    if (n->side != RF_SRC)
         return;
-    ready.version = n->ready;
+    ready.version = v > n->committed ? v : 0;
     env.body_case = REFIT__ENVELOPE__BODY_READY;
     env.ready = &ready;
     send_env(n, &env);
@@ -172,6 +177,7 @@ static void on_inventory(rf_registry *r, void *ud)
     (void)r;
     drop_slice(n);
     send_inventory(n);
+    send_ready(n);
     snapshot_soon(n);
 }
 
@@ -185,6 +191,7 @@ static void on_change(rf_registry *r, void *ud)
                 (unsigned long long)n->version);
     drop_slice(n);
     send_inventory(n);
+    send_ready(n);
     snapshot_soon(n);
 }
 
@@ -219,9 +226,10 @@ static void on_ready(rf_registry *r, uint64_t version, void *ud)
     rf_node *n = ud;
 
     (void)r;
-    if (version > n->ready)
-        n->ready = version;
-    RF_INFO("local trainers published version %llu", (unsigned long long)version);
+    if (version)
+        RF_INFO("local trainers published version %llu", (unsigned long long)version);
+    else
+        RF_INFO("local trainers hold no published version now");
     send_ready(n);
     snapshot_soon(n);
 }
@@ -246,10 +254,8 @@ static int on_refit(rf_registry *r, uint64_t version, rf_err *err, void *ud)
     Refit__Trigger trig = REFIT__TRIGGER__INIT;
 
     (void)r;
-    if (version <= n->committed)
-        return rf_err_set(err, -EINVAL, "version %llu is not newer than the committed version "
-                          "%llu", (unsigned long long)version,
-                          (unsigned long long)n->committed);
+    if (rf_version_check(version, n->committed, "Refit", err) < 0)
+        return err->code;
     if (!n->coord)
         return rf_err_set(err, -ENOTCONN, "this daemon is not connected to the coordinator at "
                           "%s; see refitctl status", n->cfg->coordinator_addr);
@@ -592,8 +598,8 @@ static void on_abort(rf_node *n, uint64_t version, const char *reason)
         rf_xfer_abort(n->xfer);
     if (n->side == RF_SRC) {
         rf_registry_abort(n->reg, version, reason);
-        if (n->ready == version)
-            n->ready = n->committed;
+        /* The coordinator forgot every publisher's readiness at the abort. */
+        send_ready(n);
     }
     rf_registry_notify(n->reg, RF_REG_ABORTED, version, reason);
     if (n->last.version == version || !n->running)

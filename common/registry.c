@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include "rpc.h"
+#include "version.h"
 
 #define DEVICE_MAX 128
 #define CLIENT_NAME_MAX 128
@@ -51,7 +52,9 @@ typedef struct reg_client {
     uint32_t nregions, cap_regions;
     reg_piece *pieces;
     uint32_t npieces, cap_pieces;
-    uint64_t published;
+    uint64_t published; /* trainers: the last version published (versions only increase) */
+    uint64_t offered;   /* trainers: the version their memory holds for a refit; 0 after an
+                           abort or release of it, until they publish again */
     bool gated;        /* engines: installs wait for Consumed */
     uint64_t consumed; /* gated engines: last version they are done with */
     reg_waiter *waiters;
@@ -237,21 +240,38 @@ static void changed(rf_registry *r)
         r->cb.on_change(r, r->ud);
 }
 
-static void check_ready(rf_registry *r)
+/* Trainers: the version a refit may read from this daemon's memory: every expected client is
+ * here, sealed, and offers that same version, not released yet. 0 otherwise: a client is
+ * missing or re-registering (its successor has published nothing), the clients offer different
+ * versions (one has moved on), or an abort took the offer back. */
+static uint64_t ready_version(const rf_registry *r)
 {
     const reg_client *c;
-    uint64_t min = UINT64_MAX;
+    uint64_t v = 0;
 
-    if (r->side != RF_SRC || count_data(r, true) != r->expected || r->expected == 0)
+    if (r->side != RF_SRC || r->expected == 0 || count_data(r, true) != r->expected)
+        return 0;
+    for (c = r->clients; c != NULL; c = c->next) {
+        if (!is_data(c))
+            continue;
+        if (c->offered == 0 || (v != 0 && c->offered != v))
+            return 0;
+        v = c->offered;
+    }
+    return v > r->released ? v : 0;
+}
+
+/* Readiness belongs to the clients that published it: recomputed at every change of them or
+ * of their offers, and reported whenever it changes, to 0 included. */
+static void check_ready(rf_registry *r)
+{
+    uint64_t v = ready_version(r);
+
+    if (v == r->ready)
         return;
-    for (c = r->clients; c != NULL; c = c->next)
-        if (is_data(c) && c->published < min)
-            min = c->published;
-    if (min == UINT64_MAX || min <= r->ready)
-        return;
-    r->ready = min;
+    r->ready = v;
     if (!r->closing && r->cb.on_ready)
-        r->cb.on_ready(r, min, r->ud);
+        r->cb.on_ready(r, v, r->ud);
 }
 
 static void reply_version(reg_client *c, uint64_t id, uint64_t version)
@@ -382,6 +402,8 @@ static void on_close(rf_rpc_conn *conn, void *ud)
     if (had && rebuild(r, &err) < 0)
         fprintf(stderr, "registry: %s\n", err.msg);
     client_free(c);
+    /* Readiness first: the inventory change that follows is reported with it already gone. */
+    check_ready(r);
     if (data)
         changed(r);
     check_consumed(r);
@@ -417,8 +439,9 @@ static void do_hello(rf_registry *r, reg_client *c, uint64_t id, const Refit__Rp
                               want_trainer ? "publisher" : "receiver");
             return;
         }
-        if (h->rank < 0) {
-            rf_rpc_conn_reply(c->conn, id, -EINVAL, "rank %d is negative", h->rank);
+        if (h->rank < 0 || h->rank > RF_REGISTRY_MAX_RANK) {
+            rf_rpc_conn_reply(c->conn, id, -EINVAL, "rank %d is outside 0..%d: give the "
+                              "client's global rank", h->rank, RF_REGISTRY_MAX_RANK);
             return;
         }
         for (o = r->clients; o != NULL; o = o->next) {
@@ -702,16 +725,20 @@ static void do_seal(rf_registry *r, reg_client *c, uint64_t id)
         rf_rpc_conn_reply(c->conn, id, rc, "seal refused: %s; this client's pieces were "
                           "dropped (its regions kept): register them again", err.msg);
         changed(r);
+        check_ready(r);
         return;
     }
     c->sealed = true;
     r->generation++;
     rf_rpc_conn_reply(c->conn, id, 0, "sealed");
     check_complete(r);
+    check_ready(r);
 }
 
 static void do_publish(rf_registry *r, reg_client *c, uint64_t id, uint64_t version)
 {
+    rf_err err = {0};
+
     if (c->kind != REFIT__RPC__CLIENT_KIND__CLIENT_TRAINER) {
         rf_rpc_conn_reply(c->conn, id, -EPERM, "Publish is for trainers, not %s clients",
                           kind_name(c->kind));
@@ -722,13 +749,19 @@ static void do_publish(rf_registry *r, reg_client *c, uint64_t id, uint64_t vers
                           "register the pieces and seal first", version);
         return;
     }
-    if (version <= r->released || version < c->published) {
+    if (rf_version_check(version, r->released, "Publish", &err) < 0) {
+        rf_rpc_conn_reply(c->conn, id, err.code, "%s", err.msg);
+        return;
+    }
+    /* The same version again is how trainers retry after an abort. */
+    if (version < c->published) {
         rf_rpc_conn_reply(c->conn, id, -EINVAL, "Publish of version %" PRIu64 ": versions "
-                          "must increase (released %" PRIu64 ", this client published %" PRIu64
-                          ")", version, r->released, c->published);
+                          "must not decrease (this client published %" PRIu64 ")", version,
+                          c->published);
         return;
     }
     c->published = version;
+    c->offered = version;
     rf_rpc_conn_reply(c->conn, id, 0, "published");
     check_ready(r);
 }
@@ -991,12 +1024,29 @@ json_t *rf_registry_status(const rf_registry *r)
     return o;
 }
 
+/* Takes back every offer of a version <= version (released, or aborted). */
+static void withdraw_offers(rf_registry *r, uint64_t version)
+{
+    reg_client *c;
+
+    for (c = r->clients; c != NULL; c = c->next)
+        if (c->offered <= version)
+            c->offered = 0;
+}
+
 void rf_registry_release(rf_registry *r, uint64_t version)
 {
     if (version <= r->released)
         return;
     answer_waiters(r, 1u << WAIT_RELEASED, 0, version, 0, NULL);
     r->released = version;
+    withdraw_offers(r, version);
+    check_ready(r);
+}
+
+uint64_t rf_registry_ready(const rf_registry *r)
+{
+    return r->ready;
 }
 
 void rf_registry_abort(rf_registry *r, uint64_t version, const char *reason)
@@ -1006,9 +1056,10 @@ void rf_registry_abort(rf_registry *r, uint64_t version, const char *reason)
     snprintf(msg, sizeof(msg), "refit of version %" PRIu64 " aborted: %s; the weights were "
              "not released, publish again to retry", version, reason ? reason : "no reason");
     answer_waiters(r, 1u << WAIT_RELEASED, r->released, version, -ECANCELED, msg);
-    /* Trainers may publish the version again: the next publish re-arms on_ready. */
-    if (r->ready >= version || r->ready > r->released)
-        r->ready = r->released;
+    /* The failed publishes are taken back: a persistent failure does not loop. Trainers publish
+     * again (the same version or a later one) and readiness is reported anew. */
+    withdraw_offers(r, version);
+    check_ready(r);
 }
 
 void rf_registry_notify(rf_registry *r, rf_reg_event ev, uint64_t version, const char *reason)

@@ -31,7 +31,9 @@ typedef struct rf_registry_cb {
     /* A trainer or engine client left or had its pieces dropped: the inventory changed and is
      * incomplete until on_inventory. */
     void (*on_change)(rf_registry *r, void *ud);
-    /* Trainers only: every expected trainer has published version (or a later one). */
+    /* Trainers only: readiness changed. version: every expected trainer is sealed and offers
+     * exactly this version, not released yet; 0: not ready (a trainer left or re-registered,
+     * they offer different versions, or the offer was released or aborted). */
     void (*on_ready)(rf_registry *r, uint64_t version, void *ud);
     /* refitctl status: set *json to a malloc'd JSON document (the registry frees it), or
      * fail with err. NULL: status requests are refused. */
@@ -86,6 +88,12 @@ uint64_t rf_registry_consumed(const rf_registry *r);
  * it); releasing the hold unmaps what was deferred. */
 void rf_registry_hold(rf_registry *r, bool hold);
 
+/* The highest rank a client may give (ranks are global: engine ranks 8-15 on a second node). */
+#define RF_REGISTRY_MAX_RANK ((1 << 20) - 1)
+
+/* Trainers: the version every expected trainer publishes now and that is not released, or 0
+ * (see rf_registry_cb.on_ready). */
+uint64_t rf_registry_ready(const rf_registry *r);
 /* Trainers: version is committed, they may overwrite their weights: answers WaitReleased for
  * every version <= version. */
 void rf_registry_release(rf_registry *r, uint64_t version);

@@ -10,6 +10,7 @@
 #include "macros.h"
 #include "plan.h"
 #include "slice.h"
+#include "version.h"
 #include "xfer.h"
 
 /* Abort waits this long for every member's Done of the aborted version before the next refit
@@ -29,7 +30,8 @@ typedef struct member {
     size_t inv_len;
     bool inv_complete;
     uint64_t inv_gen;
-    uint64_t ready;    /* publishers: highest version all its trainers published */
+    uint64_t ready;    /* publishers: the version all its trainers offer now, as its last Ready
+                          said (0: none); forgotten at every abort and inventory */
     bool idle;         /* receivers: their gated engines consumed the last commit (receive
                           quorum); false until told after every commit */
     bool done, done_ok;
@@ -193,10 +195,11 @@ static void abort_refit(rf_coord *c, const char *reason)
     snprintf(c->last.result, sizeof(c->last.result), "aborted");
     c->last.total_s = now_s() - c->t_start;
     rf_metric_add(c->m_refits, 1, "aborted");
-    /* Trainers must publish again (their publish of this version failed), and an operator
-     * trigger is consumed: a persistent failure must not loop. */
+    /* Trainers must publish again (their publish of this version failed, and each publisher
+     * says anew what its trainers offer after it handled the Abort), and an operator trigger
+     * is consumed: a persistent failure must not loop. */
     for (i = 0; i < c->npub; i++)
-        c->m[i].ready = c->committed;
+        c->m[i].ready = 0;
     c->trigger = c->committed;
     c->state = ST_ABORTING;
     uv_idle_stop(&c->spin);
@@ -289,7 +292,8 @@ static void try_start(rf_coord *c)
 {
     Refit__Envelope env = REFIT__ENVELOPE__INIT;
     Refit__Start st = REFIT__START__INIT;
-    uint64_t target = UINT64_MAX;
+    uint64_t target = 0;
+    bool ready = true;
     uint32_t i;
 
     if (c->closing || c->state != ST_IDLE || !c->plan_ready)
@@ -301,12 +305,20 @@ static void try_start(rf_coord *c)
     for (i = c->npub; i < c->nmembers; i++)
         if (!c->m[i].idle)
             return;
-    for (i = 0; i < c->npub; i++)
-        if (c->m[i].ready < target)
-            target = c->m[i].ready;
-    if (c->trigger > c->committed && (target <= c->committed || c->trigger > target))
+    /* A version starts only when every publisher's trainers offer exactly it: a publisher whose
+     * trainers hold another version (one moved on, or its trainers were replaced) holds it
+     * back, so no version is ever read from memory that was not published as it. */
+    for (i = 0; i < c->npub; i++) {
+        if (c->m[i].ready <= c->committed || (i > 0 && c->m[i].ready != target))
+            ready = false;
+        target = c->m[i].ready;
+    }
+    /* An operator's trigger reads what the trainers hold now, published or not. */
+    if (c->trigger > c->committed && (!ready || c->trigger > target)) {
         target = c->trigger;
-    if (target == UINT64_MAX || target <= c->committed)
+        ready = true;
+    }
+    if (!ready || c->npub == 0)
         return;
 
     c->state = ST_RUNNING;
@@ -598,7 +610,7 @@ static void peer_up(rf_peer *p, const Refit__Hello *h)
         m->inv = NULL;
         m->inv_len = 0;
         m->inv_complete = false;
-        m->ready = c->committed;
+        m->ready = 0;
         m->idle = false;
     }
     m->daemon_id = h->daemon_id;
@@ -628,8 +640,20 @@ static void on_inventory(rf_coord *c, uint32_t i, const Refit__Inventory *inv)
     mb->inv_len = len;
     mb->inv_complete = inv->complete;
     mb->inv_gen = inv->generation;
+    /* A new inventory means new clients: their readiness comes in the Ready that follows. */
+    mb->ready = 0;
     RF_INFO("inventory of %s: %s, %zu pieces", member_name(c, i, name, sizeof(name)),
             inv->complete ? "complete" : "incomplete", inv->n_pieces);
+    /* A restarted coordinator continues from the version the cluster committed last: no plan
+     * is built (so nothing starts) before every member's inventory brought its own. */
+    if (inv->committed > c->committed) {
+        RF_INFO("%s reports version %llu committed: the cluster continues from it",
+                member_name(c, i, name, sizeof(name)), (unsigned long long)inv->committed);
+        c->committed = inv->committed;
+        if (c->trigger < c->committed)
+            c->trigger = c->committed;
+        rf_metric_set(c->m_committed, (double)c->committed);
+    }
     invalidate_plan(c, "an inventory changed (a client left or re-registered)");
     schedule_build(c);
 }
@@ -671,6 +695,53 @@ static void on_done(rf_coord *c, uint32_t i, const Refit__Done *d)
     commit_refit(c);
 }
 
+/* Tells member i why what it sent was refused (its log and status show the message). */
+static void refuse(rf_coord *c, uint32_t i, const rf_err *err)
+{
+    Refit__Envelope env = REFIT__ENVELOPE__INIT;
+    Refit__Error e = REFIT__ERROR__INIT;
+    char name[128];
+
+    RF_WARN("%s: %s", member_name(c, i, name, sizeof(name)), err->msg);
+    e.code = err->code;
+    e.message = (char *)err->msg;
+    env.body_case = REFIT__ENVELOPE__BODY_ERROR;
+    env.error = &e;
+    send_to(c, i, &env);
+}
+
+static void on_ready(rf_coord *c, uint32_t i, uint64_t version)
+{
+    rf_err err = {0};
+
+    if (version != 0 && rf_version_check(version, c->committed, "Ready", &err) < 0) {
+        rf_err_wrap(&err, "the trainers of this publisher must publish a newer version: ");
+        refuse(c, i, &err);
+        version = 0;
+    }
+    c->m[i].ready = version;
+    if (version != 0 && c->t_first_ready == 0)
+        c->t_first_ready = now_s();
+    try_start(c);
+}
+
+static void on_trigger(rf_coord *c, uint32_t i, uint64_t version)
+{
+    rf_err err = {0};
+
+    if (rf_version_check(version, c->committed, "Trigger", &err) < 0) {
+        refuse(c, i, &err);
+        return;
+    }
+    if (version > c->trigger) {
+        RF_INFO("operator trigger of version %llu", (unsigned long long)version);
+        c->trigger = version;
+        if (c->t_first_ready == 0)
+            c->t_first_ready = now_s();
+    }
+    try_start(c);
+}
+
 static void peer_envelope(rf_peer *p, const Refit__Envelope *env)
 {
     rf_coord *c = rf_peer_data(p);
@@ -685,12 +756,7 @@ static void peer_envelope(rf_peer *p, const Refit__Envelope *env)
     case REFIT__ENVELOPE__BODY_READY:
         if ((uint32_t)i >= c->npub)
             break;
-        if (env->ready->version > c->m[i].ready) {
-            c->m[i].ready = env->ready->version;
-            if (c->t_first_ready == 0)
-                c->t_first_ready = now_s();
-        }
-        try_start(c);
+        on_ready(c, (uint32_t)i, env->ready->version);
         break;
     case REFIT__ENVELOPE__BODY_IDLE:
         if ((uint32_t)i < c->npub)
@@ -699,13 +765,7 @@ static void peer_envelope(rf_peer *p, const Refit__Envelope *env)
         try_start(c);
         break;
     case REFIT__ENVELOPE__BODY_TRIGGER:
-        if (env->trigger->version > c->trigger) {
-            RF_INFO("operator trigger of version %llu", (unsigned long long)env->trigger->version);
-            c->trigger = env->trigger->version;
-            if (c->t_first_ready == 0)
-                c->t_first_ready = now_s();
-        }
-        try_start(c);
+        on_trigger(c, (uint32_t)i, env->trigger->version);
         break;
     case REFIT__ENVELOPE__BODY_DONE:
         on_done(c, (uint32_t)i, env->done);

@@ -1,7 +1,7 @@
 #!/bin/bash
 # The operator's side: `refitctl refit --version N --wait` triggers a refit from the weights the
 # trainers hold (unpublished), `refitctl watch --until N` follows it, `refitctl wait` returns;
-# refusals and exit codes: an old version (1), bad usage (2), no daemon (3).
+# refusals and exit codes: an old version or one far ahead (1), bad usage (2), no daemon (3).
 . "$(dirname "$0")/lib.sh"
 E2E_PUBLISHERS=1 E2E_RECEIVERS=1
 M="--model qwen3-0.6b --shrink 4"
@@ -10,6 +10,10 @@ start_receiver 0 4
 start_engine eng 0 $M --layout tp=4 --versions 3
 start_trainer tr 0 $M --layout tp=2 --versions 2 --hold 3
 wait_for "$E2E_DIR/tr.log" "holding weights of version 3" 60
+# The top of the version space is refused with the reason (it once stopped every later refit).
+ctl --socket "$E2E_DIR/pub0.sock" refit --version 18446744073709551615 > "$E2E_DIR/max.log" 2>&1
+[ $? = 1 ] || fail "refit of version 2^64-1 did not exit 1: $(cat "$E2E_DIR/max.log")"
+grep -q "at most 4294967296 ahead" "$E2E_DIR/max.log" || fail "no reason for the refusal: $(cat "$E2E_DIR/max.log")"
 ctl --socket "$E2E_DIR/recv0.sock" watch --until 3 --interval 0.05 > "$E2E_DIR/watch.log" 2>&1 &
 WATCH=$!
 ctl --socket "$E2E_DIR/recv0.sock" refit --version 3 --wait --timeout 30 > "$E2E_DIR/refit.log" 2>&1 \
@@ -22,7 +26,7 @@ grep -q "version 3 committed.*, 0 wrong" "$E2E_DIR/eng.log" || fail "engine did 
 ctl --socket "$E2E_DIR/pub0.sock" wait 3 --timeout 5 > /dev/null || fail "refitctl wait 3 failed"
 ctl --socket "$E2E_DIR/pub0.sock" refit --version 2 > "$E2E_DIR/old.log" 2>&1
 [ $? = 1 ] || fail "refit of an old version did not exit 1"
-grep -q "not newer than the committed version 3" "$E2E_DIR/old.log" || fail "no reason for the refusal: $(cat "$E2E_DIR/old.log")"
+grep -q "must be newer than the committed version 3" "$E2E_DIR/old.log" || fail "no reason for the refusal: $(cat "$E2E_DIR/old.log")"
 ctl --socket "$E2E_DIR/pub0.sock" refit > /dev/null 2>&1
 [ $? = 2 ] || fail "refit without --version did not exit 2"
 for bad in "wait 5x" "refit --version 5x" "status extra" "wait 3 --timeout abc" \

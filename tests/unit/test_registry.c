@@ -97,10 +97,19 @@ static int cb_wait(rf_registry *r, uint64_t v, rf_err *err, void *ud)
 
 static void async_cb(uv_async_t *a)
 {
+    void (*fn)(void *);
+    void *arg;
+
     (void)a;
     pthread_mutex_lock(&H.mu);
-    if (H.fn) {
-        H.fn(H.arg);
+    fn = H.fn;
+    arg = H.arg;
+    pthread_mutex_unlock(&H.mu);
+    /* Unlocked: fn may make the registry call back, and the callbacks take the lock. */
+    if (fn)
+        fn(arg);
+    pthread_mutex_lock(&H.mu);
+    if (fn) {
         H.fn = NULL;
         H.done = true;
     }
@@ -138,6 +147,7 @@ static void on_loop(void (*fn)(void *), void *arg)
 static void wait_count(int *counter, int n)
 {
     struct timespec ts;
+    int got;
 
     clock_gettime(CLOCK_REALTIME, &ts);
     ts.tv_sec += 5;
@@ -145,8 +155,10 @@ static void wait_count(int *counter, int n)
     while (*counter < n)
         if (pthread_cond_timedwait(&H.cv, &H.mu, &ts) != 0)
             break;
-    cr_assert_geq(*counter, n, "callback did not come");
+    got = *counter;
+    /* Unlocked before asserting: a failed test still tears down (teardown takes the lock). */
     pthread_mutex_unlock(&H.mu);
+    cr_assert_geq(got, n, "callback did not come");
 }
 
 static void open_registry(rf_side side, unsigned expected)
@@ -266,6 +278,17 @@ static void register_halves(refit_client *c, float **mem)
 }
 
 static void call_release(void *arg) { rf_registry_release(H.reg, *(uint64_t *)arg); }
+static void call_abort(void *arg) { rf_registry_abort(H.reg, *(uint64_t *)arg, "test abort"); }
+static void get_ready(void *arg) { *(uint64_t *)arg = rf_registry_ready(H.reg); }
+
+/* The registry's readiness now: requests answered before this call have been handled. */
+static uint64_t ready_now(void)
+{
+    uint64_t v = 0;
+
+    on_loop(get_ready, &v);
+    return v;
+}
 
 static void timer_cb(uv_timer_t *t)
 {
@@ -337,7 +360,8 @@ Test(registry, trainers_register_publish_and_are_released)
     cr_assert_eq(((uint8_t *)mem[0])[0], 0);
 
     OK(refit_publish(t0, 1), t0);
-    cr_assert_eq(H.n_ready, 0, "ready only when every trainer published");
+    cr_assert_eq(ready_now(), 0, "ready only when every trainer published");
+    cr_assert_eq(H.n_ready, 0);
     OK(refit_publish(t1, 1), t1);
     wait_count(&H.n_ready, 1);
     cr_assert_eq(H.ready, 1);
@@ -345,21 +369,86 @@ Test(registry, trainers_register_publish_and_are_released)
     on_loop(call_release, &v);
     OK(refit_wait_released(t0, 1, 2000), t0);
     OK(refit_wait_released(t1, 1, 2000), t1);
-    FAILS(refit_publish(t0, 1), t0, -EINVAL, "versions must increase");
+    /* The release takes the offer back: readiness reported as 0. */
+    wait_count(&H.n_ready, 2);
+    cr_assert_eq(H.ready, 0);
+    FAILS(refit_publish(t0, 1), t0, -ERANGE, "must be newer than the committed version 1");
 
-    /* Version 2 aborts while t0 waits: the error names the reason; publishing 2 again
-     * re-arms ready. */
+    /* Version 2 aborts while t0 waits: the error names the reason, readiness goes to 0, and
+     * only when every trainer published 2 again is it ready again. */
     OK(refit_publish(t0, 2), t0);
     OK(refit_publish(t1, 2), t1);
-    wait_count(&H.n_ready, 2);
+    wait_count(&H.n_ready, 3);
+    cr_assert_eq(H.ready, 2);
     schedule(0, 2);
     FAILS(refit_wait_released(t0, 2, 5000), t0, -ECANCELED,
           "refit of version 2 aborted: receiver 3 timed out");
+    cr_assert_eq(ready_now(), 0);
     OK(refit_publish(t0, 2), t0);
-    wait_count(&H.n_ready, 3);
-    cr_assert_eq(H.ready, 2);
+    cr_assert_eq(ready_now(), 0, "t1 has not published 2 again");
+    OK(refit_publish(t1, 2), t1);
+    cr_assert_eq(ready_now(), 2);
+    cr_assert_eq(H.n_ready, 5, "2, then 0 at the abort, then 2 again");
     refit_close(t0);
     refit_close(t1);
+}
+
+/* Readiness belongs to the clients that published it: a trainer leaving takes it away, its
+ * successor publishes nothing until it publishes, and trainers offering different versions
+ * are not ready (the memory holds two versions). */
+Test(registry, readiness_dies_with_its_clients)
+{
+    refit_client *t0, *t1;
+    uint64_t v = 2;
+
+    open_registry(RF_SRC, 2);
+    t0 = conn("t0", 0, REFIT_TRAINER);
+    t1 = conn("t1", 1, REFIT_TRAINER);
+    register_halves(t0, NULL);
+    register_halves(t1, NULL);
+    OK(refit_seal(t0), t0);
+    OK(refit_seal(t1), t1);
+    OK(refit_publish(t0, 2), t0);
+    OK(refit_publish(t1, 2), t1);
+    cr_assert_eq(ready_now(), 2);
+
+    refit_close(t1);
+    wait_count(&H.n_change, 1);
+    cr_assert_eq(ready_now(), 0, "a trainer left: its publish is gone");
+    cr_assert_eq(H.ready, 0);
+    t1 = conn("t1b", 1, REFIT_TRAINER);
+    register_halves(t1, NULL);
+    OK(refit_seal(t1), t1);
+    cr_assert_eq(ready_now(), 0, "the new trainer has published nothing");
+    OK(refit_publish(t1, 50), t1);
+    cr_assert_eq(ready_now(), 0, "t0 offers 2, t1 offers 50: never version 2 from t1's memory");
+    OK(refit_publish(t0, 50), t0);
+    cr_assert_eq(ready_now(), 50);
+    /* A trainer moving on alone makes the daemon not ready again. */
+    OK(refit_publish(t0, 51), t0);
+    cr_assert_eq(ready_now(), 0);
+    /* An abort of an older version does not take back a newer offer. */
+    on_loop(call_abort, &v);
+    OK(refit_publish(t1, 51), t1);
+    cr_assert_eq(ready_now(), 51);
+    refit_close(t0);
+    refit_close(t1);
+}
+
+/* No version near the top of the version space gets in (UINT64_MAX was once a sentinel). */
+Test(registry, publish_versions_bounded)
+{
+    refit_client *t0;
+
+    open_registry(RF_SRC, 1);
+    t0 = conn("t0", 0, REFIT_TRAINER);
+    register_halves(t0, NULL);
+    OK(refit_seal(t0), t0);
+    FAILS(refit_publish(t0, UINT64_MAX), t0, -ERANGE, "at most 4294967296 ahead of it");
+    FAILS(refit_publish(t0, 0), t0, -ERANGE, "must be newer than the committed version 0");
+    OK(refit_publish(t0, UINT64_C(1) << 32), t0);
+    cr_assert_eq(ready_now(), UINT64_C(1) << 32);
+    refit_close(t0);
 }
 
 Test(registry, client_leaving_drops_its_regions_and_reregisters)
@@ -466,7 +555,10 @@ Test(registry, hello_refusals)
     FAILS(refit_connect(H.path, "e", 0, REFIT_ENGINE, &c), NULL, -EINVAL,
           "engine client connected to the publisher daemon");
     cr_assert_null(c);
-    FAILS(refit_connect(H.path, "t", -1, REFIT_TRAINER, &c), NULL, -EINVAL, "negative");
+    FAILS(refit_connect(H.path, "t", -1, REFIT_TRAINER, &c), NULL, -EINVAL,
+          "rank -1 is outside 0..1048575");
+    FAILS(refit_connect(H.path, "t", INT32_MAX, REFIT_TRAINER, &c), NULL, -EINVAL,
+          "rank 2147483647 is outside 0..1048575");
     FAILS(refit_connect(H.path, "t", 0, 7, &c), NULL, -EINVAL, "unknown client kind 7");
     t0 = conn("t0", 0, REFIT_TRAINER);
     FAILS(refit_connect(H.path, "dup", 0, REFIT_TRAINER, &c), NULL, -EADDRINUSE,
