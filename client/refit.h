@@ -69,6 +69,11 @@ int refit_publish(refit_client *c, uint64_t version);
 int refit_wait_released(refit_client *c, uint64_t version, int timeout_ms);
 /* Engines: blocks until version (or a later one) is committed; -ECANCELED on its abort. */
 int refit_wait_version(refit_client *c, uint64_t version, int timeout_ms);
+/* The same, and *reached (may be NULL) is the version the daemon has committed, which may be
+ * later than version (a refit triggered by an operator, an engine that fell behind): the
+ * engine's memory holds *reached, not version. */
+int refit_wait_version_reached(refit_client *c, uint64_t version, int timeout_ms,
+                               uint64_t *reached);
 /* Engines: the next pushed event (REFIT_EVENT_*) and its version; -ETIMEDOUT when none came. */
 int refit_next_event(refit_client *c, int timeout_ms, int *event, uint64_t *version);
 

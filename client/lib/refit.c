@@ -224,6 +224,29 @@ static int await(refit_client *c, uint64_t id, int timeout_ms, Refit__Rpc__Respo
     }
 }
 
+/* A send failed. A daemon that refuses a client (a uid it does not allow, a bad frame)
+ * writes why and closes, and the write that follows fails (EPIPE): its reason is still in
+ * our receive buffer, and it is what the caller must see. Reads what is left, for a short
+ * while, and fails with the daemon's message if it wrote one; otherwise with rc, whose
+ * message is already set. */
+static int farewell(refit_client *c, int rc)
+{
+    char send_err[ERR_MAX];
+    int64_t deadline = now_ms() + 1000;
+    size_t i;
+
+    memcpy(send_err, c->err, sizeof(send_err));
+    while (!c->broken && pump(c, remaining(deadline)) == 0)
+        ;
+    for (i = 0; i < c->nanswers; i++) {
+        Refit__Rpc__Response *r = c->answers[i];
+
+        if (r->id == 0 && r->code < 0)
+            return fail(c, r->code, "%s", r->message ? r->message : strerror(-r->code));
+    }
+    return fail(c, rc, "%s", send_err);
+}
+
 /* Sends req (with passfd) and waits for its answer; *out may be NULL when only the code
  * matters. */
 static int call(refit_client *c, Refit__Rpc__Request *req, int passfd, int timeout_ms,
@@ -239,9 +262,13 @@ static int call(refit_client *c, Refit__Rpc__Request *req, int passfd, int timeo
         return fail(c, -ENOTCONN, "the connection to the daemon is closed: connect again");
     req->id = ++c->next_id;
     rc = rf_rpc_send(c->fd, req, passfd, &err);
+    if (rc == -EMSGSIZE)
+        return fail(c, rc, "%s", err.msg); /* not sent: the connection is still in step */
     if (rc < 0) {
+        fail(c, rc, "%s", err.msg);
+        rc = farewell(c, rc);
         c->broken = true;
-        return fail(c, rc, "%s", err.msg);
+        return rc;
     }
     rc = await(c, req->id, timeout_ms, &r);
     if (rc == 0 && out)
@@ -515,13 +542,37 @@ int refit_wait_released(refit_client *c, uint64_t version, int timeout_ms)
 
 int refit_wait_version(refit_client *c, uint64_t version, int timeout_ms)
 {
+    return refit_wait_version_reached(c, version, timeout_ms, NULL);
+}
+
+int refit_wait_version_reached(refit_client *c, uint64_t version, int timeout_ms,
+                               uint64_t *reached)
+{
     Refit__Rpc__Request req = REFIT__RPC__REQUEST__INIT;
     Refit__Rpc__WaitVersion m = REFIT__RPC__WAIT_VERSION__INIT;
+    Refit__Rpc__Response *r = NULL;
+    int rc;
 
     m.version = version;
     req.body_case = REFIT__RPC__REQUEST__BODY_WAIT_VERSION;
     req.wait_version = &m;
-    return timed_wait(c, &req, version, timeout_ms, "committed");
+    rc = call(c, &req, -1, timeout_ms, &r);
+    if (rc == -ETIMEDOUT)
+        return fail(c, rc, "version %llu was not committed within %d ms",
+                    (unsigned long long)version, timeout_ms);
+    if (rc < 0)
+        return rc;
+    /* A daemon always says the version it committed; one that says less than was asked for
+     * does not speak this protocol. */
+    if (r->version < version) {
+        rc = fail(c, -EPROTO, "the daemon answered the wait for version %llu with version "
+                  "%llu: is it a refit daemon of the same release?",
+                  (unsigned long long)version, (unsigned long long)r->version);
+    } else if (reached != NULL) {
+        *reached = r->version;
+    }
+    refit__rpc__response__free_unpacked(r, NULL);
+    return rc;
 }
 
 int refit_next_event(refit_client *c, int timeout_ms, int *event, uint64_t *version)

@@ -53,14 +53,23 @@ static int parse_timeout(const char *s, int *ms)
     return 0;
 }
 
-/* Connects as a ctl client; prints why not and returns NULL when no daemon answers. */
-static refit_client *dial(const char *socket)
+/* Connects as a ctl client. On failure prints why (the daemon's own words when it refused
+ * us) and returns NULL with *status: RF_CTL_EXIT_NODAEMON when nobody serves the socket, 1
+ * when a daemon is there but would not take us (a uid it does not allow, say). */
+static refit_client *dial(const char *socket, int *status)
 {
     refit_client *c = NULL;
     int rc = refit_connect(socket, "refitctl", 0, REFIT_CTL, &c);
 
-    if (rc < 0) {
+    if (rc == -ENOENT || rc == -ECONNREFUSED || rc == -ENOTSOCK) {
         fprintf(stderr, "refitctl: no daemon at %s: %s\n", socket, refit_last_error(NULL));
+        *status = RF_CTL_EXIT_NODAEMON;
+        return NULL;
+    }
+    if (rc < 0) {
+        fprintf(stderr, "refitctl: the daemon at %s did not take us: %s\n", socket,
+                refit_last_error(NULL));
+        *status = 1;
         return NULL;
     }
     return c;
@@ -214,9 +223,9 @@ int rf_ctl_status(int argc, char **argv)
             fprintf(stderr, "refitctl status: unexpected argument '%s'\n%s", argv[optind], usage);
         return 2;
     }
-    c = dial(socket);
+    c = dial(socket, &rc);
     if (!c)
-        return RF_CTL_EXIT_NODAEMON;
+        return rc;
     rc = refit_status_json(c, &txt);
     if (rc < 0) {
         fprintf(stderr, "refitctl: status: %s\n", refit_last_error(c));
@@ -277,9 +286,9 @@ int rf_ctl_refit(int argc, char **argv)
         fprintf(stderr, "refitctl refit: give the version to refit as --version N (N >= 1)\n");
         return 2;
     }
-    c = dial(socket);
+    c = dial(socket, &rc);
     if (!c)
-        return RF_CTL_EXIT_NODAEMON;
+        return rc;
     rc = refit_trigger(c, version);
     if (rc < 0) {
         fprintf(stderr, "refitctl: %s\n", refit_last_error(c));
@@ -316,9 +325,9 @@ int rf_ctl_wait(int argc, char **argv)
         fprintf(stderr, "refitctl wait: give the version to wait for (N >= 1)\n%s", usage);
         return 2;
     }
-    c = dial(socket);
+    c = dial(socket, &rc);
     if (!c)
-        return RF_CTL_EXIT_NODAEMON;
+        return rc;
     rc = refit_wait(c, version, timeout_ms);
     if (rc < 0)
         fprintf(stderr, "refitctl: %s\n", refit_last_error(c));
@@ -371,7 +380,7 @@ int rf_ctl_watch(int argc, char **argv)
     uint64_t until = 0;
     char prev[256] = "", line[256];
     refit_client *c;
-    int o;
+    int o, rc;
 
     optind = 1;
     while ((o = getopt_long(argc, argv, "", opts, NULL)) != -1) {
@@ -398,9 +407,9 @@ int rf_ctl_watch(int argc, char **argv)
         return 2;
     }
     setvbuf(stdout, NULL, _IOLBF, 0);
-    c = dial(socket);
+    c = dial(socket, &rc);
     if (!c)
-        return RF_CTL_EXIT_NODAEMON;
+        return rc;
     for (;;) {
         char *txt = NULL;
         json_t *st;

@@ -2,8 +2,8 @@
 # tests/e2e/43-bad-input.sh - bad input against live daemons. While refits run (qwen3-0.6b
 # shrunk, tp=2 -> tp=4): garbage, an oversized length prefix, truncated frames, an empty
 # frame, a frame before Hello, a Hello of another protocol version and a wrong MAC to the
-# coordinator's TCP port; a malformed frame, an oversized frame and a request before Hello to
-# both daemons' RPC sockets; garbage to the receiver's data port. Each must get an Error that
+# coordinator's TCP port; a malformed frame, an oversized frame, a frame one byte over the
+# 64 KiB request limit and a request before Hello to both daemons' RPC sockets; garbage to the receiver's data port. Each must get an Error that
 # names the problem (or be dropped), and none may disturb the refits in flight. Then, between
 # two runs (every client slot is taken while the simulators run), pieces registered through
 # the Python package with an unknown region, a box outside its shape, strides running out of
@@ -215,7 +215,14 @@ for path in rpc_socks:
         threading.Thread(target=rpc_case, args=("rpc %s: malformed frame" % who, path,
                          b"\x00\x00\x00\x08" + b"\xff" * 8, "malformed request frame", True)),
         threading.Thread(target=rpc_case, args=("rpc %s: oversized frame" % who, path,
-                         b"\x7f\xff\xff\xff" + b"\x00" * 64, "larger than the maximum", True)),
+                         b"\x7f\xff\xff\xff" + b"\x00" * 64,
+                         "larger than the maximum of 65536 bytes", True)),
+        # One byte over the request limit: refused on the length, though the daemons take
+        # frames of max_frame_mib (64 MiB) from their peers.
+        threading.Thread(target=rpc_case, args=("rpc %s: frame of 64 KiB + 1" % who, path,
+                         b"\x00\x01\x00\x01" + b"\x00" * 64,
+                         "request frame of 65537 bytes is larger than the maximum of 65536 bytes",
+                         True)),
         threading.Thread(target=rpc_case, args=("rpc %s: request before Hello" % who, path,
                          frame(field(1, 1) + field(5, b"")), "Hello", False)),
     ]

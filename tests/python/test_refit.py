@@ -4,6 +4,7 @@ Run: BUILD=build python3 -m unittest discover -s tests/python (skips when the bi
 missing). The library comes from $REFIT_LIB or $BUILD/librefit.so."""
 
 import errno
+import json
 import os
 import socket
 import struct
@@ -119,7 +120,7 @@ class TestWithDaemons(unittest.TestCase):
             en.seal()
             tr.publish(1)
             try:
-                en.wait_version(1, 20000)
+                self.assertEqual(en.wait_version(1, 20000), 1)
                 tr.wait_released(1, 20000)
             except refit.Error as e:
                 self.fail(f"{e}\n{self.logs_text()}")
@@ -149,6 +150,48 @@ class TestWithDaemons(unittest.TestCase):
         with self.assertRaises(refit.Error) as cm:
             refit.Client(refit.ENGINE, "wrong", 0, socket=self.pub_sock)
         self.assertIn("trainers connect to refit-publisherd", cm.exception.message)
+
+    def test_3_bad_tensor_names_refused_escaped(self):
+        # The daemon refuses the name and shows it escaped: never a raw newline or byte.
+        cases = [("model.w\n", "a control character", '"model.w\\n"'),
+                 (b"model.\xffw", "not valid UTF-8", '"model.\\xffw"'),
+                 ('model."w"', "a quote", '"model.\\"w\\""'),
+                 ("model w", "a space", '"model w"'),
+                 ("m" * 256, "is 256 bytes long; the limit is 255", "mmm...")]
+        with refit.Client(refit.TRAINER, "py-names", 0, socket=self.pub_sock) as tr:
+            buf = tr.alloc_host(16)
+            for name, problem, shown in cases:
+                with self.assertRaises(refit.Error, msg=repr(name)) as cm:
+                    tr.add_piece(name, "fp32", [4], buf.region, 0, [0], [4])
+                self.assertEqual(cm.exception.code, -errno.EINVAL)
+                self.assertIn(problem, cm.exception.message)
+                self.assertIn(shown, cm.exception.message)
+                self.assertNotIn("\n", cm.exception.message)
+            tr.add_piece("model.\u6a21\u578b", "fp32", [4], buf.region, 0, [0], [4])
+            st = json.loads(tr.status())
+            mine = [c for c in st["clients"]["clients"] if c.get("name") == "py-names"]
+            self.assertEqual(mine[0]["pieces"], 1, mine)
+
+    def test_4_wait_version_returns_the_version_reached(self):
+        n = 4 * 8
+        with refit.Client(refit.TRAINER, "py-trainer", 0, socket=self.pub_sock) as tr, \
+                refit.Client(refit.ENGINE, "py-engine", 0, socket=self.recv_sock) as en:
+            src = tr.alloc_host(n * 4)
+            tr.add_piece("model.w", "fp32", self.SHAPE, src.region, 0, [0, 0], [4, 8])
+            tr.seal()
+            dst = en.alloc_host(n * 4)
+            en.add_piece("model.w", "fp32", self.SHAPE, dst.region, 0, [0, 0], [4, 8])
+            en.seal()
+            for i in range(n):
+                struct.pack_into("<f", src.mmap, i * 4, float(1000 + i))
+            tr.publish(2)
+            try:
+                tr.wait_released(2, 20000)
+                # Asked for 1, the daemon has committed 2: the memory holds 2, and says so.
+                self.assertEqual(en.wait_version(1, 20000), 2)
+            except refit.Error as e:
+                self.fail(f"{e}\n{self.logs_text()}")
+            self.assertEqual(struct.unpack_from("<f", dst.mmap, 0)[0], 1000.0)
 
 
 if __name__ == "__main__":

@@ -77,6 +77,7 @@ def _load():
         "refit_publish": [c_p, u64],
         "refit_wait_released": [c_p, u64, ctypes.c_int],
         "refit_wait_version": [c_p, u64, ctypes.c_int],
+        "refit_wait_version_reached": [c_p, u64, ctypes.c_int, ctypes.POINTER(u64)],
         "refit_next_event": [c_p, ctypes.c_int, ctypes.POINTER(ctypes.c_int),
                              ctypes.POINTER(u64)],
         "refit_status_json": [c_p, ctypes.POINTER(c_p)],
@@ -177,14 +178,16 @@ class Client:
 
     def add_piece(self, tensor, dtype, shape, region, offset, start, extent, strides=None):
         """Registers the box (start, extent) of tensor (dtype name or REFIT value, global
-        shape) at offset bytes in region; strides in elements, None for row-major."""
+        shape) at offset bytes in region; strides in elements, None for row-major. tensor is
+        a str (sent as UTF-8) or bytes (sent as they are); the daemon takes printable UTF-8
+        without spaces, quotes, backslashes or control characters."""
         dt = DTYPES[dtype] if isinstance(dtype, str) else dtype
         n = len(shape)
         if not (len(start) == len(extent) == n) or (strides is not None and len(strides) != n):
             raise Error(-errno.EINVAL, f"tensor {tensor}: shape, start, extent and strides "
                         "need one value per dim")
         self._check(self._lib.refit_add_piece(
-            self._c, tensor.encode(), dt, n, _i64s(shape), region, offset, _i64s(start),
+            self._c, tensor if isinstance(tensor, bytes) else tensor.encode(), dt, n, _i64s(shape), region, offset, _i64s(start),
             _i64s(extent), _i64s(strides) if strides is not None else None))
 
     def seal(self):
@@ -197,7 +200,12 @@ class Client:
         self._check(self._lib.refit_wait_released(self._c, version, timeout_ms))
 
     def wait_version(self, version, timeout_ms=-1):
-        self._check(self._lib.refit_wait_version(self._c, version, timeout_ms))
+        """Engines: waits until version or a later one is committed; returns the version the
+        daemon committed, which the engine's memory holds (it may be later than version)."""
+        reached = ctypes.c_uint64()
+        self._check(self._lib.refit_wait_version_reached(self._c, version, timeout_ms,
+                                                         ctypes.byref(reached)))
+        return reached.value
 
     def next_event(self, timeout_ms=-1):
         """(event name, version) of the next pushed event."""
