@@ -629,10 +629,8 @@ static void coord_up(rf_peer *p, const Refit__Hello *hello)
     snapshot_soon(n);
 }
 
-static void coord_envelope(rf_peer *p, const Refit__Envelope *env)
+static void node_envelope(rf_node *n, const Refit__Envelope *env)
 {
-    rf_node *n = rf_peer_data(p);
-
     switch (env->body_case) {
     case REFIT__ENVELOPE__BODY_PLAN_SLICE:
         on_slice(n, env->plan_slice);
@@ -654,6 +652,16 @@ static void coord_envelope(rf_peer *p, const Refit__Envelope *env)
         RF_WARN("unexpected message %d from the coordinator", env->body_case);
         break;
     }
+}
+
+static void coord_envelope(rf_peer *p, const Refit__Envelope *env)
+{
+    node_envelope(rf_peer_data(p), env);
+}
+
+void rf_node__envelope(rf_node *n, const Refit__Envelope *env)
+{
+    node_envelope(n, env);
 }
 
 static void coord_down(rf_peer *p, const char *reason)

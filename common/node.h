@@ -33,6 +33,8 @@ void rf_node_close(rf_node *n);
 void rf_node_set_status_hook(rf_node *n, rf_node_status_hook fn, void *arg);
 /* The status document (caller decrefs), built on the loop thread. */
 json_t *rf_node_status(rf_node *n);
+/* Fuzzing and tests: handles env as if the coordinator had sent it. */
+void rf_node__envelope(rf_node *n, const Refit__Envelope *env);
 /* The last status document rendered by the loop, safe to call from any thread. */
 char *rf_node_status_snapshot(rf_node *n);
 /* A one-line summary for systemd's STATUS=. */

@@ -16,6 +16,8 @@
 /* Abort waits this long for every member's Done of the aborted version before the next refit
  * may start (a member that never answers is also handled by its heartbeat timeout). */
 #define ABORT_SETTLE_MS 5000
+/* At most one log line per this many ms about connections that never joined. */
+#define STRANGER_LOG_MS 10000
 /* Plan slices are cut into frames of at most this many transfers (well under max_frame). */
 #define SLICE_FRAME_XFERS 100000
 
@@ -77,6 +79,8 @@ struct rf_coord {
     uv_idle_t spin;
     uint64_t spin_until; /* uv_now() */
     int closing;
+    uint64_t strangers;           /* connections closed before joining, not logged yet */
+    uint64_t strangers_logged_at; /* uv_now() of the last line about them */
 
     uint64_t plan_gen;     /* bumps at every inventory change */
     build_job *building;   /* a build in flight */
@@ -742,13 +746,8 @@ static void on_trigger(rf_coord *c, uint32_t i, uint64_t version)
     try_start(c);
 }
 
-static void peer_envelope(rf_peer *p, const Refit__Envelope *env)
+static void coord_envelope(rf_coord *c, int i, const Refit__Envelope *env)
 {
-    rf_coord *c = rf_peer_data(p);
-    int i = member_of(c, p);
-
-    if (i < 0)
-        return;
     switch (env->body_case) {
     case REFIT__ENVELOPE__BODY_INVENTORY:
         on_inventory(c, (uint32_t)i, env->inventory);
@@ -779,6 +778,21 @@ static void peer_envelope(rf_peer *p, const Refit__Envelope *env)
     }
 }
 
+static void peer_envelope(rf_peer *p, const Refit__Envelope *env)
+{
+    rf_coord *c = rf_peer_data(p);
+    int i = member_of(c, p);
+
+    if (i >= 0)
+        coord_envelope(c, i, env);
+}
+
+void rf_coord__envelope(rf_coord *c, uint32_t member, const Refit__Envelope *env)
+{
+    if (member < c->nmembers)
+        coord_envelope(c, (int)member, env);
+}
+
 static void peer_down(rf_peer *p, const char *reason)
 {
     rf_coord *c = rf_peer_data(p);
@@ -789,8 +803,18 @@ static void peer_down(rf_peer *p, const char *reason)
         return;
     i = member_of(c, p);
     if (i < 0) {
-        /* Never a member: a refused or unauthenticated connection; say so once. */
-        RF_WARN("connection from %s closed before it joined: %s", rf_peer_remote(p), reason);
+        /* Never a member: a refused or unauthenticated connection. Strangers can make many;
+         * one line per STRANGER_LOG_MS says how many went since the last. */
+        uint64_t now = uv_now(c->loop);
+
+        c->strangers++;
+        if (c->strangers_logged_at == 0 || now - c->strangers_logged_at >= STRANGER_LOG_MS) {
+            RF_WARN("connection from %s closed before it joined: %s (%llu such connections "
+                    "since the last line)", rf_peer_remote(p), reason,
+                    (unsigned long long)c->strangers);
+            c->strangers = 0;
+            c->strangers_logged_at = now ? now : 1;
+        }
         return;
     }
     RF_WARN("lost %s: %s", member_name(c, (uint32_t)i, name, sizeof(name)), reason);

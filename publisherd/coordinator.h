@@ -18,5 +18,8 @@ void rf_coord_close(rf_coord *c);
 /* Adds the cluster view ("cluster": members, plan, state, last refit) to a status document;
  * the signature of rf_node_status_hook. */
 void rf_coord_status(json_t *status, void *arg);
+/* Fuzzing and tests: handles env as if authenticated member (publishers 0..npub-1, then the
+ * receivers) had sent it. */
+void rf_coord__envelope(rf_coord *c, uint32_t member, const Refit__Envelope *env);
 
 #endif

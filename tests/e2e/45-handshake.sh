@@ -200,10 +200,11 @@ print("coordinator RSS: %d KiB before, %d with 40 x 64 MiB announced, %d with %d
 sys.exit(1 if fails else 0)
 EOF
 python3 "$E2E_DIR/strangers.py" "$E2E_COORD_PORT" "$PUB0_PID" || fail "strangers (above)"
-grep -q "closed before it joined: refused at once: 64 connections" "$E2E_DIR/pub0.log" ||
-    fail "the coordinator did not log the connections it refused over the limit"
-grep -q "closed before it joined: handshake with 127.0.0.1:.* not completed within 2000 ms" \
-    "$E2E_DIR/pub0.log" || fail "the coordinator did not log the handshake deadline"
+# Strangers are logged, but at most one line per 10 s (with the count since the last line),
+# however many come: the clients above saw each refusal's reason themselves.
+n=$(grep -c "closed before it joined" "$E2E_DIR/pub0.log")
+[ "$n" -ge 1 ] || fail "the coordinator did not log the strangers it refused"
+[ "$n" -le 3 ] || fail "the coordinator logged $n lines for strangers (rate limit: one per 10 s)"
 if grep -q "lost publisher\|lost receiver" "$E2E_DIR/pub0.log"; then
     fail "a member was lost during the flood: $(grep "lost " "$E2E_DIR/pub0.log" | head -2)"
 fi
