@@ -837,7 +837,6 @@ int rf_node_start(uv_loop_t *loop, const rf_node_opts *opts, rf_node **out, rf_e
     ro.node = (uint32_t)cfg->index;
     ro.allowed_uids = cfg->socket_uids.v;
     ro.n_allowed_uids = cfg->socket_uids.n;
-    ro.max_frame = (uint32_t)cfg->max_frame_mib << 20;
     ro.gpu_memory = cfg->transport == RF_TRANSPORT_NCCL;
     cb.on_inventory = on_inventory;
     cb.on_change = on_change;

@@ -57,7 +57,7 @@ typedef struct rf_registry_opts {
     size_t n_allowed_uids;
     const gid_t *allowed_gids;
     size_t n_allowed_gids;
-    uint32_t max_frame;         /* 0: RF_RPC_MAX_FRAME_DEFAULT */
+    uint32_t max_frame;         /* 0: RF_RPC_MAX_REQUEST; only a lower limit applies (tests) */
     bool gpu_memory;            /* regions must be GPU memory (nccl transport); else host
                                    memory (tcp transport, which reads regions with the CPU) */
 } rf_registry_opts;
