@@ -11,6 +11,7 @@ import struct
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import unittest
 
@@ -48,6 +49,118 @@ class TestWithoutDaemon(unittest.TestCase):
         with self.assertRaises(refit.Error) as cm:
             refit.HostBuffer(0)
         self.assertEqual(cm.exception.code, -errno.EINVAL)
+
+
+def _varint(n):
+    out = bytearray()
+    while True:
+        b = n & 0x7f
+        n >>= 7
+        out.append(b | (0x80 if n else 0))
+        if not n:
+            return bytes(out)
+
+
+def _response(rid, code=0, message="", version=0):
+    """A refit.rpc.Response frame: id (1), code (2, sint32), message (3), version (7)."""
+    body = b"\x08" + _varint(rid)
+    if code:
+        body += b"\x10" + _varint(((code << 1) ^ (code >> 31)) & 0xffffffff)
+    if message:
+        m = message.encode()
+        body += b"\x1a" + _varint(len(m)) + m
+    if version:
+        body += b"\x38" + _varint(version)
+    return struct.pack(">I", len(body)) + body
+
+
+def _read_request_id(conn):
+    """Reads one Request frame; returns its id (field 1, the first one librefit writes)."""
+    def exact(n):
+        buf = b""
+        while len(buf) < n:
+            b = conn.recv(n - len(buf))
+            if not b:
+                raise EOFError
+            buf += b
+        return buf
+    body = exact(struct.unpack(">I", exact(4))[0])
+    assert body[0] == 0x08, body
+    rid, shift, i = 0, 0, 1
+    while True:
+        rid |= (body[i] & 0x7f) << shift
+        shift += 7
+        i += 1
+        if not body[i - 1] & 0x80:
+            return rid
+
+
+@unittest.skipUnless(HAVE_LIB, f"librefit not built ({os.environ['REFIT_LIB']}): run make")
+class TestAgainstScriptedDaemon(unittest.TestCase):
+    """librefit against a socket whose answers the test scripts: what a daemon does in the
+    orders that are a matter of timing with a real one."""
+
+    def serve(self, script):
+        """Listens on a fresh socket; a thread runs script(conn) for the first client and
+        sets self.done when it has finished (closed the connection)."""
+        self.tmp = tempfile.TemporaryDirectory(prefix="refit-py-fake-")
+        self.addCleanup(self.tmp.cleanup)
+        path = os.path.join(self.tmp.name, "fake.sock")
+        srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        srv.bind(path)
+        srv.listen(1)
+        self.done = threading.Event()
+
+        def run():
+            conn, _ = srv.accept()
+            try:
+                script(conn)
+            finally:
+                conn.close()
+                srv.close()
+                self.done.set()
+        t = threading.Thread(target=run, daemon=True)
+        t.start()
+        self.addCleanup(t.join, 5)
+        return path
+
+    def test_refusal_written_before_close_is_shown_when_the_write_fails(self):
+        # The daemon answers Hello, then refuses and closes before the next request is
+        # written: that write fails (EPIPE) and the call must report the daemon's reason.
+        def script(conn):
+            conn.sendall(_response(_read_request_id(conn)))
+            conn.sendall(_response(0, -errno.EACCES, "uid 4242 is not allowed on fake.sock"))
+        path = self.serve(script)
+        c = refit.Client(refit.CTL, "py", 0, socket=path)
+        self.assertTrue(self.done.wait(5))
+        with self.assertRaises(refit.Error) as cm:
+            c.status()
+        self.assertEqual(cm.exception.code, -errno.EACCES)
+        self.assertEqual(cm.exception.message, "uid 4242 is not allowed on fake.sock")
+        c.close()
+
+    def test_close_without_a_reason_reports_the_failed_write(self):
+        def script(conn):
+            conn.sendall(_response(_read_request_id(conn)))
+        path = self.serve(script)
+        c = refit.Client(refit.CTL, "py", 0, socket=path)
+        self.assertTrue(self.done.wait(5))
+        with self.assertRaises(refit.Error) as cm:
+            c.status()
+        self.assertEqual(cm.exception.code, -errno.EPIPE)
+        self.assertIn("the daemon closed the connection", cm.exception.message)
+        c.close()
+
+    def test_wait_answered_with_an_older_version_is_a_protocol_error(self):
+        def script(conn):
+            conn.sendall(_response(_read_request_id(conn)))
+            conn.sendall(_response(_read_request_id(conn), version=3))
+        path = self.serve(script)
+        with refit.Client(refit.ENGINE, "py", 0, socket=path) as c:
+            with self.assertRaises(refit.Error) as cm:
+                c.wait_version(5, 5000)
+            self.assertEqual(cm.exception.code, -errno.EPROTO)
+            self.assertIn("answered the wait for version 5 with version 3", cm.exception.message)
 
 
 @unittest.skipUnless(HAVE_DAEMONS, f"daemons not built in {BUILD}: run make")
