@@ -70,11 +70,11 @@ typedef enum rf_cfg_next {
  * file (--config PATH or table->default_config; a missing default file is not an error, a
  * missing --config file is), then the flags of argv, then table->finish.
  * --help and --version print to stdout; --check-config also runs table->check and prints
- * "PATH: configuration is valid" once everything checked out. Returns 0 with *next, or a negative errno with err naming the
- * file and line or the flag ("publisherd.conf:12: unknown key 'stagin_mib' (did you mean
- * 'staging_mib'?)"); the caller prints it and exits 1 under --check-config (see
- * rf_cfg_check_only) and RF_CFG_EXIT_CONFIG otherwise. obj must be released with
- * rf_cfg_free, also after an error. */
+ * "PATH: configuration is valid" once everything checked out. Returns 0 with *next, or a
+ * negative errno with err naming the file and line or the flag ("publisherd.conf:12:
+ * unknown key 'stagin_mib' (did you mean 'staging_mib'?)"); the caller prints it and exits 1
+ * under --check-config (see rf_cfg_check_only) and RF_CFG_EXIT_CONFIG otherwise. obj must be
+ * released with rf_cfg_free, also after an error. */
 int rf_cfg_load(const rf_cfg_table *t, void *obj, int argc, char **argv, rf_cfg_next *next,
                 rf_err *err);
 

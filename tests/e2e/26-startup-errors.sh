@@ -39,7 +39,8 @@ expect_exit 1 "bad.conf:1: unknown key 'stagin_mib'" "$E2E_DIR/check.log" -- \
 # a Unix socket address takes, a file that is not a socket, under a file), and listen
 # addresses that are not this machine's or do not resolve. A config error exits 78 at
 # start-up; an address, which a network coming up may fix, exits 1 (systemd retries it).
-C="$BIN/refit-receiverd $E2E_COMMON --index 0 --clients 1 --publishers 1 --receivers 1 --check-config"
+C="$BIN/refit-receiverd $E2E_COMMON --index 0 --clients 1 --publishers 1 --receivers 1"
+C="$C --check-config"
 LONG="$E2E_DIR/$(printf 'l%.0s' $(seq 1 120)).sock"
 touch "$E2E_DIR/plain"
 # check_both TEXT START-CODE -- flags...: --check-config exits 1, start-up START-CODE, both
@@ -69,7 +70,8 @@ expect_exit 1 "'coordinator_addr' 192.0.2.1:7470: cannot listen on 192.0.2.1" \
 [ -e "$E2E_DIR/c1.sock" ] || [ -e "$E2E_DIR/c3.sock" ] && fail "a refused start left a socket"
 # The running publisherd's own config is valid while it runs (its socket answers, its ports
 # are taken), and checking it changes nothing: no directory made for a socket path.
-PUB_STATUS=$(sed -n 's|.*status endpoint on http://\(.*:[0-9][0-9]*\)/ .*|\1|p' "$E2E_DIR/pub0.log" | head -n 1)
+PUB_STATUS=$(sed -n 's|.*status endpoint on http://\(.*:[0-9][0-9]*\)/ .*|\1|p' \
+    "$E2E_DIR/pub0.log" | head -n 1)
 expect_exit 0 "configuration is valid" "$E2E_DIR/check.log" -- "$BIN/refit-publisherd" \
     $E2E_COMMON --coordinator --index 0 --clients 1 --publishers 1 --receivers 1 \
     --socket "$E2E_DIR/pub0.sock" --status-listen "$PUB_STATUS" --check-config

@@ -3,8 +3,9 @@
 # shrunk, tp=2 -> tp=4): garbage, an oversized length prefix, truncated frames, an empty
 # frame, a frame before Hello, a Hello of another protocol version and a wrong MAC to the
 # coordinator's TCP port; a malformed frame, an oversized frame, a frame one byte over the
-# 64 KiB request limit and a request before Hello to both daemons' RPC sockets; garbage to the receiver's data port. Each must get an Error that
-# names the problem (or be dropped), and none may disturb the refits in flight. Then, between
+# 64 KiB request limit and a request before Hello to both daemons' RPC sockets; garbage to
+# the receiver's data port. Each must get an Error that names the problem (or be dropped),
+# and none may disturb the refits in flight. Then, between
 # two runs (every client slot is taken while the simulators run), pieces registered through
 # the Python package with an unknown region, a box outside its shape, strides running out of
 # the region, and a memfd smaller than claimed: each must fail naming the problem, with

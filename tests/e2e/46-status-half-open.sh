@@ -7,7 +7,8 @@
 E2E_PUBLISHERS=1 E2E_RECEIVERS=1
 start_publisher 0 1
 wait_for "$E2E_DIR/pub0.log" "status endpoint on" 20
-PORT=$(sed -n 's|.*status endpoint on http://.*:\([0-9][0-9]*\)/ .*|\1|p' "$E2E_DIR/pub0.log" | head -n 1)
+PORT=$(sed -n 's|.*status endpoint on http://.*:\([0-9][0-9]*\)/ .*|\1|p' "$E2E_DIR/pub0.log" |
+    head -n 1)
 [ -n "$PORT" ] || fail "no status port in the log"
 
 python3 - "$PORT" "$PUB0_PID" <<'PY' || fail "status under half-open connections (see above)"
@@ -117,10 +118,11 @@ print("idle half-open connections closed after %.1f s" % idle)
 for s in held + flood:
     s.close()
 PY
+warned=$(grep 'status http' "$E2E_DIR/pub0.log")
 n=$(grep -c "status http: Server reached connection limit" "$E2E_DIR/pub0.log")
-[ "$n" -ge 1 ] || fail "no warning for the refused connections: $(grep 'status http' "$E2E_DIR/pub0.log")"
+[ "$n" -ge 1 ] || fail "no warning for the refused connections: $warned"
 [ "$n" -le 2 ] || fail "$n warning lines for 8 refused connections (they should be rate-limited)"
 grep -q "limits: [0-9]* connections, 32 from one address; idle ones are closed after 5 s" \
-    "$E2E_DIR/pub0.log" || fail "the warning does not state the limits: $(grep 'status http' "$E2E_DIR/pub0.log")"
+    "$E2E_DIR/pub0.log" || fail "the warning does not state the limits: $warned"
 kill -0 "$PUB0_PID" || fail "the publisherd died"
 echo "ok: /status answered beside 200 half-open connections; per-address limit; idle timeout"

@@ -13,13 +13,14 @@ start_engine eng 0 $M --layout tp=4 --versions 3
 start_trainer tr 0 $M --layout tp=2 --versions 2 --hold 5
 wait_for "$E2E_DIR/tr.log" "holding weights of version 5" 60
 wait_for "$E2E_DIR/eng.log" "version 2 committed" 30
-ctl --socket "$E2E_DIR/pub0.sock" refit --version 5 --wait --timeout 30 > "$E2E_DIR/refit.log" 2>&1 ||
-    fail "refitctl refit --version 5 failed: $(cat "$E2E_DIR/refit.log")"
+ctl --socket "$E2E_DIR/pub0.sock" refit --version 5 --wait --timeout 30 > "$E2E_DIR/refit.log" \
+    2>&1 || fail "refitctl refit --version 5 failed: $(cat "$E2E_DIR/refit.log")"
 wait_ok eng
-grep -q "version 2 committed.*, 0 wrong" "$E2E_DIR/eng.log" || fail "engine did not verify version 2"
-grep -q "waited for version 3, the daemon committed version 5: checking that one" \
-    "$E2E_DIR/eng.log" || fail "the engine did not say it reached version 5: $(cat "$E2E_DIR/eng.log")"
-grep -q "version 5 committed after .*, 0 wrong elements" "$E2E_DIR/eng.log" ||
-    fail "engine did not verify version 5: $(cat "$E2E_DIR/eng.log")"
-grep -q "version 3 committed" "$E2E_DIR/eng.log" && fail "the engine reported version 3, never committed"
+LOG=$E2E_DIR/eng.log
+grep -q "version 2 committed.*, 0 wrong" "$LOG" || fail "engine did not verify version 2"
+grep -q "waited for version 3, the daemon committed version 5: checking that one" "$LOG" ||
+    fail "the engine did not say it reached version 5: $(cat "$LOG")"
+grep -q "version 5 committed after .*, 0 wrong elements" "$LOG" ||
+    fail "engine did not verify version 5: $(cat "$LOG")"
+grep -q "version 3 committed" "$LOG" && fail "the engine reported version 3, never committed"
 echo "ok: the engine verified version 5, the version the daemon committed, while waiting for 3"

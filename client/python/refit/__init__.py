@@ -186,8 +186,9 @@ class Client:
         if not (len(start) == len(extent) == n) or (strides is not None and len(strides) != n):
             raise Error(-errno.EINVAL, f"tensor {tensor}: shape, start, extent and strides "
                         "need one value per dim")
+        name = tensor if isinstance(tensor, bytes) else tensor.encode()
         self._check(self._lib.refit_add_piece(
-            self._c, tensor if isinstance(tensor, bytes) else tensor.encode(), dt, n, _i64s(shape), region, offset, _i64s(start),
+            self._c, name, dt, n, _i64s(shape), region, offset, _i64s(start),
             _i64s(extent), _i64s(strides) if strides is not None else None))
 
     def seal(self):
