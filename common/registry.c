@@ -640,8 +640,10 @@ static void do_piece(rf_registry *r, reg_client *c, uint64_t id,
     memset(&p, 0, sizeof(p));
     if (!need_registering(c, id, "RegisterPiece"))
         return;
-    if (m->tensor == NULL || m->tensor[0] == '\0') {
-        rf_rpc_conn_reply(c->conn, id, -EINVAL, "piece without a tensor name");
+    /* First: every later refusal echoes the name. */
+    if (m->tensor == NULL || rf_tensor_name_check(m->tensor, &err) < 0) {
+        rf_rpc_conn_reply(c->conn, id, -EINVAL, "piece refused: %s",
+                          m->tensor ? err.msg : "no tensor name");
         return;
     }
     if (m->n_shape < 1 || m->n_shape > RF_MAX_DIMS || m->n_start != m->n_shape ||

@@ -44,7 +44,8 @@ for d in publisherd receiverd; do
     out=$("$P/bin/refit-$d" --version 2>&1) || fail "installed refit-$d --version exited $?"
     [ "$out" = "refit-$d $pcver" ] ||
         fail "refit-$d --version says '$out', refit.pc says version $pcver"
-    out=$("$P/bin/refit-$d" --config "$DEST/etc/refit/$d.conf.example" --check-config 2>&1) ||
+    out=$("$P/bin/refit-$d" --config "$DEST/etc/refit/$d.conf.example" \
+        --cluster-key-file "$E2E_DIR/cluster.key" --check-config 2>&1) ||
         fail "installed refit-$d rejects its installed example config: $out"
     echo "$out" | grep -q "configuration is valid" || fail "refit-$d --check-config said: $out"
     # The check must be able to fail: an unknown key is reported with file and line.

@@ -508,6 +508,12 @@ Test(registry, registration_errors_name_the_problem)
           "lies outside its registered region");
     FAILS(refit_add_piece(t0, "w", 99, 2, shape2, r0, 0, z2, ext, NULL), t0, -EINVAL,
           "unknown dtype 99");
+    /* A bad name is refused before any other check, so no reply echoes it raw. */
+    FAILS(refit_add_piece(t0, "w\nx", 99, 2, shape2, 7, 0, z2, ext, NULL), t0, -EINVAL,
+          "piece refused: ");
+    cr_assert(strstr(refit_last_error(t0), "\"w\\nx\""), "name not escaped: %s",
+              refit_last_error(t0));
+    cr_assert_null(strchr(refit_last_error(t0), '\n'), "raw newline echoed");
     FAILS(refit_add_piece(t0, "w", REFIT_FP32, 9, shape2, r0, 0, z2, ext, NULL), t0, -EINVAL,
           "ndim 9");
     after = get_probe();
