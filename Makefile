@@ -146,6 +146,14 @@ $(BUILD)/tests/%: $(BUILD)/tests/unit/%.o $(LIBREFIT_O) $(LIBCOMMON)
 	@echo "  LD      $@"
 	$(Q)$(CC) $(SAN_LDFLAGS) -o $@ $^ $(LDFLAGS) $(LDLIBS) $(RF_LDLIBS) -lcriterion
 
+# The coordinator's unit test drives publisherd's state machine itself (linked before the
+# archive it calls into).
+$(BUILD)/tests/test_coord: $(BUILD)/tests/unit/test_coord.o $(BUILD)/publisherd/coordinator.o \
+		$(LIBREFIT_O) $(LIBCOMMON)
+	@mkdir -p $(dir $@)
+	@echo "  LD      $@"
+	$(Q)$(CC) $(SAN_LDFLAGS) -o $@ $^ $(LDFLAGS) $(LDLIBS) $(RF_LDLIBS) -lcriterion
+
 $(BUILD)/bench/%: $(BUILD)/bench/%.o $(LIBREFIT_O) $(LIBCOMMON)
 	@echo "  LD      $@"
 	$(Q)$(CC) $(SAN_LDFLAGS) -o $@ $^ $(LDFLAGS) $(LDLIBS) $(RF_LDLIBS)

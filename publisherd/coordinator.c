@@ -24,7 +24,7 @@
 typedef enum { ST_IDLE, ST_RUNNING, ST_ABORTING } coord_state;
 
 typedef struct member {
-    rf_peer *peer;
+    void *peer;        /* an rf_peer, or a test's fake (rf_coord__set_send); NULL: not up */
     uint64_t daemon_id;
     char node[64];
     char data_addr[128];
@@ -71,6 +71,9 @@ struct rf_coord {
     uv_loop_t *loop;
     const rf_daemon_cfg *cfg;
     rf_peer_listener *listener;
+    /* Every envelope to a member goes through send: rf_peer_send, or a test's recorder. */
+    rf_coord__send_fn send;
+    void *send_arg;
     uint32_t npub, nmembers;
     member *m;
     uv_timer_t deadline;
@@ -117,6 +120,12 @@ static const char *member_name(const rf_coord *c, uint32_t i, char *buf, size_t 
     return buf;
 }
 
+static int peer_send(void *peer, const Refit__Envelope *env, void *arg)
+{
+    (void)arg;
+    return rf_peer_send(peer, env);
+}
+
 static void send_to(rf_coord *c, uint32_t i, const Refit__Envelope *env)
 {
     char name[128];
@@ -124,7 +133,7 @@ static void send_to(rf_coord *c, uint32_t i, const Refit__Envelope *env)
 
     if (!c->m[i].peer)
         return;
-    rc = rf_peer_send(c->m[i].peer, env);
+    rc = c->send(c->m[i].peer, env, c->send_arg);
     if (rc < 0)
         RF_WARN("sending to %s failed: %s", member_name(c, i, name, sizeof(name)),
                 uv_strerror(rc));
@@ -162,6 +171,17 @@ static void spin_start(rf_coord *c)
     uv_update_time(c->loop);
     c->spin_until = uv_now(c->loop) + (uint64_t)c->cfg->busy_poll_ms;
     uv_idle_start(&c->spin, on_spin);
+}
+
+/* Every connected member's Done of the version in flight is in. */
+static bool all_done(const rf_coord *c)
+{
+    uint32_t i;
+
+    for (i = 0; i < c->nmembers; i++)
+        if (c->m[i].peer && !c->m[i].done)
+            return false;
+    return true;
 }
 
 static void finish_abort(rf_coord *c)
@@ -208,6 +228,11 @@ static void abort_refit(rf_coord *c, const char *reason)
     c->state = ST_ABORTING;
     uv_idle_stop(&c->spin);
     uv_timer_stop(&c->deadline);
+    /* Nothing to settle when every Done is in already (the digests disagreed). */
+    if (all_done(c)) {
+        finish_abort(c);
+        return;
+    }
     uv_timer_start(&c->deadline, on_deadline, ABORT_SETTLE_MS, 0);
 }
 
@@ -553,7 +578,7 @@ static void invalidate_plan(rf_coord *c, const char *why)
 
 /* ---- member connections -------------------------------------------------------------------- */
 
-static int member_of(rf_coord *c, const rf_peer *p)
+static int member_of(rf_coord *c, const void *p)
 {
     uint32_t i;
 
@@ -563,51 +588,31 @@ static int member_of(rf_coord *c, const rf_peer *p)
     return -1;
 }
 
-static void reject(rf_peer *p, const char *fmt, const char *a, uint32_t b)
+int rf_coord__member_up(rf_coord *c, const Refit__Hello *h, void *peer, const char *from,
+                        rf_err *err)
 {
-    Refit__Envelope env = REFIT__ENVELOPE__INIT;
-    Refit__Error e = REFIT__ERROR__INIT;
-    char msg[256];
-
-    snprintf(msg, sizeof(msg), fmt, a, b);
-    RF_WARN("refusing %s: %s", rf_peer_remote(p), msg);
-    e.code = -EINVAL;
-    e.message = msg;
-    env.body_case = REFIT__ENVELOPE__BODY_ERROR;
-    env.error = &e;
-    rf_peer_send(p, &env);
-    rf_peer_close(p, msg);
-}
-
-static void peer_up(rf_peer *p, const Refit__Hello *h)
-{
-    rf_coord *c = rf_peer_data(p);
+    const char *what = h->role == REFIT__ROLE__ROLE_PUBLISHER ? "publisher" : "receiver";
     uint32_t slot;
     member *m;
 
     if (h->role == REFIT__ROLE__ROLE_PUBLISHER) {
-        if (h->index >= c->npub) {
-            reject(p, "%s index %u is outside the configured publishers", "publisher", h->index);
-            return;
-        }
+        if (h->index >= c->npub)
+            return rf_err_set(err, -EINVAL, "publisher index %u is outside the configured "
+                              "publishers", h->index);
         slot = h->index;
     } else if (h->role == REFIT__ROLE__ROLE_RECEIVER) {
-        if (h->index >= c->nmembers - c->npub) {
-            reject(p, "%s index %u is outside the configured receivers", "receiver", h->index);
-            return;
-        }
+        if (h->index >= c->nmembers - c->npub)
+            return rf_err_set(err, -EINVAL, "receiver index %u is outside the configured "
+                              "receivers", h->index);
         slot = c->npub + h->index;
     } else {
-        reject(p, "role %s%u cannot join as a member", "", (uint32_t)h->role);
-        return;
+        return rf_err_set(err, -EINVAL, "role %u cannot join as a member", (uint32_t)h->role);
     }
     m = &c->m[slot];
-    if (m->peer) {
-        reject(p, "%s index %u is already connected (two daemons share an index?)",
-               slot < c->npub ? "publisher" : "receiver", h->index);
-        return;
-    }
-    m->peer = p;
+    if (m->peer)
+        return rf_err_set(err, -EEXIST, "%s index %u is already connected (two daemons share "
+                          "an index?)", what, h->index);
+    m->peer = peer;
     if (m->daemon_id != h->daemon_id) {
         /* A new process: whatever its predecessor said no longer holds. */
         free(m->inv);
@@ -620,11 +625,30 @@ static void peer_up(rf_peer *p, const Refit__Hello *h)
     m->daemon_id = h->daemon_id;
     snprintf(m->node, sizeof(m->node), "%s", h->node);
     snprintf(m->data_addr, sizeof(m->data_addr), "%s", h->data_addr);
-    RF_INFO("%s %u (%s) joined from %s", slot < c->npub ? "publisher" : "receiver", h->index,
-            h->node, rf_peer_remote(p));
+    RF_INFO("%s %u (%s) joined from %s", what, h->index, h->node, from);
     rf_metric_add(c->m_members, 1);
     invalidate_plan(c, "a daemon joined");
     schedule_build(c);
+    return 0;
+}
+
+static void peer_up(rf_peer *p, const Refit__Hello *h)
+{
+    Refit__Envelope env = REFIT__ENVELOPE__INIT;
+    Refit__Error e = REFIT__ERROR__INIT;
+    rf_coord *c = rf_peer_data(p);
+    rf_err err = {0};
+    int rc = rf_coord__member_up(c, h, p, rf_peer_remote(p), &err);
+
+    if (rc == 0)
+        return;
+    RF_WARN("refusing %s: %s", rf_peer_remote(p), err.msg);
+    e.code = rc;
+    e.message = err.msg;
+    env.body_case = REFIT__ENVELOPE__BODY_ERROR;
+    env.error = &e;
+    rf_peer_send(p, &env);
+    rf_peer_close(p, err.msg);
 }
 
 static void on_inventory(rf_coord *c, uint32_t i, const Refit__Inventory *inv)
@@ -678,10 +702,8 @@ static void on_done(rf_coord *c, uint32_t i, const Refit__Done *d)
     if (mb->has_digest)
         memcpy(mb->digest, d->digest.data, 32);
     if (c->state == ST_ABORTING) {
-        for (k = 0; k < c->nmembers; k++)
-            if (c->m[k].peer && !c->m[k].done)
-                return;
-        finish_abort(c);
+        if (all_done(c))
+            finish_abort(c);
         return;
     }
     if (!d->ok) {
@@ -793,10 +815,49 @@ void rf_coord__envelope(rf_coord *c, uint32_t member, const Refit__Envelope *env
         coord_envelope(c, (int)member, env);
 }
 
+void rf_coord__set_send(rf_coord *c, rf_coord__send_fn fn, void *arg)
+{
+    c->send = fn ? fn : peer_send;
+    c->send_arg = fn ? arg : NULL;
+}
+
+bool rf_coord__expire(rf_coord *c)
+{
+    if (!uv_is_active((uv_handle_t *)&c->deadline))
+        return false;
+    uv_timer_stop(&c->deadline);
+    on_deadline(&c->deadline);
+    return true;
+}
+
+static void member_lost(rf_coord *c, uint32_t i, const char *reason)
+{
+    char name[128], why[384];
+
+    RF_WARN("lost %s: %s", member_name(c, i, name, sizeof(name)), reason);
+    c->m[i].peer = NULL;
+    c->m[i].inv_complete = false;
+    rf_metric_add(c->m_members, -1);
+    snprintf(why, sizeof(why), "lost %s: %s", name, reason);
+    if (c->state == ST_ABORTING && !c->m[i].done) {
+        c->m[i].done = true;
+        if (all_done(c))
+            finish_abort(c);
+    }
+    invalidate_plan(c, why);
+}
+
+void rf_coord__member_down(rf_coord *c, void *peer, const char *reason)
+{
+    int i = member_of(c, peer);
+
+    if (peer && i >= 0)
+        member_lost(c, (uint32_t)i, reason);
+}
+
 static void peer_down(rf_peer *p, const char *reason)
 {
     rf_coord *c = rf_peer_data(p);
-    char name[128], why[384];
     int i;
 
     if (!c)
@@ -817,22 +878,7 @@ static void peer_down(rf_peer *p, const char *reason)
         }
         return;
     }
-    RF_WARN("lost %s: %s", member_name(c, (uint32_t)i, name, sizeof(name)), reason);
-    c->m[i].peer = NULL;
-    c->m[i].inv_complete = false;
-    rf_metric_add(c->m_members, -1);
-    snprintf(why, sizeof(why), "lost %s: %s", name, reason);
-    if (c->state == ST_ABORTING && !c->m[i].done) {
-        uint32_t k;
-
-        c->m[i].done = true;
-        for (k = 0; k < c->nmembers; k++)
-            if (c->m[k].peer && !c->m[k].done)
-                break;
-        if (k == c->nmembers)
-            finish_abort(c);
-    }
-    invalidate_plan(c, why);
+    member_lost(c, (uint32_t)i, reason);
 }
 
 /* ---- status and life cycle --------------------------------------------------------------- */
@@ -899,6 +945,7 @@ int rf_coord_start(uv_loop_t *loop, const rf_daemon_cfg *cfg, const rf_peer_key 
         return rf_err_set(err, -ENOMEM, "out of memory");
     c->loop = loop;
     c->cfg = cfg;
+    c->send = peer_send;
     c->npub = (uint32_t)cfg->publishers;
     c->nmembers = (uint32_t)(cfg->publishers + cfg->receivers);
     c->m = calloc(c->nmembers, sizeof(*c->m));
@@ -979,8 +1026,8 @@ void rf_coord_close(rf_coord *c)
 {
     uint32_t i;
 
-    /* Peers still closing must not call back into c. */
-    for (i = 0; i < c->nmembers; i++)
+    /* Peers still closing must not call back into c (a test's fake peers are its own). */
+    for (i = 0; i < c->nmembers && c->send == peer_send; i++)
         if (c->m[i].peer)
             rf_peer_set_data(c->m[i].peer, NULL);
     c->closing = c->building ? 3 : 2;

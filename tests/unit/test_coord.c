@@ -1,0 +1,914 @@
+/* tests/unit/test_coord.c - the coordinator's state machine driven through its message handlers:
+ * the test plays two publishers and a receiver (fake peers, no sockets) whose inventories are a
+ * real model's ranks, so the real planner runs on the loop's thread pool; every envelope the
+ * coordinator sends is recorded, and its state read back from its status document. */
+#include <criterion/criterion.h>
+#include <jansson.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "../../publisherd/coordinator.h"
+#include "model.h"
+#include "slice.h"
+#include "version.h"
+
+#define NPUB 2
+#define NRECV 1
+#define NMEM (NPUB + NRECV)
+#define RECV0 NPUB /* member index of receiver 0 */
+
+/* What the coordinator sent, in order, to whom. */
+typedef struct sent {
+    uint32_t member;
+    Refit__Envelope *env; /* unpacked from the bytes the coordinator's envelope packs to */
+} sent;
+
+typedef struct fake_peer {
+    uint32_t member;
+} fake_peer;
+
+typedef struct harness {
+    uv_loop_t loop;
+    uv_timer_t guard;
+    bool guard_fired;
+    char dir[64], conf[96];
+    rf_daemon_cfg cfg;
+    rf_peer_key key;
+    rf_metrics *metrics;
+    rf_coord *c;
+    fake_peer peers[NMEM];
+    uint64_t daemon_id[NMEM];
+    uint64_t inv_gen[NMEM];
+    sent *out;
+    size_t nout, cap;
+    rf_model *model;
+    Refit__Inventory inv[NMEM]; /* each member's complete inventory */
+} harness;
+
+static harness H;
+
+/* ---- recording ------------------------------------------------------------------------- */
+
+static int record(void *peer, const Refit__Envelope *env, void *arg)
+{
+    fake_peer *p = peer;
+    size_t len = refit__envelope__get_packed_size(env);
+    uint8_t *buf = malloc(len ? len : 1);
+
+    (void)arg;
+    cr_assert_not_null(buf);
+    refit__envelope__pack(env, buf);
+    if (H.nout == H.cap) {
+        H.cap = H.cap ? 2 * H.cap : 64;
+        H.out = realloc(H.out, H.cap * sizeof(*H.out));
+        cr_assert_not_null(H.out);
+    }
+    H.out[H.nout].member = p->member;
+    H.out[H.nout].env = refit__envelope__unpack(NULL, len, buf);
+    cr_assert_not_null(H.out[H.nout].env, "an envelope to member %u does not unpack", p->member);
+    H.nout++;
+    free(buf);
+    return 0;
+}
+
+/* How many envelopes of kind went to member since mark (an index into the record). */
+static size_t count_since(size_t mark, uint32_t member, Refit__Envelope__BodyCase kind)
+{
+    size_t i, n = 0;
+
+    for (i = mark; i < H.nout; i++)
+        if (H.out[i].member == member && H.out[i].env->body_case == kind)
+            n++;
+    return n;
+}
+
+static size_t count(uint32_t member, Refit__Envelope__BodyCase kind)
+{
+    return count_since(0, member, kind);
+}
+
+/* The last envelope of kind to member (NULL: none since mark); *at gets its index. */
+static const Refit__Envelope *last_since(size_t mark, uint32_t member,
+                                         Refit__Envelope__BodyCase kind, size_t *at)
+{
+    size_t i;
+
+    for (i = H.nout; i-- > mark;)
+        if (H.out[i].member == member && H.out[i].env->body_case == kind) {
+            if (at)
+                *at = i;
+            return H.out[i].env;
+        }
+    return NULL;
+}
+
+static const Refit__Envelope *last(uint32_t member, Refit__Envelope__BodyCase kind)
+{
+    return last_since(0, member, kind, NULL);
+}
+
+/* No Start went to anyone since mark. */
+static void no_start_since(size_t mark, const char *why)
+{
+    for (uint32_t m = 0; m < NMEM; m++)
+        cr_assert_eq(count_since(mark, m, REFIT__ENVELOPE__BODY_START), 0,
+                     "member %u got a Start, though %s", m, why);
+}
+
+/* ---- the coordinator's status ------------------------------------------------------------- */
+
+static json_t *cluster(void)
+{
+    json_t *st = json_object();
+
+    rf_coord_status(st, H.c);
+    return st;
+}
+
+static const char *st_state(void)
+{
+    static char buf[32];
+    json_t *st = cluster();
+
+    snprintf(buf, sizeof(buf), "%s",
+             json_string_value(json_object_get(json_object_get(st, "cluster"), "state")));
+    json_decref(st);
+    return buf;
+}
+
+static json_int_t st_int(const char *key)
+{
+    json_t *st = cluster();
+    json_int_t v = json_integer_value(json_object_get(json_object_get(st, "cluster"), key));
+
+    json_decref(st);
+    return v;
+}
+
+static bool st_plan_ready(void)
+{
+    json_t *st = cluster();
+    bool v = json_is_true(json_object_get(
+        json_object_get(json_object_get(st, "cluster"), "plan"), "ready"));
+
+    json_decref(st);
+    return v;
+}
+
+static json_int_t st_ready(uint32_t pub)
+{
+    json_t *st = cluster();
+    json_t *m = json_array_get(json_object_get(json_object_get(st, "cluster"), "members"), pub);
+    json_int_t v = json_integer_value(json_object_get(m, "ready"));
+
+    json_decref(st);
+    return v;
+}
+
+static void st_last_error(char *buf, size_t len)
+{
+    json_t *st = cluster();
+
+    snprintf(buf, len, "%s", json_string_value(json_object_get(json_object_get(st, "cluster"),
+                                                               "last_error")));
+    json_decref(st);
+}
+
+/* ---- running the loop ------------------------------------------------------------------------ */
+
+static void guard_cb(uv_timer_t *t)
+{
+    (void)t;
+    H.guard_fired = true;
+}
+
+/* Runs the loop until pred() holds, at most ms; returns whether it held. */
+static bool run_until(bool (*pred)(void), uint64_t ms)
+{
+    H.guard_fired = false;
+    uv_timer_start(&H.guard, guard_cb, ms, 0);
+    while (!pred() && !H.guard_fired)
+        uv_run(&H.loop, UV_RUN_ONCE);
+    uv_timer_stop(&H.guard);
+    return pred();
+}
+
+/* Every member holds a whole plan slice (its last frame) sent since plan_mark. */
+static size_t plan_mark;
+static bool slices_arrived(void)
+{
+    for (uint32_t m = 0; m < NMEM; m++) {
+        bool got = false;
+
+        for (size_t i = plan_mark; i < H.nout; i++)
+            if (H.out[i].member == m &&
+                H.out[i].env->body_case == REFIT__ENVELOPE__BODY_PLAN_SLICE &&
+                H.out[i].env->plan_slice->last)
+                got = true;
+        if (!got)
+            return false;
+    }
+    return true;
+}
+
+static void wait_plan(void)
+{
+    cr_assert(run_until(slices_arrived, 20000), "no plan slice reached every member in 20 s");
+    cr_assert(st_plan_ready(), "slices went out but the status says the plan is not ready");
+    plan_mark = H.nout;
+}
+
+/* ---- inventories of real ranks ------------------------------------------------------------ */
+
+typedef struct sink_ctx {
+    rf_inv *inv;
+    uint32_t ep;
+    uint32_t region_base; /* the member's region id of the rank's region 0 */
+} sink_ctx;
+
+static int sink_region(void *ctx, uint32_t local, uint64_t size)
+{
+    sink_ctx *s = ctx;
+    rf_err err = {0};
+    uint32_t id;
+
+    cr_assert_eq(rf_inv_add_region(s->inv, s->ep, size, &id, &err), 0, "%s", err.msg);
+    cr_assert_eq(id, s->region_base + local);
+    return 0;
+}
+
+static int sink_piece(void *ctx, const rf_piece *p)
+{
+    sink_ctx *s = ctx;
+    rf_piece q = *p;
+    rf_err err = {0};
+
+    q.region = s->region_base + p->region;
+    cr_assert_eq(rf_inv_add_piece(s->inv, &q, NULL, &err), 0, "%s", err.msg);
+    return 0;
+}
+
+/* The local inventory of a daemon serving ranks [first, first + n) of a side. */
+static rf_inv *member_inv(const char *layout, rf_side side, int first, int n)
+{
+    rf_inv *inv = rf_inv_new();
+    rf_err err = {0};
+    rf_par par;
+
+    cr_assert_not_null(inv);
+    cr_assert_eq(rf_par_parse(layout, side, H.model, &par, &err), 0, "%s", err.msg);
+    for (uint32_t t = 0; t < rf_model_ntensors(H.model); t++) {
+        const rf_tensor *d = rf_model_tensor(H.model, t);
+        uint32_t id;
+
+        cr_assert_eq(rf_inv_add_tensor(inv, d->name, d->dtype, d->ndim, d->shape, &id, &err),
+                     0, "%s", err.msg);
+        cr_assert_eq(id, t);
+    }
+    for (int r = first; r < first + n; r++) {
+        sink_ctx s = {inv, 0, rf_inv_nregions(inv)};
+        rf_rank_sink sink = {&s, sink_region, sink_piece};
+
+        cr_assert_eq(rf_inv_add_endpoint(inv, side, 0, &s.ep, &err), 0, "%s", err.msg);
+        cr_assert_eq(rf_model_rank(H.model, &par, side, r, &sink, &err), 0, "%s", err.msg);
+    }
+    return inv;
+}
+
+/* Trainers tp=2 (rank 0 on publisher 0, rank 1 on publisher 1), engines tp=2 on receiver 0. */
+static void make_inventories(void)
+{
+    rf_model *full = NULL;
+    rf_err err = {0};
+    rf_inv *inv;
+
+    cr_assert_eq(rf_model_load("qwen3-0.6b", &full, &err), 0, "%s", err.msg);
+    cr_assert_eq(rf_model_shrink(full, 16, &H.model, &err), 0, "%s", err.msg);
+    rf_model_free(full);
+    for (uint32_t m = 0; m < NMEM; m++) {
+        rf_side side = m < NPUB ? RF_SRC : RF_DST;
+
+        inv = m < NPUB ? member_inv("tp=2", side, (int)m, 1) : member_inv("tp=2", side, 0, 2);
+        H.inv_gen[m] = 1;
+        cr_assert_eq(rf_slice_inv_pack(inv, side, H.inv_gen[m], &H.inv[m]), 0);
+        rf_inv_free(inv);
+    }
+}
+
+/* ---- the fixture -------------------------------------------------------------------------- */
+
+/* Starts the coordinator with these flags after the common ones (NULL-terminated). */
+static void start_coord(const char *first, ...)
+{
+    char *argv[48] = {"test_coord", "--config", H.conf, "--coordinator",
+                      "--coordinator-addr", "127.0.0.1:0", "--publishers", "2",
+                      "--receivers", "1", "--node", "coord", "--status-listen", "",
+                      "--busy-poll-ms", "0"};
+    int argc = 16;
+    rf_cfg_next next;
+    rf_err err = {0};
+    va_list ap;
+
+    va_start(ap, first);
+    for (const char *a = first; a; a = va_arg(ap, const char *))
+        argv[argc++] = (char *)a;
+    va_end(ap);
+    cr_assert_eq(rf_daemon_cfg_load(&H.cfg, RF_DAEMON_PUBLISHER, argc, argv, &next, &err), 0,
+                 "%s", err.msg);
+    cr_assert_eq(rf_coord_start(&H.loop, &H.cfg, &H.key, 99, H.metrics, &H.c, &err), 0, "%s",
+                 err.msg);
+    rf_coord__set_send(H.c, record, NULL);
+}
+
+static void setup(void)
+{
+    FILE *f;
+
+    memset(&H, 0, sizeof(H));
+    snprintf(H.dir, sizeof(H.dir), "/tmp/rf_coord_XXXXXX");
+    cr_assert(mkdtemp(H.dir));
+    snprintf(H.conf, sizeof(H.conf), "%s/empty.conf", H.dir);
+    f = fopen(H.conf, "w");
+    cr_assert_not_null(f);
+    fclose(f);
+    H.key.len = 32;
+    memset(H.key.bytes, 0x5a, H.key.len);
+    H.metrics = rf_metrics_new();
+    cr_assert_not_null(H.metrics);
+    cr_assert_eq(uv_loop_init(&H.loop), 0);
+    uv_timer_init(&H.loop, &H.guard);
+    for (uint32_t m = 0; m < NMEM; m++) {
+        H.peers[m].member = m;
+        H.daemon_id[m] = 1000 + m;
+    }
+    make_inventories();
+}
+
+static void teardown(void)
+{
+    if (H.c)
+        rf_coord_close(H.c);
+    uv_close((uv_handle_t *)&H.guard, NULL);
+    uv_run(&H.loop, UV_RUN_DEFAULT);
+    cr_assert_eq(uv_loop_close(&H.loop), 0, "loop closed with handles open");
+    for (size_t i = 0; i < H.nout; i++)
+        refit__envelope__free_unpacked(H.out[i].env, NULL);
+    free(H.out);
+    for (uint32_t m = 0; m < NMEM; m++)
+        rf_slice_inv_msg_free(&H.inv[m]);
+    rf_model_free(H.model);
+    rf_metrics_free(H.metrics);
+    rf_daemon_cfg_free(&H.cfg);
+    unlink(H.conf);
+    rmdir(H.dir);
+}
+
+TestSuite(coord, .init = setup, .fini = teardown, .timeout = 60);
+
+/* ---- what members say ------------------------------------------------------------------------ */
+
+static int join(uint32_t m)
+{
+    Refit__Hello h = REFIT__HELLO__INIT;
+    char node[32], addr[32];
+    rf_err err = {0};
+
+    snprintf(node, sizeof(node), "%s%u", m < NPUB ? "pub" : "recv", m < NPUB ? m : m - NPUB);
+    snprintf(addr, sizeof(addr), "127.0.0.1:%u", 20000 + m);
+    h.role = m < NPUB ? REFIT__ROLE__ROLE_PUBLISHER : REFIT__ROLE__ROLE_RECEIVER;
+    h.index = m < NPUB ? m : m - NPUB;
+    h.node = node;
+    h.data_addr = addr;
+    h.daemon_id = H.daemon_id[m];
+    return rf_coord__member_up(H.c, &h, &H.peers[m], "test", &err);
+}
+
+static void inventory(uint32_t m, uint64_t committed)
+{
+    Refit__Envelope env = REFIT__ENVELOPE__INIT;
+
+    H.inv[m].generation = H.inv_gen[m];
+    H.inv[m].committed = committed;
+    env.body_case = REFIT__ENVELOPE__BODY_INVENTORY;
+    env.inventory = &H.inv[m];
+    rf_coord__envelope(H.c, m, &env);
+}
+
+static void inventory_incomplete(uint32_t m)
+{
+    Refit__Envelope env = REFIT__ENVELOPE__INIT;
+    Refit__Inventory inv = REFIT__INVENTORY__INIT;
+
+    inv.generation = ++H.inv_gen[m];
+    inv.complete = false;
+    env.body_case = REFIT__ENVELOPE__BODY_INVENTORY;
+    env.inventory = &inv;
+    rf_coord__envelope(H.c, m, &env);
+}
+
+static void ready(uint32_t m, uint64_t v)
+{
+    Refit__Envelope env = REFIT__ENVELOPE__INIT;
+    Refit__Ready r = REFIT__READY__INIT;
+
+    r.version = v;
+    env.body_case = REFIT__ENVELOPE__BODY_READY;
+    env.ready = &r;
+    rf_coord__envelope(H.c, m, &env);
+}
+
+static void idle(uint32_t m, bool yes, uint64_t v)
+{
+    Refit__Envelope env = REFIT__ENVELOPE__INIT;
+    Refit__Idle i = REFIT__IDLE__INIT;
+
+    i.ready = yes;
+    i.version = v;
+    env.body_case = REFIT__ENVELOPE__BODY_IDLE;
+    env.idle = &i;
+    rf_coord__envelope(H.c, m, &env);
+}
+
+static void trigger(uint32_t m, uint64_t v)
+{
+    Refit__Envelope env = REFIT__ENVELOPE__INIT;
+    Refit__Trigger t = REFIT__TRIGGER__INIT;
+
+    t.version = v;
+    env.body_case = REFIT__ENVELOPE__BODY_TRIGGER;
+    env.trigger = &t;
+    rf_coord__envelope(H.c, m, &env);
+}
+
+/* Done of version v; the digest is fill repeated (members' digests XOR to zero when the
+ * fills do). */
+static void done(uint32_t m, uint64_t v, bool ok, uint8_t fill, const char *error)
+{
+    Refit__Envelope env = REFIT__ENVELOPE__INIT;
+    Refit__Done d = REFIT__DONE__INIT;
+    uint8_t digest[32];
+
+    memset(digest, fill, sizeof(digest));
+    d.version = v;
+    d.ok = ok;
+    d.error = (char *)(error ? error : "");
+    d.bytes = 1000;
+    d.digest.data = digest;
+    d.digest.len = 32;
+    env.body_case = REFIT__ENVELOPE__BODY_DONE;
+    env.done = &d;
+    rf_coord__envelope(H.c, m, &env);
+}
+
+/* Every member joined and sent its inventory (committed 0), the plan is built, the receiver's
+ * engines are idle. */
+static void cluster_up(void)
+{
+    for (uint32_t m = 0; m < NMEM; m++)
+        cr_assert_eq(join(m), 0);
+    for (uint32_t m = 0; m < NMEM; m++)
+        inventory(m, 0);
+    wait_plan();
+    idle(RECV0, true, 0);
+}
+
+/* Both publishers ready with v: Start(v) goes out; checks it and returns the record's mark. */
+static size_t start(uint64_t v)
+{
+    size_t mark = H.nout;
+    const Refit__Envelope *e;
+
+    ready(0, v);
+    ready(1, v);
+    for (uint32_t m = 0; m < NMEM; m++) {
+        cr_assert_eq(count_since(mark, m, REFIT__ENVELOPE__BODY_START), 1,
+                     "member %u did not get one Start(%llu)", m, (unsigned long long)v);
+        e = last(m, REFIT__ENVELOPE__BODY_START);
+        cr_assert_eq(e->start->version, v);
+    }
+    cr_assert_str_eq(st_state(), "running");
+    cr_assert_eq(st_int("version_in_flight"), (json_int_t)v);
+    return mark;
+}
+
+/* ---- membership and the plan ---------------------------------------------------------------- */
+
+Test(coord, plan_waits_for_every_member_and_every_complete_inventory)
+{
+    start_coord(NULL);
+    cr_assert_eq(join(0), 0);
+    cr_assert_eq(join(1), 0);
+    inventory(0, 0);
+    inventory(1, 0);
+    /* Receiver 0 has not joined: no plan, whatever the loop does. */
+    uv_run(&H.loop, UV_RUN_NOWAIT);
+    cr_assert(!st_plan_ready());
+    cr_assert_eq(join(RECV0), 0);
+    inventory_incomplete(RECV0);
+    uv_run(&H.loop, UV_RUN_NOWAIT);
+    for (uint32_t m = 0; m < NMEM; m++)
+        cr_assert_eq(count(m, REFIT__ENVELOPE__BODY_PLAN_SLICE), 0,
+                     "member %u got a plan slice while receiver 0's inventory is incomplete", m);
+    cr_assert(!st_plan_ready());
+    /* The last complete inventory builds the plan, and every member gets its slice. */
+    inventory(RECV0, 0);
+    wait_plan();
+    for (uint32_t m = 0; m < NMEM; m++) {
+        const Refit__Envelope *e = last(m, REFIT__ENVELOPE__BODY_PLAN_SLICE);
+
+        cr_assert_eq(e->plan_slice->generation, H.inv_gen[m]);
+        cr_assert_eq(e->plan_slice->plan_id.len, 32);
+        cr_assert_eq(e->plan_slice->n_peers, NMEM, "a slice names every member's data address");
+    }
+    /* A member whose inventory goes incomplete takes the plan away. */
+    inventory_incomplete(1);
+    cr_assert(!st_plan_ready());
+}
+
+Test(coord, members_outside_the_configuration_are_refused)
+{
+    Refit__Hello h = REFIT__HELLO__INIT;
+    rf_err err = {0};
+    fake_peer extra = {7};
+
+    start_coord(NULL);
+    h.node = "x";
+    h.data_addr = "";
+    h.role = REFIT__ROLE__ROLE_PUBLISHER;
+    h.index = 2;
+    cr_assert_eq(rf_coord__member_up(H.c, &h, &extra, "test", &err), -EINVAL);
+    cr_assert(strstr(err.msg, "publisher index 2 is outside the configured publishers"), "%s",
+              err.msg);
+    h.role = REFIT__ROLE__ROLE_RECEIVER;
+    h.index = 1;
+    cr_assert_eq(rf_coord__member_up(H.c, &h, &extra, "test", &err), -EINVAL);
+    cr_assert(strstr(err.msg, "receiver index 1 is outside"), "%s", err.msg);
+    h.role = REFIT__ROLE__ROLE_COORDINATOR;
+    h.index = 0;
+    cr_assert_eq(rf_coord__member_up(H.c, &h, &extra, "test", &err), -EINVAL);
+    cr_assert(strstr(err.msg, "cannot join as a member"), "%s", err.msg);
+    cr_assert_eq(join(0), 0);
+    h.role = REFIT__ROLE__ROLE_PUBLISHER;
+    h.index = 0;
+    cr_assert_eq(rf_coord__member_up(H.c, &h, &extra, "test", &err), -EEXIST);
+    cr_assert(strstr(err.msg, "publisher index 0 is already connected"), "%s", err.msg);
+    /* Nothing of the refused joins counts: the slot still belongs to the first. */
+    rf_coord__member_down(H.c, &extra, "closed");
+    cr_assert_eq(join(0), -EEXIST);
+}
+
+/* ---- Start: readiness and the receive quorum ------------------------------------------------ */
+
+Test(coord, start_only_when_every_publisher_reports_the_same_version)
+{
+    size_t mark, at_recv, at_pub;
+    const Refit__Envelope *e;
+    char plan[65];
+    json_t *st;
+
+    start_coord(NULL);
+    cluster_up();
+    mark = H.nout;
+    ready(0, 1);
+    no_start_since(mark, "publisher 1 is not ready");
+    ready(1, 2);
+    no_start_since(mark, "the publishers offer versions 1 and 2");
+    ready(0, 0);
+    no_start_since(mark, "publisher 0 took its readiness back");
+    cr_assert_str_eq(st_state(), "idle");
+    ready(0, 2);
+    for (uint32_t m = 0; m < NMEM; m++)
+        cr_assert_eq(count_since(mark, m, REFIT__ENVELOPE__BODY_START), 1);
+    e = last_since(mark, RECV0, REFIT__ENVELOPE__BODY_START, &at_recv);
+    cr_assert_eq(e->start->version, 2);
+    last_since(mark, 0, REFIT__ENVELOPE__BODY_START, &at_pub);
+    cr_assert_lt(at_recv, at_pub, "receivers get Start before the publishers");
+    /* Start names the plan the status shows. */
+    st = cluster();
+    snprintf(plan, sizeof(plan), "%s", json_string_value(json_object_get(
+        json_object_get(json_object_get(st, "cluster"), "plan"), "id")));
+    json_decref(st);
+    for (int i = 0; i < 32; i++) {
+        char hex[3];
+
+        snprintf(hex, sizeof(hex), "%02x", e->start->plan_id.data[i]);
+        cr_assert(strncmp(plan + 2 * i, hex, 2) == 0, "Start's plan id is not the status's %s",
+                  plan);
+    }
+}
+
+Test(coord, a_trainers_new_inventory_takes_its_readiness_away)
+{
+    size_t mark;
+
+    start_coord(NULL);
+    cluster_up();
+    /* The receiver's engines hold the start back while readiness comes in. */
+    idle(RECV0, false, 0);
+    ready(0, 1);
+    ready(1, 1);
+    cr_assert_eq(st_ready(1), 1);
+    /* Publisher 1's trainer re-registered: its readiness is gone with its old inventory. */
+    H.inv_gen[1]++;
+    inventory(1, 0);
+    cr_assert_eq(st_ready(1), 0, "a new inventory keeps the readiness of the old clients");
+    cr_assert_eq(st_ready(0), 1);
+    wait_plan();
+    mark = H.nout;
+    idle(RECV0, true, 0);
+    no_start_since(mark, "publisher 1 has not said it is ready since its new inventory");
+    ready(1, 1);
+    for (uint32_t m = 0; m < NMEM; m++)
+        cr_assert_eq(count_since(mark, m, REFIT__ENVELOPE__BODY_START), 1);
+}
+
+Test(coord, the_receive_quorum_holds_the_next_start)
+{
+    size_t mark;
+
+    start_coord(NULL);
+    cluster_up();
+    start(2);
+    done(0, 2, true, 0x11, NULL);
+    done(1, 2, true, 0x11, NULL);
+    done(RECV0, 2, true, 0x00, NULL);
+    for (uint32_t m = 0; m < NMEM; m++) {
+        cr_assert_eq(count(m, REFIT__ENVELOPE__BODY_COMMIT), 1);
+        cr_assert_eq(last(m, REFIT__ENVELOPE__BODY_COMMIT)->commit->version, 2);
+    }
+    cr_assert_eq(st_int("committed"), 2);
+    cr_assert_str_eq(st_state(), "idle");
+    /* After the commit the receiver must say again that its engines consumed version 2. */
+    mark = H.nout;
+    ready(0, 3);
+    ready(1, 3);
+    no_start_since(mark, "the receiver's engines have not consumed version 2");
+    idle(RECV0, false, 1);
+    no_start_since(mark, "the receiver says its engines are still busy");
+    idle(RECV0, true, 2);
+    for (uint32_t m = 0; m < NMEM; m++)
+        cr_assert_eq(count_since(mark, m, REFIT__ENVELOPE__BODY_START), 1);
+    cr_assert_eq(st_int("version_in_flight"), 3);
+}
+
+/* ---- Done: commit, abort, settle ---------------------------------------------------------- */
+
+Test(coord, equal_digests_commit_and_differing_digests_abort_at_once)
+{
+    char err[256];
+
+    start_coord(NULL);
+    cluster_up();
+    start(1);
+    done(0, 1, true, 0x3c, NULL);
+    done(1, 1, true, 0x00, NULL);
+    cr_assert_eq(count(0, REFIT__ENVELOPE__BODY_COMMIT), 0, "committed before every Done");
+    done(RECV0, 1, true, 0x3d, NULL);
+    for (uint32_t m = 0; m < NMEM; m++) {
+        cr_assert_eq(count(m, REFIT__ENVELOPE__BODY_COMMIT), 0);
+        cr_assert_eq(last(m, REFIT__ENVELOPE__BODY_ABORT)->abort->version, 1);
+        cr_assert(strstr(last(m, REFIT__ENVELOPE__BODY_ABORT)->abort->reason,
+                         "verification failed"));
+    }
+    st_last_error(err, sizeof(err));
+    cr_assert(strstr(err, "version 1 aborted: verification failed"), "%s", err);
+    /* Every Done is in: nothing to settle, the next version may start at once. */
+    cr_assert_str_eq(st_state(), "idle");
+    cr_assert_eq(st_int("committed"), 0);
+    start(2);
+    done(0, 2, true, 0x3c, NULL);
+    done(1, 2, true, 0x01, NULL);
+    done(RECV0, 2, true, 0x3d, NULL);
+    for (uint32_t m = 0; m < NMEM; m++)
+        cr_assert_eq(last(m, REFIT__ENVELOPE__BODY_COMMIT)->commit->version, 2);
+    cr_assert_eq(st_int("committed"), 2);
+}
+
+Test(coord, a_failed_done_aborts_and_settles_until_every_done)
+{
+    size_t mark;
+
+    start_coord(NULL);
+    cluster_up();
+    start(1);
+    done(1, 1, false, 0, "data path of version 1 failed: connection reset by pub0");
+    for (uint32_t m = 0; m < NMEM; m++) {
+        const Refit__Envelope *e = last(m, REFIT__ENVELOPE__BODY_ABORT);
+
+        cr_assert_not_null(e, "member %u got no Abort", m);
+        cr_assert_eq(e->abort->version, 1);
+        cr_assert(strstr(e->abort->reason, "publisher 1 (pub1): data path of version 1 failed"),
+                  "%s", e->abort->reason);
+    }
+    cr_assert_str_eq(st_state(), "aborting");
+    cr_assert_eq(st_ready(0), 0, "readiness survives an abort");
+    cr_assert_eq(st_ready(1), 0);
+    /* While the others' data paths may still run, nothing starts, readiness or not. */
+    mark = H.nout;
+    ready(0, 1);
+    ready(1, 1);
+    no_start_since(mark, "publisher 0 and receiver 0 have not reported Done of the aborted "
+                   "version");
+    done(0, 1, false, 0, "aborted");
+    cr_assert_str_eq(st_state(), "aborting");
+    done(RECV0, 1, true, 0, NULL);
+    /* Settled. The readiness sent during the settle was after the abort, so it counts. */
+    for (uint32_t m = 0; m < NMEM; m++)
+        cr_assert_eq(count_since(mark, m, REFIT__ENVELOPE__BODY_START), 1);
+    cr_assert_eq(st_int("version_in_flight"), 1);
+}
+
+Test(coord, readiness_must_be_reported_again_after_an_abort)
+{
+    size_t mark;
+
+    start_coord(NULL);
+    cluster_up();
+    start(1);
+    done(RECV0, 1, false, 0, "data path of version 1 failed: timed out");
+    done(0, 1, false, 0, "aborted");
+    done(1, 1, false, 0, "aborted");
+    cr_assert_str_eq(st_state(), "idle");
+    mark = H.nout;
+    /* Settled, the plan stands, the engines are idle: only readiness is missing. */
+    uv_run(&H.loop, UV_RUN_NOWAIT);
+    no_start_since(mark, "no publisher said it is ready since the abort");
+    ready(0, 1);
+    no_start_since(mark, "only publisher 0 said it is ready since the abort");
+    ready(1, 1);
+    for (uint32_t m = 0; m < NMEM; m++)
+        cr_assert_eq(count_since(mark, m, REFIT__ENVELOPE__BODY_START), 1);
+}
+
+Test(coord, the_settle_ends_without_a_silent_members_done)
+{
+    start_coord(NULL);
+    cluster_up();
+    start(1);
+    done(0, 1, false, 0, "data path of version 1 failed");
+    cr_assert_str_eq(st_state(), "aborting");
+    /* Publisher 1 and receiver 0 never answer: the settle timer ends the wait. */
+    cr_assert(rf_coord__expire(H.c), "no settle timer was pending");
+    cr_assert_str_eq(st_state(), "idle");
+    cr_assert(!rf_coord__expire(H.c), "a timer is still pending after the settle");
+    /* A late Done of the aborted version changes nothing. */
+    done(1, 1, true, 0, NULL);
+    cr_assert_str_eq(st_state(), "idle");
+    start(2);
+}
+
+Test(coord, the_deadline_aborts_naming_the_silent_members)
+{
+    const Refit__Envelope *e;
+
+    start_coord(NULL);
+    cluster_up();
+    start(1);
+    done(0, 1, true, 0, NULL);
+    cr_assert(rf_coord__expire(H.c), "no deadline was pending while a refit ran");
+    e = last(0, REFIT__ENVELOPE__BODY_ABORT);
+    cr_assert_not_null(e);
+    cr_assert(strstr(e->abort->reason, "no Done within 600 s from: publisher 1 (pub1) "
+                     "receiver 0 (recv0)"), "%s", e->abort->reason);
+    cr_assert_str_eq(st_state(), "aborting");
+    done(1, 1, false, 0, "aborted");
+    done(RECV0, 1, false, 0, "aborted");
+    cr_assert_str_eq(st_state(), "idle");
+}
+
+static bool abort_sent(void)
+{
+    return count(RECV0, REFIT__ENVELOPE__BODY_ABORT) > 0;
+}
+
+Test(coord, the_deadline_timer_fires_after_refit_timeout_s)
+{
+    uint64_t t0, ms;
+
+    start_coord("--refit-timeout-s", "1", NULL);
+    cluster_up();
+    start(1);
+    t0 = uv_hrtime();
+    /* The coordinator's deadline is refit_timeout_s plus one second, so that a member's own
+     * data-path deadline (refit_timeout_s) reports first. */
+    cr_assert(run_until(abort_sent, 5000), "no Abort within 5 s of a 1 s refit timeout");
+    ms = (uv_hrtime() - t0) / 1000000;
+    cr_assert_geq(ms, 1900, "the deadline fired after %llu ms", (unsigned long long)ms);
+    cr_assert(strstr(last(RECV0, REFIT__ENVELOPE__BODY_ABORT)->abort->reason,
+                     "no Done within 1 s"));
+}
+
+Test(coord, a_member_lost_mid_refit_aborts_and_the_plan_waits_for_it)
+{
+    const Refit__Envelope *e;
+
+    start_coord(NULL);
+    cluster_up();
+    start(1);
+    done(0, 1, true, 0, NULL);
+    rf_coord__member_down(H.c, &H.peers[RECV0], "heartbeat timeout");
+    e = last(0, REFIT__ENVELOPE__BODY_ABORT);
+    cr_assert_not_null(e, "losing a member mid-refit did not abort");
+    cr_assert(strstr(e->abort->reason, "lost receiver 0 (recv0): heartbeat timeout"), "%s",
+              e->abort->reason);
+    cr_assert_eq(count(RECV0, REFIT__ENVELOPE__BODY_ABORT), 0, "the lost member was sent to");
+    cr_assert(!st_plan_ready(), "the plan survived a member's loss");
+    cr_assert_str_eq(st_state(), "aborting");
+    done(1, 1, false, 0, "aborted");
+    cr_assert_str_eq(st_state(), "idle", "the lost member's Done was waited for");
+    /* It comes back (same process): its inventory makes the plan again. */
+    cr_assert_eq(join(RECV0), 0);
+    inventory(RECV0, 0);
+    wait_plan();
+    idle(RECV0, true, 0);
+    start(2);
+}
+
+/* ---- versions --------------------------------------------------------------------------------- */
+
+static void expect_error(uint32_t m, size_t mark, const char *text)
+{
+    const Refit__Envelope *e = last_since(mark, m, REFIT__ENVELOPE__BODY_ERROR, NULL);
+
+    cr_assert_not_null(e, "member %u got no Error (wanted '%s')", m, text);
+    cr_assert_eq(e->error->code, -ERANGE);
+    cr_assert(strstr(e->error->message, text), "'%s' lacks '%s'", e->error->message, text);
+}
+
+Test(coord, versions_outside_the_window_are_refused_with_an_error)
+{
+    const uint64_t step = RF_VERSION_MAX_STEP;
+    size_t mark;
+
+    start_coord(NULL);
+    cluster_up();
+    start(5);
+    done(0, 5, true, 0, NULL);
+    done(1, 5, true, 0, NULL);
+    done(RECV0, 5, true, 0, NULL);
+    cr_assert_eq(st_int("committed"), 5);
+    idle(RECV0, true, 5);
+
+    mark = H.nout;
+    ready(0, 5);
+    expect_error(0, mark, "Ready of version 5 refused: a version must be newer than the "
+                 "committed version 5");
+    cr_assert_eq(st_ready(0), 0);
+    mark = H.nout;
+    ready(0, 5 + step + 1);
+    expect_error(0, mark, "at most 4294967296 ahead");
+    cr_assert_eq(st_ready(0), 0);
+    mark = H.nout;
+    trigger(RECV0, 3);
+    expect_error(RECV0, mark, "Trigger of version 3 refused");
+    trigger(1, 5 + step + 1);
+    expect_error(1, mark, "Trigger of version 4294967302 refused");
+    no_start_since(mark, "every version offered lies outside (5, 5 + 2^32]");
+    cr_assert_str_eq(st_state(), "idle");
+    /* The edge of the window is allowed. */
+    mark = start(5 + step);
+    cr_assert_eq(count_since(mark, 0, REFIT__ENVELOPE__BODY_ERROR), 0);
+}
+
+Test(coord, an_operator_trigger_starts_without_readiness_and_an_abort_consumes_it)
+{
+    size_t mark;
+
+    start_coord(NULL);
+    cluster_up();
+    mark = H.nout;
+    trigger(RECV0, 4);
+    for (uint32_t m = 0; m < NMEM; m++)
+        cr_assert_eq(last_since(mark, m, REFIT__ENVELOPE__BODY_START, NULL)->start->version, 4);
+    done(0, 4, false, 0, "trainer memory gone");
+    done(1, 4, false, 0, "aborted");
+    done(RECV0, 4, false, 0, "aborted");
+    mark = H.nout;
+    cr_assert_str_eq(st_state(), "idle");
+    uv_run(&H.loop, UV_RUN_NOWAIT);
+    no_start_since(mark, "the trigger of the aborted version 4 was consumed by the abort");
+}
+
+Test(coord, a_restarted_coordinator_continues_from_the_members_committed_version)
+{
+    size_t mark;
+
+    start_coord(NULL);
+    for (uint32_t m = 0; m < NMEM; m++)
+        cr_assert_eq(join(m), 0);
+    inventory(0, 7);
+    inventory(1, 6);
+    cr_assert_eq(st_int("committed"), 7);
+    inventory(RECV0, 7);
+    wait_plan();
+    idle(RECV0, true, 7);
+    mark = H.nout;
+    ready(0, 7);
+    expect_error(0, mark, "newer than the committed version 7");
+    ready(1, 7);
+    no_start_since(mark, "version 7 is committed already");
+    start(8);
+}
