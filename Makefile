@@ -158,13 +158,17 @@ $(BUILD)/bench/%: $(BUILD)/bench/%.o $(LIBREFIT_O) $(LIBCOMMON)
 	@echo "  LD      $@"
 	$(Q)$(CC) $(SAN_LDFLAGS) -o $@ $^ $(LDFLAGS) $(LDLIBS) $(RF_LDLIBS)
 
+# A hung test fails instead of stalling the run: limits far above any test's normal time.
+UNIT_TIMEOUT_S ?= 300
+E2E_TIMEOUT_S  ?= 600
+
 # Unit tests: one Criterion binary per module. End-to-end tests: scripts that start the real
 # daemons and clients as processes (tests/e2e/*.sh), then the Python package's tests.
 unit: all
-	$(Q)set -e; for t in $(UNIT_BINS); do echo "== $$t"; REFIT_BUILD=$(BUILD) $$t --jobs=2 --short-filename; done
+	$(Q)set -e; for t in $(UNIT_BINS); do echo "== $$t"; REFIT_BUILD=$(BUILD) $$t --jobs=2 --short-filename --timeout $(UNIT_TIMEOUT_S); done
 
 e2e: all
-	$(Q)set -e; for t in $(sort $(wildcard tests/e2e/[0-9]*.sh)); do echo "== $$t"; BUILD=$(BUILD) $$t; done
+	$(Q)set -e; for t in $(sort $(wildcard tests/e2e/[0-9]*.sh)); do echo "== $$t"; BUILD=$(BUILD) timeout $(E2E_TIMEOUT_S) $$t; done
 	$(Q)echo "== tests/python"; BUILD=$(BUILD) REFIT_LIB=$(BUILD)/librefit.so python3 -m unittest discover -s tests/python
 
 test: deps

@@ -58,7 +58,8 @@ typedef struct rf_mem_cache rf_mem_cache;
 typedef struct rf_mem_ref rf_mem_ref; /* one region's hold on a mapping */
 
 rf_mem_cache *rf_mem_cache_new(void);
-/* Closes every mapping still held. */
+/* Closes every mapping still held; a ref still held must not be used afterwards and is not
+ * freed (release refs first: each is its holder's). */
 void rf_mem_cache_free(rf_mem_cache *c);
 /* Imports d (or reuses the mapping of the same object) and returns a reference to it.
  * Errors say what is wrong with the handle: -ENOTSUP for a kind with no implementation,
