@@ -32,4 +32,5 @@ if [ "${1:-}" = fuzz ]; then
 fi
 
 install_missing build-essential pkg-config libuv1-dev libprotobuf-c-dev protobuf-c-compiler \
-    libcriterion-dev libinih-dev libjansson-dev libsodium-dev libmicrohttpd-dev python3 systemd
+    libcriterion-dev libinih-dev libjansson-dev libsodium-dev libmicrohttpd-dev python3 systemd \
+    strace
