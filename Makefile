@@ -88,8 +88,8 @@ BENCH_BINS:= $(patsubst bench/%.c,$(BUILD)/bench/%,$(wildcard bench/bench_*.c))
 BINS := $(if $(PUB_O),$(BUILD)/refit-publisherd) $(if $(RECV_O),$(BUILD)/refit-receiverd) \
         $(if $(LIBREFIT_O),$(BUILD)/librefit.so) $(if $(CTL_O),$(BUILD)/refitctl) $(SIM_BINS)
 
-.PHONY: all deps test unit e2e bench demo install clean asan asan-tests fuzz fuzz-bins fuzz-long \
-        fuzz-corpus
+.PHONY: all deps test unit e2e bench soak demo install clean asan asan-tests fuzz fuzz-bins \
+        fuzz-long fuzz-corpus
 # Objects are never intermediates: keep them, so a second make (or make install) relinks nothing.
 .SECONDARY:
 all: $(LIBCOMMON) $(BINS) $(UNIT_BINS) $(BENCH_BINS)
@@ -180,6 +180,12 @@ test: deps
 bench: deps
 	$(Q)$(MAKE) --no-print-directory all
 	$(Q)BUILD=$(BUILD) bench/run.sh
+
+# >= 1,000 refits with verify = full on the host path; fails if either daemon's RSS or open
+# descriptors grow (bench/soak.sh prints the table; REFITS=N for another count).
+soak: deps
+	$(Q)$(MAKE) --no-print-directory all
+	$(Q)BUILD=$(BUILD) bench/soak.sh
 
 demo: deps
 	$(Q)$(MAKE) --no-print-directory all
