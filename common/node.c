@@ -9,9 +9,6 @@
 
 #include "log.h"
 #include "macros.h"
-#ifdef RF_HAVE_CUDA
-#include "mem_cuda.h"
-#endif
 #include "registry.h"
 #include "slice.h"
 #include "version.h"
@@ -28,7 +25,9 @@ struct rf_node {
     rf_registry *reg;
     rf_xfer_transport *xfer;
     rf_peer_connector *conn;
-    rf_peer *coord;
+    void *coord;            /* the coordinator's rf_peer while up, or a test's fake */
+    rf_node__send_fn send; /* rf_peer_send, or a test's recorder (rf_node__set_send) */
+    void *send_arg;
     uv_timer_t tick;
     uv_timer_t snap_timer; /* a pending refresh of the status snapshot (snapshot_soon) */
 
@@ -75,13 +74,19 @@ static const char *role_name(const rf_node *n)
     return n->cfg->coordinator ? "coordinator" : "publisher";
 }
 
+static int peer_send(void *peer, const Refit__Envelope *env, void *arg)
+{
+    (void)arg;
+    return rf_peer_send(peer, env);
+}
+
 static void send_env(rf_node *n, Refit__Envelope *env)
 {
     int rc;
 
     if (!n->coord)
         return;
-    rc = rf_peer_send(n->coord, env);
+    rc = n->send(n->coord, env, n->send_arg);
     if (rc < 0)
         RF_WARN("sending to the coordinator failed: %s", uv_strerror(rc));
 }
@@ -413,7 +418,8 @@ static int join_world(rf_node *n, const rf_inv *inv, rf_err *err)
 {
     uint32_t nlocal = rf_inv_nendpoints(inv), i;
     uint32_t *ranks = NULL;
-    int *devs = NULL, rc = 0;
+    const char **uuids = NULL;
+    int rc = 0;
     rf_xfer_world w;
 
     if (n->xfer->ops->set_world == NULL)
@@ -422,37 +428,26 @@ static int join_world(rf_node *n, const rf_inv *inv, rf_err *err)
         return rf_err_set(err, -EPROTO, "transport nccl, but the plan slice carries no NCCL "
                           "id: is the coordinator configured with transport = nccl too?");
     ranks = calloc(nlocal ? nlocal : 1, sizeof(*ranks));
-    devs = calloc(nlocal ? nlocal : 1, sizeof(*devs));
-    if (!ranks || !devs) {
+    uuids = calloc(nlocal ? nlocal : 1, sizeof(*uuids));
+    if (!ranks || !uuids) {
         rc = rf_err_set(err, -ENOMEM, "out of memory joining the NCCL world");
         goto out;
     }
+    /* The transport maps each endpoint's CUDA UUID to its device. */
     for (i = 0; i < nlocal; i++) {
-        const char *dev = rf_registry_endpoint_device(n->reg, i);
-
         ranks[i] = n->slice.ep_base + i;
-#ifdef RF_HAVE_CUDA
-        rc = rf_cuda_device_of_uuid(dev, &devs[i], err);
-        if (rc < 0) {
-            rf_err_wrap(err, "transport nccl needs GPU memory (endpoint %u is '%s'): ", i, dev);
-            goto out;
-        }
-#else
-        rc = rf_err_set(err, -ENOTSUP, "transport nccl in a build without CUDA (endpoint %s)",
-                        dev);
-        goto out;
-#endif
+        uuids[i] = rf_registry_endpoint_device(n->reg, i);
     }
     memset(&w, 0, sizeof(w));
     w.nranks = n->slice.nranks;
     w.nlocal = nlocal;
     w.local_ranks = ranks;
-    w.local_devices = devs;
+    w.local_uuids = uuids;
     memcpy(w.unique_id, n->slice.nccl_id, sizeof(w.unique_id));
     rc = rf_xfer_set_world(n->xfer, &w, err);
 out:
     free(ranks);
-    free(devs);
+    free(uuids);
     return rc;
 }
 
@@ -610,23 +605,26 @@ static void on_abort(rf_node *n, uint64_t version, const char *reason)
 
 /* ---- the coordinator connection --------------------------------------------------------- */
 
-static void coord_up(rf_peer *p, const Refit__Hello *hello)
+void rf_node__coord_up(rf_node *n, void *peer)
 {
-    rf_node *n = rf_peer_data(p);
-
-    RF_INFO("connected to coordinator %s (%s)", hello->node, rf_peer_remote(p));
-    n->coord = p;
+    n->coord = peer;
     rf_metric_set(n->m_peers, 1);
-    if (hello->role != REFIT__ROLE__ROLE_COORDINATOR) {
-        RF_ERROR("%s is not a coordinator; check coordinator_addr", rf_peer_remote(p));
-        rf_peer_close(p, "not a coordinator");
-        return;
-    }
     drop_slice(n);
     send_inventory(n);
     send_ready(n);
     send_idle(n);
     snapshot_soon(n);
+}
+
+static void coord_up(rf_peer *p, const Refit__Hello *hello)
+{
+    RF_INFO("connected to coordinator %s (%s)", hello->node, rf_peer_remote(p));
+    if (hello->role != REFIT__ROLE__ROLE_COORDINATOR) {
+        RF_ERROR("%s is not a coordinator; check coordinator_addr", rf_peer_remote(p));
+        rf_peer_close(p, "not a coordinator");
+        return;
+    }
+    rf_node__coord_up(rf_peer_data(p), p);
 }
 
 static void node_envelope(rf_node *n, const Refit__Envelope *env)
@@ -664,17 +662,29 @@ void rf_node__envelope(rf_node *n, const Refit__Envelope *env)
     node_envelope(n, env);
 }
 
-static void coord_down(rf_peer *p, const char *reason)
+void rf_node__set_send(rf_node *n, rf_node__send_fn fn, void *arg)
 {
-    rf_node *n = rf_peer_data(p);
+    n->send = fn ? fn : peer_send;
+    n->send_arg = fn ? arg : NULL;
+}
 
-    if (n == NULL || n->coord != p)
+void rf_node__coord_down(rf_node *n, void *peer, const char *reason)
+{
+    if (n->coord != peer)
         return;
     RF_WARN("lost the coordinator: %s", reason);
     n->coord = NULL;
     rf_metric_set(n->m_peers, 0);
     drop_slice(n);
     snapshot_soon(n);
+}
+
+static void coord_down(rf_peer *p, const char *reason)
+{
+    rf_node *n = rf_peer_data(p);
+
+    if (n)
+        rf_node__coord_down(n, p, reason);
 }
 
 /* ---- status -------------------------------------------------------------------------------- */
@@ -803,6 +813,7 @@ int rf_node_start(uv_loop_t *loop, const rf_node_opts *opts, rf_node **out, rf_e
     rf_registry_opts ro = {0};
     rf_registry_cb cb = {0};
     rf_peer_config pc = {0};
+    rf_xfer_open_opts xo = {0};
     rf_node *n = calloc(1, sizeof(*n));
     int rc;
 
@@ -813,6 +824,7 @@ int rf_node_start(uv_loop_t *loop, const rf_node_opts *opts, rf_node **out, rf_e
     n->side = cfg->role == RF_DAEMON_PUBLISHER ? RF_SRC : RF_DST;
     n->daemon_id = opts->daemon_id;
     n->metrics = opts->metrics;
+    n->send = peer_send;
     pthread_mutex_init(&n->snap_lock, NULL);
     rf_slice_job_init(&n->slice);
     snprintf(n->last.result, sizeof(n->last.result), "none");
@@ -822,12 +834,11 @@ int rf_node_start(uv_loop_t *loop, const rf_node_opts *opts, rf_node **out, rf_e
         goto fail;
     }
 
-    if (cfg->transport == RF_TRANSPORT_NCCL)
-        rc = rf_xfer_nccl_new(loop, &n->xfer, err);
-    else if ((rc = rf_xfer_tcp_new(loop, cfg->data_listen, &n->xfer, err)) == 0 &&
-             (rc = rf_xfer_tcp_set_key(n->xfer, opts->key->bytes, opts->key->len)) < 0)
-        rf_err_set(err, rc, "the cluster key (%zu bytes) cannot authenticate data connections",
-                   opts->key->len);
+    xo.nccl = cfg->transport == RF_TRANSPORT_NCCL;
+    xo.listen_addr = cfg->data_listen;
+    xo.key = opts->key->bytes;
+    xo.key_len = opts->key->len;
+    rc = rf_xfer_open(loop, &xo, &n->xfer, err);
     if (rc < 0)
         goto fail;
 
@@ -852,7 +863,7 @@ int rf_node_start(uv_loop_t *loop, const rf_node_opts *opts, rf_node **out, rf_e
     pc.role = n->side == RF_SRC ? REFIT__ROLE__ROLE_PUBLISHER : REFIT__ROLE__ROLE_RECEIVER;
     pc.node = cfg->node;
     pc.daemon_id = n->daemon_id;
-    pc.data_addr = cfg->transport == RF_TRANSPORT_TCP ? rf_xfer_tcp_addr(n->xfer) : "";
+    pc.data_addr = rf_xfer_data_addr(n->xfer);
     pc.index = (uint32_t)cfg->index;
     pc.max_frame = (uint32_t)cfg->max_frame_mib << 20;
     pc.heartbeat_ms = (uint64_t)cfg->heartbeat_ms;
@@ -916,8 +927,9 @@ static void xfer_closed(void *arg)
 
 void rf_node_close(rf_node *n)
 {
-    /* The connector's peer keeps a pointer to n: detach it before n goes away. */
-    if (n->coord)
+    /* The connector's peer keeps a pointer to n: detach it before n goes away (a test's fake
+     * coordinator is its own). */
+    if (n->coord && n->send == peer_send)
         rf_peer_set_data(n->coord, NULL);
     n->coord = NULL;
     n->closing = 3;

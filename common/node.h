@@ -33,7 +33,25 @@ void rf_node_close(rf_node *n);
 void rf_node_set_status_hook(rf_node *n, rf_node_status_hook fn, void *arg);
 /* The status document (caller decrefs), built on the loop thread. */
 json_t *rf_node_status(rf_node *n);
-/* Fuzzing and tests: handles env as if the coordinator had sent it. */
+
+/* ---- for tests and fuzzing only: the node without a coordinator's socket -----------------
+ * A test plays the coordinator: rf_node__coord_up makes peer (any non-NULL pointer of its own)
+ * the node's coordinator connection, rf_node__envelope hands in what the coordinator sends,
+ * rf_node__coord_down drops it, and the function given to rf_node__set_send records what the
+ * node sends. The node's connector keeps trying cfg->coordinator_addr meanwhile (point it at
+ * a port nobody listens on). */
+
+/* Sends env to peer; 0 or a negative errno (logged, as a failed rf_peer_send is). */
+typedef int (*rf_node__send_fn)(void *peer, const Refit__Envelope *env, void *arg);
+/* Every envelope to the coordinator goes through fn from now on (NULL: rf_peer_send again);
+ * the node then never calls rf_peer_* on its coordinator peer. */
+void rf_node__set_send(rf_node *n, rf_node__send_fn fn, void *arg);
+/* The coordinator on peer passed the handshake (the connector's on_up, once the Hello said
+ * coordinator): the node sends its inventory, readiness and receive quorum. */
+void rf_node__coord_up(rf_node *n, void *peer);
+/* The coordinator connection on peer ended; a peer that is not the current one is ignored. */
+void rf_node__coord_down(rf_node *n, void *peer, const char *reason);
+/* Handles env as if the coordinator had sent it. */
 void rf_node__envelope(rf_node *n, const Refit__Envelope *env);
 /* The last status document rendered by the loop, safe to call from any thread. */
 char *rf_node_status_snapshot(rf_node *n);

@@ -1,4 +1,5 @@
-/* common/xfer.c - checks on a transfer job that every transport runs before moving a byte. */
+/* common/xfer.c - checks on a transfer job that every transport runs before moving a byte, and
+ * the choice of a daemon's transport. */
 #include "xfer.h"
 
 #include <stdlib.h>
@@ -176,6 +177,31 @@ uint8_t *rf_xfer_direct_ptr(const rf_xfer_msg *m)
     const rf_xfer_item *it = &m->items[0];
 
     return it->base + rf_piece_byte_offset(&it->piece, it->ndim, it->esize, it->box.start);
+}
+
+int rf_xfer_open(uv_loop_t *loop, const rf_xfer_open_opts *o, rf_xfer_transport **out,
+                 rf_err *err)
+{
+    rf_xfer_transport *t = NULL;
+    int rc;
+
+    *out = NULL;
+    if (o->nccl)
+        return rf_xfer_nccl_new(loop, out, err);
+    rc = rf_xfer_tcp_new(loop, o->listen_addr, &t, err);
+    if (rc < 0)
+        return rc;
+    rc = rf_xfer_tcp_set_key(t, o->key, o->key_len);
+    if (rc < 0) {
+        /* The listener is bound already: the loop finishes closing it. */
+        rf_xfer_close(t, NULL, NULL);
+        return rf_err_set(err, rc, "the cluster key (%zu bytes) cannot authenticate data "
+                          "connections; it needs at least %d bytes", o->key_len,
+                          RF_XFER_TCP_KEY_MIN);
+    }
+    t->data_addr = rf_xfer_tcp_addr(t);
+    *out = t;
+    return 0;
 }
 
 #ifndef RF_HAVE_CUDA

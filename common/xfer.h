@@ -122,6 +122,9 @@ typedef struct rf_xfer_ops {
 /* Every transport starts with this header. */
 struct rf_xfer_transport {
     const rf_xfer_ops *ops;
+    /* Where the other daemons reach this transport's data path (tcp: its listener), set by
+     * rf_xfer_open; NULL when they need no address (nccl bootstraps from the unique id). */
+    const char *data_addr;
     /* Payload bytes the running job has sent and received so far: the worker adds with
      * rf_xfer__progress, anyone reads with rf_xfer_progress (refitctl watch). */
     uint64_t progress;
@@ -143,6 +146,11 @@ static inline uint64_t rf_xfer_progress(const rf_xfer_transport *t)
 static inline const char *rf_xfer_name(const rf_xfer_transport *t)
 {
     return t->ops->name;
+}
+/* The address a daemon announces in its Hello for data connections; "" for none. */
+static inline const char *rf_xfer_data_addr(const rf_xfer_transport *t)
+{
+    return t->data_addr ? t->data_addr : "";
 }
 static inline int rf_xfer_set_peers(rf_xfer_transport *t, uint32_t self, uint32_t npeers,
                                     const char *const *addrs, rf_err *err)
@@ -166,12 +174,14 @@ static inline void rf_xfer_close(rf_xfer_transport *t, rf_xfer_close_cb cb, void
 /* The NCCL world: one rank per GPU endpoint of the whole cluster (rank = global endpoint id),
  * the unique id made by the coordinator (rf_xfer_nccl_unique_id) and handed to every daemon
  * over the authenticated control connection, and the endpoints this daemon drives with the
- * CUDA device of each. */
+ * CUDA device of each: its ordinal, or the CUDA UUID its clients registered the endpoint's
+ * memory under ("GPU-..."), which the transport maps to this process's ordinal. */
 struct rf_xfer_world {
     uint32_t nranks;
     uint32_t nlocal;
-    const uint32_t *local_ranks; /* nlocal global endpoint ids */
-    const int *local_devices;    /* nlocal CUDA device ordinals */
+    const uint32_t *local_ranks;      /* nlocal global endpoint ids */
+    const int *local_devices;         /* nlocal CUDA device ordinals, or NULL: */
+    const char *const *local_uuids;   /* nlocal CUDA UUIDs, used when local_devices is NULL */
     uint8_t unique_id[128];
 };
 
@@ -210,6 +220,22 @@ static inline uint64_t rf_xfer_msg_digest_bytes(const rf_xfer_job *job, const rf
 
 /* Where a direct message's bytes lie in local memory (after rf_xfer_job_check). */
 uint8_t *rf_xfer_direct_ptr(const rf_xfer_msg *m);
+
+/* What a daemon's data path is made of: its transport = tcp or nccl setting, and what tcp
+ * needs (nccl needs nothing at creation: its world comes with every plan). */
+typedef struct rf_xfer_open_opts {
+    bool nccl;               /* else tcp */
+    const char *listen_addr; /* tcp: the data listener, "host:port" (port 0 picks one) */
+    const uint8_t *key;      /* tcp: the cluster key, at least RF_XFER_TCP_KEY_MIN bytes */
+    size_t key_len;
+} rf_xfer_open_opts;
+
+/* Makes the transport a daemon runs: nccl, or tcp listening on listen_addr with its data
+ * connections authenticated by key; rf_xfer_data_addr then gives what the daemon announces.
+ * 0, or a negative errno with err saying what to change (-ENOTSUP for nccl in a build without
+ * CUDA). */
+int rf_xfer_open(uv_loop_t *loop, const rf_xfer_open_opts *o, rf_xfer_transport **out,
+                 rf_err *err);
 
 /* The tcp transport: host memory over TCP data sockets between daemons. The data listener
  * is bound at creation on listen_addr ("host:port", "[v6]:port"; port 0 picks one);

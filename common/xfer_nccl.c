@@ -21,6 +21,7 @@
 #include "drv_cuda.h"
 #include "log.h"
 #include "macros.h"
+#include "mem_cuda.h"
 
 /* NCCL's error domain, wrapped once: the call, where, NCCL's code and its last message. */
 static int nccl_fail(rf_err *err, ncclResult_t r, ncclComm_t comm, const char *call,
@@ -981,7 +982,7 @@ static bool same_world(const nccl *t, const rf_xfer_world *w)
     return true;
 }
 
-static int nccl_set_world(rf_xfer_transport *base, const rf_xfer_world *w, rf_err *err)
+static int set_world_devices(rf_xfer_transport *base, const rf_xfer_world *w, rf_err *err)
 {
     nccl *t = (nccl *)base;
     gpu *ng = NULL;
@@ -1069,6 +1070,34 @@ static int nccl_set_world(rf_xfer_transport *base, const rf_xfer_world *w, rf_er
     t->comms_up = false;
     t->stale = false;
     return 0;
+}
+
+/* A daemon knows its GPUs by the CUDA UUIDs its clients registered memory under; the ordinals
+ * are this process's numbering of them. */
+static int nccl_set_world(rf_xfer_transport *base, const rf_xfer_world *w, rf_err *err)
+{
+    rf_xfer_world wd;
+    int *devs = NULL, rc = 0;
+
+    if (w->local_devices || !w->local_uuids || w->nlocal == 0)
+        return set_world_devices(base, w, err);
+    devs = calloc(w->nlocal, sizeof(*devs));
+    if (!devs)
+        return rf_err_set(err, -ENOMEM, "xfer nccl: out of memory for %u GPUs", w->nlocal);
+    for (uint32_t i = 0; i < w->nlocal; i++) {
+        rc = rf_cuda_device_of_uuid(w->local_uuids[i], &devs[i], err);
+        if (rc < 0) {
+            rf_err_wrap(err, "transport nccl needs GPU memory (endpoint %u is '%s'): ", i,
+                        w->local_uuids[i]);
+            goto out;
+        }
+    }
+    wd = *w;
+    wd.local_devices = devs;
+    rc = set_world_devices(base, &wd, err);
+out:
+    free(devs);
+    return rc;
 }
 
 int rf_xfer_nccl_tune(rf_xfer_transport *base, const rf_xfer_nccl_tuning *tu, rf_err *err)

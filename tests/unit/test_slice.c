@@ -1,0 +1,437 @@
+/* tests/unit/test_slice.c - the bridge between the plan and the daemons on real model ranks:
+ * inventories through their wire form and the coordinator's merge, refusals of inventories
+ * that do not fit together, and every member's plan slice through the wire into the job it
+ * becomes, compared item by item with the plan itself. */
+#include <criterion/criterion.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "model.h"
+#include "plan.h"
+#include "slice.h"
+
+/* Two publishers (trainer tp=2, a rank each) and two receivers (engine tp=4, two ranks each). */
+#define NMEM 4
+
+typedef struct member_def {
+    rf_side side;
+    int first, n;
+    const char *layout;
+} member_def;
+
+static const member_def defs[NMEM] = {
+    {RF_SRC, 0, 1, "tp=2"}, {RF_SRC, 1, 1, "tp=2"}, {RF_DST, 0, 2, "tp=4"}, {RF_DST, 2, 2, "tp=4"},
+};
+
+static rf_model *model;
+static rf_inv *local[NMEM];
+static Refit__Inventory *wire[NMEM]; /* each member's inventory, packed and unpacked again */
+static rf_side sides[NMEM];
+
+typedef struct sink_ctx {
+    rf_inv *inv;
+    uint32_t ep, region_base;
+} sink_ctx;
+
+static int sink_region(void *ctx, uint32_t r, uint64_t size)
+{
+    sink_ctx *s = ctx;
+    rf_err err = {0};
+    uint32_t id;
+
+    cr_assert_eq(rf_inv_add_region(s->inv, s->ep, size, &id, &err), 0, "%s", err.msg);
+    cr_assert_eq(id, s->region_base + r);
+    return 0;
+}
+
+static int sink_piece(void *ctx, const rf_piece *p)
+{
+    sink_ctx *s = ctx;
+    rf_piece q = *p;
+    rf_err err = {0};
+
+    q.region = s->region_base + p->region;
+    cr_assert_eq(rf_inv_add_piece(s->inv, &q, NULL, &err), 0, "%s", err.msg);
+    return 0;
+}
+
+static rf_inv *member_inv(const member_def *d)
+{
+    rf_inv *inv = rf_inv_new();
+    rf_err err = {0};
+    rf_par par;
+
+    cr_assert_eq(rf_par_parse(d->layout, d->side, model, &par, &err), 0, "%s", err.msg);
+    for (uint32_t t = 0; t < rf_model_ntensors(model); t++) {
+        const rf_tensor *td = rf_model_tensor(model, t);
+        uint32_t id;
+
+        cr_assert_eq(rf_inv_add_tensor(inv, td->name, td->dtype, td->ndim, td->shape, &id,
+                                       &err), 0, "%s", err.msg);
+    }
+    for (int r = d->first; r < d->first + d->n; r++) {
+        sink_ctx s = {inv, 0, rf_inv_nregions(inv)};
+        rf_rank_sink sink = {&s, sink_region, sink_piece};
+
+        cr_assert_eq(rf_inv_add_endpoint(inv, d->side, 0, &s.ep, &err), 0, "%s", err.msg);
+        cr_assert_eq(rf_model_rank(model, &par, d->side, r, &sink, &err), 0, "%s", err.msg);
+    }
+    return inv;
+}
+
+/* msg through its bytes, as a daemon's inventory reaches the coordinator. */
+static Refit__Inventory *through_wire(const Refit__Inventory *msg)
+{
+    size_t len = refit__inventory__get_packed_size(msg);
+    uint8_t *buf = malloc(len ? len : 1);
+    Refit__Inventory *out;
+
+    cr_assert_not_null(buf);
+    refit__inventory__pack(msg, buf);
+    out = refit__inventory__unpack(NULL, len, buf);
+    free(buf);
+    cr_assert_not_null(out);
+    return out;
+}
+
+static void setup(void)
+{
+    rf_model *full = NULL;
+    rf_err err = {0};
+
+    cr_assert_eq(rf_model_load("qwen3-0.6b", &full, &err), 0, "%s", err.msg);
+    cr_assert_eq(rf_model_shrink(full, 16, &model, &err), 0, "%s", err.msg);
+    rf_model_free(full);
+    for (int m = 0; m < NMEM; m++) {
+        Refit__Inventory msg;
+
+        sides[m] = defs[m].side;
+        local[m] = member_inv(&defs[m]);
+        cr_assert_eq(rf_slice_inv_pack(local[m], sides[m], 10 + (uint64_t)m, &msg), 0);
+        wire[m] = through_wire(&msg);
+        rf_slice_inv_msg_free(&msg);
+    }
+}
+
+static void teardown(void)
+{
+    for (int m = 0; m < NMEM; m++) {
+        refit__inventory__free_unpacked(wire[m], NULL);
+        rf_inv_free(local[m]);
+    }
+    rf_model_free(model);
+}
+
+TestSuite(slice, .init = setup, .fini = teardown);
+
+static void same_piece(const rf_inv *a, const rf_piece *pa, const rf_inv *b, const rf_piece *pb,
+                       uint32_t region_shift, const char *what)
+{
+    const rf_tensor *ta = rf_inv_tensor(a, pa->tensor), *tb = rf_inv_tensor(b, pb->tensor);
+
+    cr_assert_str_eq(ta->name, tb->name, "%s: tensor %s became %s", what, ta->name, tb->name);
+    cr_assert(rf_box_equal(&pa->box, &pb->box, ta->ndim), "%s: the box of %s changed", what,
+              ta->name);
+    cr_assert_eq(memcmp(pa->strides, pb->strides, sizeof(pa->strides)), 0,
+                 "%s: the strides of %s changed", what, ta->name);
+    cr_assert_eq(pa->offset, pb->offset);
+    cr_assert_eq(pa->region + region_shift, pb->region, "%s: %s moved from region %u to %u",
+                 what, ta->name, pa->region, pb->region);
+}
+
+Test(slice, an_inventory_survives_the_wire_and_a_merge_of_itself)
+{
+    Refit__Inventory *one[1] = {wire[0]};
+    rf_slice_map map = {0};
+    rf_inv *g = NULL;
+    rf_err err = {0};
+    rf_piece pa, pb;
+
+    cr_assert_eq(wire[0]->generation, 10);
+    cr_assert(wire[0]->complete);
+    cr_assert_eq(rf_slice_merge(one, sides, 1, &g, &map, &err), 0, "%s", err.msg);
+    cr_assert_eq(rf_inv_ntensors(g), rf_inv_ntensors(local[0]));
+    cr_assert_eq(rf_inv_nendpoints(g), rf_inv_nendpoints(local[0]));
+    cr_assert_eq(rf_inv_nregions(g), rf_inv_nregions(local[0]));
+    cr_assert_eq(rf_inv_npieces(g, RF_SRC), rf_inv_npieces(local[0], RF_SRC));
+    cr_assert_gt(rf_inv_npieces(g, RF_SRC), 100, "the rank holds the model's pieces");
+    for (uint32_t r = 0; r < rf_inv_nregions(g); r++)
+        cr_assert_eq(rf_inv_region(g, r)->size, rf_inv_region(local[0], r)->size);
+    for (uint32_t i = 0; i < rf_inv_npieces(g, RF_SRC); i++) {
+        rf_inv_piece(local[0], RF_SRC, i, &pa);
+        rf_inv_piece(g, RF_SRC, i, &pb);
+        same_piece(local[0], &pa, g, &pb, 0, "round trip");
+    }
+    rf_inv_free(g);
+    rf_slice_map_free(&map);
+}
+
+Test(slice, the_merge_places_each_member_after_the_ones_before)
+{
+    rf_slice_map map = {0};
+    rf_inv *g = NULL;
+    rf_err err = {0};
+    uint32_t eps = 0, regions = 0, pieces[2] = {0, 0};
+
+    cr_assert_eq(rf_slice_merge(wire, sides, NMEM, &g, &map, &err), 0, "%s", err.msg);
+    cr_assert_eq(map.nmembers, NMEM);
+    cr_assert_eq(rf_inv_ntensors(g), rf_model_ntensors(model), "members share the tensors");
+    for (uint32_t m = 0; m < NMEM; m++) {
+        const rf_slice_member *me = &map.members[m];
+
+        cr_assert_eq(me->side, sides[m]);
+        cr_assert_eq(me->ep_base, eps);
+        cr_assert_eq(me->nep, (uint32_t)defs[m].n);
+        cr_assert_eq(me->region_base, regions);
+        cr_assert_eq(me->piece_base, pieces[sides[m]]);
+        cr_assert_eq(me->npiece, rf_inv_npieces(local[m], sides[m]));
+        for (uint32_t e = 0; e < me->nep; e++) {
+            cr_assert_eq(map.ep_member[me->ep_base + e], m);
+            cr_assert_eq(rf_inv_endpoint(g, me->ep_base + e)->node, m,
+                         "member %u's endpoints are node %u", m, m);
+            cr_assert_eq(rf_inv_endpoint(g, me->ep_base + e)->side, sides[m]);
+        }
+        for (uint32_t i = 0; i < me->npiece; i++) {
+            rf_piece pa, pb;
+
+            rf_inv_piece(local[m], sides[m], i, &pa);
+            rf_inv_piece(g, sides[m], me->piece_base + i, &pb);
+            same_piece(local[m], &pa, g, &pb, me->region_base, "merge");
+        }
+        eps += me->nep;
+        regions += me->nregion;
+        pieces[sides[m]] += me->npiece;
+    }
+    cr_assert_eq(rf_inv_nendpoints(g), eps);
+    cr_assert_eq(rf_inv_nregions(g), regions);
+    rf_inv_free(g);
+    rf_slice_map_free(&map);
+}
+
+Test(slice, inventories_that_do_not_fit_together_are_refused_naming_the_daemon)
+{
+    rf_slice_map map = {0};
+    rf_inv *g = (rf_inv *)1;
+    rf_err err = {0};
+    int64_t saved;
+    uint32_t saved_u;
+
+    /* Daemon 1 describes a tensor with another shape than daemon 0. */
+    saved = wire[1]->tensors[3]->shape[0];
+    wire[1]->tensors[3]->shape[0] = saved + 1;
+    cr_assert_eq(rf_slice_merge(wire, sides, NMEM, &g, &map, &err), -EINVAL);
+    cr_assert_null(g);
+    cr_assert(strstr(err.msg, "inventory of daemon 1: "), "%s", err.msg);
+    cr_assert(strstr(err.msg, wire[1]->tensors[3]->name), "%s", err.msg);
+    wire[1]->tensors[3]->shape[0] = saved;
+    /* A region on an endpoint the daemon did not send. */
+    saved_u = wire[2]->regions[0]->endpoint;
+    wire[2]->regions[0]->endpoint = 9;
+    cr_assert_eq(rf_slice_merge(wire, sides, NMEM, &g, &map, &err), -EINVAL);
+    cr_assert(strstr(err.msg, "inventory of daemon 2: region 0 names endpoint 9 of 2"), "%s",
+              err.msg);
+    wire[2]->regions[0]->endpoint = saved_u;
+    /* A piece in a region the daemon did not send. */
+    saved_u = wire[3]->pieces[5]->region;
+    wire[3]->pieces[5]->region = 1000;
+    cr_assert_eq(rf_slice_merge(wire, sides, NMEM, &g, &map, &err), -EINVAL);
+    cr_assert(strstr(err.msg, "inventory of daemon 3: piece 5 names"), "%s", err.msg);
+    wire[3]->pieces[5]->region = saved_u;
+    /* Restored, they merge. */
+    cr_assert_eq(rf_slice_merge(wire, sides, NMEM, &g, &map, &err), 0, "%s", err.msg);
+    rf_inv_free(g);
+    rf_slice_map_free(&map);
+}
+
+/* A frame through its bytes, as a slice reaches a daemon. */
+static Refit__PlanSlice *frame_through_wire(const Refit__PlanSlice *f)
+{
+    Refit__Envelope env = REFIT__ENVELOPE__INIT, *back;
+    Refit__PlanSlice *out;
+    size_t len;
+    uint8_t *buf;
+
+    env.body_case = REFIT__ENVELOPE__BODY_PLAN_SLICE;
+    env.plan_slice = (Refit__PlanSlice *)f;
+    len = refit__envelope__get_packed_size(&env);
+    buf = malloc(len);
+    cr_assert_not_null(buf);
+    refit__envelope__pack(&env, buf);
+    back = refit__envelope__unpack(NULL, len, buf);
+    free(buf);
+    cr_assert_not_null(back);
+    cr_assert_eq(back->body_case, REFIT__ENVELOPE__BODY_PLAN_SLICE);
+    out = back->plan_slice;
+    back->plan_slice = NULL;
+    back->body_case = REFIT__ENVELOPE__BODY__NOT_SET;
+    refit__envelope__free_unpacked(back, NULL);
+    return out;
+}
+
+Test(slice, every_members_slice_becomes_the_plans_messages_on_its_side)
+{
+    static const char *addrs[NMEM] = {"10.0.0.1:1", "10.0.0.2:1", "10.0.0.3:1", "10.0.0.4:1"};
+    rf_slice_peer peers[NMEM];
+    uint8_t **bases[NMEM], **gbases;
+    rf_slice_map map = {0};
+    rf_plan_opts opts;
+    rf_plan *plan = NULL;
+    rf_inv *g = NULL;
+    rf_err err = {0};
+    uint64_t sent = 0, recvd = 0;
+    uint32_t msgs_seen = 0;
+
+    cr_assert_eq(rf_slice_merge(wire, sides, NMEM, &g, &map, &err), 0, "%s", err.msg);
+    rf_plan_opts_default(&opts);
+    /* Small enough that both kinds of message and several rounds occur. */
+    opts.staging_bytes = 1 << 20;
+    opts.direct_min_bytes = 64 << 10;
+    cr_assert_eq(rf_plan_build(g, &opts, &plan, &err), 0, "%s", err.msg);
+    cr_assert_gt(rf_plan_nrounds(plan), 1);
+    gbases = calloc(rf_inv_nregions(g), sizeof(*gbases));
+    for (uint32_t m = 0; m < NMEM; m++) {
+        peers[m] = (rf_slice_peer){100 + m, addrs[m], sides[m] == RF_SRC
+                                   ? REFIT__ROLE__ROLE_PUBLISHER : REFIT__ROLE__ROLE_RECEIVER};
+        bases[m] = calloc(rf_inv_nregions(local[m]), sizeof(*bases[m]));
+        for (uint32_t r = 0; r < rf_inv_nregions(local[m]); r++) {
+            bases[m][r] = malloc(rf_inv_region(local[m], r)->size);
+            cr_assert_not_null(bases[m][r]);
+            gbases[map.members[m].region_base + r] = bases[m][r];
+        }
+    }
+    for (uint32_t m = 0; m < NMEM; m++) {
+        Refit__PlanSlice **frames = NULL;
+        rf_slice_job job;
+        size_t n = 0;
+
+        /* At most 200 transfers a frame: a slice of several frames. */
+        cr_assert_eq(rf_slice_build(plan, &map, m, peers, 10 + m, 200, NULL, &frames, &n), 0);
+        cr_assert_gt(n, 1, "member %u's slice fits one frame; the test wants several", m);
+        rf_slice_job_init(&job);
+        for (size_t f = 0; f < n; f++) {
+            Refit__PlanSlice *back = frame_through_wire(frames[f]);
+
+            cr_assert_eq(back->last, f + 1 == n);
+            cr_assert(!job.complete);
+            cr_assert_eq(rf_slice_job_add(&job, back, local[m], sides[m], bases[m], &err), 0,
+                         "member %u frame %zu: %s", m, f, err.msg);
+            refit__plan_slice__free_unpacked(back, NULL);
+            rf_slice_msg_free(frames[f]);
+        }
+        free(frames);
+        cr_assert(job.complete);
+        cr_assert_eq(memcmp(job.plan_id, rf_plan_id(plan), 32), 0);
+        cr_assert_eq(job.generation, 10 + m);
+        cr_assert_eq(job.ep_base, map.members[m].ep_base);
+        cr_assert_eq(job.nranks, rf_inv_nendpoints(g));
+        cr_assert_eq(job.npeers, NMEM);
+        for (uint32_t p = 0; p < NMEM; p++) {
+            cr_assert_eq(job.peers[p].daemon_id, 100 + p);
+            cr_assert_str_eq(job.peers[p].data_addr, addrs[p]);
+        }
+        cr_assert_eq(job.job.nrounds, rf_plan_nrounds(plan));
+        cr_assert_eq(rf_xfer_job_check(&job.job, NMEM, &err), 0, "member %u: %s", m, err.msg);
+        /* Each message is the plan's message of that seq, seen from this side. */
+        for (uint32_t i = 0; i < job.job.nmsgs; i++) {
+            const rf_xfer_msg *xm = &job.job.msgs[i];
+            const rf_msg *pm = rf_plan_msg(plan, xm->seq);
+            rf_xfer_msg want;
+
+            cr_assert_eq(xm->send, sides[m] == RF_SRC);
+            cr_assert_eq(map.ep_member[xm->send ? pm->src_ep : pm->dst_ep], m);
+            cr_assert_eq(xm->peer, map.ep_member[xm->send ? pm->dst_ep : pm->src_ep]);
+            cr_assert_eq(rf_slice_msg_from_plan(plan, xm->seq, sides[m], gbases, xm->peer,
+                                                &want, &err), 0);
+            cr_assert_eq(xm->ep, want.ep);
+            cr_assert_eq(xm->peer_ep, want.peer_ep);
+            cr_assert_eq(xm->round, want.round);
+            cr_assert_eq(xm->kind, want.kind);
+            cr_assert_eq(xm->bytes, want.bytes);
+            cr_assert_eq(xm->nitems, want.nitems);
+            for (uint32_t k = 0; k < xm->nitems; k++) {
+                const rf_xfer_item *a = &xm->items[k], *b = &want.items[k];
+
+                cr_assert_eq(a->base, b->base, "seq %u item %u lies in another region",
+                             xm->seq, k);
+                cr_assert_eq(a->ndim, b->ndim);
+                cr_assert_eq(a->esize, b->esize);
+                cr_assert(rf_box_equal(&a->box, &b->box, a->ndim));
+                cr_assert(rf_box_equal(&a->piece.box, &b->piece.box, a->ndim));
+                cr_assert_eq(a->piece.offset, b->piece.offset);
+                cr_assert_eq(memcmp(a->piece.strides, b->piece.strides,
+                                    sizeof(a->piece.strides)), 0);
+                cr_assert_eq(a->msg_off, b->msg_off);
+                cr_assert_eq(a->bytes, b->bytes);
+            }
+            free(want.items);
+            if (xm->send)
+                sent += xm->bytes;
+            else
+                recvd += xm->bytes;
+            msgs_seen++;
+        }
+        rf_slice_job_reset(&job);
+    }
+    /* Every message was in exactly two slices, its sender's and its receiver's. */
+    cr_assert_eq(msgs_seen, 2 * rf_plan_nmsgs(plan));
+    cr_assert_eq(sent, rf_plan_stats_get(plan)->dst_bytes);
+    cr_assert_eq(recvd, rf_plan_stats_get(plan)->dst_bytes);
+    for (uint32_t m = 0; m < NMEM; m++) {
+        for (uint32_t r = 0; r < rf_inv_nregions(local[m]); r++)
+            free(bases[m][r]);
+        free(bases[m]);
+    }
+    free(gbases);
+    rf_plan_free(plan);
+    rf_inv_free(g);
+    rf_slice_map_free(&map);
+}
+
+Test(slice, a_frame_of_another_plan_or_a_stale_piece_is_refused)
+{
+    Refit__PlanSlice **frames = NULL;
+    uint8_t **bases;
+    rf_slice_peer peers[NMEM];
+    rf_slice_map map = {0};
+    rf_plan_opts opts;
+    rf_plan *plan = NULL;
+    rf_inv *g = NULL;
+    rf_err err = {0};
+    rf_slice_job job;
+    size_t n = 0;
+    uint32_t saved;
+
+    cr_assert_eq(rf_slice_merge(wire, sides, NMEM, &g, &map, &err), 0, "%s", err.msg);
+    rf_plan_opts_default(&opts);
+    cr_assert_eq(rf_plan_build(g, &opts, &plan, &err), 0, "%s", err.msg);
+    for (uint32_t m = 0; m < NMEM; m++)
+        peers[m] = (rf_slice_peer){100 + m, "", REFIT__ROLE__ROLE_PUBLISHER};
+    cr_assert_eq(rf_slice_build(plan, &map, 2, peers, 1, 100, NULL, &frames, &n), 0);
+    cr_assert_gt(n, 1);
+    bases = calloc(rf_inv_nregions(local[2]), sizeof(*bases));
+    for (uint32_t r = 0; r < rf_inv_nregions(local[2]); r++)
+        bases[r] = (uint8_t *)(uintptr_t)(4096 * (r + 1)); /* never dereferenced here */
+    rf_slice_job_init(&job);
+    cr_assert_eq(rf_slice_job_add(&job, frames[0], local[2], RF_DST, bases, &err), 0, "%s",
+                 err.msg);
+    /* The second frame claims another plan. */
+    frames[1]->plan_id.data[0] ^= 0xff;
+    cr_assert_eq(rf_slice_job_add(&job, frames[1], local[2], RF_DST, bases, &err), -EPROTO);
+    cr_assert(strstr(err.msg, "belongs to another plan"), "%s", err.msg);
+    frames[1]->plan_id.data[0] ^= 0xff;
+    /* A piece this daemon does not hold (its inventory changed under the plan). */
+    rf_slice_job_reset(&job);
+    saved = frames[0]->msgs[0]->xfers[0]->piece;
+    frames[0]->msgs[0]->xfers[0]->piece = rf_inv_npieces(local[2], RF_DST);
+    cr_assert_eq(rf_slice_job_add(&job, frames[0], local[2], RF_DST, bases, &err), -EPROTO);
+    cr_assert(strstr(err.msg, "the plan is stale"), "%s", err.msg);
+    frames[0]->msgs[0]->xfers[0]->piece = saved;
+    rf_slice_job_reset(&job);
+    for (size_t f = 0; f < n; f++)
+        rf_slice_msg_free(frames[f]);
+    free(frames);
+    free(bases);
+    rf_plan_free(plan);
+    rf_inv_free(g);
+    rf_slice_map_free(&map);
+}
