@@ -676,63 +676,126 @@ static inline uint64_t numel(const rf_box *box, int ndim)
     return n;
 }
 
-/* Emits the transfer of box (of bytes) from candidate c to destination piece dst (geometry
- * dgid). whole says that box is the destination piece's own box, whose interned id and run
- * count the geometry cache keeps. */
-static int emit(builder *b, const cand *c, uint32_t dgid, uint32_t dst, uint32_t dst_ep,
-                int ndim, size_t esize, const rf_box *box, uint64_t bytes, bool whole,
-                rf_err *err)
+/* The destination piece being planned, as the phases of plan_piece and emit read it: filled
+ * once per piece, so that emit takes the piece as one argument rather than five. */
+typedef struct dpiece {
+    uint32_t id;        /* destination piece id */
+    uint32_t geom;      /* its geometry: box (unused dims [0:1]) and strides */
+    uint32_t tensor;
+    uint32_t ep, node;  /* its endpoint and that endpoint's node */
+    int ndim;
+    size_t esize;
+    const rf_box *box;  /* its box, in the inventory */
+} dpiece;
+
+static int emit(builder *b, const dpiece *dp, const cand *c, const rf_box *box, uint64_t bytes,
+                bool whole, rf_err *err);
+
+/* A packed transfer larger than half the staging budget would fit no round: it is split along
+ * the outermost dim of extent > 1 into slabs that fit, and a single slab that is still too
+ * large is split again along the next dim, by emit's own check on each slab. */
+static int emit_slabs(builder *b, const dpiece *dp, const cand *c, const rf_box *box,
+                      uint64_t bytes, rf_err *err)
+{
+    int ndim = dp->ndim, d = 0, rc;
+    uint64_t slab;
+    rf_box sub = *box;
+
+    while (d < ndim && box->extent[d] == 1)
+        d++;
+    slab = bytes / (uint64_t)box->extent[d];
+    if (slab <= b->half) {
+        int64_t k = (int64_t)(b->half / slab);
+        for (int64_t s = 0; s < box->extent[d]; s += k) {
+            sub.start[d] = box->start[d] + s;
+            sub.extent[d] = box->extent[d] - s < k ? box->extent[d] - s : k;
+            rc = emit(b, dp, c, &sub, numel(&sub, ndim) * dp->esize, false, err);
+            if (rc)
+                return rc;
+        }
+    } else {
+        for (int64_t s = 0; s < box->extent[d]; s++) {
+            sub.start[d] = box->start[d] + s;
+            sub.extent[d] = 1;
+            rc = emit(b, dp, c, &sub, numel(&sub, ndim) * dp->esize, false, err);
+            if (rc)
+                return rc;
+        }
+    }
+    return 0;
+}
+
+/* The message that carries a new transfer of bytes from src_ep to dst_ep. Messages are formed
+ * while transfers are emitted: a packed transfer joins its pair's open packed message while
+ * that still fits half the budget, else opens a new one; a direct one gets its own. */
+static int msg_for(builder *b, uint32_t src_ep, uint32_t dst_ep, bool direct, uint64_t bytes,
+                   rf_msg **out, rf_err *err)
+{
+    uint32_t *slot32 = NULL;
+    uint64_t *slot64 = NULL, open = 0;
+    rf_msg *mm;
+
+    if (!direct) {
+        uint32_t si = b->epidx[src_ep], di = b->epidx[dst_ep];
+        if (b->open) {
+            slot32 = &b->open[(uint64_t)si * b->ndst_ep + di];
+            open = *slot32;
+        } else {
+            if (linktab_slot(&b->opentab, (uint64_t)si << 32 | di, &slot64))
+                return rf_err_set(err, -ENOMEM, "plan: out of memory for open messages");
+            open = *slot64;
+        }
+    }
+    if (open && b->mb[open - 1].bytes + bytes <= b->half) {
+        *out = &b->mb[open - 1];
+        return 0;
+    }
+    if (b->nmb >= UINT32_MAX - 1)
+        return rf_err_set(err, -E2BIG, "plan: more than 2^32 messages");
+    if (grow((void **)&b->mb, &b->capmb, b->nmb + 1, sizeof(rf_msg)))
+        return rf_err_set(err, -ENOMEM, "plan: out of memory after %llu messages",
+                          (unsigned long long)b->nmb);
+    mm = &b->mb[b->nmb];
+    *mm = (rf_msg){.src_ep = src_ep, .dst_ep = dst_ep, .round = 0,
+                   .kind = direct ? RF_XFER_DIRECT : RF_XFER_PACKED,
+                   .first = (uint32_t)b->nx, .count = 0, .bytes = 0};
+    b->nmb++;
+    if (slot32)
+        *slot32 = (uint32_t)b->nmb;
+    else if (slot64)
+        *slot64 = b->nmb;
+    *out = mm;
+    return 0;
+}
+
+/* Emits the transfer of box (of bytes) from candidate c to destination piece dp. whole says
+ * that box is the destination piece's own box, whose interned id and run count the geometry
+ * cache keeps. */
+static int emit(builder *b, const dpiece *dp, const cand *c, const rf_box *box, uint64_t bytes,
+                bool whole, rf_err *err)
 {
     rf_plan *pl = b->plan;
-    uint64_t sruns = nruns(c->g->strides, ndim, box), druns;
+    uint64_t sruns = nruns(c->g->strides, dp->ndim, box), druns;
     bool direct;
     uint32_t bid;
+    rf_msg *mm = NULL;
     int rc;
 
     if (whole && b->gruns)
-        druns = b->gruns[dgid];
+        druns = b->gruns[dp->geom];
     else
-        druns = nruns(b->geoms[dgid].strides, ndim, box);
+        druns = nruns(b->geoms[dp->geom].strides, dp->ndim, box);
     /* Contiguous here means one byte range in row-major order of the box on both sides. */
     direct = bytes >= pl->opts.direct_min_bytes && sruns == 1 && druns == 1;
-    if (!direct && bytes > b->half) {
-        /* Split along the outermost dim of extent > 1 into slabs that fit half the budget;
-         * a single slab that is still too large is split again along the next dim. */
-        int d = 0;
-        uint64_t slab;
-        rf_box sub = *box;
-        while (d < ndim && box->extent[d] == 1)
-            d++;
-        slab = bytes / (uint64_t)box->extent[d];
-        if (slab <= b->half) {
-            int64_t k = (int64_t)(b->half / slab);
-            for (int64_t s = 0; s < box->extent[d]; s += k) {
-                sub.start[d] = box->start[d] + s;
-                sub.extent[d] = box->extent[d] - s < k ? box->extent[d] - s : k;
-                rc = emit(b, c, dgid, dst, dst_ep, ndim, esize, &sub, numel(&sub, ndim) * esize,
-                          false, err);
-                if (rc)
-                    return rc;
-            }
-        } else {
-            for (int64_t s = 0; s < box->extent[d]; s++) {
-                sub.start[d] = box->start[d] + s;
-                sub.extent[d] = 1;
-                rc = emit(b, c, dgid, dst, dst_ep, ndim, esize, &sub, numel(&sub, ndim) * esize,
-                          false, err);
-                if (rc)
-                    return rc;
-            }
-        }
-        return 0;
-    }
-    if (whole && b->gbid && b->gbid[dgid]) {
-        bid = b->gbid[dgid] - 1;
+    if (!direct && bytes > b->half)
+        return emit_slabs(b, dp, c, box, bytes, err);
+    if (whole && b->gbid && b->gbid[dp->geom]) {
+        bid = b->gbid[dp->geom] - 1;
         rc = 0;
     } else {
         rc = boxtab_intern(&b->boxes, box, &bid);
         if (rc == 0 && whole && b->gbid)
-            b->gbid[dgid] = bid + 1;
+            b->gbid[dp->geom] = bid + 1;
     }
     if (b->nx >= UINT32_MAX - 1)
         return rf_err_set(err, -E2BIG, "plan: %llu transfers exceed the 32-bit transfer index",
@@ -745,49 +808,17 @@ static int emit(builder *b, const cand *c, uint32_t dgid, uint32_t dst, uint32_t
     if (rc)
         return rf_err_set(err, rc, "plan: out of memory after %llu transfers",
                           (unsigned long long)b->nx);
-    /* Its message: the open packed one of the pair if it still fits, else a new one. */
-    {
-        uint32_t *slot32 = NULL;
-        uint64_t *slot64 = NULL, open = 0;
-        rf_msg *mm;
-        if (!direct) {
-            uint32_t si = b->epidx[c->ep], di = b->epidx[dst_ep];
-            if (b->open) {
-                slot32 = &b->open[(uint64_t)si * b->ndst_ep + di];
-                open = *slot32;
-            } else {
-                if (linktab_slot(&b->opentab, (uint64_t)si << 32 | di, &slot64))
-                    return rf_err_set(err, -ENOMEM, "plan: out of memory for open messages");
-                open = *slot64;
-            }
-        }
-        if (open && b->mb[open - 1].bytes + bytes <= b->half) {
-            mm = &b->mb[open - 1];
-        } else {
-            if (b->nmb >= UINT32_MAX - 1)
-                return rf_err_set(err, -E2BIG, "plan: more than 2^32 messages");
-            if (grow((void **)&b->mb, &b->capmb, b->nmb + 1, sizeof(rf_msg)))
-                return rf_err_set(err, -ENOMEM, "plan: out of memory after %llu messages",
-                                  (unsigned long long)b->nmb);
-            mm = &b->mb[b->nmb];
-            *mm = (rf_msg){.src_ep = c->ep, .dst_ep = dst_ep, .round = 0,
-                           .kind = direct ? RF_XFER_DIRECT : RF_XFER_PACKED,
-                           .first = (uint32_t)b->nx, .count = 0, .bytes = 0};
-            b->nmb++;
-            if (slot32)
-                *slot32 = (uint32_t)b->nmb;
-            else if (slot64)
-                *slot64 = b->nmb;
-        }
-        pl->xfers[b->nx] = (rf_xfer){.src = c->id, .dst = dst, .box = bid,
-                                     .msg = (uint32_t)(mm - b->mb), .msg_off = mm->bytes,
-                                     .bytes = bytes};
-        mm->bytes += bytes;
-        mm->count++;
-    }
+    rc = msg_for(b, c->ep, dp->ep, direct, bytes, &mm, err);
+    if (rc)
+        return rc;
+    pl->xfers[b->nx] = (rf_xfer){.src = c->id, .dst = dp->id, .box = bid,
+                                 .msg = (uint32_t)(mm - b->mb), .msg_off = mm->bytes,
+                                 .bytes = bytes};
+    mm->bytes += bytes;
+    mm->count++;
     b->nx++;
     pl->sent[c->ep] += bytes;
-    pl->recv[dst_ep] += bytes;
+    pl->recv[dp->ep] += bytes;
     if (direct) {
         pl->st.direct_bytes += bytes;
         pl->st.direct_transfers++;
@@ -867,49 +898,56 @@ static int find_cut(const int64_t *c, int n, int64_t v)
     return lo;
 }
 
-static int plan_piece(builder *b, uint32_t dst, rf_err *err)
+/* Phase 1 of planning a piece: the range [lo, hi) of the tensor's sources (sorted by start
+ * along the key dim) whose start lies where they could still reach the box, from the box's
+ * start less the largest source extent along that dim to the box's end. */
+static void key_range(const builder *b, const dpiece *dp, const tinfo *ti, uint64_t *lo,
+                      uint64_t *hi)
 {
-    const rf_piece_rec *dr = &b->drec[dst];
-    const rf_box *dbox = &b->geoms[dr->geom].box; /* unused dims are [0:1] already */
-    uint32_t tid = dr->tensor, dgid = dr->geom;
-    const tinfo *ti = &b->ti[tid];
     const sent *se = b->se;
-    int ndim = ti->ndim, k = ti->kdim, nfull = 0;
-    size_t esize = ti->esize;
-    uint32_t dst_ep = b->reg_ep[dr->region], dst_node = b->node[dst_ep];
-    uint64_t a = ti->first, z = a + ti->count, lo, hi, ncells = 1;
-    int rc = 0;
+    uint64_t a = ti->first, z = a + ti->count, l = a, h = z;
+    int k = ti->kdim;
+    int64_t qlo, qhi;
 
-    /* Candidates: sources of the tensor whose key-dim interval can reach the box. */
     if (z - a == 1) {
-        lo = a; /* the one source: the overlap test below decides */
-        hi = z;
-    } else {
-        int64_t qlo = dbox->start[k] - ti->maxext + 1;
-        int64_t qhi = dbox->start[k] + dbox->extent[k];
-        uint64_t l = a, h = z;
-        while (l < h) {
-            uint64_t m = (l + h) / 2;
-            if (se[m].kstart < qlo)
-                l = m + 1;
-            else
-                h = m;
-        }
-        lo = l;
-        h = z;
-        while (l < h) {
-            uint64_t m = (l + h) / 2;
-            if (se[m].kstart < qhi)
-                l = m + 1;
-            else
-                h = m;
-        }
-        hi = l;
+        *lo = a; /* the one source: the overlap test decides */
+        *hi = z;
+        return;
     }
+    qlo = dp->box->start[k] - ti->maxext + 1;
+    qhi = dp->box->start[k] + dp->box->extent[k];
+    while (l < h) {
+        uint64_t m = (l + h) / 2;
+        if (se[m].kstart < qlo)
+            l = m + 1;
+        else
+            h = m;
+    }
+    *lo = l;
+    h = z;
+    while (l < h) {
+        uint64_t m = (l + h) / 2;
+        if (se[m].kstart < qhi)
+            l = m + 1;
+        else
+            h = m;
+    }
+    *hi = l;
+}
+
+/* Phase 2: of the sources in [lo, hi), the candidates are those that overlap the box; those
+ * that hold all of it go to b->hs, *nfull of them, for the fast path. Each candidate's link
+ * load pointer is taken once every link exists, since the hash table may grow. */
+static int find_cands(builder *b, const dpiece *dp, uint64_t lo, uint64_t hi, int *nfull,
+                      rf_err *err)
+{
+    const sent *se = b->se;
+    const rf_box *dbox = dp->box;
+    int ndim = dp->ndim, nf = 0;
+
     if (grow((void **)&b->cands, &b->capcand, hi - lo + 1, sizeof(cand)) ||
         grow((void **)&b->hs, &b->caphs, hi - lo + 1, sizeof(int32_t)))
         return rf_err_set(err, -ENOMEM, "plan: out of memory");
-    /* Keep those that overlap the box; note those that hold all of it. */
     b->ncand = 0;
     for (uint64_t i = lo; i < hi; i++) {
         const rf_geom *sg = se[i].g;
@@ -917,11 +955,11 @@ static int plan_piece(builder *b, uint32_t dst, rf_err *err)
         cand *c;
         int d;
         for (d = 0; d < ndim; d++) {
-            int64_t ss = sg->box.start[d], se = ss + sg->box.extent[d];
-            int64_t ds = dbox->start[d], de = ds + dbox->extent[d];
-            if (ss >= de || se <= ds)
+            int64_t s0 = sg->box.start[d], s1 = s0 + sg->box.extent[d];
+            int64_t d0 = dbox->start[d], d1 = d0 + dbox->extent[d];
+            if (s0 >= d1 || s1 <= d0)
                 break;
-            if (ss > ds || se < de)
+            if (s0 > d0 || s1 < d1)
                 full = false;
         }
         if (d < ndim)
@@ -931,36 +969,49 @@ static int plan_piece(builder *b, uint32_t dst, rf_err *err)
         c->id = se[i].id;
         c->ep = se[i].ep;
         if (full)
-            b->hs[nfull++] = (int32_t)b->ncand;
+            b->hs[nf++] = (int32_t)b->ncand;
         b->ncand++;
     }
-    /* Link load pointers, taken once every link exists (the hash table may grow). */
+    *nfull = nf;
     if (b->linkmat) {
-        uint64_t *row = &b->linkmat[b->nodeidx[dst_ep]];
+        uint64_t *row = &b->linkmat[b->nodeidx[dp->ep]];
         for (uint64_t i = 0; i < b->ncand; i++)
             b->cands[i].linkp = &row[(uint64_t)b->nodeidx[b->cands[i].ep] * b->ndst_node];
     } else {
         for (uint64_t i = 0; i < b->ncand; i++)
-            b->cands[i].link = ((uint64_t)b->node[b->cands[i].ep] << 32) | dst_node;
+            b->cands[i].link = ((uint64_t)b->node[b->cands[i].ep] << 32) | dp->node;
         for (int pass = 0; pass < 2; pass++)
             for (uint64_t i = 0; i < b->ncand; i++)
                 if (linktab_slot(&b->links, b->cands[i].link, &b->cands[i].linkp))
                     return rf_err_set(err, -ENOMEM, "plan: out of memory for link loads");
     }
+    return 0;
+}
 
-    /* Fast path: sources that hold the whole box need no cutting. */
-    if (nfull > 0) {
-        uint64_t bytes = numel(dbox, ndim) * esize;
-        int w = nfull == 1 ? b->hs[0] : pick(b, b->hs, nfull, bytes);
-        rc = charge(b, &b->cands[w], bytes, err);
-        if (rc == 0)
-            rc = emit(b, &b->cands[w], dgid, dst, dst_ep, ndim, esize, dbox, bytes, true, err);
-        return rc;
-    }
+/* The fast path, and the common case: some sources hold the whole box, so it needs no
+ * cutting; the least loaded of the nfull in b->hs sends it in one transfer. */
+static int send_whole(builder *b, const dpiece *dp, int nfull, rf_err *err)
+{
+    uint64_t bytes = numel(dp->box, dp->ndim) * dp->esize;
+    int w = nfull == 1 ? b->hs[0] : pick(b, b->hs, nfull, bytes);
+    int rc = charge(b, &b->cands[w], bytes, err);
 
-    /* Cut the box along every source boundary inside it. */
+    if (rc == 0)
+        rc = emit(b, dp, &b->cands[w], dp->box, bytes, true, err);
+    return rc;
+}
+
+/* Phase 3: cuts the box along every source boundary inside it into a grid of *ncells cells,
+ * records each candidate's range of cells per dim, and sizes the per-cell tables. */
+static int cut_box(builder *b, const dpiece *dp, uint64_t *ncells, rf_err *err)
+{
+    const rf_box *dbox = dp->box;
+    int ndim = dp->ndim;
+    uint64_t nc = 1;
+
     for (int d = 0; d < ndim; d++) {
         int64_t s = dbox->start[d], e = s + dbox->extent[d];
+        int n = 1;
         b->ncuts[d] = 0;
         if (add_cut(b, d, s) || add_cut(b, d, e))
             return rf_err_set(err, -ENOMEM, "plan: out of memory");
@@ -972,14 +1023,11 @@ static int plan_piece(builder *b, uint32_t dst, rf_err *err)
                 return rf_err_set(err, -ENOMEM, "plan: out of memory");
         }
         qsort(b->cuts[d], (size_t)b->ncuts[d], sizeof(int64_t), cmp_i64);
-        {
-            int n = 1;
-            for (int i = 1; i < b->ncuts[d]; i++)
-                if (b->cuts[d][i] != b->cuts[d][n - 1])
-                    b->cuts[d][n++] = b->cuts[d][i];
-            b->ncuts[d] = n;
-        }
-        ncells *= (uint64_t)(b->ncuts[d] - 1);
+        for (int i = 1; i < b->ncuts[d]; i++)
+            if (b->cuts[d][i] != b->cuts[d][n - 1])
+                b->cuts[d][n++] = b->cuts[d][i];
+        b->ncuts[d] = n;
+        nc *= (uint64_t)(b->ncuts[d] - 1);
     }
     for (uint64_t i = 0; i < b->ncand; i++) {
         cand *c = &b->cands[i];
@@ -990,128 +1038,364 @@ static int plan_piece(builder *b, uint32_t dst, rf_err *err)
             c->hi[d] = find_cut(b->cuts[d], b->ncuts[d], e < be ? e : be);
         }
     }
-    if (grow((void **)&b->holder, &b->capcells, ncells, sizeof(int32_t)) ||
-        grow((void **)&b->done, &b->capdone, ncells, 1))
+    if (grow((void **)&b->holder, &b->capcells, nc, sizeof(int32_t)) ||
+        grow((void **)&b->done, &b->capdone, nc, 1))
         return rf_err_set(err, -ENOMEM, "plan: out of memory cutting a piece into %llu cells",
-                          (unsigned long long)ncells);
+                          (unsigned long long)nc);
+    *ncells = nc;
+    return 0;
+}
 
-    /* Holders per cell, in row-major cell order. */
-    {
-        int32_t idx[RF_MAX_DIMS] = {0};
-        int32_t *hs = b->hs;
-        for (uint64_t cell = 0; cell < ncells; cell++) {
-            int nh = 0;
-            uint64_t numel = 1;
-            for (uint64_t i = 0; i < b->ncand; i++) {
-                const cand *c = &b->cands[i];
-                int in = 1;
-                for (int d = 0; d < ndim && in; d++)
-                    in = idx[d] >= c->lo[d] && idx[d] < c->hi[d];
-                if (in)
-                    hs[nh++] = (int32_t)i;
-            }
-            for (int d = 0; d < ndim; d++)
-                numel *= (uint64_t)(b->cuts[d][idx[d] + 1] - b->cuts[d][idx[d]]);
-            b->holder[cell] = nh == 0 ? -1 : pick(b, hs, nh, numel * esize);
-            if (nh > 0) {
-                rc = charge(b, &b->cands[b->holder[cell]], numel * esize, err);
-                if (rc)
-                    return rc;
-            }
-            for (int d = ndim - 1; d >= 0; d--) {
-                if (++idx[d] < b->ncuts[d] - 1)
-                    break;
-                idx[d] = 0;
-            }
-        }
+/* Steps idx to the next cell of the grid in row-major order (wrapping to all zeros). */
+static void next_cell(int32_t *idx, const int *ncuts, int ndim)
+{
+    for (int d = ndim - 1; d >= 0; d--) {
+        if (++idx[d] < ncuts[d] - 1)
+            break;
+        idx[d] = 0;
     }
+}
 
-    /* Merge: grow a box from each first unmerged cell, innermost dim first, while the whole
-     * slab added has the same holder and is unmerged. */
+/* Phase 4: one holder per cell, in row-major cell order, each picked and charged as it comes
+ * so that later cells see the loads the earlier ones added; -1 marks a cell nobody holds. */
+static int assign_cells(builder *b, const dpiece *dp, uint64_t ncells, rf_err *err)
+{
+    int32_t idx[RF_MAX_DIMS] = {0};
+    int32_t *hs = b->hs;
+    int ndim = dp->ndim;
+    int rc;
+
+    for (uint64_t cell = 0; cell < ncells; cell++) {
+        int nh = 0;
+        uint64_t cell_el = 1;
+        for (uint64_t i = 0; i < b->ncand; i++) {
+            const cand *c = &b->cands[i];
+            int in = 1;
+            for (int d = 0; d < ndim && in; d++)
+                in = idx[d] >= c->lo[d] && idx[d] < c->hi[d];
+            if (in)
+                hs[nh++] = (int32_t)i;
+        }
+        for (int d = 0; d < ndim; d++)
+            cell_el *= (uint64_t)(b->cuts[d][idx[d] + 1] - b->cuts[d][idx[d]]);
+        b->holder[cell] = nh == 0 ? -1 : pick(b, hs, nh, cell_el * dp->esize);
+        if (nh > 0) {
+            rc = charge(b, &b->cands[b->holder[cell]], cell_el * dp->esize, err);
+            if (rc)
+                return rc;
+        }
+        next_cell(idx, b->ncuts, ndim);
+    }
+    return 0;
+}
+
+/* Steps j to the next cell of the block idx + [0, ext) in row-major order, leaving dim skip
+ * where it is (-1 skips none); false once the block is done. */
+static bool next_in_block(int32_t *j, const int32_t *idx, const int32_t *ext, int ndim,
+                          int skip)
+{
+    for (int e = ndim - 1; e >= 0; e--) {
+        if (e == skip)
+            continue;
+        if (++j[e] < idx[e] + ext[e])
+            return true;
+        j[e] = idx[e];
+    }
+    return false;
+}
+
+static uint64_t cell_index(const int32_t *j, const int64_t *cstride, int ndim)
+{
+    uint64_t ci = 0;
+
+    for (int q = 0; q < ndim; q++)
+        ci += (uint64_t)j[q] * (uint64_t)cstride[q];
+    return ci;
+}
+
+/* Whether the block idx + [0, ext) can grow by one cell along dim d: the slab of cells just
+ * past it there lies inside the grid, is unmerged and has holder h throughout. */
+static bool slab_joins(const builder *b, const int64_t *cstride, int ndim, const int32_t *idx,
+                       const int32_t *ext, int d, int32_t h)
+{
+    int32_t j[RF_MAX_DIMS];
+
+    if (idx[d] + ext[d] >= b->ncuts[d] - 1)
+        return false;
+    memcpy(j, idx, sizeof(j));
+    j[d] = idx[d] + ext[d];
+    do {
+        uint64_t ci = cell_index(j, cstride, ndim);
+        if (b->done[ci] || b->holder[ci] != h)
+            return false;
+    } while (next_in_block(j, idx, ext, ndim, d));
+    return true;
+}
+
+/* Phase 5, for one box: grows a block of cells from the unmerged cell idx (holder h),
+ * innermost dim first, while the slab it would add has the same holder and is unmerged;
+ * marks the block merged and emits it as one transfer (or fails if nobody holds it). */
+static int merge_from(builder *b, const dpiece *dp, const int64_t *cstride, const int32_t *idx,
+                      int32_t h, rf_err *err)
+{
+    int ndim = dp->ndim;
+    int32_t ext[RF_MAX_DIMS], j[RF_MAX_DIMS];
+    rf_box box;
+
+    for (int d = 0; d < ndim; d++)
+        ext[d] = 1;
+    for (int d = ndim - 1; d >= 0; d--)
+        while (slab_joins(b, cstride, ndim, idx, ext, d, h))
+            ext[d]++;
+    memcpy(j, idx, sizeof(j));
+    do
+        b->done[cell_index(j, cstride, ndim)] = 1;
+    while (next_in_block(j, idx, ext, ndim, -1));
+    for (int d = 0; d < ndim; d++) {
+        box.start[d] = b->cuts[d][idx[d]];
+        box.extent[d] = b->cuts[d][idx[d] + ext[d]] - box.start[d];
+    }
+    box_norm(&box, ndim);
+    if (h < 0)
+        return uncovered(b, rf_inv_tensor(b->inv, dp->tensor), &box, dp->ep, err);
+    return emit(b, dp, &b->cands[h], &box, numel(&box, ndim) * dp->esize, false, err);
+}
+
+/* Phase 5: merges the cells into as few boxes as a greedy pass finds, starting a box at each
+ * first unmerged cell in row-major order, so that neighbouring cells of one holder go as one
+ * transfer. */
+static int merge_cells(builder *b, const dpiece *dp, uint64_t ncells, rf_err *err)
+{
+    int ndim = dp->ndim;
+    int64_t cstride[RF_MAX_DIMS];
+    int32_t idx[RF_MAX_DIMS] = {0};
+    int rc;
+
     memset(b->done, 0, ncells);
-    {
-        int64_t cstride[RF_MAX_DIMS];
-        int32_t idx[RF_MAX_DIMS] = {0};
-        cstride[ndim - 1] = 1;
-        for (int d = ndim - 2; d >= 0; d--)
-            cstride[d] = cstride[d + 1] * (b->ncuts[d + 1] - 1);
-        for (uint64_t cell = 0; cell < ncells; cell++) {
-            if (!b->done[cell]) {
-                int32_t h = b->holder[cell];
-                int32_t ext[RF_MAX_DIMS];
-                rf_box box;
-                for (int d = 0; d < ndim; d++)
-                    ext[d] = 1;
-                for (int d = ndim - 1; d >= 0; d--) {
-                    for (;;) {
-                        /* try to add the slab at idx[d] + ext[d] */
-                        int32_t j[RF_MAX_DIMS];
-                        int ok = idx[d] + ext[d] < b->ncuts[d] - 1;
-                        if (!ok)
-                            break;
-                        memcpy(j, idx, sizeof(j));
-                        j[d] = idx[d] + ext[d];
-                        for (;;) {
-                            uint64_t ci = 0;
-                            int e;
-                            for (int q = 0; q < ndim; q++)
-                                ci += (uint64_t)j[q] * (uint64_t)cstride[q];
-                            if (b->done[ci] || b->holder[ci] != h) {
-                                ok = 0;
-                                break;
-                            }
-                            for (e = ndim - 1; e >= 0; e--) {
-                                if (e == d)
-                                    continue;
-                                if (++j[e] < idx[e] + ext[e])
-                                    break;
-                                j[e] = idx[e];
-                            }
-                            if (e < 0)
-                                break;
-                        }
-                        if (!ok)
-                            break;
-                        ext[d]++;
-                    }
-                }
-                {
-                    int32_t j[RF_MAX_DIMS];
-                    memcpy(j, idx, sizeof(j));
-                    for (;;) {
-                        uint64_t ci = 0;
-                        int e;
-                        for (int q = 0; q < ndim; q++)
-                            ci += (uint64_t)j[q] * (uint64_t)cstride[q];
-                        b->done[ci] = 1;
-                        for (e = ndim - 1; e >= 0; e--) {
-                            if (++j[e] < idx[e] + ext[e])
-                                break;
-                            j[e] = idx[e];
-                        }
-                        if (e < 0)
-                            break;
-                    }
-                }
-                for (int d = 0; d < ndim; d++) {
-                    box.start[d] = b->cuts[d][idx[d]];
-                    box.extent[d] = b->cuts[d][idx[d] + ext[d]] - box.start[d];
-                }
-                box_norm(&box, ndim);
-                if (h < 0)
-                    return uncovered(b, rf_inv_tensor(b->inv, tid), &box, dst_ep, err);
-                rc = emit(b, &b->cands[h], dgid, dst, dst_ep, ndim, esize, &box,
-                          numel(&box, ndim) * esize, false, err);
-                if (rc)
-                    return rc;
+    cstride[ndim - 1] = 1;
+    for (int d = ndim - 2; d >= 0; d--)
+        cstride[d] = cstride[d + 1] * (b->ncuts[d + 1] - 1);
+    for (uint64_t cell = 0; cell < ncells; cell++) {
+        if (!b->done[cell]) {
+            rc = merge_from(b, dp, cstride, idx, b->holder[cell], err);
+            if (rc)
+                return rc;
+        }
+        next_cell(idx, b->ncuts, ndim);
+    }
+    return 0;
+}
+
+/* Plans destination piece dst: finds the sources that overlap it, then either sends it whole
+ * from one of them or cuts it into cells, gives each cell a holder and merges the cells back
+ * into boxes, one transfer each. */
+static int plan_piece(builder *b, uint32_t dst, rf_err *err)
+{
+    const rf_piece_rec *dr = &b->drec[dst];
+    const tinfo *ti = &b->ti[dr->tensor];
+    uint32_t dst_ep = b->reg_ep[dr->region];
+    dpiece dp = {.id = dst, .geom = dr->geom, .tensor = dr->tensor, .ep = dst_ep,
+                 .node = b->node[dst_ep], .ndim = ti->ndim, .esize = ti->esize,
+                 .box = &b->geoms[dr->geom].box}; /* unused dims are [0:1] already */
+    uint64_t lo, hi, ncells = 0;
+    int nfull = 0, rc;
+
+    key_range(b, &dp, ti, &lo, &hi);
+    rc = find_cands(b, &dp, lo, hi, &nfull, err);
+    if (rc)
+        return rc;
+    if (nfull > 0)
+        return send_whole(b, &dp, nfull, err);
+    rc = cut_box(b, &dp, &ncells, err);
+    if (rc == 0)
+        rc = assign_cells(b, &dp, ncells, err);
+    if (rc == 0)
+        rc = merge_cells(b, &dp, ncells, err);
+    return rc;
+}
+
+/* What schedule works on, shared by its phases and freed at its one exit: the messages in
+ * creation order, the permutations between build, creation and final order, and each
+ * endpoint's staging use per round. */
+typedef struct sched {
+    uint64_t nm;       /* messages */
+    rf_msg *m;         /* in creation order */
+    uint32_t *corder;  /* creation position -> build id */
+    uint32_t *mperm;   /* final position -> creation position */
+    uint32_t *fin;     /* build id -> final position */
+    uint32_t *cursor;  /* final position -> next slot of its transfers in message order */
+    uint64_t *mkey;    /* sort keys */
+    uint64_t **use;    /* per endpoint: bytes in each round */
+    uint64_t *usecap;
+    uint64_t *hint;    /* per endpoint: no round before this one has room left */
+    uint32_t ne, R;    /* endpoints, rounds */
+} sched;
+
+static int sched_nomem(const builder *b, rf_err *err)
+{
+    return rf_err_set(err, -ENOMEM, "plan: out of memory scheduling %llu transfers",
+                      (unsigned long long)b->nx);
+}
+
+/* Creation order, which the rounds are filled in: by (source endpoint, destination endpoint,
+ * packed before direct), then by first transfer. Build ids already follow the first transfer,
+ * so a stable sort by the pair key alone gives it. */
+static int creation_order(const builder *b, sched *s, rf_err *err)
+{
+    int db = bits_for(b->ndst_ep ? b->ndst_ep : 1);
+    int pbits = bits_for(b->nsrc_ep ? b->nsrc_ep : 1) + db + 1;
+    const rf_msg *mb = b->mb;
+
+    for (uint64_t i = 0; i < s->nm; i++) {
+        s->mkey[i] = (((uint64_t)b->epidx[mb[i].src_ep] << db | b->epidx[mb[i].dst_ep]) << 1) |
+                     (mb[i].kind == RF_XFER_DIRECT);
+        s->corder[i] = (uint32_t)i;
+    }
+    if (radix_sort(s->mkey, s->corder, s->nm, pbits))
+        return sched_nomem(b, err);
+    for (uint64_t i = 0; i < s->nm; i++)
+        s->m[i] = mb[s->corder[i]];
+    return 0;
+}
+
+/* Rounds for the packed messages: each goes, first fit, into the earliest round where it fits
+ * under half the budget on both its ends, so that staging double-buffers. Records the largest
+ * staging use in the plan's stats. */
+static int place_packed(builder *b, sched *s, rf_err *err)
+{
+    rf_msg *m = s->m;
+    uint32_t ne = s->ne;
+
+    s->use = calloc((uint64_t)ne + 1, sizeof(*s->use));
+    s->usecap = calloc((uint64_t)ne + 1, sizeof(*s->usecap));
+    s->hint = calloc((uint64_t)ne + 1, sizeof(*s->hint));
+    if (!s->use || !s->usecap || !s->hint)
+        return sched_nomem(b, err);
+    for (uint64_t i = 0; i < s->nm; i++) {
+        uint32_t se = m[i].src_ep, de = m[i].dst_ep;
+        uint64_t **use = s->use, *hint = s->hint, r;
+        if (m[i].kind != RF_XFER_PACKED)
+            continue;
+        r = hint[se] > hint[de] ? hint[se] : hint[de];
+        for (;; r++) {
+            uint64_t us = r < s->R ? use[se][r] : 0, ud = r < s->R ? use[de][r] : 0;
+            if (us + m[i].bytes <= b->half && ud + m[i].bytes <= b->half)
+                break;
+        }
+        if (r >= s->R) {
+            for (uint32_t e = 0; e < ne; e++) {
+                uint64_t old = s->usecap[e];
+                if (grow((void **)&use[e], &s->usecap[e], r + 1, sizeof(uint64_t)))
+                    return sched_nomem(b, err);
+                memset(use[e] + old, 0, (s->usecap[e] - old) * sizeof(uint64_t));
             }
-            for (int d = ndim - 1; d >= 0; d--) {
-                if (++idx[d] < b->ncuts[d] - 1)
-                    break;
-                idx[d] = 0;
+            s->R = (uint32_t)r + 1;
+        }
+        m[i].round = (uint32_t)r;
+        use[se][r] += m[i].bytes;
+        use[de][r] += m[i].bytes;
+        while (hint[se] < s->R && use[se][hint[se]] >= b->half)
+            hint[se]++;
+        while (hint[de] < s->R && use[de][hint[de]] >= b->half)
+            hint[de]++;
+    }
+    for (uint32_t e = 0; e < ne; e++)
+        for (uint32_t r = 0; r < s->R; r++)
+            if (s->use[e][r] > b->plan->st.max_staging_bytes)
+                b->plan->st.max_staging_bytes = s->use[e][r];
+    return 0;
+}
+
+/* Direct messages need no staging: each goes to the round where the larger of its two ends'
+ * loads is least (the first such round on ties), spreading them over the packed rounds. */
+static int place_direct(const builder *b, sched *s, rf_err *err)
+{
+    rf_msg *m = s->m;
+    uint64_t **use = s->use;
+
+    if (s->R == 0 && s->nm > 0) {
+        for (uint32_t e = 0; e < s->ne; e++) {
+            if (grow((void **)&use[e], &s->usecap[e], 1, sizeof(uint64_t)))
+                return sched_nomem(b, err);
+            use[e][0] = 0;
+        }
+        s->R = 1;
+    }
+    for (uint64_t i = 0; i < s->nm; i++) {
+        uint32_t se = m[i].src_ep, de = m[i].dst_ep, best = 0;
+        uint64_t bc = UINT64_MAX;
+        if (m[i].kind != RF_XFER_DIRECT)
+            continue;
+        for (uint32_t r = 0; r < s->R; r++) {
+            uint64_t c = use[se][r] > use[de][r] ? use[se][r] : use[de][r];
+            if (c < bc) {
+                bc = c;
+                best = r;
             }
         }
+        m[i].round = best;
+        use[se][best] += m[i].bytes;
+        use[de][best] += m[i].bytes;
     }
+    return 0;
+}
+
+/* The final message order, (round, src, dst, creation order), as the permutation s->mperm;
+ * then the plan's messages in that order with their transfer ranges, and fin, which renumbers
+ * a build id to its final position. */
+static int final_order(builder *b, sched *s, rf_err *err)
+{
+    rf_plan *pl = b->plan;
+    uint32_t ne = s->ne, R = s->R;
+    int eb = bits_for(ne ? ne : 1), rb = bits_for(R ? R : 1);
+    uint64_t first = 0;
+
+    if (2 * eb + rb > 64)
+        return rf_err_set(err, -E2BIG, "plan: %u rounds of %u endpoints do not fit the sort key",
+                          R, ne);
+    for (uint64_t i = 0; i < s->nm; i++) {
+        s->mkey[i] = ((uint64_t)s->m[i].round << (2 * eb)) |
+                     ((uint64_t)s->m[i].src_ep << eb) | s->m[i].dst_ep;
+        s->mperm[i] = (uint32_t)i;
+    }
+    if (radix_sort(s->mkey, s->mperm, s->nm, 2 * eb + rb))
+        return sched_nomem(b, err);
+    /* The keys are done with: give their memory back before the plan's messages take theirs. */
+    free(s->mkey);
+    s->mkey = NULL;
+    pl->msgs = malloc((s->nm + 1) * sizeof(*pl->msgs));
+    s->cursor = malloc((s->nm + 1) * sizeof(*s->cursor));
+    if (pl->msgs == NULL || s->cursor == NULL)
+        return sched_nomem(b, err);
+    for (uint64_t i = 0; i < s->nm; i++) {
+        pl->msgs[i] = s->m[s->mperm[i]];
+        pl->msgs[i].first = (uint32_t)first;
+        s->cursor[i] = (uint32_t)first;
+        s->fin[s->corder[s->mperm[i]]] = (uint32_t)i;
+        first += pl->msgs[i].count;
+    }
+    return 0;
+}
+
+/* The transfers' message order (the plan's order array), in one sequential pass over the
+ * transfers: the messages open at any one time are those of a few destination endpoints, so
+ * the writes stay in cache. Each transfer's msg becomes its message's final position. */
+static int order_xfers(builder *b, sched *s, rf_err *err)
+{
+    rf_plan *pl = b->plan;
+    uint64_t n = b->nx;
+    size_t ybytes = (n + 1) * sizeof(uint32_t);
+    uint32_t *y = big_alloc(ybytes);
+
+    if (y == NULL)
+        return sched_nomem(b, err);
+    for (uint64_t i = 0; i < n; i++) {
+        uint32_t f = s->fin[pl->xfers[i].msg];
+        pl->xfers[i].msg = f;
+        y[s->cursor[f]++] = (uint32_t)i;
+    }
+    pl->order = y;
+    pl->order_bytes = ybytes;
     return 0;
 }
 
@@ -1122,173 +1406,45 @@ static int plan_piece(builder *b, uint32_t dst, rf_err *err)
 static int schedule(builder *b, rf_err *err)
 {
     rf_plan *pl = b->plan;
-    uint64_t n = b->nx, nm = b->nmb;
-    const rf_msg *mb = b->mb;
-    uint32_t *corder = NULL, *fin = NULL, *mperm = NULL, *cursor = NULL;
-    uint64_t *mkey = NULL;
-    uint64_t **use = NULL, *usecap = NULL, *hint = NULL;
-    rf_msg *m = NULL;
-    uint32_t *y = NULL;
-    size_t ybytes = 0;
-    uint32_t ne = rf_inv_nendpoints(b->inv), R = 0;
-    int rc = 0;
+    sched s = {.nm = b->nmb, .ne = rf_inv_nendpoints(b->inv)};
+    uint64_t nm = s.nm;
+    int rc;
 
-    mkey = malloc((nm + 1) * sizeof(*mkey));
-    corder = malloc((nm + 1) * sizeof(*corder));
-    mperm = malloc((nm + 1) * sizeof(*mperm));
-    fin = malloc((nm + 1) * sizeof(*fin));
-    m = malloc((nm + 1) * sizeof(*m));
-    if (!mkey || !corder || !mperm || !fin || !m)
-        goto nomem;
-    /* Creation order: by (source endpoint, destination endpoint, packed before direct), then
-     * by first transfer. Build ids already follow the first transfer, so a stable sort by
-     * the pair key alone gives it. */
-    {
-        int db = bits_for(b->ndst_ep ? b->ndst_ep : 1);
-        int pbits = bits_for(b->nsrc_ep ? b->nsrc_ep : 1) + db + 1;
-        for (uint64_t i = 0; i < nm; i++) {
-            mkey[i] = (((uint64_t)b->epidx[mb[i].src_ep] << db | b->epidx[mb[i].dst_ep]) << 1) |
-                      (mb[i].kind == RF_XFER_DIRECT);
-            corder[i] = (uint32_t)i;
-        }
-        rc = radix_sort(mkey, corder, nm, pbits);
-        if (rc)
-            goto nomem;
-        for (uint64_t i = 0; i < nm; i++)
-            m[i] = mb[corder[i]];
+    s.mkey = malloc((nm + 1) * sizeof(*s.mkey));
+    s.corder = malloc((nm + 1) * sizeof(*s.corder));
+    s.mperm = malloc((nm + 1) * sizeof(*s.mperm));
+    s.fin = malloc((nm + 1) * sizeof(*s.fin));
+    s.m = malloc((nm + 1) * sizeof(*s.m));
+    if (!s.mkey || !s.corder || !s.mperm || !s.fin || !s.m) {
+        rc = sched_nomem(b, err);
+        goto out;
     }
-
-    /* Rounds: packed messages first fit under half the budget on both ends. */
-    use = calloc((uint64_t)ne + 1, sizeof(*use));
-    usecap = calloc((uint64_t)ne + 1, sizeof(*usecap));
-    hint = calloc((uint64_t)ne + 1, sizeof(*hint));
-    if (!use || !usecap || !hint)
-        goto nomem;
-    for (uint64_t i = 0; i < nm; i++) {
-        uint32_t s = m[i].src_ep, d = m[i].dst_ep;
-        uint64_t r;
-        if (m[i].kind != RF_XFER_PACKED)
-            continue;
-        r = hint[s] > hint[d] ? hint[s] : hint[d];
-        for (;; r++) {
-            uint64_t us = r < R ? use[s][r] : 0, ud = r < R ? use[d][r] : 0;
-            if (us + m[i].bytes <= b->half && ud + m[i].bytes <= b->half)
-                break;
-        }
-        if (r >= R) {
-            for (uint32_t e = 0; e < ne; e++) {
-                uint64_t old = usecap[e];
-                if (grow((void **)&use[e], &usecap[e], r + 1, sizeof(uint64_t)))
-                    goto nomem;
-                memset(use[e] + old, 0, (usecap[e] - old) * sizeof(uint64_t));
-            }
-            R = (uint32_t)r + 1;
-        }
-        m[i].round = (uint32_t)r;
-        use[s][r] += m[i].bytes;
-        use[d][r] += m[i].bytes;
-        while (hint[s] < R && use[s][hint[s]] >= b->half)
-            hint[s]++;
-        while (hint[d] < R && use[d][hint[d]] >= b->half)
-            hint[d]++;
-    }
-    for (uint32_t e = 0; e < ne; e++)
-        for (uint32_t r = 0; r < R; r++)
-            if (use[e][r] > pl->st.max_staging_bytes)
-                pl->st.max_staging_bytes = use[e][r];
-    /* Direct messages spread where the larger of their two ends' round loads is least. */
-    if (R == 0 && nm > 0) {
-        for (uint32_t e = 0; e < ne; e++) {
-            if (grow((void **)&use[e], &usecap[e], 1, sizeof(uint64_t)))
-                goto nomem;
-            use[e][0] = 0;
-        }
-        R = 1;
-    }
-    for (uint64_t i = 0; i < nm; i++) {
-        uint32_t s = m[i].src_ep, d = m[i].dst_ep, best = 0;
-        uint64_t bc = UINT64_MAX;
-        if (m[i].kind != RF_XFER_DIRECT)
-            continue;
-        for (uint32_t r = 0; r < R; r++) {
-            uint64_t c = use[s][r] > use[d][r] ? use[s][r] : use[d][r];
-            if (c < bc) {
-                bc = c;
-                best = r;
-            }
-        }
-        m[i].round = best;
-        use[s][best] += m[i].bytes;
-        use[d][best] += m[i].bytes;
-    }
-
-    /* Final message order: (round, src, dst, creation order). */
-    {
-        int eb = bits_for(ne ? ne : 1), rb = bits_for(R ? R : 1);
-        if (2 * eb + rb > 64) {
-            rc = rf_err_set(err, -E2BIG, "plan: %u rounds of %u endpoints do not fit the sort key",
-                            R, ne);
-            goto out;
-        }
-        for (uint64_t i = 0; i < nm; i++) {
-            mkey[i] = ((uint64_t)m[i].round << (2 * eb)) | ((uint64_t)m[i].src_ep << eb) |
-                      m[i].dst_ep;
-            mperm[i] = (uint32_t)i;
-        }
-        rc = radix_sort(mkey, mperm, nm, 2 * eb + rb);
-        if (rc)
-            goto nomem;
-    }
-    free(mkey);
-    mkey = NULL;
-    pl->msgs = malloc((nm + 1) * sizeof(*pl->msgs));
-    cursor = malloc((nm + 1) * sizeof(*cursor));
-    if (pl->msgs == NULL || cursor == NULL)
-        goto nomem;
-    {
-        uint64_t first = 0;
-        for (uint64_t i = 0; i < nm; i++) {
-            pl->msgs[i] = m[mperm[i]];
-            pl->msgs[i].first = (uint32_t)first;
-            cursor[i] = (uint32_t)first;
-            fin[corder[mperm[i]]] = (uint32_t)i;
-            first += pl->msgs[i].count;
-        }
-    }
-    /* Message order, in one sequential pass over the transfers: the messages open at any one
-     * time are those of a few destination endpoints, so the writes stay in cache. */
-    ybytes = (n + 1) * sizeof(*y);
-    y = big_alloc(ybytes);
-    if (y == NULL)
-        goto nomem;
-    for (uint64_t i = 0; i < n; i++) {
-        uint32_t f = fin[pl->xfers[i].msg];
-        pl->xfers[i].msg = f;
-        y[cursor[f]++] = (uint32_t)i;
-    }
-    pl->order = y;
-    pl->order_bytes = ybytes;
-    y = NULL;
+    rc = creation_order(b, &s, err);
+    if (rc == 0)
+        rc = place_packed(b, &s, err);
+    if (rc == 0)
+        rc = place_direct(b, &s, err);
+    if (rc == 0)
+        rc = final_order(b, &s, err);
+    if (rc == 0)
+        rc = order_xfers(b, &s, err);
+    if (rc)
+        goto out;
     pl->nmsgs = (uint32_t)nm;
-    pl->nrounds = nm ? R : 0;
-    goto out;
-nomem:
-    rc = rf_err_set(err, -ENOMEM, "plan: out of memory scheduling %llu transfers",
-                    (unsigned long long)n);
+    pl->nrounds = nm ? s.R : 0;
 out:
-    free(corder);
-    free(fin);
-    free(mperm);
-    free(cursor);
-    free(mkey);
-    free(m);
-    big_free(y, ybytes);
-    if (use)
-        for (uint32_t e = 0; e < ne; e++)
-            free(use[e]);
-    free(use);
-    free(usecap);
-    free(hint);
+    free(s.corder);
+    free(s.fin);
+    free(s.mperm);
+    free(s.cursor);
+    free(s.mkey);
+    free(s.m);
+    if (s.use)
+        for (uint32_t e = 0; e < s.ne; e++)
+            free(s.use[e]);
+    free(s.use);
+    free(s.usecap);
+    free(s.hint);
     return rc;
 }
 
