@@ -765,11 +765,8 @@ void rf_node_set_status_hook(rf_node *n, rf_node_status_hook fn, void *arg)
 static void on_tick(uv_timer_t *t)
 {
     rf_node *n = container_of(t, rf_node, tick);
-    json_t *reg = rf_registry_status(n->reg);
-    json_t *clients = reg ? json_object_get(reg, "connected_clients") : NULL;
 
-    rf_metric_set(n->m_clients, clients ? (double)json_integer_value(clients) : 0);
-    json_decref(reg);
+    rf_metric_set(n->m_clients, (double)rf_registry_nclients(n->reg));
     refresh_snapshot(n);
 }
 

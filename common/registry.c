@@ -77,6 +77,7 @@ struct rf_registry {
     rf_mem_ref **region_ref;       /* per inventory region */
     uint32_t cap_region;
     uint64_t generation, ready, released, committed;
+    char abort_msg[768]; /* trainers: why the last abort took their publishes back */
     bool complete, closing;
     /* While the data path runs, memory of clients that leave stays mapped until it ends. */
     bool held;
@@ -788,6 +789,13 @@ static void do_wait(rf_registry *r, reg_client *c, uint64_t id, uint64_t version
         reply_version(c, id, reached);
         return;
     }
+    /* A wait that comes after the abort of what this trainer published (its offer was taken
+     * back) fails now as the waiters queued before the abort did: it would never be answered. */
+    if (k == WAIT_RELEASED && c->published >= version && c->offered < version) {
+        rf_rpc_conn_reply(c->conn, id, -ECANCELED, "%s", r->abort_msg[0] ? r->abort_msg :
+                          "this trainer's publish was taken back: publish again to retry");
+        return;
+    }
     if (k == WAIT_CTL && r->cb.on_wait) {
         rc = r->cb.on_wait(r, version, &err, r->ud);
         if (rc < 0) {
@@ -1051,13 +1059,17 @@ uint64_t rf_registry_ready(const rf_registry *r)
     return r->ready;
 }
 
+unsigned rf_registry_nclients(const rf_registry *r)
+{
+    return count_data(r, false);
+}
+
 void rf_registry_abort(rf_registry *r, uint64_t version, const char *reason)
 {
-    char msg[768];
-
-    snprintf(msg, sizeof(msg), "refit of version %" PRIu64 " aborted: %s; the weights were "
-             "not released, publish again to retry", version, reason ? reason : "no reason");
-    answer_waiters(r, 1u << WAIT_RELEASED, r->released, version, -ECANCELED, msg);
+    snprintf(r->abort_msg, sizeof(r->abort_msg), "refit of version %" PRIu64 " aborted: %s; "
+             "the weights were not released, publish again to retry", version,
+             reason ? reason : "no reason");
+    answer_waiters(r, 1u << WAIT_RELEASED, r->released, version, -ECANCELED, r->abort_msg);
     /* The failed publishes are taken back: a persistent failure does not loop. Trainers publish
      * again (the same version or a later one) and readiness is reported anew. */
     withdraw_offers(r, version);

@@ -94,6 +94,8 @@ void rf_registry_hold(rf_registry *r, bool hold);
 /* Trainers: the version every expected trainer publishes now and that is not released, or 0
  * (see rf_registry_cb.on_ready). */
 uint64_t rf_registry_ready(const rf_registry *r);
+/* Trainer or engine clients connected now, sealed or not (refitctl clients not counted). */
+unsigned rf_registry_nclients(const rf_registry *r);
 /* Trainers: version is committed, they may overwrite their weights: answers WaitReleased for
  * every version <= version. */
 void rf_registry_release(rf_registry *r, uint64_t version);

@@ -431,6 +431,14 @@ Test(registry, readiness_dies_with_its_clients)
     on_loop(call_abort, &v);
     OK(refit_publish(t1, 51), t1);
     cr_assert_eq(ready_now(), 51);
+    /* A wait that comes after the abort of its version fails at once with the reason (it
+     * would otherwise wait out its timeout: no abort comes again). */
+    v = 51;
+    on_loop(call_abort, &v);
+    FAILS(refit_wait_released(t0, 51, 5000), t0, -ECANCELED,
+          "refit of version 51 aborted: test abort");
+    OK(refit_publish(t0, 51), t0);
+    FAILS(refit_wait_released(t0, 51, 50), t0, -ETIMEDOUT, "not released within 50 ms");
     refit_close(t0);
     refit_close(t1);
 }
