@@ -620,7 +620,8 @@ static void hs_mac(const tcp *t, const char *tag, size_t tag_len, const uint8_t 
 }
 
 /* The tag of the connection's next header or segment: Poly1305 under the one-time key that
- * ChaCha20 makes from the frame key and the counter (the construction of RFC 8439, 2.6). */
+ * ChaCha20 makes from the frame key and the counter, as ChaCha20-Poly1305 makes its key (RFC
+ * 8439, 2.6; here the original ChaCha20 with its 64-bit nonce, the counter). */
 static void frame_tag(conn *c, const uint8_t *p, size_t len, uint8_t out[TAG_LEN])
 {
     uint8_t otk[crypto_onetimeauth_KEYBYTES], n[crypto_stream_chacha20_NONCEBYTES];
