@@ -90,7 +90,11 @@ EOF
 flags=$(PKG_CONFIG_PATH=$P/lib/pkgconfig PKG_CONFIG_SYSROOT_DIR=$DEST pkg-config --cflags --libs refit) ||
     fail "pkg-config --cflags --libs refit failed on the installed refit.pc"
 case $flags in *"-I$P/include"*"-L$P/lib"*"-lrefit"*) ;; *) fail "refit.pc gives '$flags'" ;; esac
-cc -std=c11 -Wall -Werror -o "$E2E_DIR/prog" "$E2E_DIR/prog.c" $flags \
+# A sanitizer build (make asan) installs a librefit that needs the sanitizer runtime first:
+# the program is built with the same sanitizers, as a user of that library would.
+san=""
+ldd "$P/lib/librefit.so.0" | grep -q libasan && san="-fsanitize=address,undefined"
+cc -std=c11 -Wall -Werror $san -o "$E2E_DIR/prog" "$E2E_DIR/prog.c" $flags \
     > "$E2E_DIR/cc.log" 2>&1 || { cat "$E2E_DIR/cc.log"; fail "cannot build a program against the installed refit.h/librefit"; }
 LD_LIBRARY_PATH=$P/lib ldd "$E2E_DIR/prog" | grep -q "librefit.so.0 => $P/lib/librefit.so.0" ||
     fail "the test program does not load the installed librefit.so.0: $(LD_LIBRARY_PATH=$P/lib ldd "$E2E_DIR/prog" | grep refit)"
