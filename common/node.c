@@ -762,6 +762,11 @@ void rf_node_set_status_hook(rf_node *n, rf_node_status_hook fn, void *arg)
     n->status_arg = arg;
 }
 
+void rf_node_status_changed(rf_node *n)
+{
+    snapshot_soon(n);
+}
+
 static void on_tick(uv_timer_t *t)
 {
     rf_node *n = container_of(t, rf_node, tick);

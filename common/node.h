@@ -31,6 +31,8 @@ int rf_node_start(uv_loop_t *loop, const rf_node_opts *opts, rf_node **out, rf_e
 void rf_node_close(rf_node *n);
 
 void rf_node_set_status_hook(rf_node *n, rf_node_status_hook fn, void *arg);
+/* What the status hook adds changed: the snapshot is rendered again within a few ms. */
+void rf_node_status_changed(rf_node *n);
 /* The status document (caller decrefs), built on the loop thread. */
 json_t *rf_node_status(rf_node *n);
 

@@ -82,6 +82,8 @@ struct rf_coord {
     uv_idle_t spin;
     uint64_t spin_until; /* uv_now() */
     int closing;
+    void (*on_change)(void *arg); /* rf_coord_set_on_change */
+    void *on_change_arg;
     uint64_t strangers;           /* connections closed before joining, not logged yet */
     uint64_t strangers_logged_at; /* uv_now() of the last line about them */
 
@@ -145,6 +147,13 @@ static void broadcast(rf_coord *c, const Refit__Envelope *env)
 
     for (i = 0; i < c->nmembers; i++)
         send_to(c, i, env);
+}
+
+/* The cluster view changed: whoever renders status (the node's snapshot) is told. */
+static void changed(rf_coord *c)
+{
+    if (c->on_change)
+        c->on_change(c->on_change_arg);
 }
 
 static void try_start(rf_coord *c);
@@ -304,6 +313,7 @@ static void on_deadline(uv_timer_t *t)
 
     if (c->state == ST_ABORTING) {
         finish_abort(c);
+        changed(c);
         return;
     }
     off = (size_t)snprintf(reason, sizeof(reason), "no Done within %d s from:",
@@ -313,6 +323,7 @@ static void on_deadline(uv_timer_t *t)
             off += (size_t)snprintf(reason + off, sizeof(reason) - off, " %s",
                                     member_name(c, i, name, sizeof(name)));
     abort_refit(c, reason);
+    changed(c);
 }
 
 /* ---- starting a refit --------------------------------------------------------------------- */
@@ -489,6 +500,7 @@ static void build_after(uv_work_t *w, int status)
             send_to(c, i, &env);
         }
         build_free(b);
+        changed(c);
         return;
     }
     memcpy(c->plan_id, b->plan_id, 32);
@@ -514,6 +526,7 @@ static void build_after(uv_work_t *w, int status)
     c->plan_ready = true;
     build_free(b);
     try_start(c);
+    changed(c);
 }
 
 static void schedule_build(rf_coord *c)
@@ -629,6 +642,7 @@ int rf_coord__member_up(rf_coord *c, const Refit__Hello *h, void *peer, const ch
     rf_metric_add(c->m_members, 1);
     invalidate_plan(c, "a daemon joined");
     schedule_build(c);
+    changed(c);
     return 0;
 }
 
@@ -798,6 +812,7 @@ static void coord_envelope(rf_coord *c, int i, const Refit__Envelope *env)
         RF_WARN("unexpected message %d from member %d", env->body_case, i);
         break;
     }
+    changed(c);
 }
 
 static void peer_envelope(rf_peer *p, const Refit__Envelope *env)
@@ -813,6 +828,12 @@ void rf_coord__envelope(rf_coord *c, uint32_t member, const Refit__Envelope *env
 {
     if (member < c->nmembers)
         coord_envelope(c, (int)member, env);
+}
+
+void rf_coord_set_on_change(rf_coord *c, void (*fn)(void *arg), void *arg)
+{
+    c->on_change = fn;
+    c->on_change_arg = arg;
 }
 
 void rf_coord__set_send(rf_coord *c, rf_coord__send_fn fn, void *arg)
@@ -845,6 +866,7 @@ static void member_lost(rf_coord *c, uint32_t i, const char *reason)
             finish_abort(c);
     }
     invalidate_plan(c, why);
+    changed(c);
 }
 
 void rf_coord__member_down(rf_coord *c, void *peer, const char *reason)
@@ -1026,6 +1048,8 @@ void rf_coord_close(rf_coord *c)
 {
     uint32_t i;
 
+    /* The node it reports to is closed right after: nothing is told from here on. */
+    c->on_change = NULL;
     /* Peers still closing must not call back into c (a test's fake peers are its own). */
     for (i = 0; i < c->nmembers && c->send == peer_send; i++)
         if (c->m[i].peer)

@@ -20,6 +20,9 @@ void rf_coord_close(rf_coord *c);
 /* Adds the cluster view ("cluster": members, plan, state, last refit) to a status document;
  * the signature of rf_node_status_hook. */
 void rf_coord_status(json_t *status, void *arg);
+/* fn(arg) is called after every change of the cluster view (from the loop thread), so that
+ * a status snapshot is rendered again; NULL for none. */
+void rf_coord_set_on_change(rf_coord *c, void (*fn)(void *arg), void *arg);
 
 /* ---- for tests and fuzzing only: the state machine without sockets -----------------------
  * A test plays the members: it makes them join with rf_coord__member_up (peer is any non-NULL

@@ -17,9 +17,15 @@ static int coord_start(uv_loop_t *loop, const rf_daemon_cfg *cfg, const rf_peer_
     return rc;
 }
 
+static void status_changed(void *node)
+{
+    rf_node_status_changed(node);
+}
+
 static void coord_attach(void *state, rf_node *node)
 {
     rf_node_set_status_hook(node, rf_coord_status, state);
+    rf_coord_set_on_change(state, status_changed, node);
 }
 
 static void coord_close(void *state)

@@ -912,3 +912,41 @@ Test(coord, a_restarted_coordinator_continues_from_the_members_committed_version
     no_start_since(mark, "version 7 is committed already");
     start(8);
 }
+
+/* ---- status ---------------------------------------------------------------------------------- */
+
+static int n_changes;
+static void count_change(void *arg)
+{
+    (void)arg;
+    n_changes++;
+}
+
+/* Whoever renders the status snapshot is told after every change of the cluster view: a join,
+ * an inventory, the plan, a Ready, a Start, a commit (it was once up to 1 s stale). */
+Test(coord, every_change_of_the_cluster_view_is_announced)
+{
+    int before;
+
+    start_coord(NULL);
+    n_changes = 0;
+    rf_coord_set_on_change(H.c, count_change, NULL);
+    cr_assert_eq(join(0), 0);
+    cr_assert_eq(n_changes, 1, "a join");
+    for (uint32_t m = 1; m < NMEM; m++)
+        cr_assert_eq(join(m), 0);
+    before = n_changes;
+    for (uint32_t m = 0; m < NMEM; m++)
+        inventory(m, 0);
+    cr_assert_eq(n_changes, before + (int)NMEM, "one per inventory");
+    before = n_changes;
+    wait_plan();
+    cr_assert_gt(n_changes, before, "the plan built");
+    idle(RECV0, true, 0);
+    before = n_changes;
+    ready(0, 1);
+    cr_assert_eq(n_changes, before + 1, "a Ready");
+    rf_coord_set_on_change(H.c, NULL, NULL);
+    ready(1, 1);
+    cr_assert_eq(n_changes, before + 1, "no callback once unset");
+}
