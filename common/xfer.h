@@ -246,9 +246,12 @@ int rf_xfer_open(uv_loop_t *loop, const rf_xfer_open_opts *o, rf_xfer_transport 
 int rf_xfer_tcp_new(uv_loop_t *loop, const char *listen_addr, rf_xfer_transport **out,
                     rf_err *err);
 /* The cluster key (at least RF_XFER_TCP_KEY_MIN bytes, copied) that data connections are
- * authenticated with: the acceptor sends a fresh nonce, the connector answers with
- * HMAC-SHA256(key, "refit-data-v1" || nonce || from || to), and a connection that does not
- * prove the key is dropped and logged without disturbing the job. A transport without a key
+ * authenticated with (data protocol 3): both ends prove it over fresh nonces of both
+ * (HMAC-SHA256), the connector sends nothing until the acceptor has, and every frame header and
+ * 256 KiB payload segment then carries a Poly1305 tag under a key of that connection, counted
+ * per connection. A connection that does not prove the key is dropped and logged without
+ * disturbing the job; a frame whose tag fails fails the job with -EBADMSG and nothing of it is
+ * installed. A transport without a key
  * refuses jobs. Loop thread, no job running. Returns 0, -EINVAL (not a tcp transport, key
  * too short), -EBUSY (a job runs or the transport is closing) or -ENOMEM; a changed key
  * closes the connections made under the old one. */
