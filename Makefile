@@ -11,9 +11,26 @@ CC      ?= cc
 # kept apart in RF_CFLAGS and RF_LDLIBS, so giving them on the command line drops nothing.
 CFLAGS  ?= -O2 -g
 # Messages for people are cut to their buffers on purpose, so truncation is not an error.
+# Hidden visibility: librefit.so exports only what client/refit.h marks REFIT_API.
 RF_CFLAGS := -std=c11 -D_GNU_SOURCE -Wall -Wextra -Werror -Wno-format-truncation -fPIC -MMD -MP \
-             -I common -I client -I $(BUILD)/gen
-RF_LDLIBS := -luv -lprotobuf-c -linih -ljansson -lsodium -lmicrohttpd -lpthread -lm
+             -fvisibility=hidden -I common -I client -I $(BUILD)/gen
+
+# Libraries are found through their pkg-config files (scripts/deps.sh installs pkg-config with
+# them). Asked only when something is compiled or linked, and once per make: `make deps`,
+# `make test` (which installs them first) and `make clean` work before they are installed.
+# $(call rf_pkg,VAR,--cflags|--libs,PACKAGES) sets VAR to pkg-config's answer, or stops make
+# with pkg-config's own words on what is missing.
+PKG_CONFIG ?= pkg-config
+RF_PKGS   := libuv libprotobuf-c inih jansson libsodium libmicrohttpd
+rf_pkg     = $(eval $(1) := $(shell $(PKG_CONFIG) $(2) $(3) 2>/dev/null || echo RF_PKG_FAILED))$(if \
+             $(filter RF_PKG_FAILED,$($(1))),$(error $(PKG_CONFIG) $(2) $(3) failed: $(shell \
+             $(PKG_CONFIG) --print-errors --exists $(3) 2>&1 | head -n 3) -- run scripts/deps.sh \
+             (make deps), or set PKG_CONFIG_PATH to where their .pc files are))$($(1))
+PKG_CFLAGS = $(call rf_pkg,PKG_CFLAGS,--cflags,$(RF_PKGS))
+PKG_LIBS   = $(call rf_pkg,PKG_LIBS,--libs,$(RF_PKGS))
+CRIT_CFLAGS = $(call rf_pkg,CRIT_CFLAGS,--cflags,criterion)
+CRIT_LIBS  = $(call rf_pkg,CRIT_LIBS,--libs,criterion)
+RF_LDLIBS  = $(PKG_LIBS) -lpthread -lm
 
 ifeq ($(V),1)
 Q :=
@@ -42,7 +59,7 @@ else ifeq ($(SAN),1)
 SAN_CFLAGS  := -fsanitize=address,undefined -fno-omit-frame-pointer
 SAN_LDFLAGS := -fsanitize=address,undefined
 endif
-ALL_CFLAGS = $(RF_CFLAGS) $(SAN_CFLAGS) $(CFLAGS)
+ALL_CFLAGS = $(RF_CFLAGS) $(PKG_CFLAGS) $(TEST_CFLAGS) $(SAN_CFLAGS) $(CFLAGS)
 
 # The GPU data path (CUDA memory import, copy kernels, NCCL transport) builds when a CUDA
 # toolkit with NCCL is found; everything else builds and works without one. Files named
@@ -50,8 +67,17 @@ ALL_CFLAGS = $(RF_CFLAGS) $(SAN_CFLAGS) $(CFLAGS)
 # opened at run time, so the binaries also start on machines without a GPU driver (CI).
 HAVE_CUDA ?= $(shell test -x $(CUDA_HOME)/bin/nvcc && test -f $(NCCL_HOME)/include/nccl.h && echo 1)
 NVCC      := $(CUDA_HOME)/bin/nvcc
-NVFLAGS   := -O2 -std=c++17 -gencode arch=compute_90,code=sm_90 \
-             -gencode arch=compute_90,code=compute_90 -Xcompiler -fPIC,-Wall -I common -I client
+# Kernels are built for the GPUs refit runs on: machine code for each of CUDA_ARCHS (90:
+# H100/H200, 100: B200) that this nvcc can build, and PTX of the newest of them, which the
+# driver compiles for a later GPU. nvcc is asked for its list once, when a .cu is compiled.
+CUDA_ARCHS ?= 90 100
+NV_ARCHS   = $(eval NV_ARCHS := $(filter $(patsubst compute_%,%,$(shell $(NVCC) --list-gpu-arch \
+             2>/dev/null)),$(CUDA_ARCHS)))$(if $(NV_ARCHS),,$(error $(NVCC) builds none of \
+             CUDA_ARCHS ($(CUDA_ARCHS)); its architectures: $(shell $(NVCC) --list-gpu-arch \
+             2>&1 | tr '\n' ' ') -- set CUDA_ARCHS, or CUDA_HOME to a newer toolkit))$(NV_ARCHS)
+NV_GENCODE = $(foreach a,$(NV_ARCHS),-gencode arch=compute_$(a),code=sm_$(a)) \
+             -gencode arch=compute_$(lastword $(NV_ARCHS)),code=compute_$(lastword $(NV_ARCHS))
+NVFLAGS    = -O2 -std=c++17 $(NV_GENCODE) -Xcompiler -fPIC,-Wall -I common -I client
 GPU_SRC   := $(wildcard common/*_cuda.c common/*_nccl.c sim/*_cuda.c client/lib/*_cuda.c)
 CU_SRC    := $(wildcard common/*.cu sim/*.cu)
 ifeq ($(HAVE_CUDA),1)
@@ -83,6 +109,8 @@ SIM_LIB_O := $(patsubst %.c,$(BUILD)/%.o,$(filter-out sim/refit-sim-%.c,$(call A
              $(filter $(BUILD)/sim/%,$(CU_O))
 SIM_BINS  := $(patsubst sim/%.c,$(BUILD)/%,$(wildcard sim/refit-sim-*.c))
 UNIT_BINS := $(patsubst tests/unit/%.c,$(BUILD)/tests/%,$(wildcard tests/unit/test_*.c))
+# What the unit tests share that is no test itself (the reference plan executor, copy_ref.c).
+TEST_LIB_O:= $(patsubst %.c,$(BUILD)/%.o,$(filter-out tests/unit/test_%.c,$(wildcard tests/unit/*.c)))
 BENCH_BINS:= $(patsubst bench/%.c,$(BUILD)/bench/%,$(wildcard bench/bench_*.c))
 
 BINS := $(if $(PUB_O),$(BUILD)/refit-publisherd) $(if $(RECV_O),$(BUILD)/refit-receiverd) \
@@ -128,10 +156,12 @@ $(BUILD)/refit-receiverd: $(RECV_O) $(LIBCOMMON)
 	@echo "  LD      $@"
 	$(Q)$(CC) $(SAN_LDFLAGS) -o $@ $^ $(LDFLAGS) $(LDLIBS) $(RF_LDLIBS)
 
-$(BUILD)/librefit.so: $(LIBREFIT_O) $(LIBCOMMON)
+# The version script exports the API and nothing else, whatever built the objects.
+$(BUILD)/librefit.so: $(LIBREFIT_O) $(LIBCOMMON) client/lib/librefit.map
 	@echo "  LD      $@"
-	$(Q)$(CC) $(SAN_LDFLAGS) -shared -Wl,-soname,librefit.so.0 -o $@ $^ $(LDFLAGS) $(LDLIBS) \
-		$(RF_LDLIBS)
+	$(Q)$(CC) $(SAN_LDFLAGS) -shared -Wl,-soname,librefit.so.0 \
+		-Wl,--version-script=client/lib/librefit.map -o $@ $(LIBREFIT_O) $(LIBCOMMON) \
+		$(LDFLAGS) $(LDLIBS) $(RF_LDLIBS)
 
 $(BUILD)/refitctl: $(CTL_O) $(LIBREFIT_O) $(LIBCOMMON)
 	@echo "  LD      $@"
@@ -141,18 +171,21 @@ $(BUILD)/refit-sim-%: $(BUILD)/sim/refit-sim-%.o $(SIM_LIB_O) $(LIBREFIT_O) $(LI
 	@echo "  LD      $@"
 	$(Q)$(CC) $(SAN_LDFLAGS) -o $@ $^ $(LDFLAGS) $(LDLIBS) $(RF_LDLIBS)
 
-$(BUILD)/tests/%: $(BUILD)/tests/unit/%.o $(LIBREFIT_O) $(LIBCOMMON)
+# Test objects are compiled with Criterion's flags (TEST_CFLAGS is empty for everything else).
+$(BUILD)/tests/unit/%.o: TEST_CFLAGS = $(CRIT_CFLAGS)
+
+$(BUILD)/tests/%: $(BUILD)/tests/unit/%.o $(TEST_LIB_O) $(LIBREFIT_O) $(LIBCOMMON)
 	@mkdir -p $(dir $@)
 	@echo "  LD      $@"
-	$(Q)$(CC) $(SAN_LDFLAGS) -o $@ $^ $(LDFLAGS) $(LDLIBS) $(RF_LDLIBS) -lcriterion
+	$(Q)$(CC) $(SAN_LDFLAGS) -o $@ $^ $(LDFLAGS) $(LDLIBS) $(RF_LDLIBS) $(CRIT_LIBS)
 
 # The coordinator's unit test drives publisherd's state machine itself (linked before the
 # archive it calls into).
 $(BUILD)/tests/test_coord: $(BUILD)/tests/unit/test_coord.o $(BUILD)/publisherd/coordinator.o \
-		$(LIBREFIT_O) $(LIBCOMMON)
+		$(TEST_LIB_O) $(LIBREFIT_O) $(LIBCOMMON)
 	@mkdir -p $(dir $@)
 	@echo "  LD      $@"
-	$(Q)$(CC) $(SAN_LDFLAGS) -o $@ $^ $(LDFLAGS) $(LDLIBS) $(RF_LDLIBS) -lcriterion
+	$(Q)$(CC) $(SAN_LDFLAGS) -o $@ $^ $(LDFLAGS) $(LDLIBS) $(RF_LDLIBS) $(CRIT_LIBS)
 
 $(BUILD)/bench/%: $(BUILD)/bench/%.o $(LIBREFIT_O) $(LIBCOMMON)
 	@echo "  LD      $@"

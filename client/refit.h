@@ -10,6 +10,14 @@
 extern "C" {
 #endif
 
+/* librefit is built with hidden visibility: only what is marked REFIT_API is exported, so a
+ * program or binding sees the API below and none of the library's internals. */
+#if defined(__GNUC__) && __GNUC__ >= 4
+#define REFIT_API __attribute__((visibility("default")))
+#else
+#define REFIT_API
+#endif
+
 #define REFIT_SOCKET_PUBLISHER "/run/refit/publisherd.sock"
 #define REFIT_SOCKET_RECEIVER "/run/refit/receiverd.sock"
 
@@ -30,22 +38,22 @@ typedef struct refit_client refit_client;
 /* Connects and says Hello. socket_path NULL: $REFIT_SOCKET, else the publisher's socket for
  * trainers and refitctl, the receiver's for engines. name may be NULL. On failure *out is NULL
  * and refit_last_error(NULL) holds the message. */
-int refit_connect(const char *socket_path, const char *name, int rank, int kind,
-                  refit_client **out);
+REFIT_API int refit_connect(const char *socket_path, const char *name, int rank, int kind,
+                            refit_client **out);
 /* The message of this client's last failed call; with NULL, of the last failed call of this
  * thread (refit_connect). Never NULL. */
-const char *refit_last_error(const refit_client *c);
+REFIT_API const char *refit_last_error(const refit_client *c);
 
 /* Registers host memory: size bytes of the memfd fd from its start (librefit seals it against
  * shrinking; fd stays the caller's). *region is the id pieces name. */
-int refit_region_memfd(refit_client *c, int fd, uint64_t size, uint32_t *region);
+REFIT_API int refit_region_memfd(refit_client *c, int fd, uint64_t size, uint32_t *region);
 /* A region that is part of a larger memfd: [offset, offset + size) of it. One memfd may hold
  * many regions (a trainer's one allocation holding every parameter); the daemon maps it once. */
-int refit_region_memfd_at(refit_client *c, int fd, uint64_t offset, uint64_t size,
-                          uint32_t *region);
+REFIT_API int refit_region_memfd_at(refit_client *c, int fd, uint64_t offset, uint64_t size,
+                                    uint32_t *region);
 /* Allocates size bytes of shared host memory (memfd + mmap), registers it and returns the
  * mapping; it stays mapped until refit_close. */
-int refit_alloc_host(refit_client *c, uint64_t size, void **ptr, uint32_t *region);
+REFIT_API int refit_alloc_host(refit_client *c, uint64_t size, void **ptr, uint32_t *region);
 /* Registers GPU memory: size bytes at devptr, a pointer into a CUDA allocation of this
  * process (cudaMalloc, a caching allocator's block, or a VMM allocation made shareable as a
  * POSIX file descriptor). librefit finds the allocation, exports it (a CUDA IPC handle of its
@@ -53,45 +61,46 @@ int refit_alloc_host(refit_client *c, uint64_t size, void **ptr, uint32_t *regio
  * while registered. Host or managed memory, a range past its allocation, or a VMM allocation
  * without a POSIX fd handle type fail with a message saying what to change. libcuda is opened
  * at run time: without a GPU only this call fails. */
-int refit_region_cuda(refit_client *c, const void *devptr, uint64_t size, uint32_t *region);
+REFIT_API int refit_region_cuda(refit_client *c, const void *devptr, uint64_t size,
+                                uint32_t *region);
 /* Registers one piece: the box (start, extent) of tensor (dtype, global shape of ndim dims)
  * that lies at offset bytes in region, with element strides per dim. */
-int refit_add_piece(refit_client *c, const char *tensor, int dtype, int ndim,
-                    const int64_t *shape, uint32_t region, uint64_t offset,
-                    const int64_t *start, const int64_t *extent, const int64_t *strides);
+REFIT_API int refit_add_piece(refit_client *c, const char *tensor, int dtype, int ndim,
+                              const int64_t *shape, uint32_t region, uint64_t offset,
+                              const int64_t *start, const int64_t *extent, const int64_t *strides);
 /* Ends registration: the daemon checks the pieces as a whole. */
-int refit_seal(refit_client *c);
+REFIT_API int refit_seal(refit_client *c);
 
 /* Trainers: the weights of version are final. */
-int refit_publish(refit_client *c, uint64_t version);
+REFIT_API int refit_publish(refit_client *c, uint64_t version);
 /* Trainers: blocks until version is committed everywhere (the weights may be overwritten).
  * timeout_ms < 0 waits forever; -ETIMEDOUT after it; -ECANCELED when the refit aborted. */
-int refit_wait_released(refit_client *c, uint64_t version, int timeout_ms);
+REFIT_API int refit_wait_released(refit_client *c, uint64_t version, int timeout_ms);
 /* Engines: blocks until version (or a later one) is committed; -ECANCELED on its abort. */
-int refit_wait_version(refit_client *c, uint64_t version, int timeout_ms);
+REFIT_API int refit_wait_version(refit_client *c, uint64_t version, int timeout_ms);
 /* The same, and *reached (may be NULL) is the version the daemon has committed, which may be
  * later than version (a refit triggered by an operator, an engine that fell behind): the
  * engine's memory holds *reached, not version. */
-int refit_wait_version_reached(refit_client *c, uint64_t version, int timeout_ms,
-                               uint64_t *reached);
+REFIT_API int refit_wait_version_reached(refit_client *c, uint64_t version, int timeout_ms,
+                                         uint64_t *reached);
 /* Engines: the next pushed event (REFIT_EVENT_*) and its version; -ETIMEDOUT when none came. */
-int refit_next_event(refit_client *c, int timeout_ms, int *event, uint64_t *version);
+REFIT_API int refit_next_event(refit_client *c, int timeout_ms, int *event, uint64_t *version);
 
 /* refitctl: the daemon's status document (malloc'd; the caller frees it). */
-int refit_status_json(refit_client *c, char **json);
+REFIT_API int refit_status_json(refit_client *c, char **json);
 /* refitctl: trigger a refit to version. */
-int refit_trigger(refit_client *c, uint64_t version);
+REFIT_API int refit_trigger(refit_client *c, uint64_t version);
 /* refitctl: wait until version is committed (-ECANCELED when it aborted). */
-int refit_wait(refit_client *c, uint64_t version, int timeout_ms);
+REFIT_API int refit_wait(refit_client *c, uint64_t version, int timeout_ms);
 
-/* Closes the connection (the daemon drops this client's registration) and frees c. */
 /* Engines: make installs wait for this client. Call once, before refit_seal; then, after
  * reading committed version N (a synchronous refit, a verification), call
  * refit_consumed(c, N): the next version is installed only once every gated engine of the
  * cluster has consumed the last one. Ungated engines take installs whenever they come. */
-int refit_gate(refit_client *c);
-int refit_consumed(refit_client *c, uint64_t version);
-int refit_close(refit_client *c);
+REFIT_API int refit_gate(refit_client *c);
+REFIT_API int refit_consumed(refit_client *c, uint64_t version);
+/* Closes the connection (the daemon drops this client's registration) and frees c. */
+REFIT_API int refit_close(refit_client *c);
 
 #ifdef __cplusplus
 }

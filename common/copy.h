@@ -1,6 +1,5 @@
 /* common/copy.h - batched box gather (piece memory -> dense row-major staging) and scatter
- * (staging -> piece memory) on the host, with the semantics the CUDA kernels share, and a
- * reference executor that runs a whole plan inside one process. */
+ * (staging -> piece memory) on the host, with the semantics the CUDA kernels share. */
 #ifndef RF_COPY_H
 #define RF_COPY_H
 
@@ -59,10 +58,8 @@ int rf_copy_gather(const rf_copy_desc *d, size_t n, void *staging, rf_err *err);
 /* Staging -> piece memory, for every descriptor; same checks. */
 int rf_copy_scatter(const rf_copy_desc *d, size_t n, const void *staging, rf_err *err);
 
-/* Executes a whole plan in this process: src_bases[r] / dst_bases[r] are the base pointers of
- * region r (global region ids; an entry of the other side may be NULL). Direct transfers are
- * copied straight, packed ones gathered into a staging buffer per message and scattered.
- * -EINVAL when a region a transfer needs has no base, -ENOMEM without staging memory. */
+/* rf_copy_exec_plan_host, the in-process reference executor, is test-only: it lives in
+ * tests/unit/copy_ref.c. Declared here too until every test includes copy_ref.h. */
 int rf_copy_exec_plan_host(const rf_plan *plan, void *const *src_bases, void *const *dst_bases,
                            rf_err *err);
 

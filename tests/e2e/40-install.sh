@@ -26,6 +26,16 @@ done
 soname=$(objdump -p "$P/lib/librefit.so.0" 2>/dev/null | awk '/SONAME/ {print $2}')
 [ -z "$soname" ] || [ "$soname" = librefit.so.0 ] ||
     fail "installed librefit.so.0 has soname '$soname'"
+# librefit exports its API and nothing else: each function refit.h declares (one it forgot to
+# mark REFIT_API stays hidden), and no internal (rf_*, refit__*, protobuf) a program could come
+# to depend on.
+decl='s/^\(REFIT_API \)\{0,1\}[a-z].*[ *]\(refit_[a-z_]*\)(.*/\2/p'
+api=$(sed -n "$decl" "$P/include/refit.h" | sort)
+[ -n "$api" ] || fail "found no function declaration in the installed refit.h"
+exported=$(nm -D --defined-only "$P/lib/librefit.so.0" | awk '{print $NF}' | sort)
+[ "$api" = "$exported" ] || fail "installed librefit.so.0 does not export exactly refit.h's API" \
+    "(< declared but not exported, > exported but not declared):" \
+    "$(diff <(echo "$api") <(echo "$exported") | grep '^[<>]' | head -n 20 | tr '\n' ' ')"
 for d in publisherd receiverd; do
     u=$DEST/lib/systemd/system/refit-$d.service
     [ -f "$u" ] || fail "make install did not install /lib/systemd/system/refit-$d.service"

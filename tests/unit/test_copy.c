@@ -5,6 +5,7 @@
 #include <string.h>
 
 #include "copy.h"
+#include "copy_ref.h"
 #include "layout.h"
 #include "plan.h"
 
