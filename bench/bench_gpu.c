@@ -526,9 +526,9 @@ static void plan_mix(const rf_plan *pl, uint64_t direct_mib)
     uint64_t nd = 0, np = 0, bd = 0, bp = 0, dmin = UINT64_MAX, dmax = 0;
 
     for (uint32_t i = 0; i < rf_plan_nmsgs(pl); i++) {
-        const rf_msg *m = rf_plan_msg(pl, i);
+        const rf_plan_msg *m = rf_plan_msg_at(pl, i);
 
-        if (m->kind == RF_XFER_DIRECT) {
+        if (m->kind == RF_PLAN_DIRECT) {
             nd++;
             bd += m->bytes;
             dmin = m->bytes < dmin ? m->bytes : dmin;

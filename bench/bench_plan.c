@@ -54,7 +54,7 @@ static uint64_t count_wrong(const rf_plan *pl)
     if (got == NULL)
         return UINT64_MAX;
     for (uint64_t i = 0; i < rf_plan_nxfers(pl); i++) {
-        const rf_xfer *x = rf_plan_xfer(pl, i);
+        const rf_plan_xfer *x = rf_plan_xfer_at(pl, i);
         const rf_box *b = rf_plan_box(pl, x->box);
         rf_inv_piece(inv, RF_SRC, x->src, &sp);
         rf_inv_piece(inv, RF_DST, x->dst, &dp);

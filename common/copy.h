@@ -58,9 +58,4 @@ int rf_copy_gather(const rf_copy_desc *d, size_t n, void *staging, rf_err *err);
 /* Staging -> piece memory, for every descriptor; same checks. */
 int rf_copy_scatter(const rf_copy_desc *d, size_t n, const void *staging, rf_err *err);
 
-/* rf_copy_exec_plan_host, the in-process reference executor, is test-only: it lives in
- * tests/unit/copy_ref.c. Declared here too until every test includes copy_ref.h. */
-int rf_copy_exec_plan_host(const rf_plan *plan, void *const *src_bases, void *const *dst_bases,
-                           rf_err *err);
-
 #endif

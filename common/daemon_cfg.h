@@ -8,12 +8,12 @@
 #include "cfg.h"
 #include "err.h"
 #include "peer.h"
+#include "xfer.h" /* rf_verify */
 
 #define RF_VERSION "0.1.0"
 
 enum rf_daemon_role { RF_DAEMON_PUBLISHER = 0, RF_DAEMON_RECEIVER = 1 };
 enum rf_transport { RF_TRANSPORT_TCP = 0, RF_TRANSPORT_NCCL = 1 };
-enum rf_verify { RF_VERIFY_OFF = 0, RF_VERIFY_SAMPLE = 1, RF_VERIFY_FULL = 2 };
 
 typedef struct rf_daemon_cfg {
     int role;                 /* enum rf_daemon_role, set by rf_daemon_cfg_load */

@@ -493,9 +493,7 @@ static void install_slice(rf_node *n)
     n->slice.job.staging_bytes = ((uint64_t)n->cfg->staging_mib << 20) *
                                  (rf_inv_nendpoints(inv) ? rf_inv_nendpoints(inv) : 1);
     n->slice.job.timeout_s = n->cfg->refit_timeout_s;
-    n->slice.job.verify = n->cfg->verify == RF_VERIFY_FULL ? RF_XFER_VERIFY_FULL
-                          : n->cfg->verify == RF_VERIFY_SAMPLE ? RF_XFER_VERIFY_SAMPLE
-                                                               : RF_XFER_VERIFY_OFF;
+    n->slice.job.verify = n->cfg->verify;
     rc = rf_xfer_job_check(&n->slice.job, n->slice.npeers, &err);
     if (rc < 0) {
         RF_ERROR("plan slice is inconsistent: %s", err.msg);

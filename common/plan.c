@@ -20,12 +20,12 @@ struct rf_plan {
      * of their own (big_alloc), and order: the index of the i-th transfer in message order.
      * Moving twelve million transfers into message order would cost a second copy of them
      * in fresh memory, which is the dearest part of planning at that size. */
-    rf_xfer *xfers;
+    rf_plan_xfer *xfers;
     size_t xfers_bytes;
     uint32_t *order;
     size_t order_bytes;
     uint64_t nxfers;
-    rf_msg *msgs;
+    rf_plan_msg *msgs;
     uint32_t nmsgs;
     uint32_t nrounds;
     rf_box *boxes;
@@ -457,7 +457,7 @@ typedef struct builder {
      * more transfers of its endpoint pair until the next one would overflow half the budget:
      * open[pair] (dense, source index * destination endpoints + destination index) or the
      * hash table opentab hold its build id + 1. */
-    rf_msg *mb;
+    rf_plan_msg *mb;
     uint64_t nmb, capmb;
     uint32_t *open;
     linktab opentab;
@@ -729,11 +729,11 @@ static int emit_slabs(builder *b, const dpiece *dp, const cand *c, const rf_box 
  * while transfers are emitted: a packed transfer joins its pair's open packed message while
  * that still fits half the budget, else opens a new one; a direct one gets its own. */
 static int msg_for(builder *b, uint32_t src_ep, uint32_t dst_ep, bool direct, uint64_t bytes,
-                   rf_msg **out, rf_err *err)
+                   rf_plan_msg **out, rf_err *err)
 {
     uint32_t *slot32 = NULL;
     uint64_t *slot64 = NULL, open = 0;
-    rf_msg *mm;
+    rf_plan_msg *mm;
 
     if (!direct) {
         uint32_t si = b->epidx[src_ep], di = b->epidx[dst_ep];
@@ -752,12 +752,12 @@ static int msg_for(builder *b, uint32_t src_ep, uint32_t dst_ep, bool direct, ui
     }
     if (b->nmb >= UINT32_MAX - 1)
         return rf_err_set(err, -E2BIG, "plan: more than 2^32 messages");
-    if (grow((void **)&b->mb, &b->capmb, b->nmb + 1, sizeof(rf_msg)))
+    if (grow((void **)&b->mb, &b->capmb, b->nmb + 1, sizeof(rf_plan_msg)))
         return rf_err_set(err, -ENOMEM, "plan: out of memory after %llu messages",
                           (unsigned long long)b->nmb);
     mm = &b->mb[b->nmb];
-    *mm = (rf_msg){.src_ep = src_ep, .dst_ep = dst_ep, .round = 0,
-                   .kind = direct ? RF_XFER_DIRECT : RF_XFER_PACKED,
+    *mm = (rf_plan_msg){.src_ep = src_ep, .dst_ep = dst_ep, .round = 0,
+                   .kind = direct ? RF_PLAN_DIRECT : RF_PLAN_PACKED,
                    .first = (uint32_t)b->nx, .count = 0, .bytes = 0};
     b->nmb++;
     if (slot32)
@@ -778,7 +778,7 @@ static int emit(builder *b, const dpiece *dp, const cand *c, const rf_box *box, 
     uint64_t sruns = nruns(c->g->strides, dp->ndim, box), druns;
     bool direct;
     uint32_t bid;
-    rf_msg *mm = NULL;
+    rf_plan_msg *mm = NULL;
     int rc;
 
     if (whole && b->gruns)
@@ -801,7 +801,7 @@ static int emit(builder *b, const dpiece *dp, const cand *c, const rf_box *box, 
         return rf_err_set(err, -E2BIG, "plan: %llu transfers exceed the 32-bit transfer index",
                           (unsigned long long)b->nx + 1);
     if (rc == 0 && b->nx >= b->capx) {
-        rc = big_resize((void **)&pl->xfers, &pl->xfers_bytes, b->capx * 2, sizeof(rf_xfer));
+        rc = big_resize((void **)&pl->xfers, &pl->xfers_bytes, b->capx * 2, sizeof(rf_plan_xfer));
         if (rc == 0)
             b->capx *= 2;
     }
@@ -811,7 +811,7 @@ static int emit(builder *b, const dpiece *dp, const cand *c, const rf_box *box, 
     rc = msg_for(b, c->ep, dp->ep, direct, bytes, &mm, err);
     if (rc)
         return rc;
-    pl->xfers[b->nx] = (rf_xfer){.src = c->id, .dst = dp->id, .box = bid,
+    pl->xfers[b->nx] = (rf_plan_xfer){.src = c->id, .dst = dp->id, .box = bid,
                                  .msg = (uint32_t)(mm - b->mb), .msg_off = mm->bytes,
                                  .bytes = bytes};
     mm->bytes += bytes;
@@ -1219,7 +1219,7 @@ static int plan_piece(builder *b, uint32_t dst, rf_err *err)
  * endpoint's staging use per round. */
 typedef struct sched {
     uint64_t nm;       /* messages */
-    rf_msg *m;         /* in creation order */
+    rf_plan_msg *m;         /* in creation order */
     uint32_t *corder;  /* creation position -> build id */
     uint32_t *mperm;   /* final position -> creation position */
     uint32_t *fin;     /* build id -> final position */
@@ -1244,11 +1244,11 @@ static int creation_order(const builder *b, sched *s, rf_err *err)
 {
     int db = bits_for(b->ndst_ep ? b->ndst_ep : 1);
     int pbits = bits_for(b->nsrc_ep ? b->nsrc_ep : 1) + db + 1;
-    const rf_msg *mb = b->mb;
+    const rf_plan_msg *mb = b->mb;
 
     for (uint64_t i = 0; i < s->nm; i++) {
         s->mkey[i] = (((uint64_t)b->epidx[mb[i].src_ep] << db | b->epidx[mb[i].dst_ep]) << 1) |
-                     (mb[i].kind == RF_XFER_DIRECT);
+                     (mb[i].kind == RF_PLAN_DIRECT);
         s->corder[i] = (uint32_t)i;
     }
     if (radix_sort(s->mkey, s->corder, s->nm, pbits))
@@ -1263,7 +1263,7 @@ static int creation_order(const builder *b, sched *s, rf_err *err)
  * staging use in the plan's stats. */
 static int place_packed(builder *b, sched *s, rf_err *err)
 {
-    rf_msg *m = s->m;
+    rf_plan_msg *m = s->m;
     uint32_t ne = s->ne;
 
     s->use = calloc((uint64_t)ne + 1, sizeof(*s->use));
@@ -1274,7 +1274,7 @@ static int place_packed(builder *b, sched *s, rf_err *err)
     for (uint64_t i = 0; i < s->nm; i++) {
         uint32_t se = m[i].src_ep, de = m[i].dst_ep;
         uint64_t **use = s->use, *hint = s->hint, r;
-        if (m[i].kind != RF_XFER_PACKED)
+        if (m[i].kind != RF_PLAN_PACKED)
             continue;
         r = hint[se] > hint[de] ? hint[se] : hint[de];
         for (;; r++) {
@@ -1310,7 +1310,7 @@ static int place_packed(builder *b, sched *s, rf_err *err)
  * loads is least (the first such round on ties), spreading them over the packed rounds. */
 static int place_direct(const builder *b, sched *s, rf_err *err)
 {
-    rf_msg *m = s->m;
+    rf_plan_msg *m = s->m;
     uint64_t **use = s->use;
 
     if (s->R == 0 && s->nm > 0) {
@@ -1324,7 +1324,7 @@ static int place_direct(const builder *b, sched *s, rf_err *err)
     for (uint64_t i = 0; i < s->nm; i++) {
         uint32_t se = m[i].src_ep, de = m[i].dst_ep, best = 0;
         uint64_t bc = UINT64_MAX;
-        if (m[i].kind != RF_XFER_DIRECT)
+        if (m[i].kind != RF_PLAN_DIRECT)
             continue;
         for (uint32_t r = 0; r < s->R; r++) {
             uint64_t c = use[se][r] > use[de][r] ? use[se][r] : use[de][r];
@@ -1647,7 +1647,7 @@ int rf_plan_build(const rf_inv *inv, const rf_plan_opts *opts, rf_plan **out, rf
         goto out;
     /* Most destination pieces take one transfer: reserve that many up front. */
     b.capx = (uint64_t)nd + 64;
-    if (big_resize((void **)&pl->xfers, &pl->xfers_bytes, b.capx, sizeof(rf_xfer)))
+    if (big_resize((void **)&pl->xfers, &pl->xfers_bytes, b.capx, sizeof(rf_plan_xfer)))
         goto nomem;
     for (uint32_t i = 0; i < nd; i++) {
         rc = plan_piece(&b, i, err);
@@ -1659,7 +1659,7 @@ int rf_plan_build(const rf_inv *inv, const rf_plan_opts *opts, rf_plan **out, rf
     if (rc)
         goto out;
     /* The transfer array was reserved for one transfer per piece and grown by doubling. */
-    (void)big_resize((void **)&pl->xfers, &pl->xfers_bytes, pl->nxfers + 1, sizeof(rf_xfer));
+    (void)big_resize((void **)&pl->xfers, &pl->xfers_bytes, pl->nxfers + 1, sizeof(rf_plan_xfer));
     pl->boxes = b.boxes.boxes;
     pl->nboxes = (uint32_t)b.boxes.n;
     b.boxes.boxes = NULL;
@@ -1746,12 +1746,12 @@ uint32_t rf_plan_nrounds(const rf_plan *plan)
     return plan->nrounds;
 }
 
-const rf_xfer *rf_plan_xfer(const rf_plan *plan, uint64_t i)
+const rf_plan_xfer *rf_plan_xfer_at(const rf_plan *plan, uint64_t i)
 {
     return i < plan->nxfers ? &plan->xfers[plan->order[i]] : NULL;
 }
 
-const rf_msg *rf_plan_msg(const rf_plan *plan, uint32_t i)
+const rf_plan_msg *rf_plan_msg_at(const rf_plan *plan, uint32_t i)
 {
     return i < plan->nmsgs ? &plan->msgs[i] : NULL;
 }
@@ -1768,7 +1768,7 @@ const rf_plan_stats *rf_plan_stats_get(const rf_plan *plan)
 
 size_t rf_plan_memory(const rf_plan *plan)
 {
-    return sizeof(*plan) + plan->nxfers * (sizeof(rf_xfer) + sizeof(uint32_t)) + plan->nmsgs * sizeof(rf_msg) +
+    return sizeof(*plan) + plan->nxfers * (sizeof(rf_plan_xfer) + sizeof(uint32_t)) + plan->nmsgs * sizeof(rf_plan_msg) +
            plan->nboxes * sizeof(rf_box) + 2 * (size_t)plan->nendpoints * sizeof(uint64_t);
 }
 

@@ -7,12 +7,12 @@
 
 #include "layout.h"
 
-typedef enum rf_xfer_kind {
-    RF_XFER_DIRECT = 0, /* contiguous on both sides and large: sent from source memory
+typedef enum rf_plan_kind {
+    RF_PLAN_DIRECT = 0, /* contiguous on both sides and large: sent from source memory
                            straight into destination memory, no copy */
-    RF_XFER_PACKED = 1  /* strided or small: gathered into staging, sent with the other
+    RF_PLAN_PACKED = 1  /* strided or small: gathered into staging, sent with the other
                            packed transfers of the same endpoint pair and round, scattered */
-} rf_xfer_kind;
+} rf_plan_kind;
 
 typedef struct rf_plan_opts {
     uint64_t staging_bytes;    /* staging budget per endpoint (GPU); default 256 MiB.
@@ -25,25 +25,25 @@ void rf_plan_opts_default(rf_plan_opts *o);
 /* One transfer: the bytes of `box` (global coordinates of the tensor of both pieces) go from
  * source piece src to destination piece dst. Packed transfers lie in their message's payload
  * at msg_off, as the box's elements in row-major order. */
-typedef struct rf_xfer {
+typedef struct rf_plan_xfer {
     uint32_t src;    /* source piece id */
     uint32_t dst;    /* destination piece id */
     uint32_t box;    /* index into the plan's box table (rf_plan_box) */
     uint32_t msg;    /* message that carries it */
     uint64_t msg_off;
     uint64_t bytes;
-} rf_xfer;
+} rf_plan_xfer;
 
 /* One message: one NCCL send/recv pair (or one tcp frame) between two endpoints in a round.
  * A direct message carries exactly one transfer; a packed one the transfers
  * [first, first + count) of the plan's transfer array, which is sorted by message. */
-typedef struct rf_msg {
+typedef struct rf_plan_msg {
     uint32_t src_ep, dst_ep;
     uint32_t round;
-    uint32_t kind; /* rf_xfer_kind */
+    uint32_t kind; /* rf_plan_kind */
     uint32_t first, count;
     uint64_t bytes;
-} rf_msg;
+} rf_plan_msg;
 
 typedef struct rf_plan_stats {
     uint32_t tensors;
@@ -77,8 +77,8 @@ const rf_inv *rf_plan_inv(const rf_plan *plan);
 uint64_t rf_plan_nxfers(const rf_plan *plan);
 uint32_t rf_plan_nmsgs(const rf_plan *plan);
 uint32_t rf_plan_nrounds(const rf_plan *plan);
-const rf_xfer *rf_plan_xfer(const rf_plan *plan, uint64_t i);
-const rf_msg *rf_plan_msg(const rf_plan *plan, uint32_t i); /* sorted by (round, src_ep, dst_ep) */
+const rf_plan_xfer *rf_plan_xfer_at(const rf_plan *plan, uint64_t i);
+const rf_plan_msg *rf_plan_msg_at(const rf_plan *plan, uint32_t i); /* sorted by (round, src_ep, dst_ep) */
 const rf_box *rf_plan_box(const rf_plan *plan, uint32_t i);
 const rf_plan_stats *rf_plan_stats_get(const rf_plan *plan);
 size_t rf_plan_memory(const rf_plan *plan); /* bytes held by the plan */

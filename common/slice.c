@@ -364,7 +364,7 @@ static int push_frame(Refit__PlanSlice ***out, size_t *nout, size_t *cap, Refit_
 static Refit__SliceMsg *slice_msg_new(const rf_plan *plan, const rf_slice_map *map, uint32_t m,
                                       uint32_t seq)
 {
-    const rf_msg *pm = rf_plan_msg(plan, seq);
+    const rf_plan_msg *pm = rf_plan_msg_at(plan, seq);
     const rf_slice_member *me = &map->members[m];
     const rf_inv *inv = rf_plan_inv(plan);
     bool send = me->side == RF_SRC;
@@ -386,7 +386,7 @@ static Refit__SliceMsg *slice_msg_new(const rf_plan *plan, const rf_slice_map *m
     if (!sm->xfers)
         goto fail;
     for (k = 0; k < pm->count; k++) {
-        const rf_xfer *x = rf_plan_xfer(plan, (uint64_t)pm->first + k);
+        const rf_plan_xfer *x = rf_plan_xfer_at(plan, (uint64_t)pm->first + k);
         const rf_box *b = rf_plan_box(plan, x->box);
         uint32_t piece = send ? x->src : x->dst;
         int nd = rf_inv_tensor(inv, rf_inv_piece_tensor(inv, me->side, piece))->ndim;
@@ -433,7 +433,7 @@ int rf_slice_build(const rf_plan *plan, const rf_slice_map *map, uint32_t m,
     if (!cur)
         return -ENOMEM;
     for (i = 0; i < nmsgs; i++) {
-        const rf_msg *pm = rf_plan_msg(plan, i);
+        const rf_plan_msg *pm = rf_plan_msg_at(plan, i);
         uint32_t ep = me->side == RF_SRC ? pm->src_ep : pm->dst_ep;
         Refit__SliceMsg *sm;
 
@@ -608,7 +608,7 @@ int rf_slice_msg_from_plan(const rf_plan *plan, uint32_t mi, rf_side side,
                            uint8_t *const *bases, uint32_t peer, rf_xfer_msg *out, rf_err *err)
 {
     const rf_inv *inv = rf_plan_inv(plan);
-    const rf_msg *pm = rf_plan_msg(plan, mi);
+    const rf_plan_msg *pm = rf_plan_msg_at(plan, mi);
 
     *out = (rf_xfer_msg){.seq = mi, .round = pm->round, .kind = pm->kind,
                          .send = side == RF_SRC, .peer = peer, .bytes = pm->bytes,
@@ -619,7 +619,7 @@ int rf_slice_msg_from_plan(const rf_plan *plan, uint32_t mi, rf_side side,
         return rf_err_set(err, -ENOMEM, "out of memory for the %u items of message %u",
                           pm->count, mi);
     for (uint32_t k = 0; k < pm->count; k++) {
-        const rf_xfer *x = rf_plan_xfer(plan, (uint64_t)pm->first + k);
+        const rf_plan_xfer *x = rf_plan_xfer_at(plan, (uint64_t)pm->first + k);
         rf_xfer_item *it = &out->items[k];
         const rf_tensor *t;
 

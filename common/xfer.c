@@ -134,7 +134,7 @@ int rf_xfer_job_check(const rf_xfer_job *job, uint32_t npeers, rf_err *err)
         if (m->peer >= npeers)
             return rf_err_set(err, -EINVAL, "message seq %u names peer %u, the peer table holds "
                               "%u; set the peers first", m->seq, m->peer, npeers);
-        if (m->kind != RF_XFER_DIRECT && m->kind != RF_XFER_PACKED)
+        if (m->kind != RF_PLAN_DIRECT && m->kind != RF_PLAN_PACKED)
             return rf_err_set(err, -EINVAL, "message seq %u has unknown kind %u", m->seq,
                               m->kind);
         if (m->nitems > 0 && m->items == NULL)
@@ -143,7 +143,7 @@ int rf_xfer_job_check(const rf_xfer_job *job, uint32_t npeers, rf_err *err)
         for (k = 0; k < m->nitems; k++)
             if ((rc = check_item(m, k, err)) < 0)
                 return rc;
-        if (m->kind == RF_XFER_DIRECT) {
+        if (m->kind == RF_PLAN_DIRECT) {
             const rf_xfer_item *it = &m->items[0];
 
             if (m->nitems != 1 || it->msg_off != 0 || it->bytes != m->bytes)

@@ -30,7 +30,7 @@ typedef struct rf_xfer_item {
  * same on both ends, and names the message on the wire. */
 typedef struct rf_xfer_msg {
     uint32_t seq;
-    uint32_t round, kind; /* kind: rf_xfer_kind */
+    uint32_t round, kind; /* kind: rf_plan_kind */
     bool send;            /* this daemon sends it, else receives it */
     uint32_t peer;        /* index into the transport's peer table */
     uint32_t ep, peer_ep; /* global endpoint ids (GPUs) of this side and of the other side:
@@ -43,7 +43,9 @@ typedef struct rf_xfer_msg {
 /* Everything one daemon sends and receives in one refit. Messages are sorted by round; a
  * daemon sends its messages to one peer in the order they appear here, and its peers'
  * jobs list them in the same order (both come from the one plan). */
-enum { RF_XFER_VERIFY_OFF = 0, RF_XFER_VERIFY_FULL = 1, RF_XFER_VERIFY_SAMPLE = 2 };
+/* How much of the moved bytes is digested (the config's `verify`, the job's verify): one enum
+ * from the config file to the transports. */
+typedef enum rf_verify { RF_VERIFY_OFF = 0, RF_VERIFY_SAMPLE = 1, RF_VERIFY_FULL = 2 } rf_verify;
 /* verify = sample digests the first RF_XFER_SAMPLE_BYTES of one message in
  * RF_XFER_SAMPLE_EVERY (by seq, so both ends agree): cheap enough to leave on, and it still
  * catches a peer that installs another version or a misrouted message. */
@@ -63,14 +65,14 @@ typedef struct rf_xfer_job {
     bool checked;           /* rf_xfer_job_check passed on these messages already (a daemon
                                checks its cached slice once, not at every refit: 100k-tensor
                                jobs take ~0.1 s to check) */
-    int verify;             /* RF_XFER_VERIFY_OFF, _FULL (every message) or _SAMPLE (the
+    int verify;             /* RF_VERIFY_OFF, _FULL (every message) or _SAMPLE (the
                                messages rf_xfer_msg_verified picks) */
     uint64_t plan_key;      /* 0, or a key the caller gives only to jobs with identical
                                messages (items, bases, rounds): a transport may then keep what
                                it derived from them for the next job with that key */
 } rf_xfer_job;
 
-/* What a job did. With verify = 1, digest_sent is the XOR over the messages this daemon sent
+/* What a job did. With verify on, digest_sent is the XOR over the messages this daemon sent
  * of BLAKE2b-256(seq as 4 bytes little-endian || payload), digest_recv the same over the
  * messages it received: the XOR of every daemon's digest_sent equals the XOR of every
  * daemon's digest_recv when every byte arrived as sent. */
@@ -206,14 +208,14 @@ int rf_xfer_job_check(const rf_xfer_job *job, uint32_t npeers, rf_err *err);
 /* Whether the payload of m is digested under the job's verify setting. */
 static inline bool rf_xfer_msg_verified(const rf_xfer_job *job, const rf_xfer_msg *m)
 {
-    return job->verify == RF_XFER_VERIFY_FULL ||
-           (job->verify == RF_XFER_VERIFY_SAMPLE && m->seq % RF_XFER_SAMPLE_EVERY == 0);
+    return job->verify == RF_VERIFY_FULL ||
+           (job->verify == RF_VERIFY_SAMPLE && m->seq % RF_XFER_SAMPLE_EVERY == 0);
 }
 
 /* How many leading payload bytes of a verified message the digest covers. */
 static inline uint64_t rf_xfer_msg_digest_bytes(const rf_xfer_job *job, const rf_xfer_msg *m)
 {
-    if (job->verify == RF_XFER_VERIFY_SAMPLE && m->bytes > RF_XFER_SAMPLE_BYTES)
+    if (job->verify == RF_VERIFY_SAMPLE && m->bytes > RF_XFER_SAMPLE_BYTES)
         return RF_XFER_SAMPLE_BYTES;
     return m->bytes;
 }

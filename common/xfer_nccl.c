@@ -422,7 +422,7 @@ static int js_init(nccl *t, const rf_xfer_job *job)
         }
         s->mgpu[i] = (uint32_t)li;
         s->round_first[m->round + 1] = i + 1;
-        if (m->kind == RF_XFER_PACKED) {
+        if (m->kind == RF_PLAN_PACKED) {
             s->rbytes[(size_t)m->round * nl + (uint32_t)li] += align_up(m->bytes);
             nitems += m->nitems;
         }
@@ -457,7 +457,7 @@ static int js_init(nccl *t, const rf_xfer_job *job)
         for (i = s->round_first[r]; i < s->round_first[r + 1]; i++) {
             const rf_xfer_msg *m = &job->msgs[i];
 
-            if (m->kind != RF_XFER_PACKED)
+            if (m->kind != RF_PLAN_PACKED)
                 continue;
             s->moff[i] = cur[s->mgpu[i]];
             cur[s->mgpu[i]] += align_up(m->bytes);
@@ -479,7 +479,7 @@ static int js_init(nccl *t, const rf_xfer_job *job)
                 for (i = s->round_first[r]; i < s->round_first[r + 1]; i++) {
                     const rf_xfer_msg *m = &job->msgs[i];
 
-                    if (m->kind != RF_XFER_PACKED || s->mgpu[i] != g || m->send != (dir == 1))
+                    if (m->kind != RF_PLAN_PACKED || s->mgpu[i] != g || m->send != (dir == 1))
                         continue;
                     for (uint32_t k = 0; k < m->nitems; k++)
                         desc_of(&s->desc[nitems++], &m->items[k], s->moff[i]);
@@ -524,7 +524,7 @@ static void range_of(const jstate *s, bool gather, uint32_t r, uint32_t g, uint6
     for (uint32_t i = s->round_first[r]; i < s->round_first[r + 1]; i++) {
         const rf_xfer_msg *m = &job->msgs[i];
 
-        if (m->kind == RF_XFER_PACKED && s->mgpu[i] == g && m->send == gather)
+        if (m->kind == RF_PLAN_PACKED && s->mgpu[i] == g && m->send == gather)
             cnt += m->nitems;
     }
     *n = cnt;
@@ -653,7 +653,7 @@ static int enqueue_round(nccl *t, uint32_t r, double deadline)
     for (i = s->round_first[r]; i < s->round_first[r + 1]; i++) {
         const rf_xfer_msg *m = &job->msgs[i];
         gpu *G = &t->g[s->mgpu[i]];
-        uint8_t *p = m->kind == RF_XFER_PACKED ? G->arena + s->moff[i] : rf_xfer_direct_ptr(m);
+        uint8_t *p = m->kind == RF_PLAN_PACKED ? G->arena + s->moff[i] : rf_xfer_direct_ptr(m);
 
         if (m->bytes == 0)
             continue;
@@ -771,7 +771,7 @@ static int retire_round(nccl *t, uint32_t r)
         const rf_xfer_msg *m = &job->msgs[i];
 
         if (rf_xfer_msg_verified(job, m)) {
-            const uint8_t *p = m->kind == RF_XFER_PACKED ? t->g[s->mgpu[i]].arena + s->moff[i]
+            const uint8_t *p = m->kind == RF_PLAN_PACKED ? t->g[s->mgpu[i]].arena + s->moff[i]
                                                          : rf_xfer_direct_ptr(m);
 
             if ((rc = digest_dev(t, m, p, rf_xfer_msg_digest_bytes(job, m),
@@ -803,10 +803,10 @@ static int run_job(nccl *t)
         goto out;
     /* Verification reads a retired round's staging on the host, so nothing may be enqueued
      * over it before then: two rounds at most, and only neighbours that fit side by side. */
-    window = job->verify != RF_XFER_VERIFY_OFF ? 2 : t->tune.window ? t->tune.window : SLOTS;
+    window = job->verify != RF_VERIFY_OFF ? 2 : t->tune.window ? t->tune.window : SLOTS;
     while (lo < nr) {
         while (hi < nr && hi < lo + window &&
-               (hi == lo || job->verify == RF_XFER_VERIFY_OFF || s->pair_ok[lo])) {
+               (hi == lo || job->verify == RF_VERIFY_OFF || s->pair_ok[lo])) {
             if ((rc = enqueue_round(t, hi, deadline)) < 0)
                 goto out;
             hi++;

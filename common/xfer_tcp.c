@@ -325,7 +325,7 @@ static int js_init(jstate *s, const rf_xfer_job *job, uint32_t npeers)
         else
             s->recv_seq[s->nrecv++] = (seq_ent){m->seq, i};
         s->round_left[m->round]++;
-        if (m->kind == RF_XFER_PACKED)
+        if (m->kind == RF_PLAN_PACKED)
             s->round_bytes[m->round] += m->bytes;
     }
     for (uint32_t p = 0; p < npeers; p++)
@@ -443,7 +443,7 @@ static int runs_build(tcp *t)
     free(t->msg_first);
     t->runs_key = 0;
     for (i = 0; i < job->nmsgs; i++)
-        if (job->msgs[i].kind == RF_XFER_PACKED)
+        if (job->msgs[i].kind == RF_PLAN_PACKED)
             total += job->msgs[i].nitems;
     t->runs = malloc((total ? total : 1) * sizeof(run_item));
     t->msg_first = malloc(((size_t)job->nmsgs + 1) * sizeof(uint32_t));
@@ -454,7 +454,7 @@ static int runs_build(tcp *t)
         const rf_xfer_msg *m = &job->msgs[i];
 
         t->msg_first[i] = n;
-        if (m->kind != RF_XFER_PACKED)
+        if (m->kind != RF_PLAN_PACKED)
             continue;
         for (k = 0; k < m->nitems; k++) {
             const rf_xfer_item *it = &m->items[k];
@@ -569,7 +569,7 @@ static int window_update(tcp *t)
             for (uint32_t i = s->round_first[r]; i < s->round_first[r + 1]; i++) {
                 const rf_xfer_msg *m = &job->msgs[i];
 
-                if (m->kind == RF_XFER_PACKED) {
+                if (m->kind == RF_PLAN_PACKED) {
                     s->staging[i] = t->arena + off;
                     off += m->bytes;
                 }
@@ -704,7 +704,7 @@ static int prepare_send(tcp *t, conn *c, uint32_t i)
     const rf_xfer_msg *m = &s->job->msgs[i];
     uint8_t *h;
 
-    if (m->kind == RF_XFER_PACKED) {
+    if (m->kind == RF_PLAN_PACKED) {
         copy_items(t, i, s->staging[i], true);
         c->payload = s->staging[i];
     } else {
@@ -977,13 +977,13 @@ static int parse_header(tcp *t, conn *c)
         return fail(t, -EPROTO, "peer %u (%s) sent message seq %u with %llu bytes, the plan "
                     "says %llu; the plans differ", p, t->addrs[p], seq,
                     (unsigned long long)bytes, (unsigned long long)m->bytes);
-    if (m->kind != RF_XFER_PACKED && bytes > 0 && !c->bounce && !(c->bounce = malloc(SEG_LEN)))
+    if (m->kind != RF_PLAN_PACKED && bytes > 0 && !c->bounce && !(c->bounce = malloc(SEG_LEN)))
         return fail(t, -ENOMEM, "out of memory for the %u-byte receive buffer of peer %u (%s)",
                     SEG_LEN, p, t->addrs[p]);
     c->cur = i;
     c->done = c->seg_start = c->seg_end = 0;
     c->tag_done = 0;
-    c->payload = m->kind == RF_XFER_PACKED ? s->staging[i] : rf_xfer_direct_ptr(m);
+    c->payload = m->kind == RF_PLAN_PACKED ? s->staging[i] : rf_xfer_direct_ptr(m);
     s->state[i] = MSG_BUSY;
     return 0;
 }
@@ -995,7 +995,7 @@ static int segment_done(tcp *t, conn *c)
 {
     const rf_xfer_msg *m = &t->js.job->msgs[c->cur];
     uint32_t p = c->peer;
-    bool direct = m->kind != RF_XFER_PACKED;
+    bool direct = m->kind != RF_PLAN_PACKED;
     const uint8_t *src = direct ? c->bounce : c->payload + c->seg_start;
     size_t len = c->seg_end - c->seg_start;
 
@@ -1021,7 +1021,7 @@ static int finish_recv(tcp *t, conn *c)
 
     if (rf_xfer_msg_verified(s->job, m))
         digest_msg(m, c->payload, rf_xfer_msg_digest_bytes(s->job, m), t->result.digest_recv);
-    if (m->kind == RF_XFER_PACKED)
+    if (m->kind == RF_PLAN_PACKED)
         copy_items(t, i, s->staging[i], false);
     t->result.bytes_recv += m->bytes;
     rf_xfer__progress(&t->base, m->bytes);
@@ -1084,7 +1084,7 @@ static int recv_progress(tcp *t, conn *c)
                 if (c->done == c->seg_end)
                     c->seg_end = c->done + (m->bytes - c->done < SEG_LEN ? m->bytes - c->done
                                                                           : SEG_LEN);
-                dst = m->kind == RF_XFER_PACKED ? c->payload + c->done
+                dst = m->kind == RF_PLAN_PACKED ? c->payload + c->done
                                                 : c->bounce + (c->done - c->seg_start);
                 want = c->seg_end - c->done;
             }

@@ -241,13 +241,13 @@ static int explain(const rf_plan *pl, double bps, json_t *jo)
         cl[k].tensors++;
     }
     for (uint32_t mi = 0; mi < nm; mi++) {
-        const rf_msg *m = rf_plan_msg(pl, mi);
+        const rf_plan_msg *m = rf_plan_msg_at(pl, mi);
         for (uint32_t k = 0; k < m->count; k++) {
-            const rf_xfer *x = rf_plan_xfer(pl, (uint64_t)m->first + k);
+            const rf_plan_xfer *x = rf_plan_xfer_at(pl, (uint64_t)m->first + k);
             tclass *q = &cl[cls[rf_inv_piece_tensor(inv, RF_DST, x->dst)]];
             q->transfers++;
             q->bytes += x->bytes;
-            if (m->kind == RF_XFER_DIRECT)
+            if (m->kind == RF_PLAN_DIRECT)
                 q->direct_bytes += x->bytes;
         }
         links[nlinks].key = ((uint64_t)rf_inv_endpoint(inv, m->src_ep)->node << 32) |

@@ -21,11 +21,11 @@ static int base_of(const rf_inv *inv, void *const *bases, rf_side side, uint32_t
 }
 
 /* A direct message: one transfer, one byte range on each side. */
-static int exec_direct(const rf_plan *plan, const rf_msg *m, void *const *src_bases,
+static int exec_direct(const rf_plan *plan, const rf_plan_msg *m, void *const *src_bases,
                        void *const *dst_bases, rf_err *err)
 {
     const rf_inv *inv = rf_plan_inv(plan);
-    const rf_xfer *x = rf_plan_xfer(plan, m->first);
+    const rf_plan_xfer *x = rf_plan_xfer_at(plan, m->first);
     const rf_box *box = rf_plan_box(plan, x->box);
     rf_piece sp, dp;
     const rf_tensor *t;
@@ -64,7 +64,7 @@ int rf_copy_exec_plan_host(const rf_plan *plan, void *const *src_bases, void *co
     int rc = 0;
 
     for (uint32_t mi = 0; mi < rf_plan_nmsgs(plan); mi++) {
-        const rf_msg *m = rf_plan_msg(plan, mi);
+        const rf_plan_msg *m = rf_plan_msg_at(plan, mi);
         if (m->count > capd) {
             free(gd);
             free(sd);
@@ -76,7 +76,7 @@ int rf_copy_exec_plan_host(const rf_plan *plan, void *const *src_bases, void *co
                 goto out;
             }
         }
-        if (m->kind == RF_XFER_DIRECT) {
+        if (m->kind == RF_PLAN_DIRECT) {
             rc = exec_direct(plan, m, src_bases, dst_bases, err);
             if (rc)
                 goto out;
@@ -93,7 +93,7 @@ int rf_copy_exec_plan_host(const rf_plan *plan, void *const *src_bases, void *co
             }
         }
         for (uint32_t k = 0; k < m->count; k++) {
-            const rf_xfer *x = rf_plan_xfer(plan, (uint64_t)m->first + k);
+            const rf_plan_xfer *x = rf_plan_xfer_at(plan, (uint64_t)m->first + k);
             rf_piece sp, dp;
             const rf_tensor *t;
             uint8_t *sb = NULL, *db = NULL;

@@ -254,7 +254,7 @@ Test(copy, exec_plan_direct)
     cr_assert_eq(rf_inv_add_piece(inv, &p, NULL, &err), 0, "%s", err.msg);
     cr_assert_eq(rf_plan_build(inv, &o, &pl, &err), 0, "%s", err.msg);
     cr_assert_eq(rf_plan_nmsgs(pl), 1);
-    cr_assert_eq(rf_plan_msg(pl, 0)->kind, RF_XFER_DIRECT);
+    cr_assert_eq(rf_plan_msg_at(pl, 0)->kind, RF_PLAN_DIRECT);
     for (size_t i = 0; i < sizeof(src); i++)
         src[i] = (uint8_t)(i * 13 + 5);
     bases[rsrc] = src;

@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include "copy.h"
+#include "copy_ref.h"
 #include "layout.h"
 #include "model.h"
 #include "plan.h"
@@ -215,10 +216,10 @@ static void check_plan(const rf_plan *pl, const rf_plan_opts *o)
         cnt[i] = calloc((size_t)rf_box_numel(&dp.box, rf_inv_tensor(inv, dp.tensor)->ndim), 1);
     }
     for (uint32_t mi = 0; mi < rf_plan_nmsgs(pl); mi++) {
-        const rf_msg *m = rf_plan_msg(pl, mi);
+        const rf_plan_msg *m = rf_plan_msg_at(pl, mi);
         uint64_t off = 0;
         if (mi > 0) {
-            const rf_msg *q = rf_plan_msg(pl, mi - 1);
+            const rf_plan_msg *q = rf_plan_msg_at(pl, mi - 1);
             cr_assert(q->round < m->round || (q->round == m->round &&
                       (q->src_ep < m->src_ep || (q->src_ep == m->src_ep && q->dst_ep <= m->dst_ep))),
                       "messages out of order at %u", mi);
@@ -227,13 +228,13 @@ static void check_plan(const rf_plan *pl, const rf_plan_opts *o)
         cr_assert(m->count >= 1);
         cr_assert(m->round < rf_plan_nrounds(pl));
         next += m->count;
-        if (m->kind == RF_XFER_DIRECT)
+        if (m->kind == RF_PLAN_DIRECT)
             cr_assert_eq(m->count, 1);
         else
             cr_assert(m->bytes <= o->staging_bytes / 2, "packed message of %llu bytes",
                       (unsigned long long)m->bytes);
         for (uint32_t k = 0; k < m->count; k++) {
-            const rf_xfer *x = rf_plan_xfer(pl, m->first + k);
+            const rf_plan_xfer *x = rf_plan_xfer_at(pl, m->first + k);
             const rf_box *b = rf_plan_box(pl, x->box);
             rf_inv_piece(inv, RF_SRC, x->src, &sp);
             rf_inv_piece(inv, RF_DST, x->dst, &dp);
@@ -245,7 +246,7 @@ static void check_plan(const rf_plan *pl, const rf_plan_opts *o)
             cr_assert(rf_box_contains(&sp.box, b, t->ndim), "source read outside its piece");
             cr_assert(rf_box_contains(&dp.box, b, t->ndim), "write outside its piece");
             cr_assert_eq(x->bytes, (uint64_t)rf_box_numel(b, t->ndim) * rf_dtype_size(t->dtype));
-            if (m->kind == RF_XFER_PACKED)
+            if (m->kind == RF_PLAN_PACKED)
                 cr_assert_eq(x->msg_off, off);
             off += x->bytes;
             sent[m->src_ep] += x->bytes;
@@ -277,8 +278,8 @@ static void check_plan(const rf_plan *pl, const rf_plan_opts *o)
         uint32_t R = rf_plan_nrounds(pl);
         uint64_t *use = calloc((size_t)R * ne + 1, sizeof(uint64_t));
         for (uint32_t mi = 0; mi < rf_plan_nmsgs(pl); mi++) {
-            const rf_msg *m = rf_plan_msg(pl, mi);
-            if (m->kind != RF_XFER_PACKED)
+            const rf_plan_msg *m = rf_plan_msg_at(pl, mi);
+            if (m->kind != RF_PLAN_PACKED)
                 continue;
             use[(size_t)m->round * ne + m->src_ep] += m->bytes;
             use[(size_t)m->round * ne + m->dst_ep] += m->bytes;
@@ -299,12 +300,12 @@ static void check_same(const rf_plan *a, const rf_plan *b)
     cr_assert_eq(rf_plan_nmsgs(a), rf_plan_nmsgs(b));
     cr_assert_eq(rf_plan_nrounds(a), rf_plan_nrounds(b));
     for (uint64_t i = 0; i < rf_plan_nxfers(a); i++) {
-        const rf_xfer *x = rf_plan_xfer(a, i), *y = rf_plan_xfer(b, i);
+        const rf_plan_xfer *x = rf_plan_xfer_at(a, i), *y = rf_plan_xfer_at(b, i);
         cr_assert_eq(memcmp(x, y, sizeof(*x)), 0, "transfer %llu differs", (unsigned long long)i);
         cr_assert(rf_box_equal(rf_plan_box(a, x->box), rf_plan_box(b, y->box), RF_MAX_DIMS));
     }
     for (uint32_t i = 0; i < rf_plan_nmsgs(a); i++)
-        cr_assert_eq(memcmp(rf_plan_msg(a, i), rf_plan_msg(b, i), sizeof(rf_msg)), 0);
+        cr_assert_eq(memcmp(rf_plan_msg_at(a, i), rf_plan_msg_at(b, i), sizeof(rf_plan_msg)), 0);
 }
 
 static void cluster_free(cluster *c)
@@ -563,8 +564,8 @@ Test(plan, staging_below_minimum_is_refused)
     cr_assert_eq(rf_plan_build(inv, &o, &pl, &err), 0, "%s", err.msg);
     cr_assert_eq(rf_plan_nxfers(pl), 0);
     cr_assert_eq(rf_plan_nrounds(pl), 0);
-    cr_assert_eq(rf_plan_xfer(pl, 0), NULL);
-    cr_assert_eq(rf_plan_msg(pl, 0), NULL);
+    cr_assert_eq(rf_plan_xfer_at(pl, 0), NULL);
+    cr_assert_eq(rf_plan_msg_at(pl, 0), NULL);
     cr_assert_eq(rf_plan_sent_bytes(pl, 7), 0);
     rf_plan_free(pl);
     rf_inv_free(inv);
@@ -705,8 +706,8 @@ Test(plan, replica_dedup_random)
     }
     cr_assert_eq(rf_plan_build(inv, NULL, &pl, &err), 0, "%s", err.msg);
     for (uint64_t i = 0; i < rf_plan_nxfers(pl); i++)
-        if (rf_plan_xfer(pl, i)->bytes > maxx)
-            maxx = rf_plan_xfer(pl, i)->bytes;
+        if (rf_plan_xfer_at(pl, i)->bytes > maxx)
+            maxx = rf_plan_xfer_at(pl, i)->bytes;
     for (int i = 0; i < 8; i++) {
         uint64_t s = rf_plan_sent_bytes(pl, seps[i]);
         sum += s;
@@ -844,8 +845,8 @@ Test(plan_model, trainer_dp8_engine_dp1_reads_each_byte_once)
         hi = s > hi ? s : hi;
     }
     for (uint64_t i = 0; i < rf_plan_nxfers(pl); i++)
-        if (rf_plan_xfer(pl, i)->bytes > maxx)
-            maxx = rf_plan_xfer(pl, i)->bytes;
+        if (rf_plan_xfer_at(pl, i)->bytes > maxx)
+            maxx = rf_plan_xfer_at(pl, i)->bytes;
     cr_assert_eq(sum, rf_model_bytes(m));
     cr_assert(hi - lo <= maxx, "sender loads %llu..%llu, largest transfer %llu",
               (unsigned long long)lo, (unsigned long long)hi, (unsigned long long)maxx);

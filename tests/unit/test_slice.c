@@ -334,7 +334,7 @@ Test(slice, every_members_slice_becomes_the_plans_messages_on_its_side)
         /* Each message is the plan's message of that seq, seen from this side. */
         for (uint32_t i = 0; i < job.job.nmsgs; i++) {
             const rf_xfer_msg *xm = &job.job.msgs[i];
-            const rf_msg *pm = rf_plan_msg(plan, xm->seq);
+            const rf_plan_msg *pm = rf_plan_msg_at(plan, xm->seq);
             rf_xfer_msg want;
 
             cr_assert_eq(xm->send, sides[m] == RF_SRC);

@@ -282,7 +282,7 @@ static void jobs_from_plan(const rf_plan *pl, const rf_plan_opts *o, const uint3
     for (uint32_t e = 0; e < rf_inv_nendpoints(inv); e++)
         jobs[ep_daemon[e]].staging_bytes += o->staging_bytes;
     for (uint32_t mi = 0; mi < rf_plan_nmsgs(pl); mi++) {
-        const rf_msg *pm = rf_plan_msg(pl, mi);
+        const rf_plan_msg *pm = rf_plan_msg_at(pl, mi);
         uint32_t ds = ep_daemon[pm->src_ep], dd = ep_daemon[pm->dst_ep];
         rf_xfer_msg s = plan_side(pl, mi, RF_SRC, bases, dd);
         rf_xfer_msg r = plan_side(pl, mi, RF_DST, bases, ds);
@@ -514,7 +514,7 @@ Test(xfer_plan, folded_sides_and_messages_from_plan)
     for (uint32_t r = 0; r < rf_inv_nregions(fold); r++)
         bases[r] = (uint8_t *)(uintptr_t)(0x100000u * (r + 1));
     for (uint32_t mi = 0; mi < rf_plan_nmsgs(pl); mi++) {
-        const rf_msg *pm = rf_plan_msg(pl, mi);
+        const rf_plan_msg *pm = rf_plan_msg_at(pl, mi);
 
         for (int side = 0; side < 2; side++) {
             rf_xfer_msg x;
@@ -746,9 +746,9 @@ static void pair_init(pair *p, uint64_t version)
                            ROWS / 2, (uint64_t)n * 2);
     p->r_items[2] = item2d((uint8_t *)p->dst_t, ROWS, COLS, (int64_t[]){1, ROWS}, 0, ROWS / 2,
                            0);
-    p->smsgs[0] = (rf_xfer_msg){.seq = 10, .round = 0, .kind = RF_XFER_DIRECT, .send = true,
+    p->smsgs[0] = (rf_xfer_msg){.seq = 10, .round = 0, .kind = RF_PLAN_DIRECT, .send = true,
                                 .peer = 1, .bytes = n * 4, .nitems = 1, .items = &p->s_items[0]};
-    p->smsgs[1] = (rf_xfer_msg){.seq = 11, .round = 1, .kind = RF_XFER_PACKED, .send = true,
+    p->smsgs[1] = (rf_xfer_msg){.seq = 11, .round = 1, .kind = RF_PLAN_PACKED, .send = true,
                                 .peer = 1, .bytes = n * 4, .nitems = 2, .items = &p->s_items[1]};
     p->rmsgs[0] = p->smsgs[0];
     p->rmsgs[0].send = false;
@@ -759,7 +759,7 @@ static void pair_init(pair *p, uint64_t version)
     p->rmsgs[1].peer = 0;
     p->rmsgs[1].items = &p->r_items[1];
     p->sjob = (rf_xfer_job){.version = version, .nrounds = 2, .nmsgs = 2, .msgs = p->smsgs,
-                            .staging_bytes = 2 * n * 4, .timeout_s = 10, .verify = 1};
+                            .staging_bytes = 2 * n * 4, .timeout_s = 10, .verify = RF_VERIFY_FULL};
     p->rjob = p->sjob;
     p->rjob.msgs = p->rmsgs;
 }
@@ -884,9 +884,9 @@ Test(xfer_hand, two_rounds_in_flight_do_not_share_staging)
     si[1] = item1d(src, 2 * n, n, n, 0);
     r1 = item1d(d1, n, 0, n, 0);
     r2 = item1d(d2, n, 0, n, 0);
-    sm[0] = (rf_xfer_msg){.seq = 0, .round = 0, .kind = RF_XFER_PACKED, .send = true,
+    sm[0] = (rf_xfer_msg){.seq = 0, .round = 0, .kind = RF_PLAN_PACKED, .send = true,
                           .peer = 1, .bytes = n, .nitems = 1, .items = &si[0]};
-    sm[1] = (rf_xfer_msg){.seq = 1, .round = 1, .kind = RF_XFER_PACKED, .send = true,
+    sm[1] = (rf_xfer_msg){.seq = 1, .round = 1, .kind = RF_PLAN_PACKED, .send = true,
                           .peer = 2, .bytes = n, .nitems = 1, .items = &si[1]};
     m1 = sm[0];
     m1.send = false;
@@ -897,7 +897,7 @@ Test(xfer_hand, two_rounds_in_flight_do_not_share_staging)
     m2.peer = 0;
     m2.items = &r2;
     j0 = (rf_xfer_job){.version = 1, .nrounds = 2, .nmsgs = 2, .msgs = sm,
-                       .staging_bytes = 2 * n, .timeout_s = 20, .verify = 1};
+                       .staging_bytes = 2 * n, .timeout_s = 20, .verify = RF_VERIFY_FULL};
     j1 = j0;
     j1.nmsgs = 1;
     j1.msgs = &m1;
@@ -1415,11 +1415,11 @@ Test(xfer_fail, receiver_dies_while_sender_blocked)
     ri = si;
     ri.base = sink;
     gi = ri;
-    sm = (rf_xfer_msg){.seq = 1, .round = 2, .kind = RF_XFER_DIRECT, .send = true, .peer = 1,
+    sm = (rf_xfer_msg){.seq = 1, .round = 2, .kind = RF_PLAN_DIRECT, .send = true, .peer = 1,
                        .bytes = n, .nitems = 1, .items = &si};
     /* The receiver first waits, in round 0, for a message daemon 2 never sends, so it does
      * not read daemon 0's round-2 message and daemon 0 blocks on a full socket. */
-    rm[0] = (rf_xfer_msg){.seq = 0, .round = 0, .kind = RF_XFER_DIRECT, .send = false,
+    rm[0] = (rf_xfer_msg){.seq = 0, .round = 0, .kind = RF_PLAN_DIRECT, .send = false,
                           .peer = 2, .bytes = n, .nitems = 1, .items = &gi};
     rm[1] = sm;
     rm[1].send = false;
@@ -1750,7 +1750,7 @@ Test(xfer_auth, forged_replayed_and_old_hellos_leave_the_job_alone)
         /* seq q: bytes [q * ATK_N, (q + 1) * ATK_N) */
         si[q] = item1d(src, 4 * ATK_N, q * ATK_N, ATK_N, 0);
         ri[q] = item1d(dst, 4 * ATK_N, q * ATK_N, ATK_N, 0);
-        r1[q] = (rf_xfer_msg){.seq = q, .round = q == 0 ? 0 : q - 1, .kind = RF_XFER_DIRECT,
+        r1[q] = (rf_xfer_msg){.seq = q, .round = q == 0 ? 0 : q - 1, .kind = RF_PLAN_DIRECT,
                               .peer = q == 1 ? 2 : 0, .bytes = ATK_N, .nitems = 1,
                               .items = &ri[q]};
     }
@@ -1767,7 +1767,7 @@ Test(xfer_auth, forged_replayed_and_old_hellos_leave_the_job_alone)
     s2.peer = 1;
     s2.items = &si[1];
     j0 = (rf_xfer_job){.version = 9, .nrounds = 3, .nmsgs = 3, .msgs = s0, .timeout_s = 20,
-                       .verify = 1};
+                       .verify = RF_VERIFY_FULL};
     j1 = j0;
     j1.nmsgs = 4;
     j1.msgs = r1;

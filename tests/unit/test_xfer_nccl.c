@@ -258,7 +258,7 @@ static void jobs_from_plan(const rf_plan *pl, const rf_plan_opts *o, uint8_t **b
         jobs[d].version = version;
         jobs[d].nrounds = rf_plan_nrounds(pl);
         jobs[d].timeout_s = timeout_s;
-        jobs[d].verify = 1;
+        jobs[d].verify = RF_VERIFY_FULL;
         jobs[d].staging_bytes = o->staging_bytes;
         jobs[d].nmsgs = n;
         jobs[d].msgs = calloc(n ? n : 1, sizeof(rf_xfer_msg));
@@ -408,7 +408,7 @@ Test(xfer_nccl, kept_plan_only_for_its_key)
     fixture_open(&f);
     jobs_from_plan(f.pl, &f.o, f.c.dev, 1, 30, jobs);
     for (int d = 0; d < 2; d++) {
-        jobs[d].verify = RF_XFER_VERIFY_OFF;
+        jobs[d].verify = RF_VERIFY_OFF;
         jobs[d].plan_key = 7;
     }
     for (size_t k = 0; k < sizeof(tunes) / sizeof(tunes[0]); k++) {
@@ -427,7 +427,7 @@ Test(xfer_nccl, kept_plan_only_for_its_key)
     cluster_alloc(&c2, f.inv);
     jobs_from_plan(other, &o2, c2.dev, 10, 30, jobs);
     for (int d = 0; d < 2; d++) {
-        jobs[d].verify = RF_XFER_VERIFY_OFF;
+        jobs[d].verify = RF_VERIFY_OFF;
         jobs[d].plan_key = 8;
     }
     run_checked(&f, &c2, jobs, 10);
@@ -487,7 +487,7 @@ Test(xfer_nccl, abort_mid_job_then_good_job)
 
     NEED_GPUS();
     fixture_open(&f);
-    fail_then_good(&f, 300, 30, RF_XFER_VERIFY_FULL, -ECANCELED, "aborted");
+    fail_then_good(&f, 300, 30, RF_VERIFY_FULL, -ECANCELED, "aborted");
     fixture_close(&f);
 }
 
@@ -498,7 +498,7 @@ Test(xfer_nccl, abort_with_rounds_enqueued_ahead_then_good_job)
 
     NEED_GPUS();
     fixture_open(&f);
-    fail_then_good(&f, 300, 30, RF_XFER_VERIFY_OFF, -ECANCELED, "aborted");
+    fail_then_good(&f, 300, 30, RF_VERIFY_OFF, -ECANCELED, "aborted");
     fixture_close(&f);
 }
 
@@ -508,7 +508,7 @@ Test(xfer_nccl, deadline_then_good_job)
 
     NEED_GPUS();
     fixture_open(&f);
-    fail_then_good(&f, 0, 0.5, RF_XFER_VERIFY_FULL, -ETIMEDOUT, "deadline of 0.5 s passed");
+    fail_then_good(&f, 0, 0.5, RF_VERIFY_FULL, -ETIMEDOUT, "deadline of 0.5 s passed");
     fixture_close(&f);
 }
 
