@@ -14,6 +14,8 @@
 #include <string.h>
 #include <strings.h>
 
+#include "addr.h"
+
 /* inih's line buffer (INI_MAX_LINE in the distribution build). */
 #define LINE_MAX_LEN 200
 
@@ -116,39 +118,15 @@ static int parse_bool(const char *v, bool *out)
     return -EINVAL;
 }
 
+/* Kept until common/daemon.c calls rf_addr_parse itself; the grammar is rf_addr's. */
 int rf_cfg_hostport_split(const char *s, char *host, size_t hostlen, int *port)
 {
-    const char *colon, *h = s, *p;
-    size_t hl;
-    char *end;
-    long v;
+    rf_addr a;
 
-    if (s == NULL)
+    if (rf_addr_parse(s, RF_ADDR_LISTEN, &a, NULL) < 0 || strlen(a.host) >= hostlen)
         return -EINVAL;
-    if (*s == '[') {
-        const char *close = strchr(s, ']');
-
-        if (close == NULL || close[1] != ':')
-            return -EINVAL;
-        h = s + 1;
-        hl = (size_t)(close - h);
-        p = close + 2;
-    } else {
-        colon = strrchr(s, ':');
-        if (colon == NULL || memchr(s, ':', (size_t)(colon - s)) != NULL)
-            return -EINVAL; /* no port, or a bare IPv6 address without brackets */
-        hl = (size_t)(colon - s);
-        p = colon + 1;
-    }
-    if (*p < '0' || *p > '9')
-        return -EINVAL;
-    errno = 0;
-    v = strtol(p, &end, 10);
-    if (errno != 0 || *end != '\0' || v < 0 || v > 65535 || hl >= hostlen)
-        return -EINVAL;
-    memcpy(host, h, hl);
-    host[hl] = '\0';
-    *port = (int)v;
+    strcpy(host, a.host);
+    *port = a.port_num;
     return 0;
 }
 
@@ -244,17 +222,17 @@ static int set_value(const rf_cfg_key *k, void *obj, const char *value, const ch
         if (*value == '\0' && !(k->flags & RF_CFG_EMPTY_OK))
             return rf_err_set(err, -EINVAL, "%s: '%s' must not be empty", where, k->name);
         if (k->type == RF_CFG_HOSTPORT && *value != '\0') {
-            char host[256];
-            int port;
+            rf_addr a;
 
-            if (rf_cfg_hostport_split(value, host, sizeof(host), &port) != 0)
+            /* Syntax only, in the listener's grammar (the widest): whether this key is
+             * listened on or connected to, and whether its host is this machine's, is the
+             * program's check (rf_cfg_table.check). */
+            if (rf_addr_parse(value, RF_ADDR_LISTEN, &a, err) < 0)
+                return rf_err_wrap(err, "%s: '%s': ", where, k->name);
+            if (a.port_num < k->min || a.port_num > k->max)
                 return rf_err_set(err, -EINVAL,
-                                  "%s: '%s' must be host:port (or [ipv6]:port), got '%s'",
-                                  where, k->name, value);
-            if (port < k->min || port > k->max)
-                return rf_err_set(err, -EINVAL,
-                                  "%s: '%s' port must be between %lld and %lld, got %d", where,
-                                  k->name, k->min, k->max, port);
+                                  "%s: '%s' port must be between %lld and %lld, got %u", where,
+                                  k->name, k->min, k->max, (unsigned)a.port_num);
         }
         copy = strdup(value);
         if (copy == NULL)

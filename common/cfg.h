@@ -20,8 +20,9 @@ typedef enum rf_cfg_type {
     RF_CFG_BOOL,     /* bool: true/false, yes/no, on/off, 1/0 */
     RF_CFG_DOUBLE,   /* double, between dmin and dmax */
     RF_CFG_ENUM,     /* int: index into names */
-    RF_CFG_HOSTPORT, /* char *: "host:port" or "[v6addr]:port", port between min and max;
-                        "" only with RF_CFG_EMPTY_OK */
+    RF_CFG_HOSTPORT, /* char *: an address as rf_addr_parse takes it to listen on ("host:port",
+                        "[v6addr]:port", ":port"), port between min and max; "" only with
+                        RF_CFG_EMPTY_OK */
     RF_CFG_UIDS,     /* rf_cfg_uids: comma/space separated uids or user names */
 } rf_cfg_type;
 
@@ -92,7 +93,8 @@ void rf_cfg_print_help(const rf_cfg_table *t, FILE *f);
 /* Frees the strings and lists the table's keys own inside obj. */
 void rf_cfg_free(const rf_cfg_table *t, void *obj);
 
-/* Splits "host:port" / "[v6]:port"; 0 or -EINVAL. host may be "" (any address). */
+/* Deprecated, for common/daemon.c until it calls rf_addr_parse (common/addr.h): splits a
+ * listen address in rf_addr's grammar; 0 or -EINVAL. host may be "" (all interfaces). */
 int rf_cfg_hostport_split(const char *s, char *host, size_t hostlen, int *port);
 
 #endif

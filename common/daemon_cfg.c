@@ -12,6 +12,7 @@
 
 #include <sodium.h>
 
+#include "addr.h"
 #include "rpc.h"
 
 static const char *const transport_names[] = { "tcp", "nccl", NULL };
@@ -130,13 +131,15 @@ static int finish(rf_daemon_cfg *c, rf_err *err)
                           "'peer_timeout_ms' (%d) must be larger than 'heartbeat_ms' (%d), or "
                           "every peer is declared dead between two heartbeats",
                           c->peer_timeout_ms, c->heartbeat_ms);
+    /* Every daemon but the coordinator connects to coordinator_addr: it needs a host and the
+     * coordinator's real port, not the listener's ":7470" or port 0. */
     if (!c->coordinator) {
-        const char *colon = strrchr(c->coordinator_addr, ':');
+        rf_addr a;
 
-        if (colon != NULL && strcmp(colon, ":0") == 0)
-            return rf_err_set(err, -EINVAL, "'coordinator_addr' %s has port 0, which only a "
-                              "coordinator may listen on; give the coordinator's real port",
-                              c->coordinator_addr);
+        if (rf_addr_parse(c->coordinator_addr, RF_ADDR_CONNECT, &a, err) < 0)
+            return rf_err_wrap(err, "'coordinator_addr'%s: ",
+                               c->role == RF_DAEMON_PUBLISHER
+                                   ? " (connected to, as coordinator = false)" : "");
     }
     return 0;
 }
@@ -146,20 +149,18 @@ static int finish(rf_daemon_cfg *c, rf_err *err)
  * is being checked) does not count against it. The port itself is taken only at start-up. */
 static int check_listen(const char *key, const char *addr, const char *advice, rf_err *err)
 {
-    struct addrinfo hints, *res = NULL, *ai;
-    char host[256];
-    int port, g, fd, rc = 0, e = 0;
+    struct addrinfo *res = NULL, *ai;
+    rf_addr a;
+    rf_err why;
+    int fd, rc = 0, e = 0;
 
-    if (rf_cfg_hostport_split(addr, host, sizeof(host), &port) != 0)
-        return rf_err_set(err, -EINVAL, "'%s' %s is not host:port", key, addr);
-    memset(&hints, 0, sizeof(hints));
-    hints.ai_family = AF_UNSPEC;
-    hints.ai_socktype = SOCK_STREAM;
-    hints.ai_flags = AI_PASSIVE | AI_NUMERICSERV;
-    g = getaddrinfo(host[0] ? host : NULL, "0", &hints, &res);
-    if (g != 0)
-        return rf_err_set(err, -EADDRNOTAVAIL, "'%s' %s: cannot resolve '%s': %s; %s", key, addr,
-                          host, gai_strerror(g), advice);
+    if (rf_addr_parse(addr, RF_ADDR_LISTEN, &a, err) < 0)
+        return rf_err_wrap(err, "'%s': ", key);
+    strcpy(a.port, "0");
+    a.port_num = 0;
+    rc = rf_addr_resolve(&a, RF_ADDR_LISTEN, &res, &why);
+    if (rc < 0)
+        return rf_err_set(err, rc, "'%s' %s: %s; %s", key, addr, why.msg, advice);
     for (ai = res; ai != NULL; ai = ai->ai_next) {
         fd = socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC, ai->ai_protocol);
         if (fd < 0) {
@@ -175,7 +176,7 @@ static int check_listen(const char *key, const char *addr, const char *advice, r
     }
     rc = rf_err_set(err, e == EADDRNOTAVAIL ? -EADDRNOTAVAIL : -e,
                     "'%s' %s: cannot listen on %s here: %s; %s", key, addr,
-                    host[0] ? host : "any address", strerror(e), advice);
+                    a.host[0] ? a.host : "any address", strerror(e), advice);
 out:
     freeaddrinfo(res);
     return rc;

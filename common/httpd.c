@@ -19,7 +19,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "cfg.h"
+#include "addr.h"
 #include "log.h"
 
 #define METRICS_TYPE "text/plain; version=0.0.4; charset=utf-8"
@@ -182,23 +182,17 @@ static unsigned conn_limit(void)
 /* Binds and listens on addr; 0 with the socket and its port, or a negative errno with err filled. */
 static int listen_on(const char *addr, int *fd_out, int *port_out, int *ipv6, rf_err *err)
 {
-    struct addrinfo hints, *res = NULL;
+    struct addrinfo *res = NULL;
     struct sockaddr_storage ss;
     socklen_t sslen = sizeof(ss);
-    char host[256], port_s[16];
-    int port, fd = -1, one = 1, rc = 0, g;
+    rf_addr a;
+    int fd = -1, one = 1, rc = 0;
 
-    if (rf_cfg_hostport_split(addr, host, sizeof(host), &port) != 0)
-        return rf_err_set(err, -EINVAL, "status listen address '%s' is not host:port", addr);
-    snprintf(port_s, sizeof(port_s), "%d", port);
-    memset(&hints, 0, sizeof(hints));
-    hints.ai_family = AF_UNSPEC;
-    hints.ai_socktype = SOCK_STREAM;
-    hints.ai_flags = AI_PASSIVE | AI_NUMERICSERV;
-    g = getaddrinfo(host[0] ? host : NULL, port_s, &hints, &res);
-    if (g != 0) {
-        rc = rf_err_set(err, g == EAI_SYSTEM ? -errno : -EINVAL,
-                        "cannot resolve status listen address '%s': %s", addr, gai_strerror(g));
+    if (rf_addr_parse(addr, RF_ADDR_LISTEN, &a, err) < 0)
+        return rf_err_wrap(err, "status_listen: ");
+    rc = rf_addr_resolve(&a, RF_ADDR_LISTEN, &res, err);
+    if (rc < 0) {
+        rf_err_wrap(err, "status listen address '%s': ", addr);
         goto out;
     }
     fd = socket(res->ai_family, res->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK,

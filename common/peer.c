@@ -16,6 +16,7 @@
 
 #include <sodium.h>
 
+#include "addr.h"
 #include "macros.h"
 #include "wire.h"
 
@@ -89,8 +90,7 @@ struct rf_peer_connector {
     uv_getaddrinfo_t gai;
     struct peer_settings set;
     char addr[300];
-    char host[256];
-    char port[8];
+    rf_addr to;
     rf_peer *cur;
     uint64_t backoff;
     int gai_pending;
@@ -146,50 +146,6 @@ static void settings_free(struct peer_settings *s)
     free(s->node);
     free(s->data_addr);
     sodium_memzero(&s->key, sizeof(s->key));
-}
-
-/* Splits "host:port" or "[v6]:port"; an empty host or "*" gives host "". */
-static int split_addr(const char *addr, char *host, size_t hostsz, char *port, size_t portsz,
-                      rf_err *err)
-{
-    const char *colon, *h = addr;
-    size_t hlen;
-    char *end;
-    unsigned long pn;
-
-    if (addr == NULL)
-        return rf_err_set(err, -EINVAL, "address missing; give it as host:port");
-    if (addr[0] == '[') {
-        const char *close = strchr(addr, ']');
-
-        if (close == NULL || close[1] != ':')
-            return rf_err_set(err, -EINVAL, "address '%s' is not [ipv6]:port", addr);
-        h = addr + 1;
-        hlen = (size_t)(close - h);
-        colon = close + 1;
-    } else {
-        colon = strrchr(addr, ':');
-        if (colon == NULL)
-            return rf_err_set(err, -EINVAL, "address '%s' has no port; give it as host:port",
-                              addr);
-        if (memchr(addr, ':', (size_t)(colon - addr)) != NULL)
-            return rf_err_set(err, -EINVAL, "address '%s': put an IPv6 address in brackets, "
-                              "as [::1]:7000", addr);
-        hlen = (size_t)(colon - addr);
-    }
-    errno = 0;
-    pn = strtoul(colon + 1, &end, 10);
-    if (colon[1] == '\0' || *end != '\0' || errno != 0 || pn > 65535)
-        return rf_err_set(err, -EINVAL, "address '%s': port '%s' is not a number in 0..65535",
-                          addr, colon + 1);
-    if (hlen >= hostsz)
-        return rf_err_set(err, -EINVAL, "address '%s': host name too long", addr);
-    memcpy(host, h, hlen);
-    host[hlen] = '\0';
-    if (strcmp(host, "*") == 0)
-        host[0] = '\0';
-    snprintf(port, portsz, "%lu", pn);
-    return 0;
 }
 
 /* ---- key ---- */
@@ -1022,22 +978,20 @@ int rf_peer_listen(uv_loop_t *loop, const char *addr, const rf_peer_config *cfg,
     uv_getaddrinfo_t gai;
     struct addrinfo hints;
     struct sockaddr_storage ss;
-    char host[256], port[8];
+    const char *node;
+    rf_addr a;
     int len = sizeof(ss), rc, have_gai = 0;
 
     *out = NULL;
-    rc = split_addr(addr, host, sizeof(host), port, sizeof(port), err);
+    rc = rf_addr_parse(addr, RF_ADDR_LISTEN, &a, err);
     if (rc < 0)
         goto out;
-    memset(&hints, 0, sizeof(hints));
-    hints.ai_family = AF_UNSPEC;
-    hints.ai_socktype = SOCK_STREAM;
-    hints.ai_flags = AI_PASSIVE | AI_NUMERICSERV;
+    node = rf_addr_hints(&a, RF_ADDR_LISTEN, &hints);
     /* Without a callback libuv resolves synchronously; a listener starts once, at start-up. */
-    rc = uv_getaddrinfo(loop, &gai, NULL, host[0] ? host : NULL, port, &hints);
+    rc = uv_getaddrinfo(loop, &gai, NULL, node, a.port, &hints);
     if (rc < 0) {
-        rc = rf_err_set(err, rc, "cannot listen on %s: cannot resolve '%s': %s", addr, host,
-                        uv_strerror(rc));
+        rc = rf_err_set(err, rc, "cannot listen on %s: cannot resolve '%s': %s", addr,
+                        node ? node : "all interfaces", uv_strerror(rc));
         goto out;
     }
     have_gai = 1;
@@ -1197,11 +1151,8 @@ static void connector_attempt(rf_peer_connector *c)
 
     if (c->closing)
         return;
-    memset(&hints, 0, sizeof(hints));
-    hints.ai_family = AF_UNSPEC;
-    hints.ai_socktype = SOCK_STREAM;
-    hints.ai_flags = AI_NUMERICSERV;
-    rc = uv_getaddrinfo(c->set.loop, &c->gai, connector_resolved, c->host, c->port, &hints);
+    rc = uv_getaddrinfo(c->set.loop, &c->gai, connector_resolved,
+                        rf_addr_hints(&c->to, RF_ADDR_CONNECT, &hints), c->to.port, &hints);
     if (rc < 0) {
         snprintf(why, sizeof(why), "cannot resolve %s: %s", c->addr, uv_strerror(rc));
         connector_schedule(c, why);
@@ -1228,9 +1179,7 @@ int rf_peer_connect(uv_loop_t *loop, const char *addr, const rf_peer_config *cfg
     c = calloc(1, sizeof(*c));
     if (c == NULL)
         return rf_err_set(err, -ENOMEM, "cannot connect to %s: out of memory", addr);
-    rc = split_addr(addr, c->host, sizeof(c->host), c->port, sizeof(c->port), err);
-    if (rc == 0 && c->host[0] == '\0')
-        rc = rf_err_set(err, -EINVAL, "cannot connect to '%s': no host given", addr);
+    rc = rf_addr_parse(addr, RF_ADDR_CONNECT, &c->to, err);
     if (rc == 0)
         rc = settings_init(&c->set, loop, cfg, err);
     if (rc < 0) {

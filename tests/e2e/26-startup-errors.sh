@@ -2,7 +2,8 @@
 # A daemon that cannot start says why and exits non-zero, without hanging or crashing: a status
 # port already taken, a local socket it cannot create, a key file others can read, an unknown
 # config key (start-up and --check-config), a key file that does not exist, a coordinator
-# address already in use; --check-config refuses what start-up refuses.
+# address already in use, addresses outside the one grammar; --check-config refuses what
+# start-up refuses and takes ":0" for all interfaces.
 . "$(dirname "$0")/lib.sh"
 E2E_PUBLISHERS=1 E2E_RECEIVERS=1
 start_publisher 0 1
@@ -63,6 +64,21 @@ check_both "'data_listen' 192.0.2.1:0: cannot listen on 192.0.2.1" 1 -- \
     --socket "$E2E_DIR/c4.sock" --data-listen 192.0.2.1:0
 check_both "'data_listen' nosuch.invalid:0: cannot resolve 'nosuch.invalid'" 1 -- \
     --socket "$E2E_DIR/c5.sock" --data-listen nosuch.invalid:0
+# One address grammar (common/addr.c) for the config check and the sockets: ":0" and "*:0"
+# listen on all interfaces; an IPv6 address needs brackets (the message shows them); a
+# receiver connects to coordinator_addr, so it needs a host there and a real port.
+expect_exit 0 "configuration is valid" "$E2E_DIR/check.log" -- $C --socket "$E2E_DIR/c7.sock" \
+    --data-listen :0 --status-listen '*:0'
+check_both "'data_listen': address '::1:7470' has an IPv6 address without brackets; \
+write \[::1\]:7470" 78 -- --socket "$E2E_DIR/c8.sock" --data-listen ::1:7470
+check_both "'status_listen': address '\[::1\]' has no port; write \[::1\]:PORT" 78 -- \
+    --socket "$E2E_DIR/c9.sock" --status-listen '[::1]'
+check_both "'coordinator_addr': address ':7470' names no host" 78 -- \
+    --socket "$E2E_DIR/c10.sock" --coordinator-addr :7470
+expect_exit 1 "'coordinator_addr' (connected to, as coordinator = false): \
+address '127.0.0.1:0' has port 0" "$E2E_DIR/check.log" -- "$BIN/refit-publisherd" \
+    $E2E_COMMON --index 1 --clients 1 --publishers 2 --receivers 1 \
+    --socket "$E2E_DIR/c11.sock" --coordinator-addr 127.0.0.1:0 --check-config
 expect_exit 1 "'coordinator_addr' 192.0.2.1:7470: cannot listen on 192.0.2.1" \
     "$E2E_DIR/check.log" -- "$BIN/refit-publisherd" $E2E_COMMON --coordinator --index 0 \
     --clients 1 --publishers 1 --receivers 1 --socket "$E2E_DIR/c6.sock" \

@@ -207,11 +207,20 @@ static struct bad_case bad_cases[] = {
     { 0, "coordinator = maybe\n", NULL, -EINVAL,
       "@:1: 'coordinator' must be true or false (yes/no, on/off, 1/0), got 'maybe'" },
     { 0, "data_listen = 10.0.0.1\n", NULL, -EINVAL,
-      "@:1: 'data_listen' must be host:port (or [ipv6]:port), got '10.0.0.1'" },
+      "@:1: 'data_listen': address '10.0.0.1' has no port; write 10.0.0.1:PORT" },
     { 0, "data_listen = ::1:80\n", NULL, -EINVAL,
-      "@:1: 'data_listen' must be host:port (or [ipv6]:port), got '::1:80'" },
+      "@:1: 'data_listen': address '::1:80' has an IPv6 address without brackets; write "
+      "[::1]:80" },
     { 0, "data_listen = h:70000\n", NULL, -EINVAL,
-      "@:1: 'data_listen' must be host:port (or [ipv6]:port), got 'h:70000'" },
+      "@:1: 'data_listen': address 'h:70000': port '70000' is not a number in 0..65535" },
+    { 0, "", "--status-listen=[::1]", -EINVAL,
+      "--status-listen: 'status_listen': address '[::1]' has no port; write [::1]:PORT" },
+    { 1, "coordinator_addr = :7470\n", NULL, -EINVAL,
+      "@: 'coordinator_addr': address ':7470' names no host, and a connection needs one; "
+      "write host:port, as 127.0.0.1:7470" },
+    { 0, "", "--coordinator-addr=*:7470", -EINVAL,
+      "@: 'coordinator_addr' (connected to, as coordinator = false): address '*:7470' names "
+      "no host, and a connection needs one; write host:port, as 127.0.0.1:7470" },
     { 0, "data_listen = \"\"\n", NULL, -EINVAL, "@:1: 'data_listen' must not be empty" },
     { 0, "socket =\n", NULL, -EINVAL, "@:1: 'socket' must not be empty" },
     { 1, "coordinator_addr = 10.0.0.1:0\n", NULL, -EINVAL,
@@ -254,8 +263,9 @@ static struct bad_case bad_cases[] = {
       "@: 'peer_timeout_ms' (1000) must be larger than 'heartbeat_ms' (1000), or every peer is "
       "declared dead between two heartbeats" },
     { 0, "coordinator_addr = 10.0.0.1:0\n", NULL, -EINVAL,
-      "@: 'coordinator_addr' 10.0.0.1:0 has port 0, which only a coordinator may listen on; "
-      "give the coordinator's real port" },
+      "@: 'coordinator_addr' (connected to, as coordinator = false): address '10.0.0.1:0' has "
+      "port 0, which only a listener may use (the system then picks a free port); give the "
+      "port the other side listens on" },
 };
 
 /* Criterion runs each parameter in a fresh process of the (position-independent) test binary,
@@ -515,6 +525,40 @@ Test(cfg, check_config_runs_the_start_up_check)
     chmod(key, 0600);
     cr_assert_eq(rf_daemon_cfg_check(&c, &k, &err), 0, "%s", err.msg);
     cr_assert_eq(k.len, 32);
+    unlink(key);
+}
+
+/* Every listen form passes the start-up check, which binds it for real: all interfaces
+ * (":0", "*:0"), a name, IPv6 in brackets when the machine has ::1. A receiver connects to
+ * coordinator_addr, so a name and a port are enough there (nothing is bound). */
+Test(cfg, start_up_check_takes_every_listen_form)
+{
+    static const char *const forms[] = { ":0", "*:0", "127.0.0.1:0", "localhost:0" };
+    rf_cfg_next next;
+    rf_peer_key k;
+    char text[512];
+
+    write_key(0600);
+    snprintf(text, sizeof(text), "cluster_key_file = %s\nsocket = %s/p.sock\n", key, dir);
+    write_conf(text);
+    for (size_t i = 0; i < sizeof(forms) / sizeof(forms[0]); i++) {
+        cr_assert_eq(LOAD("--data-listen", forms[i], "--status-listen", forms[i],
+                          "--coordinator", "--coordinator-addr", forms[i]), 0, "%s", err.msg);
+        cr_assert_eq(rf_daemon_cfg_check(&c, &k, &err), 0, "%s: %s", forms[i], err.msg);
+    }
+    cr_assert_eq(LOAD("--data-listen", "[::1]:0"), 0, "%s", err.msg);
+    if (rf_daemon_cfg_check(&c, &k, &err) != 0)
+        cr_assert_eq(err.code, -EADDRNOTAVAIL, "%s", err.msg); /* no IPv6 loopback here */
+    cr_assert_eq(load_role(RF_DAEMON_RECEIVER, &next, "--coordinator-addr", "[::1]:7470",
+                           (char *)NULL), 0, "%s", err.msg);
+    cr_assert_eq(rf_daemon_cfg_check(&c, &k, &err), 0, "%s", err.msg);
+    /* A host that does not resolve is the start-up check's to refuse, not the syntax's. */
+    cr_assert_eq(LOAD("--data-listen", "nosuch.invalid:0"), 0, "%s", err.msg);
+    cr_assert_eq(rf_daemon_cfg_check(&c, &k, &err), -EADDRNOTAVAIL);
+    cr_assert(strstr(err.msg, "'data_listen' nosuch.invalid:0: cannot resolve 'nosuch.invalid': ")
+              == err.msg, "%s", err.msg);
+    cr_assert(strstr(err.msg, "; use an address of this machine that the other nodes can reach"),
+              "%s", err.msg);
     unlink(key);
 }
 

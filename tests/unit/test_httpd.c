@@ -233,8 +233,22 @@ Test(httpd, bind_errors_name_the_address)
     cr_assert_not_null(strstr(err.msg, "status_listen"), "%s", err.msg);
 
     cr_assert_eq(rf_httpd_start(&h2, "127.0.0.1", m, NULL, NULL, &err), -EINVAL);
-    cr_assert_not_null(strstr(err.msg, "'127.0.0.1' is not host:port"), "%s", err.msg);
+    cr_assert_str_eq(err.msg, "status_listen: address '127.0.0.1' has no port; write "
+                     "127.0.0.1:PORT");
     cr_assert_eq(rf_httpd_start(&h2, "127.0.0.1:99999", m, NULL, NULL, &err), -EINVAL);
+    cr_assert_not_null(strstr(err.msg, "port '99999' is not a number in 0..65535"), "%s",
+                       err.msg);
+    cr_assert_eq(rf_httpd_start(&h2, "nosuch.invalid:0", m, NULL, NULL, &err), -EADDRNOTAVAIL);
+    cr_assert(strstr(err.msg, "status listen address 'nosuch.invalid:0': cannot resolve "
+                     "'nosuch.invalid': ") == err.msg, "%s", err.msg);
+    /* All interfaces, in both of its forms. */
+    cr_assert_eq(rf_httpd_start(&h2, ":0", m, NULL, NULL, &err), 0, "%s", err.msg);
+    cr_assert_gt(rf_httpd_port(h2), 0);
+    rf_httpd_stop(h2);
+    h2 = NULL;
+    cr_assert_eq(rf_httpd_start(&h2, "*:0", m, NULL, NULL, &err), 0, "%s", err.msg);
+    rf_httpd_stop(h2);
+    h2 = NULL;
     /* An address of no local interface. */
     cr_assert_eq(rf_httpd_start(&h2, "192.0.2.1:0", m, NULL, NULL, &err), -EADDRNOTAVAIL, "%s",
                  err.msg);

@@ -1090,6 +1090,13 @@ Test(peer, listen_errors)
     cr_assert_eq(rf_peer_listen(&loop, "[::1:80", &cfg, &l, &err), -EINVAL);
     cr_assert_eq(rf_peer_connect(&loop, ":80", &cfg, &c, &err), -EINVAL);
     cr_assert(strstr(err.msg, "no host"), "%s", err.msg);
+    cr_assert_eq(rf_peer_connect(&loop, "*:80", &cfg, &c, &err), -EINVAL);
+    cr_assert(strstr(err.msg, "no host"), "%s", err.msg);
+    cr_assert_eq(rf_peer_connect(&loop, "127.0.0.1:0", &cfg, &c, &err), -EINVAL);
+    cr_assert(strstr(err.msg, "has port 0"), "%s", err.msg);
+    cr_assert_eq(rf_peer_connect(&loop, "::1:80", &cfg, &c, &err), -EINVAL);
+    cr_assert(strstr(err.msg, "write [::1]:80"), "%s", err.msg);
+    cr_assert_null(c);
     cfg.key = &shortkey;
     cr_assert_eq(rf_peer_listen(&loop, "127.0.0.1:0", &cfg, &l, &err), -EINVAL);
     cr_assert(strstr(err.msg, "cluster key"), "%s", err.msg);
@@ -1140,6 +1147,9 @@ Test(peer, listen_errors)
 
     /* Wildcard and IPv6 forms are accepted. */
     cr_assert_eq(rf_peer_listen(&loop, "*:0", &cfg, &l, &err), 0, "%s", err.msg);
+    rf_peer_listener_close(l);
+    cr_assert_eq(rf_peer_listen(&loop, ":0", &cfg, &l, &err), 0, "%s", err.msg);
+    cr_assert_gt(rf_peer_listener_port(l), 0);
     rf_peer_listener_close(l);
     if (rf_peer_listen(&loop, "[::1]:0", &cfg, &l, &err) == 0)
         rf_peer_listener_close(l);
