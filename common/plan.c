@@ -15,7 +15,7 @@
 struct rf_plan {
     const rf_inv *inv;
     rf_plan_opts opts;
-    uint8_t id[32];
+    uint8_t id[RF_PLAN_ID_BYTES];
     /* The transfers in the order they were planned (destination piece by piece), in a mapping
      * of their own (big_alloc), and order: the index of the i-th transfer in message order.
      * Moving twelve million transfers into message order would cost a second copy of them
@@ -343,7 +343,7 @@ static inline uint64_t zz(uint64_t cur, uint64_t prev)
  * piece's and the geometry id. Pieces of a shard layout mostly step by one tensor and a
  * steady offset, so a piece costs a few bytes of hashing instead of its whole box. The
  * encoding is faithful: the table and the records give back every piece exactly. */
-void rf_plan_digest(const rf_inv *inv, const rf_plan_opts *opts, uint8_t out[32])
+void rf_plan_digest(const rf_inv *inv, const rf_plan_opts *opts, uint8_t out[RF_PLAN_ID_BYTES])
 {
     static const char tag[] = "refit-plan-v2";
     hbuf hb, *h = &hb;
@@ -351,7 +351,7 @@ void rf_plan_digest(const rf_inv *inv, const rf_plan_opts *opts, uint8_t out[32]
     const rf_geom *geoms = rf_inv_geoms(inv);
 
     h->n = 0;
-    crypto_generichash_init(&h->st, NULL, 0, 32);
+    crypto_generichash_init(&h->st, NULL, 0, RF_PLAN_ID_BYTES);
     hb_bytes(h, tag, sizeof(tag));
     hb_u64(h, opts->staging_bytes);
     hb_u64(h, opts->direct_min_bytes);
@@ -402,7 +402,7 @@ void rf_plan_digest(const rf_inv *inv, const rf_plan_opts *opts, uint8_t out[32]
         }
     }
     hb_flush(h);
-    crypto_generichash_final(&h->st, out, 32);
+    crypto_generichash_final(&h->st, out, RF_PLAN_ID_BYTES);
 }
 
 /* ---- building ------------------------------------------------------------------------- */
@@ -1721,9 +1721,14 @@ const uint8_t *rf_plan_id(const rf_plan *plan)
     return plan->id;
 }
 
-void rf_plan_id_hex(const rf_plan *plan, char out[65])
+void rf_plan_id_to_hex(const uint8_t id[RF_PLAN_ID_BYTES], char out[RF_PLAN_ID_HEX])
 {
-    sodium_bin2hex(out, 65, plan->id, 32);
+    sodium_bin2hex(out, RF_PLAN_ID_HEX, id, RF_PLAN_ID_BYTES);
+}
+
+void rf_plan_id_hex(const rf_plan *plan, char out[RF_PLAN_ID_HEX])
+{
+    rf_plan_id_to_hex(plan->id, out);
 }
 
 const rf_inv *rf_plan_inv(const rf_plan *plan)

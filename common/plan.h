@@ -67,11 +67,15 @@ int rf_plan_build(const rf_inv *inv, const rf_plan_opts *opts, rf_plan **out, rf
 void rf_plan_free(rf_plan *plan);
 
 /* A digest (BLAKE2b, 32 bytes) of the inventory and the options: two daemons holding plans
- * with the same id hold the same plan. rf_plan_id_hex writes 65 bytes. */
+ * with the same id hold the same plan. */
+#define RF_PLAN_ID_BYTES 32                        /* BLAKE2b-256 */
+#define RF_PLAN_ID_HEX (2 * RF_PLAN_ID_BYTES + 1)  /* with its NUL */
 const uint8_t *rf_plan_id(const rf_plan *plan);
-void rf_plan_id_hex(const rf_plan *plan, char out[65]);
+void rf_plan_id_hex(const rf_plan *plan, char out[RF_PLAN_ID_HEX]);
+/* The one hex encoder of plan ids (libsodium's), for ids held without their plan. */
+void rf_plan_id_to_hex(const uint8_t id[RF_PLAN_ID_BYTES], char out[RF_PLAN_ID_HEX]);
 /* The same digest without building a plan. */
-void rf_plan_digest(const rf_inv *inv, const rf_plan_opts *opts, uint8_t out[32]);
+void rf_plan_digest(const rf_inv *inv, const rf_plan_opts *opts, uint8_t out[RF_PLAN_ID_BYTES]);
 
 const rf_inv *rf_plan_inv(const rf_plan *plan);
 uint64_t rf_plan_nxfers(const rf_plan *plan);

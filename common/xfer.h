@@ -43,6 +43,11 @@ typedef struct rf_xfer_msg {
 /* Everything one daemon sends and receives in one refit. Messages are sorted by round; a
  * daemon sends its messages to one peer in the order they appear here, and its peers'
  * jobs list them in the same order (both come from the one plan). */
+/* A verification digest (BLAKE2b-256) and an NCCL unique id (ncclUniqueId, sent in plan
+ * slices), in bytes. */
+#define RF_XFER_DIGEST_BYTES 32
+#define RF_XFER_NCCL_ID_BYTES 128
+
 /* How much of the moved bytes is digested (the config's `verify`, the job's verify): one enum
  * from the config file to the transports. */
 typedef enum rf_verify { RF_VERIFY_OFF = 0, RF_VERIFY_SAMPLE = 1, RF_VERIFY_FULL = 2 } rf_verify;
