@@ -118,18 +118,6 @@ static int parse_bool(const char *v, bool *out)
     return -EINVAL;
 }
 
-/* Kept until common/daemon.c calls rf_addr_parse itself; the grammar is rf_addr's. */
-int rf_cfg_hostport_split(const char *s, char *host, size_t hostlen, int *port)
-{
-    rf_addr a;
-
-    if (rf_addr_parse(s, RF_ADDR_LISTEN, &a, NULL) < 0 || strlen(a.host) >= hostlen)
-        return -EINVAL;
-    strcpy(host, a.host);
-    *port = a.port_num;
-    return 0;
-}
-
 static int parse_uids(const char *v, rf_cfg_uids *out, const char *where, const char *name,
                       rf_err *err)
 {

@@ -93,8 +93,4 @@ void rf_cfg_print_help(const rf_cfg_table *t, FILE *f);
 /* Frees the strings and lists the table's keys own inside obj. */
 void rf_cfg_free(const rf_cfg_table *t, void *obj);
 
-/* Deprecated, for common/daemon.c until it calls rf_addr_parse (common/addr.h): splits a
- * listen address in rf_addr's grammar; 0 or -EINVAL. host may be "" (all interfaces). */
-int rf_cfg_hostport_split(const char *s, char *host, size_t hostlen, int *port);
-
 #endif

@@ -11,6 +11,7 @@
 
 #include <sodium.h>
 
+#include "addr.h"
 #include "httpd.h"
 #include "log.h"
 #ifdef RF_HAVE_CUDA
@@ -162,11 +163,10 @@ int rf_daemon_main(int role, int argc, char **argv, const rf_daemon_hooks *hooks
             goto out_loop;
         }
         {
-            char host[256];
-            int port;
+            rf_addr a;
+            const char *host = rf_addr_parse(cfg.status_listen, RF_ADDR_LISTEN, &a, NULL) == 0
+                                   ? (a.host[0] ? a.host : "0.0.0.0") : cfg.status_listen;
 
-            if (rf_cfg_hostport_split(cfg.status_listen, host, sizeof(host), &port) < 0)
-                snprintf(host, sizeof(host), "%s", cfg.status_listen);
             RF_INFO("status endpoint on http://%s%s%s:%d/ (/metrics, /status)",
                     strchr(host, ':') ? "[" : "", host, strchr(host, ':') ? "]" : "",
                     rf_httpd_port(d.httpd));

@@ -598,65 +598,6 @@ Test(cfg, missing_default_file_means_defaults_and_doubles_parse)
     cr_assert_null(s.name);
 }
 
-struct hp_case {
-    const char *in;
-    int rc;
-    const char *host;
-    int port;
-};
-
-static struct hp_case hp_cases[] = {
-    { "127.0.0.1:9464", 0, "127.0.0.1", 9464 },
-    { "node-3.cluster:0", 0, "node-3.cluster", 0 },
-    { ":8080", 0, "", 8080 },
-    { "[::1]:65535", 0, "::1", 65535 },
-    { "[fe80::1%eth0]:1", 0, "fe80::1%eth0", 1 },
-    { "host", -EINVAL, NULL, 0 },
-    { "host:", -EINVAL, NULL, 0 },
-    { "host:-1", -EINVAL, NULL, 0 },
-    { "host:65536", -EINVAL, NULL, 0 },
-    { "host:80x", -EINVAL, NULL, 0 },
-    { "::1:80", -EINVAL, NULL, 0 },
-    { "[::1]80", -EINVAL, NULL, 0 },
-    { "[::1:80", -EINVAL, NULL, 0 },
-};
-
-static void free_hp_cases(struct criterion_test_params *ctp)
-{
-    struct hp_case *hc = ctp->params;
-
-    for (size_t i = 0; i < ctp->length; i++) {
-        cr_free((void *)hc[i].in);
-        cr_free((void *)hc[i].host);
-    }
-    cr_free(ctp->params);
-}
-
-ParameterizedTestParameters(cfg, hostport)
-{
-    size_t n = sizeof(hp_cases) / sizeof(hp_cases[0]);
-    struct hp_case *p = cr_malloc(sizeof(hp_cases));
-
-    for (size_t i = 0; i < n; i++) {
-        p[i] = hp_cases[i];
-        p[i].in = shared_str(hp_cases[i].in);
-        p[i].host = shared_str(hp_cases[i].host);
-    }
-    return cr_make_param_array(struct hp_case, p, n, free_hp_cases);
-}
-
-ParameterizedTest(struct hp_case *hc, cfg, hostport)
-{
-    char host[64];
-    int port = -1;
-
-    cr_assert_eq(rf_cfg_hostport_split(hc->in, host, sizeof(host), &port), hc->rc, "%s", hc->in);
-    if (hc->rc == 0) {
-        cr_assert_str_eq(host, hc->host);
-        cr_assert_eq(port, hc->port);
-    }
-}
-
 Test(cfg, unreadable_file_bad_default_and_overlong_quoted_value)
 {
     static const rf_cfg_key bad_keys[] = {
