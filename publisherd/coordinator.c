@@ -6,6 +6,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "addr.h"
 #include "log.h"
 #include "macros.h"
 #include "plan.h"
@@ -601,6 +602,23 @@ static int member_of(rf_coord *c, const void *p)
     return -1;
 }
 
+/* A daemon whose data listener takes all interfaces (data_listen = ":7471", "*:7471",
+ * "0.0.0.0:7471" or "[::]:7471") cannot name one address its peers reach; the address it
+ * reached the coordinator from, with the listener's port, is the one they are told. */
+static void member_data_addr(member *m, const char *data_addr, const char *from)
+{
+    rf_addr d, f;
+
+    if (rf_addr_parse(data_addr, RF_ADDR_LISTEN, &d, NULL) == 0 &&
+        (d.host[0] == '\0' || strcmp(d.host, "0.0.0.0") == 0 || strcmp(d.host, "::") == 0) &&
+        rf_addr_parse(from, RF_ADDR_CONNECT, &f, NULL) == 0) {
+        snprintf(m->data_addr, sizeof(m->data_addr), "%s%s%s:%s", strchr(f.host, ':') ? "[" : "",
+                 f.host, strchr(f.host, ':') ? "]" : "", d.port);
+        return;
+    }
+    snprintf(m->data_addr, sizeof(m->data_addr), "%s", data_addr);
+}
+
 int rf_coord__member_up(rf_coord *c, const Refit__Hello *h, void *peer, const char *from,
                         rf_err *err)
 {
@@ -637,7 +655,7 @@ int rf_coord__member_up(rf_coord *c, const Refit__Hello *h, void *peer, const ch
     }
     m->daemon_id = h->daemon_id;
     snprintf(m->node, sizeof(m->node), "%s", h->node);
-    snprintf(m->data_addr, sizeof(m->data_addr), "%s", h->data_addr);
+    member_data_addr(m, h->data_addr, from);
     RF_INFO("%s %u (%s) joined from %s", what, h->index, h->node, from);
     rf_metric_add(c->m_members, 1);
     invalidate_plan(c, "a daemon joined");

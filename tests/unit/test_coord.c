@@ -950,3 +950,34 @@ Test(coord, every_change_of_the_cluster_view_is_announced)
     ready(1, 1);
     cr_assert_eq(n_changes, before + 1, "no callback once unset");
 }
+
+/* A member listening on all interfaces is named to its peers by the address it reached the
+ * coordinator from, with its listener's port; a named address is kept as it is. */
+Test(coord, a_wildcard_data_address_becomes_the_members_reachable_one)
+{
+    static const char *const given[NMEM] = {"0.0.0.0:7471", "[::]:7472", "10.0.0.9:7473"};
+    static const char *const from[NMEM] = {"10.1.2.3:50000", "[fd00::5]:50001", "10.1.2.4:1"};
+    static const char *const want[NMEM] = {"10.1.2.3:7471", "[fd00::5]:7472", "10.0.0.9:7473"};
+    const Refit__PlanSlice *ps;
+
+    start_coord(NULL);
+    for (uint32_t m = 0; m < NMEM; m++) {
+        Refit__Hello h = REFIT__HELLO__INIT;
+        rf_err err = {0};
+
+        h.role = m < NPUB ? REFIT__ROLE__ROLE_PUBLISHER : REFIT__ROLE__ROLE_RECEIVER;
+        h.index = m < NPUB ? m : m - NPUB;
+        h.node = (char *)"n";
+        h.data_addr = (char *)given[m];
+        h.daemon_id = H.daemon_id[m];
+        cr_assert_eq(rf_coord__member_up(H.c, &h, &H.peers[m], from[m], &err), 0, "%s",
+                     err.msg);
+    }
+    for (uint32_t m = 0; m < NMEM; m++)
+        inventory(m, 0);
+    wait_plan();
+    ps = last(0, REFIT__ENVELOPE__BODY_PLAN_SLICE)->plan_slice;
+    cr_assert_eq(ps->n_peers, NMEM);
+    for (uint32_t m = 0; m < NMEM; m++)
+        cr_assert_str_eq(ps->peers[m]->data_addr, want[m], "member %u", m);
+}
