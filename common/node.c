@@ -278,7 +278,7 @@ static void send_done(rf_node *n, uint64_t version, const rf_xfer_result *res, c
     Refit__Envelope env = REFIT__ENVELOPE__INIT;
     Refit__Done done = REFIT__DONE__INIT;
     Refit__StageTimes times = REFIT__STAGE_TIMES__INIT;
-    uint8_t digest[32];
+    uint8_t digest[RF_XFER_DIGEST_BYTES];
     double end = now_s();
 
     done.version = version;
@@ -288,11 +288,11 @@ static void send_done(rf_node *n, uint64_t version, const rf_xfer_result *res, c
         size_t i;
 
         done.bytes = res->bytes_sent + res->bytes_recv;
-        for (i = 0; i < 32; i++)
+        for (i = 0; i < RF_XFER_DIGEST_BYTES; i++)
             digest[i] = res->digest_sent[i] ^ res->digest_recv[i];
         if (n->cfg->verify != RF_VERIFY_OFF) {
             done.digest.data = digest;
-            done.digest.len = 32;
+            done.digest.len = RF_XFER_DIGEST_BYTES;
         }
     }
     times.wait_s = n->t_begin > 0 ? n->t_begin - n->t_start : 0;
@@ -383,8 +383,8 @@ static void on_start(rf_node *n, const Refit__Start *s)
         send_done(n, s->version, NULL, msg);
         return;
     }
-    if (!n->slice.complete || n->slice_stale || s->plan_id.len != 32 ||
-        memcmp(s->plan_id.data, n->slice.plan_id, 32) != 0 ||
+    if (!n->slice.complete || n->slice_stale || s->plan_id.len != RF_PLAN_ID_BYTES ||
+        memcmp(s->plan_id.data, n->slice.plan_id, RF_PLAN_ID_BYTES) != 0 ||
         n->slice.generation != rf_registry_generation(n->reg) || !rf_registry_complete(n->reg)) {
         snprintf(msg, sizeof(msg), "Start(%llu) names a plan this daemon does not hold (its "
                  "inventory changed or the slice is incomplete); the coordinator replans",
@@ -690,12 +690,10 @@ static void coord_down(rf_peer *p, const char *reason)
 json_t *rf_node_status(rf_node *n)
 {
     json_t *st = json_object(), *reg = rf_registry_status(n->reg), *last;
-    char plan[65] = "";
-    size_t i;
+    char plan[RF_PLAN_ID_HEX] = "";
 
     if (n->slice.complete)
-        for (i = 0; i < 32; i++)
-            snprintf(plan + 2 * i, 3, "%02x", n->slice.plan_id[i]);
+        rf_plan_id_to_hex(n->slice.plan_id, plan);
     json_object_set_new(st, "role", json_string(role_name(n)));
     json_object_set_new(st, "node", json_string(n->cfg->node));
     json_object_set_new(st, "index", json_integer(n->cfg->index));

@@ -315,18 +315,18 @@ static Refit__PlanSlice *new_frame(const rf_plan *plan, const rf_slice_map *map,
     s->global_ep_base = map->members[m].ep_base;
     s->nranks = rf_inv_nendpoints(rf_plan_inv(plan));
     if (nccl_id) {
-        s->nccl_id.data = malloc(128);
+        s->nccl_id.data = malloc(RF_XFER_NCCL_ID_BYTES);
         if (!s->nccl_id.data)
             goto fail;
-        memcpy(s->nccl_id.data, nccl_id, 128);
-        s->nccl_id.len = 128;
+        memcpy(s->nccl_id.data, nccl_id, RF_XFER_NCCL_ID_BYTES);
+        s->nccl_id.len = RF_XFER_NCCL_ID_BYTES;
     }
-    s->plan_id.data = malloc(32);
+    s->plan_id.data = malloc(RF_PLAN_ID_BYTES);
     s->peers = calloc(map->nmembers, sizeof(*s->peers));
     if (!s->plan_id.data || !s->peers)
         goto fail;
-    memcpy(s->plan_id.data, rf_plan_id(plan), 32);
-    s->plan_id.len = 32;
+    memcpy(s->plan_id.data, rf_plan_id(plan), RF_PLAN_ID_BYTES);
+    s->plan_id.len = RF_PLAN_ID_BYTES;
     for (i = 0; i < map->nmembers; i++) {
         Refit__PeerAddr *p = malloc(sizeof(*p));
 
@@ -509,18 +509,18 @@ int rf_slice_job_add(rf_slice_job *j, const Refit__PlanSlice *frame, const rf_in
 
     if (j->complete)
         rf_slice_job_reset(j);
-    if (frame->plan_id.len != 32)
-        return rf_err_set(err, -EPROTO, "plan slice carries a plan id of %zu bytes, not 32",
-                          frame->plan_id.len);
+    if (frame->plan_id.len != RF_PLAN_ID_BYTES)
+        return rf_err_set(err, -EPROTO, "plan slice carries a plan id of %zu bytes, not %d",
+                          frame->plan_id.len, RF_PLAN_ID_BYTES);
     if (j->job.nmsgs == 0 && j->npeers == 0) {
-        memcpy(j->plan_id, frame->plan_id.data, 32);
+        memcpy(j->plan_id, frame->plan_id.data, RF_PLAN_ID_BYTES);
         j->generation = frame->generation;
         j->job.nrounds = frame->rounds;
         j->ep_base = frame->global_ep_base;
         j->nranks = frame->nranks;
-        j->has_nccl_id = frame->nccl_id.len == 128;
+        j->has_nccl_id = frame->nccl_id.len == RF_XFER_NCCL_ID_BYTES;
         if (j->has_nccl_id)
-            memcpy(j->nccl_id, frame->nccl_id.data, 128);
+            memcpy(j->nccl_id, frame->nccl_id.data, RF_XFER_NCCL_ID_BYTES);
         j->peers = calloc(frame->n_peers ? frame->n_peers : 1, sizeof(*j->peers));
         if (!j->peers)
             return rf_err_set(err, -ENOMEM, "out of memory for the plan slice");
@@ -532,7 +532,7 @@ int rf_slice_job_add(rf_slice_job *j, const Refit__PlanSlice *frame, const rf_in
                 return rf_err_set(err, -ENOMEM, "out of memory for the plan slice");
             j->npeers++;
         }
-    } else if (memcmp(j->plan_id, frame->plan_id.data, 32) != 0) {
+    } else if (memcmp(j->plan_id, frame->plan_id.data, RF_PLAN_ID_BYTES) != 0) {
         return rf_err_set(err, -EPROTO, "plan slice frame belongs to another plan than the "
                           "frames before it");
     }

@@ -61,7 +61,7 @@ void rf_slice_msg_free(Refit__PlanSlice *s);
  * and each region's mapped base (bases indexed by local region id). */
 typedef struct rf_slice_job {
     rf_xfer_job job;         /* version set per refit by the caller */
-    uint8_t plan_id[32];
+    uint8_t plan_id[RF_PLAN_ID_BYTES];
     bool complete;
     uint64_t generation;
     uint32_t npeers;
@@ -70,7 +70,7 @@ typedef struct rf_slice_job {
     uint32_t ep_base;        /* global endpoint id of local endpoint 0 */
     uint32_t nranks;         /* global endpoints: the NCCL world's size */
     bool has_nccl_id;
-    uint8_t nccl_id[128];
+    uint8_t nccl_id[RF_XFER_NCCL_ID_BYTES];
     uint32_t cap_msgs;
 } rf_slice_job;
 

@@ -40,7 +40,7 @@ typedef struct member {
     bool done, done_ok;
     uint64_t done_bytes;
     double done_transfer_s;
-    uint8_t digest[32];
+    uint8_t digest[RF_XFER_DIGEST_BYTES];
     bool has_digest;
 } member;
 
@@ -57,11 +57,11 @@ typedef struct build_job {
     rf_side *sides;
     rf_plan_opts opts;
     bool nccl;
-    uint8_t nccl_id[128];
+    uint8_t nccl_id[RF_XFER_NCCL_ID_BYTES];
     /* results */
     int rc;
     rf_err err;
-    uint8_t plan_id[32];
+    uint8_t plan_id[RF_PLAN_ID_BYTES];
     rf_plan_stats stats;
     double seconds;
     Refit__PlanSlice ***slices;
@@ -91,7 +91,7 @@ struct rf_coord {
     uint64_t plan_gen;     /* bumps at every inventory change */
     build_job *building;   /* a build in flight */
     bool plan_ready;
-    uint8_t plan_id[32];
+    uint8_t plan_id[RF_PLAN_ID_BYTES];
     rf_plan_stats stats;
     double plan_seconds;
 
@@ -251,14 +251,14 @@ static void commit_refit(rf_coord *c)
     Refit__Envelope env = REFIT__ENVELOPE__INIT;
     Refit__Commit cm = REFIT__COMMIT__INIT;
     double end = now_s();
-    uint8_t x[32] = {0};
+    uint8_t x[RF_XFER_DIGEST_BYTES] = {0};
     uint64_t bytes = 0;
     double transfer = 0;
     uint32_t i, k;
 
     for (i = 0; i < c->nmembers; i++) {
         if (c->m[i].has_digest)
-            for (k = 0; k < 32; k++)
+            for (k = 0; k < RF_XFER_DIGEST_BYTES; k++)
                 x[k] ^= c->m[i].digest[k];
         if (i < c->npub)
             bytes += c->m[i].done_bytes;
@@ -266,9 +266,9 @@ static void commit_refit(rf_coord *c)
             transfer = c->m[i].done_transfer_s;
     }
     if (c->cfg->verify != RF_VERIFY_OFF) {
-        for (k = 0; k < 32 && x[k] == 0; k++)
+        for (k = 0; k < RF_XFER_DIGEST_BYTES && x[k] == 0; k++)
             ;
-        if (k < 32) {
+        if (k < RF_XFER_DIGEST_BYTES) {
             abort_refit(c, "verification failed: the digests of the bytes sent and the bytes "
                         "received differ");
             return;
@@ -372,7 +372,7 @@ static void try_start(rf_coord *c)
     }
     st.version = target;
     st.plan_id.data = c->plan_id;
-    st.plan_id.len = 32;
+    st.plan_id.len = RF_PLAN_ID_BYTES;
     env.body_case = REFIT__ENVELOPE__BODY_START;
     env.start = &st;
     /* Receivers first: they are ready to take bytes before any sender starts gathering, and
@@ -442,7 +442,7 @@ static void build_work(uv_work_t *w)
     b->rc = rf_plan_build(inv, &b->opts, &plan, &b->err);
     if (b->rc < 0)
         goto out;
-    memcpy(b->plan_id, rf_plan_id(plan), 32);
+    memcpy(b->plan_id, rf_plan_id(plan), RF_PLAN_ID_BYTES);
     b->stats = *rf_plan_stats_get(plan);
     if (b->nccl) {
         /* A fresh world for every plan: a world that lost a rank cannot be rejoined. */
@@ -473,7 +473,7 @@ static void build_after(uv_work_t *w, int status)
 {
     build_job *b = container_of(w, build_job, work);
     rf_coord *c = b->c;
-    char id[65];
+    char id[RF_PLAN_ID_HEX];
     uint32_t i, k;
 
     c->building = NULL;
@@ -504,7 +504,7 @@ static void build_after(uv_work_t *w, int status)
         changed(c);
         return;
     }
-    memcpy(c->plan_id, b->plan_id, 32);
+    memcpy(c->plan_id, b->plan_id, RF_PLAN_ID_BYTES);
     c->stats = b->stats;
     c->plan_seconds = b->seconds;
     for (i = 0; i < c->nmembers; i++) {
@@ -516,8 +516,7 @@ static void build_after(uv_work_t *w, int status)
             send_to(c, i, &env);
         }
     }
-    for (i = 0; i < 32; i++)
-        snprintf(id + 2 * i, 3, "%02x", c->plan_id[i]);
+    rf_plan_id_to_hex(c->plan_id, id);
     RF_INFO("plan %.16s built in %.3f s: %u tensors, %llu transfers, %llu messages, %llu "
             "rounds, %llu bytes", id, c->plan_seconds, c->stats.tensors,
             (unsigned long long)c->stats.transfers, (unsigned long long)c->stats.messages,
@@ -730,9 +729,9 @@ static void on_done(rf_coord *c, uint32_t i, const Refit__Done *d)
     mb->done_ok = d->ok;
     mb->done_bytes = d->bytes;
     mb->done_transfer_s = d->times ? d->times->transfer_s : 0;
-    mb->has_digest = d->digest.len == 32;
+    mb->has_digest = d->digest.len == RF_XFER_DIGEST_BYTES;
     if (mb->has_digest)
-        memcpy(mb->digest, d->digest.data, 32);
+        memcpy(mb->digest, d->digest.data, RF_XFER_DIGEST_BYTES);
     if (c->state == ST_ABORTING) {
         if (all_done(c))
             finish_abort(c);
@@ -928,7 +927,7 @@ void rf_coord_status(json_t *status, void *arg)
     rf_coord *c = arg;
     json_t *cl = json_object(), *members = json_array(), *plan, *last;
     static const char *states[] = {"idle", "running", "aborting"};
-    char id[65] = "";
+    char id[RF_PLAN_ID_HEX] = "";
     uint32_t i;
 
     for (i = 0; i < c->nmembers; i++) {
@@ -949,8 +948,7 @@ void rf_coord_status(json_t *status, void *arg)
         json_array_append_new(members, o);
     }
     if (c->plan_ready)
-        for (i = 0; i < 32; i++)
-            snprintf(id + 2 * i, 3, "%02x", c->plan_id[i]);
+        rf_plan_id_to_hex(c->plan_id, id);
     plan = json_pack("{s:s, s:b, s:i, s:I, s:I, s:I, s:I, s:I, s:I, s:f}", "id", id, "ready",
                      c->plan_ready, "tensors", (int)c->stats.tensors, "transfers",
                      (json_int_t)c->stats.transfers, "messages", (json_int_t)c->stats.messages,

@@ -350,7 +350,7 @@ int rf_ctl_plan(int argc, char **argv)
     json_t *jo = NULL;
     double t0, t1, bps, pred = 0;
     uint64_t maxep = 0;
-    char id[65] = "", b1[32], b2[32], b3[32];
+    char id[RF_PLAN_ID_HEX] = "", b1[32], b2[32], b3[32];
     int rc;
 
     rf_err_clear(&err);
