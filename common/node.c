@@ -3,10 +3,12 @@
 #define RF_LOG_MODULE "node"
 #include "node.h"
 
+#include <assert.h>
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "closer.h"
 #include "log.h"
 #include "macros.h"
 #include "registry.h"
@@ -59,7 +61,7 @@ struct rf_node {
 
     pthread_mutex_t snap_lock;
     char *snapshot;
-    int closing; /* handles still closing; n is freed when it reaches 0 */
+    rf_closer closer; /* n is freed when the last of its closes finished */
 };
 
 static double now_s(void)
@@ -120,7 +122,7 @@ static void on_snap_timer(uv_timer_t *t)
  * other daemons' Done. */
 static void snapshot_soon(rf_node *n)
 {
-    if (n->closing == 0 && !uv_is_active((uv_handle_t *)&n->snap_timer))
+    if (!n->closer.closing && !uv_is_active((uv_handle_t *)&n->snap_timer))
         uv_timer_start(&n->snap_timer, on_snap_timer, SNAPSHOT_DELAY_MS, 0);
 }
 
@@ -334,7 +336,7 @@ static void on_xfer_done(rf_xfer_transport *t, const rf_xfer_result *res, void *
 
     (void)t;
     n->running = false;
-    if (n->closing)
+    if (n->closer.closing)
         return;
     rf_registry_hold(n->reg, false);
     if (res->code < 0) {
@@ -404,6 +406,8 @@ static void on_start(rf_node *n, const Refit__Start *s)
         send_done(n, s->version, NULL, msg);
         return;
     }
+    /* One data path per node at a time: Start while running was refused above. */
+    assert(!n->running);
     n->running = true;
     /* After the data path is under way: the event is asynchronous (engines never acknowledge
      * it, their gate is the receive quorum), so writing it first would only hold the bytes
@@ -461,6 +465,8 @@ static void install_slice(rf_node *n)
     uint32_t i, self = UINT32_MAX;
     int rc;
 
+    /* The slice a data path reads is never replaced under it. */
+    assert(!n->running);
     rf_slice_job_reset(&n->slice);
     n->slice = n->next;
     rf_slice_job_init(&n->next);
@@ -895,7 +901,7 @@ fail:
 
 static void node_free(rf_node *n)
 {
-    if (--n->closing > 0)
+    if (!rf_closer_done(&n->closer))
         return;
     rf_slice_job_reset(&n->slice);
     rf_slice_job_reset(&n->next);
@@ -930,9 +936,13 @@ void rf_node_close(rf_node *n)
     if (n->coord && n->send == peer_send)
         rf_peer_set_data(n->coord, NULL);
     n->coord = NULL;
-    n->closing = 3;
+    rf_closer_begin(&n->closer);
     rf_peer_connector_close(n->conn);
+    rf_closer_add(&n->closer);
     rf_xfer_close(n->xfer, xfer_closed, n);
+    rf_closer_add(&n->closer);
     uv_close((uv_handle_t *)&n->tick, tick_closed);
+    rf_closer_add(&n->closer);
     uv_close((uv_handle_t *)&n->snap_timer, snap_timer_closed);
+    node_free(n);
 }

@@ -7,6 +7,7 @@
 #include <string.h>
 
 #include "addr.h"
+#include "closer.h"
 #include "log.h"
 #include "macros.h"
 #include "plan.h"
@@ -82,7 +83,7 @@ struct rf_coord {
      * polls without sleeping. */
     uv_idle_t spin;
     uint64_t spin_until; /* uv_now() */
-    int closing;
+    rf_closer closer; /* c is freed when the last of its closes (and a build) finished */
     void (*on_change)(void *arg); /* rf_coord_set_on_change */
     void *on_change_arg;
     uint64_t strangers;           /* connections closed before joining, not logged yet */
@@ -337,7 +338,7 @@ static void try_start(rf_coord *c)
     bool ready = true;
     uint32_t i;
 
-    if (c->closing || c->state != ST_IDLE || !c->plan_ready)
+    if (c->closer.closing || c->state != ST_IDLE || !c->plan_ready)
         return;
     for (i = 0; i < c->nmembers; i++)
         if (!c->m[i].peer)
@@ -477,7 +478,7 @@ static void build_after(uv_work_t *w, int status)
     uint32_t i, k;
 
     c->building = NULL;
-    if (c->closing) {
+    if (c->closer.closing) {
         build_free(b);
         coord_release(c);
         return;
@@ -534,7 +535,7 @@ static void schedule_build(rf_coord *c)
     build_job *b;
     uint32_t i;
 
-    if (c->building || c->closing)
+    if (c->building || c->closer.closing)
         return;
     for (i = 0; i < c->nmembers; i++)
         if (!c->m[i].peer || !c->m[i].inv_complete)
@@ -1026,9 +1027,12 @@ int rf_coord_start(uv_loop_t *loop, const rf_daemon_cfg *cfg, const rf_peer_key 
     rc = rf_peer_listen(loop, cfg->coordinator_addr, &pc, &c->listener, err);
     if (rc < 0) {
         /* Closed handles are forgotten by the loop at its next turn; c must outlive that. */
-        c->closing = 2;
+        rf_closer_begin(&c->closer);
+        rf_closer_add(&c->closer);
         uv_close((uv_handle_t *)&c->deadline, deadline_closed);
+        rf_closer_add(&c->closer);
         uv_close((uv_handle_t *)&c->spin, spin_closed);
+        coord_release(c);
         *out = NULL;
         return rc;
     }
@@ -1042,7 +1046,7 @@ static void coord_release(rf_coord *c)
 {
     uint32_t i;
 
-    if (--c->closing > 0)
+    if (!rf_closer_done(&c->closer))
         return;
     for (i = 0; i < c->nmembers; i++)
         free(c->m[i].inv);
@@ -1070,8 +1074,14 @@ void rf_coord_close(rf_coord *c)
     for (i = 0; i < c->nmembers && c->send == peer_send; i++)
         if (c->m[i].peer)
             rf_peer_set_data(c->m[i].peer, NULL);
-    c->closing = c->building ? 3 : 2;
+    rf_closer_begin(&c->closer);
+    /* A plan build in flight finishes on the thread pool; build_after gives it back. */
+    if (c->building)
+        rf_closer_add(&c->closer);
     rf_peer_listener_close(c->listener);
+    rf_closer_add(&c->closer);
     uv_close((uv_handle_t *)&c->deadline, deadline_closed);
+    rf_closer_add(&c->closer);
     uv_close((uv_handle_t *)&c->spin, spin_closed);
+    coord_release(c);
 }
