@@ -11,7 +11,9 @@
 #include "node.h"
 #include "peer.h"
 
-/* Role-specific parts started after the node (the coordinator) and closed before it. */
+/* Role-specific parts (the coordinator): started before the node, so that the node's first
+ * connection finds the coordinator listening; attached to the node once it runs; closed
+ * before the node. */
 typedef struct rf_daemon_hooks {
     int (*start)(uv_loop_t *loop, const rf_daemon_cfg *cfg, const rf_peer_key *key,
                  uint64_t daemon_id, rf_metrics *metrics, void **state, rf_err *err);
