@@ -553,7 +553,7 @@ static double refit_bench(setup *S, uint64_t staging_mib, uint64_t direct_mib, d
     rf_xfer_job jobs[2];
     run2 w;
     rf_err err = {0};
-    uint8_t uid[128];
+    uint8_t uid[RF_XFER_NCCL_ID_BYTES];
     char what[32];
     const char *addrs[2] = {"trainer-gpu0", "engine-gpu1"};
     uint64_t base0 = used_bytes(0), base1 = used_bytes(1), peak_extra = 0, mem_peak[2];

@@ -1,5 +1,6 @@
 /* common/xfer.h - the data path's transport interface: the job a daemon runs for one refit (its
- * slice of the plan, resolved to local memory) and the vtable every transport implements. */
+ * slice of the plan, resolved to local memory) and what a transport does with it, whichever
+ * backend moves the bytes (the core is xfer.c; backends follow xfer_core.h). */
 #ifndef RF_XFER_H
 #define RF_XFER_H
 
@@ -40,9 +41,6 @@ typedef struct rf_xfer_msg {
     rf_xfer_item *items;
 } rf_xfer_msg;
 
-/* Everything one daemon sends and receives in one refit. Messages are sorted by round; a
- * daemon sends its messages to one peer in the order they appear here, and its peers'
- * jobs list them in the same order (both come from the one plan). */
 /* A verification digest (BLAKE2b-256) and an NCCL unique id (ncclUniqueId, sent in plan
  * slices), in bytes. */
 #define RF_XFER_DIGEST_BYTES 32
@@ -57,6 +55,9 @@ typedef enum rf_verify { RF_VERIFY_OFF = 0, RF_VERIFY_SAMPLE = 1, RF_VERIFY_FULL
 #define RF_XFER_SAMPLE_EVERY 16
 #define RF_XFER_SAMPLE_BYTES (64u << 10)
 
+/* Everything one daemon sends and receives in one refit. Messages are sorted by round; a
+ * daemon sends its messages to one peer in the order they appear here, and its peers'
+ * jobs list them in the same order (both come from the one plan). */
 typedef struct rf_xfer_job {
     uint64_t version;
     uint32_t nrounds, nmsgs;
@@ -86,11 +87,14 @@ typedef struct rf_xfer_result {
     char error[256];
     uint64_t bytes_sent, bytes_recv; /* payload bytes */
     double seconds;
-    uint8_t digest_sent[32], digest_recv[32];
+    uint8_t digest_sent[RF_XFER_DIGEST_BYTES], digest_recv[RF_XFER_DIGEST_BYTES];
     uint64_t peak_staging; /* most staging bytes held at once */
 } rf_xfer_result;
 
+/* A transport: one of the backends below behind the transport core (xfer.c), which runs one
+ * job at a time on a worker thread and reports to the loop thread. */
 typedef struct rf_xfer_transport rf_xfer_transport;
+typedef struct rf_xfer_core rf_xfer_core;
 
 /* Called on the loop thread when a job ends, successfully or not; res is valid during the
  * call. The transport accepts the next job from inside the callback. */
@@ -100,83 +104,80 @@ typedef void (*rf_xfer_close_cb)(void *arg);
 
 typedef struct rf_xfer_world rf_xfer_world;
 
-typedef struct rf_xfer_ops {
+/* The backend contract, for xfer_*.c (their helpers are in xfer_core.h). The core (xfer.c)
+ * owns a job's life: it refuses what it can check itself (closing, busy, no peer table, no
+ * deadline, rf_xfer_job_check), runs one job at a time on a worker thread of its own, stops it
+ * at an abort or at the deadline, hands the result to the loop thread, keeps the peer table,
+ * and closes. A backend only posts, progresses and cancels its own operations; every hook gets
+ * the core embedded first in the backend's struct, and, unless said otherwise, may be NULL.
+ *
+ * Loop thread, no job running:
+ *   set_peers  adopts the peer table the core is about to keep (the old one is still in t):
+ *              check the addresses, carry per-peer state over; -errno with err to refuse it.
+ *   check      refuses a job the backend cannot run (no key, no world, the job outside it);
+ *              called after the core's own checks.
+ *   release    frees the backend (required): called once, after the core's handle is closed.
+ * Worker thread, t->job set, one call after the other:
+ *   start      prepares the job (required); 0 or the error, set with rf_xfer__fail.
+ *   progress   one step of work (required); may block up to wait_s seconds, waking early when
+ *              rf_xfer__wake_fd turns readable (an abort). 1 when the job is complete, 0 to
+ *              be called again, or the error, set with rf_xfer__fail. A step that waits longer
+ *              on something (a world joining) checks rf_xfer__stop itself.
+ *   describe   names what is outstanding (required), for "aborted with ..." and "deadline of
+ *              N s passed with ...".
+ *   finish     the job ended with rc (0 or its error): release what was only the job's and,
+ *              when it failed, cancel what is in flight so the next job starts clean.
+ *   teardown   releases, at close, what is slow to release (communicators, device memory):
+ *              run on a worker before the handle closes.
+ * The optional set_world and needs_world implement rf_xfer_set_world/rf_xfer_needs_world.
+ *
+ * A new backend needs none of the harness: it embeds rf_xfer_core, calls rf_xfer__init last
+ * in its constructor, and fills in this table. */
+typedef struct rf_xfer_backend {
     const char *name;
-    /* The world: this daemon's index and every peer's data address (npeers entries, self
-     * included). Loop thread, no job running (-EBUSY otherwise). Connections to peers whose
-     * address changed are closed; the others are kept. */
-    int (*set_peers)(rf_xfer_transport *t, uint32_t self, uint32_t npeers,
-                     const char *const *addrs, rf_err *err);
-    /* Starts job on a worker thread; done is called on the loop thread when it ends. The job
-     * and the memory it names stay valid and untouched until then. A job that cannot start
-     * (invalid, another one running) returns the error and done is never called. */
-    int (*run)(rf_xfer_transport *t, const rf_xfer_job *job, rf_xfer_done_cb done, void *arg,
-               rf_err *err);
-    /* Makes the running job fail promptly with -ECANCELED (no-op when none runs). */
-    void (*abort)(rf_xfer_transport *t);
-    /* Aborts any running job (its done runs first) and releases the transport; cb, which may
-     * be NULL, runs once everything is freed. The loop must keep running until then. */
-    void (*close)(rf_xfer_transport *t, rf_xfer_close_cb cb, void *arg);
-    /* Optional (NULL for transports without a collective world, tcp): the NCCL world of the
-     * whole cluster. Loop thread, no job running (-EBUSY otherwise). Communicators are made
-     * on the worker at the start of the next job. */
-    int (*set_world)(rf_xfer_transport *t, const rf_xfer_world *w, rf_err *err);
-    /* Optional: true when the transport cannot run a job until set_world gives it a world
-     * with a fresh unique id (none was set yet, or a failed job tore the world down). */
-    bool (*needs_world)(const rf_xfer_transport *t);
-} rf_xfer_ops;
+    int (*set_peers)(rf_xfer_core *t, uint32_t self, uint32_t npeers, char *const *addrs,
+                     rf_err *err);
+    int (*check)(rf_xfer_core *t, const rf_xfer_job *job, rf_err *err);
+    void (*release)(rf_xfer_core *t);
+    int (*start)(rf_xfer_core *t);
+    int (*progress)(rf_xfer_core *t, double wait_s);
+    void (*describe)(rf_xfer_core *t, char *buf, size_t len);
+    void (*finish)(rf_xfer_core *t, int rc);
+    void (*teardown)(rf_xfer_core *t);
+    int (*set_world)(rf_xfer_core *t, const rf_xfer_world *w, rf_err *err);
+    bool (*needs_world)(const rf_xfer_core *t);
+} rf_xfer_backend;
 
-/* Every transport starts with this header. */
+/* What callers see of a transport: its backend. Use the functions below rather than the table
+ * (node.c still tests ops->set_world; rf_xfer_has_world says the same). */
 struct rf_xfer_transport {
-    const rf_xfer_ops *ops;
-    /* Where the other daemons reach this transport's data path (tcp: its listener), set by
-     * rf_xfer_open; NULL when they need no address (nccl bootstraps from the unique id). */
-    const char *data_addr;
-    /* Payload bytes the running job has sent and received so far: the worker adds with
-     * rf_xfer__progress, anyone reads with rf_xfer_progress (refitctl watch). */
-    uint64_t progress;
+    const rf_xfer_backend *ops;
 };
 
-static inline void rf_xfer__progress_reset(rf_xfer_transport *t)
-{
-    __atomic_store_n(&t->progress, 0, __ATOMIC_RELAXED);
-}
-static inline void rf_xfer__progress(rf_xfer_transport *t, uint64_t bytes)
-{
-    __atomic_fetch_add(&t->progress, bytes, __ATOMIC_RELAXED);
-}
-static inline uint64_t rf_xfer_progress(const rf_xfer_transport *t)
-{
-    return __atomic_load_n(&t->progress, __ATOMIC_RELAXED);
-}
-
-static inline const char *rf_xfer_name(const rf_xfer_transport *t)
-{
-    return t->ops->name;
-}
-/* The address a daemon announces in its Hello for data connections; "" for none. */
-static inline const char *rf_xfer_data_addr(const rf_xfer_transport *t)
-{
-    return t->data_addr ? t->data_addr : "";
-}
-static inline int rf_xfer_set_peers(rf_xfer_transport *t, uint32_t self, uint32_t npeers,
-                                    const char *const *addrs, rf_err *err)
-{
-    return t->ops->set_peers(t, self, npeers, addrs, err);
-}
-static inline int rf_xfer_run(rf_xfer_transport *t, const rf_xfer_job *job,
-                              rf_xfer_done_cb done, void *arg, rf_err *err)
-{
-    return t->ops->run(t, job, done, arg, err);
-}
-static inline void rf_xfer_abort(rf_xfer_transport *t)
-{
-    t->ops->abort(t);
-}
-static inline void rf_xfer_close(rf_xfer_transport *t, rf_xfer_close_cb cb, void *arg)
-{
-    t->ops->close(t, cb, arg);
-}
+/* "tcp" or "nccl". */
+const char *rf_xfer_name(const rf_xfer_transport *t);
+/* The address a daemon announces in its Hello for data connections; "" for none (nccl
+ * bootstraps from the unique id). */
+const char *rf_xfer_data_addr(const rf_xfer_transport *t);
+/* Payload bytes the running job has sent and received so far (refitctl watch); any thread. */
+uint64_t rf_xfer_progress(const rf_xfer_transport *t);
+/* The world: this daemon's index and every peer's data address (npeers entries, self
+ * included; a transport that needs no address takes NULL ones). Loop thread, no job running
+ * (-EBUSY otherwise). Connections to peers whose address changed are closed; the others are
+ * kept. */
+int rf_xfer_set_peers(rf_xfer_transport *t, uint32_t self, uint32_t npeers,
+                      const char *const *addrs, rf_err *err);
+/* Starts job on a worker thread; done is called on the loop thread when it ends. The job
+ * and the memory it names stay valid and untouched until then. A job that cannot start
+ * (invalid, another one running) returns the error and done is never called. */
+int rf_xfer_run(rf_xfer_transport *t, const rf_xfer_job *job, rf_xfer_done_cb done, void *arg,
+                rf_err *err);
+/* Makes the running job fail promptly with -ECANCELED (no-op when none runs). */
+void rf_xfer_abort(rf_xfer_transport *t);
+/* Aborts any running job (its done runs first) and releases the transport; cb, which may be
+ * NULL, runs once everything is freed. The loop must keep running until then. A second close
+ * does nothing. */
+void rf_xfer_close(rf_xfer_transport *t, rf_xfer_close_cb cb, void *arg);
 
 /* The NCCL world: one rank per GPU endpoint of the whole cluster (rank = global endpoint id),
  * the unique id made by the coordinator (rf_xfer_nccl_unique_id) and handed to every daemon
@@ -189,19 +190,18 @@ struct rf_xfer_world {
     const uint32_t *local_ranks;      /* nlocal global endpoint ids */
     const int *local_devices;         /* nlocal CUDA device ordinals, or NULL: */
     const char *const *local_uuids;   /* nlocal CUDA UUIDs, used when local_devices is NULL */
-    uint8_t unique_id[128];
+    uint8_t unique_id[RF_XFER_NCCL_ID_BYTES];
 };
 
-static inline int rf_xfer_set_world(rf_xfer_transport *t, const rf_xfer_world *w, rf_err *err)
-{
-    if (!t->ops->set_world)
-        return 0;
-    return t->ops->set_world(t, w, err);
-}
-static inline bool rf_xfer_needs_world(const rf_xfer_transport *t)
-{
-    return t->ops->needs_world ? t->ops->needs_world(t) : false;
-}
+/* The NCCL world of the whole cluster, for transports with a collective world (0 and
+ * nothing done for tcp). Loop thread, no job running (-EBUSY otherwise). Communicators are
+ * made on the worker at the start of the next job. */
+int rf_xfer_set_world(rf_xfer_transport *t, const rf_xfer_world *w, rf_err *err);
+/* True when the transport cannot run a job until set_world gives it a world with a fresh
+ * unique id (none was set yet, or a failed job tore the world down); false for tcp. */
+bool rf_xfer_needs_world(const rf_xfer_transport *t);
+/* Whether the transport runs in a collective world (nccl) that set_world must give it. */
+bool rf_xfer_has_world(const rf_xfer_transport *t);
 
 /* Checks a job's structure, whatever the transport (run checks it again, with the deadline):
  * messages sorted by round and inside nrounds, peers inside the table, seq unique per
@@ -277,7 +277,7 @@ const char *rf_xfer_tcp_addr(const rf_xfer_transport *t);
 int rf_xfer_nccl_new(uv_loop_t *loop, rf_xfer_transport **out, rf_err *err);
 /* A fresh NCCL unique id (ncclGetUniqueId), for the coordinator to hand out: it holds the
  * bootstrap address of the process that calls this, which must stay up while ranks join. */
-int rf_xfer_nccl_unique_id(uint8_t out[128], rf_err *err);
+int rf_xfer_nccl_unique_id(uint8_t out[RF_XFER_NCCL_ID_BYTES], rf_err *err);
 /* Device memory the transport holds now: staging and descriptor buffers over all local GPUs
  * (NCCL's own buffers not included), and the most it held at once since creation. */
 void rf_xfer_nccl_memory(const rf_xfer_transport *t, uint64_t *now, uint64_t *peak);

@@ -1,13 +1,11 @@
 /* common/xfer_nccl.c - the nccl transport: moves a job's messages between the cluster's GPU
  * endpoints with NCCL send/recv, one group per round over every local GPU, packed messages
- * gathered into device staging and scattered with the copy kernels, two rounds in flight. */
+ * gathered into device staging and scattered with the copy kernels; up to SLOTS rounds
+ * enqueued at once (two when verifying), over two staging halves. */
 #define RF_LOG_MODULE "xfer_nccl"
-#include "xfer.h"
+#include "xfer_core.h"
 
-#include <pthread.h>
-#include <sodium.h>
-#include <stdarg.h>
-#include <stdatomic.h>
+#include <assert.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -94,75 +92,38 @@ typedef struct jstate {
     uint8_t *bounce;        /* host memory for verification */
 } jstate;
 
-enum { MODE_JOB, MODE_TEARDOWN };
-
 typedef struct nccl {
-    rf_xfer_transport base;
-    uv_loop_t *loop;
-    uv_async_t async;
-    uint32_t self, npeers;
-    char **addrs;
+    rf_xfer_core base;
 
     /* The world set last, and whether the communicators in g belong to it. */
     bool have_world, comms_up, stale;
     uint32_t nranks, nlocal;
     gpu *g;
-    uint8_t uid[128];
-    uint8_t dead_uid[128]; /* the id of the last world torn down: never reused */
+    uint8_t uid[RF_XFER_NCCL_ID_BYTES];
+    uint8_t dead_uid[RF_XFER_NCCL_ID_BYTES]; /* the id of the last world torn down: never
+                                                reused */
     bool have_dead_uid;
     /* A new world was set while communicators of the old one live: the worker replaces them. */
     bool rebuild;
     gpu *old_g;
     uint32_t old_nlocal;
 
-    bool running, closing, handle_closed;
-    int mode;
-    atomic_bool abort_req, finished;
-    pthread_t thread;
-    const rf_xfer_job *job;
-    rf_xfer_done_cb done;
-    void *done_arg;
-    rf_xfer_result result;
     jstate js;
+    /* The running job's rounds: [lo, hi) enqueued and not retired, at most window of them. */
+    uint32_t lo, hi, window;
     _Atomic uint64_t mem_now, mem_peak;
-    rf_xfer_close_cb close_cb;
-    void *close_arg;
     rf_xfer_nccl_tuning tune; /* read by the worker; changed only while none runs */
     uint64_t world_gen;       /* bumped by set_world: a kept jstate of another world is void */
 } nccl;
 
-static double now_s(void)
-{
-    struct timespec ts;
-
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
+/* A backend's failures are the core's: the first one is the job's. */
+#define fail(t, ...) rf_xfer__fail(&(t)->base, __VA_ARGS__)
 
 static void nap(void)
 {
     struct timespec ts = {0, POLL_NS};
 
     nanosleep(&ts, NULL);
-}
-
-static int fail(nccl *t, int code, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
-static int fail(nccl *t, int code, const char *fmt, ...)
-{
-    va_list ap;
-
-    if (t->result.code != 0)
-        return t->result.code;
-    t->result.code = code;
-    va_start(ap, fmt);
-    vsnprintf(t->result.error, sizeof(t->result.error), fmt, ap);
-    va_end(ap);
-    return code;
-}
-
-static const char *peer_addr(const nccl *t, uint32_t p)
-{
-    return p < t->npeers && t->addrs[p] ? t->addrs[p] : "?";
 }
 
 static void mem_add(nccl *t, int64_t delta)
@@ -271,7 +232,7 @@ out:
 
 /* Creates the communicators of every local GPU in one group and waits, against the job's
  * deadline and aborts, until NCCL says they are up (all ranks of the world must join). */
-static int world_up(nccl *t, double deadline)
+static int world_up(nccl *t)
 {
     ncclUniqueId id;
     rf_err err = {0};
@@ -326,15 +287,14 @@ static int world_up(nccl *t, double deadline)
         }
         if (!pending)
             break;
-        if (atomic_load(&t->abort_req)) {
-            rc = rf_err_set(&err, -ECANCELED, "aborted while the %u ranks were joining",
-                            t->nranks);
+        rc = rf_xfer__stop(&t->base);
+        if (rc == -ECANCELED) {
+            rf_err_set(&err, rc, "aborted while the %u ranks were joining", t->nranks);
             goto out;
         }
-        if (now_s() > deadline) {
-            rc = rf_err_set(&err, -ETIMEDOUT, "the deadline passed before all %u ranks "
-                            "joined; a daemon of the world is missing or got another id",
-                            t->nranks);
+        if (rc == -ETIMEDOUT) {
+            rf_err_set(&err, rc, "the deadline passed before all %u ranks joined; a daemon of "
+                       "the world is missing or got another id", t->nranks);
             goto out;
         }
         nap();
@@ -574,11 +534,11 @@ static void describe_round(nccl *t, uint32_t r, char *buf, size_t len)
     snprintf(buf, len, "round %u of %u unfinished (%u messages; first: seq %u, %llu bytes, "
              "%s peer %u (%s), GPU rank %u %s rank %u)", r, job->nrounds, b - a, m->seq,
              (unsigned long long)m->bytes, m->send ? "to" : "from", m->peer,
-             peer_addr(t, m->peer), m->ep, m->send ? "->" : "<-", m->peer_ep);
+             rf_xfer__peer_addr(&t->base, m->peer), m->ep, m->send ? "->" : "<-", m->peer_ep);
 }
 
 /* Waits for a non-blocking communicator call to be enqueued. */
-static int wait_enqueued(nccl *t, double deadline, uint32_t r)
+static int wait_enqueued(nccl *t, uint32_t r)
 {
     rf_err err = {0};
     char what[300];
@@ -600,11 +560,10 @@ static int wait_enqueued(nccl *t, double deadline, uint32_t r)
         }
         if (!pending)
             return 0;
-        if (atomic_load(&t->abort_req) || now_s() > deadline) {
+        if ((rc = rf_xfer__stop(&t->base)) < 0) {
             describe_round(t, r, what, sizeof(what));
-            return fail(t, atomic_load(&t->abort_req) ? -ECANCELED : -ETIMEDOUT,
-                        "%s while NCCL enqueued %s", atomic_load(&t->abort_req) ?
-                        "aborted" : "deadline passed", what);
+            return fail(t, rc, "%s while NCCL enqueued %s",
+                        rc == -ECANCELED ? "aborted" : "deadline passed", what);
         }
         nap();
     }
@@ -617,7 +576,7 @@ out:
  * Its staging half was last used by round r - 2 (and by round r - 1 when the two do not fit
  * side by side): the gather stream waits for those rounds' last event on this GPU, which
  * follows their wire and scatter on it. */
-static int enqueue_round(nccl *t, uint32_t r, double deadline)
+static int enqueue_round(nccl *t, uint32_t r)
 {
     jstate *s = &t->js;
     const rf_xfer_job *job = s->job;
@@ -666,7 +625,7 @@ static int enqueue_round(nccl *t, uint32_t r, double deadline)
     }
     grouped = false;
     NCCL_TRY(&err, NULL, ncclGroupEnd());
-    if ((rc = wait_enqueued(t, deadline, r)) < 0)
+    if ((rc = wait_enqueued(t, r)) < 0)
         return rc;
 scatter:
     for (g = 0; g < t->nlocal; g++) {
@@ -691,8 +650,7 @@ scatter:
             held += s->rbytes[(size_t)r * t->nlocal + g] +
                     (r >= 1 && s->pair_ok[r - 1] ? s->rbytes[(size_t)(r - 1) * t->nlocal + g]
                                                  : 0);
-        if (held > t->result.peak_staging)
-            t->result.peak_staging = held;
+        rf_xfer__staging(&t->base, held);
     }
     return 0;
 out:
@@ -732,27 +690,22 @@ out:
     return fail(t, rc, "%s: %s", what, err.msg);
 }
 
-static int digest_dev(nccl *t, const rf_xfer_msg *m, const uint8_t *p, uint64_t bytes,
-                      uint8_t acc[32])
+/* Digests message m, whose payload is p in device memory, through the host bounce buffer. */
+static int digest_dev(nccl *t, const rf_xfer_msg *m, const uint8_t *p)
 {
-    crypto_generichash_state st;
-    uint8_t seq[4], h[32];
+    rf_xfer_digest d;
     rf_err err = {0};
     int rc = 0;
 
-    for (int i = 0; i < 4; i++)
-        seq[i] = (uint8_t)(m->seq >> (8 * i));
-    crypto_generichash_init(&st, NULL, 0, sizeof(h));
-    crypto_generichash_update(&st, seq, sizeof(seq));
-    for (uint64_t off = 0; off < bytes; off += VERIFY_CHUNK) {
-        uint64_t n = bytes - off < VERIFY_CHUNK ? bytes - off : VERIFY_CHUNK;
+    if (!rf_xfer__digest_begin(&t->base, m, &d))
+        return 0;
+    for (uint64_t off = 0; d.left > 0; off += VERIFY_CHUNK) {
+        uint64_t n = d.left < VERIFY_CHUNK ? d.left : VERIFY_CHUNK;
 
         CUDA_TRY(&err, cudaMemcpy(t->js.bounce, p + off, n, cudaMemcpyDeviceToHost));
-        crypto_generichash_update(&st, t->js.bounce, n);
+        rf_xfer__digest_add(&d, t->js.bounce, n);
     }
-    crypto_generichash_final(&st, h, sizeof(h));
-    for (int i = 0; i < 32; i++)
-        acc[i] ^= h[i];
+    rf_xfer__digest_end(&d);
 out:
     if (rc < 0)
         fail(t, rc, "copying message seq %u to the host to verify it: %s", m->seq, err.msg);
@@ -769,206 +722,114 @@ static int retire_round(nccl *t, uint32_t r)
 
     for (uint32_t i = s->round_first[r]; i < s->round_first[r + 1]; i++) {
         const rf_xfer_msg *m = &job->msgs[i];
+        const uint8_t *p = m->kind == RF_PLAN_PACKED ? t->g[s->mgpu[i]].arena + s->moff[i]
+                                                     : rf_xfer_direct_ptr(m);
 
-        if (rf_xfer_msg_verified(job, m)) {
-            const uint8_t *p = m->kind == RF_PLAN_PACKED ? t->g[s->mgpu[i]].arena + s->moff[i]
-                                                         : rf_xfer_direct_ptr(m);
-
-            if ((rc = digest_dev(t, m, p, rf_xfer_msg_digest_bytes(job, m),
-                                 m->send ? t->result.digest_sent :
-                                                    t->result.digest_recv)) < 0)
-                return rc;
-        }
-        if (m->send)
-            t->result.bytes_sent += m->bytes;
-        else
-            t->result.bytes_recv += m->bytes;
-        rf_xfer__progress(&t->base, m->bytes);
+        if ((rc = digest_dev(t, m, p)) < 0)
+            return rc;
+        rf_xfer__moved(&t->base, m);
     }
     return 0;
 }
 
-static int run_job(nccl *t)
+/* ---- the job (worker thread) ---- */
+
+static int nccl_start(rf_xfer_core *base)
 {
-    const rf_xfer_job *job = t->job;
-    jstate *s = &t->js;
-    double deadline = now_s() + job->timeout_s;
-    uint32_t lo = 0, hi = 0, nr = job->nrounds, window;
-    char what[300];
+    nccl *t = (nccl *)base;
+    const rf_xfer_job *job = base->job;
     int rc;
 
-    if ((rc = world_up(t, deadline)) < 0)
-        goto out;
+    if ((rc = world_up(t)) < 0)
+        return rc;
     if ((rc = js_prepare(t, job)) < 0 || (rc = arenas_reserve(t)) < 0)
-        goto out;
+        return rc;
+    t->lo = t->hi = 0;
     /* Verification reads a retired round's staging on the host, so nothing may be enqueued
      * over it before then: two rounds at most, and only neighbours that fit side by side. */
-    window = job->verify != RF_VERIFY_OFF ? 2 : t->tune.window ? t->tune.window : SLOTS;
-    while (lo < nr) {
-        while (hi < nr && hi < lo + window &&
-               (hi == lo || job->verify == RF_VERIFY_OFF || s->pair_ok[lo])) {
-            if ((rc = enqueue_round(t, hi, deadline)) < 0)
-                goto out;
-            hi++;
-        }
-        rc = round_finished(t, lo);
-        if (rc < 0)
-            goto out;
-        if (rc == 1) {
-            if ((rc = retire_round(t, lo)) < 0)
-                goto out;
-            lo++;
-            continue;
-        }
-        if (atomic_load(&t->abort_req)) {
-            describe_round(t, lo, what, sizeof(what));
-            rc = fail(t, -ECANCELED, "aborted with %s", what);
-            goto out;
-        }
-        if (now_s() > deadline) {
-            describe_round(t, lo, what, sizeof(what));
-            rc = fail(t, -ETIMEDOUT, "deadline of %.1f s passed with %s", job->timeout_s, what);
-            goto out;
-        }
-        nap();
-    }
-    rc = 0;
-out:
-    if (rc < 0 || job->plan_key == 0)
-        js_free(s);
-    return rc;
+    t->window = job->verify != RF_VERIFY_OFF ? 2 : t->tune.window ? t->tune.window : SLOTS;
+    return 0;
 }
 
-static void *worker_main(void *arg)
+/* Enqueues what the window allows, then retires the oldest round if it finished. A check
+ * costs next to nothing, so the step naps POLL_NS rather than waiting the core's wait_s. */
+static int nccl_progress(rf_xfer_core *base, double wait_s)
 {
-    nccl *t = arg;
-    double t0 = now_s();
+    nccl *t = (nccl *)base;
+    jstate *s = &t->js;
+    const rf_xfer_job *job = s->job;
+    uint32_t nr = job->nrounds;
+    int rc;
 
-    if (t->mode == MODE_TEARDOWN) {
-        for (uint32_t i = 0; i < t->nlocal; i++)
-            gpu_release(t, &t->g[i]);
-        for (uint32_t i = 0; i < t->old_nlocal; i++)
-            gpu_release(t, &t->old_g[i]);
-    } else if (run_job(t) < 0) {
+    (void)wait_s;
+    if (t->lo == nr)
+        return 1;
+    while (t->hi < nr && t->hi < t->lo + t->window &&
+           (t->hi == t->lo || job->verify == RF_VERIFY_OFF || s->pair_ok[t->lo])) {
+        if ((rc = enqueue_round(t, t->hi)) < 0)
+            return rc;
+        t->hi++;
+    }
+    /* Rounds retire in order, and a round's slot is reused only after it retired. */
+    assert(t->lo < t->hi && t->hi - t->lo <= SLOTS);
+    rc = round_finished(t, t->lo);
+    if (rc <= 0) {
+        if (rc == 0)
+            nap();
+        return rc;
+    }
+    if ((rc = retire_round(t, t->lo)) < 0)
+        return rc;
+    t->lo++;
+    return t->lo == nr;
+}
+
+static void nccl_describe(rf_xfer_core *base, char *buf, size_t len)
+{
+    nccl *t = (nccl *)base;
+
+    if (t->lo < base->job->nrounds)
+        describe_round(t, t->lo, buf, len);
+    else
+        snprintf(buf, len, "nothing");
+}
+
+static void nccl_finish(rf_xfer_core *base, int rc)
+{
+    nccl *t = (nccl *)base;
+
+    if (rc < 0 || base->job->plan_key == 0)
+        js_free(&t->js);
+    if (rc < 0) {
         /* Kernels may be stuck on a peer that failed: abort, and the next job needs a new
          * world with a fresh id. */
         world_abort(t);
         RF_WARN("job of version %llu failed: %s; the NCCL world is torn down",
-                (unsigned long long)t->job->version, t->result.error);
+                (unsigned long long)base->job->version, base->result.error);
     }
-    t->result.seconds = now_s() - t0;
-    atomic_store(&t->finished, true);
-    uv_async_send(&t->async);
-    return NULL;
+}
+
+/* Releasing communicators and device memory is slow: the core runs this on a worker. */
+static void nccl_teardown(rf_xfer_core *base)
+{
+    nccl *t = (nccl *)base;
+
+    for (uint32_t i = 0; i < t->nlocal; i++)
+        gpu_release(t, &t->g[i]);
+    for (uint32_t i = 0; i < t->old_nlocal; i++)
+        gpu_release(t, &t->old_g[i]);
 }
 
 /* ---- the loop thread ---- */
 
-static void free_nccl(nccl *t)
+static void nccl_release(rf_xfer_core *base)
 {
-    for (uint32_t p = 0; p < t->npeers; p++)
-        free(t->addrs[p]);
-    free(t->addrs);
+    nccl *t = (nccl *)base;
+
     free(t->g);
     free(t->old_g);
     js_free(&t->js);
     free(t);
-}
-
-static void on_closed(uv_handle_t *h)
-{
-    nccl *t = container_of((uv_async_t *)h, nccl, async);
-    rf_xfer_close_cb cb = t->close_cb;
-    void *arg = t->close_arg;
-
-    free_nccl(t);
-    if (cb)
-        cb(arg);
-}
-
-static int start_worker(nccl *t, int mode)
-{
-    int rc;
-
-    atomic_store(&t->finished, false);
-    t->mode = mode;
-    rc = pthread_create(&t->thread, NULL, worker_main, t);
-    if (rc != 0)
-        return -rc;
-    t->running = true;
-    return 0;
-}
-
-static void finish_close(nccl *t)
-{
-    if (t->handle_closed)
-        return;
-    /* Releasing communicators and device memory is slow: a worker does it first. */
-    if (t->mode != MODE_TEARDOWN && (t->nlocal > 0 || t->old_nlocal > 0) &&
-        start_worker(t, MODE_TEARDOWN) == 0)
-        return;
-    t->handle_closed = true;
-    uv_close((uv_handle_t *)&t->async, on_closed);
-}
-
-static void on_async(uv_async_t *a)
-{
-    nccl *t = container_of(a, nccl, async);
-    rf_xfer_result res;
-    rf_xfer_done_cb done;
-    void *arg;
-    int mode = t->mode;
-
-    if (!t->running || !atomic_load(&t->finished))
-        return;
-    pthread_join(t->thread, NULL);
-    t->running = false;
-    if (mode == MODE_TEARDOWN) {
-        t->handle_closed = true;
-        uv_close((uv_handle_t *)&t->async, on_closed);
-        return;
-    }
-    res = t->result;
-    done = t->done;
-    arg = t->done_arg;
-    t->done = NULL;
-    t->job = NULL;
-    if (done)
-        done(&t->base, &res, arg);
-    if (t->closing && !t->running)
-        finish_close(t);
-}
-
-static int nccl_set_peers(rf_xfer_transport *base, uint32_t self, uint32_t npeers,
-                          const char *const *addrs, rf_err *err)
-{
-    nccl *t = (nccl *)base;
-    char **naddrs = NULL;
-    uint32_t p;
-
-    if (t->running || t->closing)
-        return rf_err_set(err, -EBUSY, "xfer nccl: cannot change peers while a job runs");
-    if (npeers == 0 || self >= npeers)
-        return rf_err_set(err, -EINVAL, "xfer nccl: this daemon's index %u is outside a peer "
-                          "table of %u", self, npeers);
-    naddrs = calloc(npeers, sizeof(*naddrs));
-    if (!naddrs)
-        return rf_err_set(err, -ENOMEM, "xfer nccl: out of memory for %u peers", npeers);
-    for (p = 0; p < npeers; p++) {
-        if (addrs && addrs[p] && !(naddrs[p] = strdup(addrs[p]))) {
-            for (uint32_t q = 0; q < p; q++)
-                free(naddrs[q]);
-            free(naddrs);
-            return rf_err_set(err, -ENOMEM, "xfer nccl: out of memory for %u peers", npeers);
-        }
-    }
-    for (p = 0; p < t->npeers; p++)
-        free(t->addrs[p]);
-    free(t->addrs);
-    t->addrs = naddrs;
-    t->self = self;
-    t->npeers = npeers;
-    return 0;
 }
 
 static bool same_world(const nccl *t, const rf_xfer_world *w)
@@ -982,12 +843,12 @@ static bool same_world(const nccl *t, const rf_xfer_world *w)
     return true;
 }
 
-static int set_world_devices(rf_xfer_transport *base, const rf_xfer_world *w, rf_err *err)
+static int set_world_devices(rf_xfer_core *base, const rf_xfer_world *w, rf_err *err)
 {
     nccl *t = (nccl *)base;
     gpu *ng = NULL;
 
-    if (t->running || t->closing)
+    if (base->running || base->closing)
         return rf_err_set(err, -EBUSY, "xfer nccl: cannot change the world while a job runs");
     if (w->nranks == 0 || w->nlocal == 0 || !w->local_ranks || !w->local_devices)
         return rf_err_set(err, -EINVAL, "xfer nccl: a world of %u ranks with %u local GPUs; "
@@ -1074,7 +935,7 @@ static int set_world_devices(rf_xfer_transport *base, const rf_xfer_world *w, rf
 
 /* A daemon knows its GPUs by the CUDA UUIDs its clients registered memory under; the ordinals
  * are this process's numbering of them. */
-static int nccl_set_world(rf_xfer_transport *base, const rf_xfer_world *w, rf_err *err)
+static int nccl_set_world(rf_xfer_core *base, const rf_xfer_world *w, rf_err *err)
 {
     rf_xfer_world wd;
     int *devs = NULL, rc = 0;
@@ -1104,7 +965,7 @@ int rf_xfer_nccl_tune(rf_xfer_transport *base, const rf_xfer_nccl_tuning *tu, rf
 {
     nccl *t = (nccl *)base;
 
-    if (t->running)
+    if (t->base.running)
         return rf_err_set(err, -EBUSY, "xfer nccl: tuning changes while a job runs");
     if (tu->window > SLOTS)
         return rf_err_set(err, -EINVAL, "xfer nccl: a window of %u rounds; at most %d",
@@ -1115,26 +976,18 @@ int rf_xfer_nccl_tune(rf_xfer_transport *base, const rf_xfer_nccl_tuning *tu, rf
     return 0;
 }
 
-static bool nccl_needs_world(const rf_xfer_transport *base)
+static bool nccl_needs_world(const rf_xfer_core *base)
 {
     const nccl *t = (const nccl *)base;
 
     return !t->have_world || t->stale;
 }
 
-static int nccl_run(rf_xfer_transport *base, const rf_xfer_job *job, rf_xfer_done_cb done,
-                    void *arg, rf_err *err)
+/* What the core cannot check: a world to run in, and every message between ranks of it. */
+static int nccl_check(rf_xfer_core *base, const rf_xfer_job *job, rf_err *err)
 {
     nccl *t = (nccl *)base;
-    int rc;
 
-    if (t->closing)
-        return rf_err_set(err, -ECANCELED, "xfer nccl: the transport is closing");
-    if (t->running)
-        return rf_err_set(err, -EBUSY, "xfer nccl: a job (version %llu) is still running",
-                          (unsigned long long)t->job->version);
-    if (t->npeers == 0)
-        return rf_err_set(err, -EINVAL, "xfer nccl: no peer table; call set_peers first");
     if (!t->have_world)
         return rf_err_set(err, -ESTALE, "xfer nccl: no NCCL world; the daemon must get a "
                           "unique id from the coordinator and call set_world first");
@@ -1142,12 +995,6 @@ static int nccl_run(rf_xfer_transport *base, const rf_xfer_job *job, rf_xfer_don
         return rf_err_set(err, -ESTALE, "xfer nccl: the NCCL world was torn down after a "
                           "failed job; the daemon must get a fresh unique id from the "
                           "coordinator and call set_world");
-    if (!(job->timeout_s > 0))
-        return rf_err_set(err, -EINVAL, "xfer nccl: job for version %llu has no deadline "
-                          "(timeout %g s); set timeout_s", (unsigned long long)job->version,
-                          job->timeout_s);
-    if (!job->checked && (rc = rf_xfer_job_check(job, t->npeers, err)) < 0)
-        return rc;
     for (uint32_t i = 0; i < job->nmsgs; i++) {
         const rf_xfer_msg *m = &job->msgs[i];
 
@@ -1158,87 +1005,46 @@ static int nccl_run(rf_xfer_transport *base, const rf_xfer_job *job, rf_xfer_don
                               m->ep, m->peer_ep, local_index(t, m->ep) < 0 ? m->ep : m->peer_ep,
                               t->nranks);
     }
-    memset(&t->result, 0, sizeof(t->result));
-    rf_xfer__progress_reset(&t->base);
-    atomic_store(&t->abort_req, false);
-    t->job = job;
-    t->done = done;
-    t->done_arg = arg;
-    rc = start_worker(t, MODE_JOB);
-    if (rc < 0) {
-        t->job = NULL;
-        return rf_err_set(err, rc, "xfer nccl: starting the worker thread: %s", strerror(-rc));
-    }
     return 0;
 }
 
-static void nccl_abort(rf_xfer_transport *base)
-{
-    nccl *t = (nccl *)base;
-
-    if (t->running && t->mode == MODE_JOB)
-        atomic_store(&t->abort_req, true);
-}
-
-static void nccl_close(rf_xfer_transport *base, rf_xfer_close_cb cb, void *arg)
-{
-    nccl *t = (nccl *)base;
-
-    if (t->closing)
-        return;
-    t->closing = true;
-    t->close_cb = cb;
-    t->close_arg = arg;
-    if (t->running)
-        nccl_abort(base);
-    else
-        finish_close(t);
-}
-
-static const rf_xfer_ops nccl_ops = {
+static const rf_xfer_backend nccl_backend = {
     .name = "nccl",
-    .set_peers = nccl_set_peers,
-    .run = nccl_run,
-    .abort = nccl_abort,
-    .close = nccl_close,
+    .check = nccl_check,
+    .release = nccl_release,
+    .start = nccl_start,
+    .progress = nccl_progress,
+    .describe = nccl_describe,
+    .finish = nccl_finish,
+    .teardown = nccl_teardown,
     .set_world = nccl_set_world,
     .needs_world = nccl_needs_world,
 };
 
 int rf_xfer_nccl_new(uv_loop_t *loop, rf_xfer_transport **out, rf_err *err)
 {
-    nccl *t = NULL;
+    rf_xfer_core *core = NULL;
     int rc;
 
     *out = NULL;
-    if (sodium_init() < 0)
-        return rf_err_set(err, -EIO, "xfer nccl: libsodium failed to initialise");
-    t = calloc(1, sizeof(*t));
-    if (!t)
-        return rf_err_set(err, -ENOMEM, "xfer nccl: out of memory");
-    t->base.ops = &nccl_ops;
-    t->loop = loop;
-    t->mode = MODE_JOB;
-    atomic_init(&t->abort_req, false);
-    atomic_init(&t->finished, false);
-    atomic_init(&t->mem_now, 0);
-    atomic_init(&t->mem_peak, 0);
-    rc = uv_async_init(loop, &t->async, on_async);
-    if (rc < 0) {
-        free(t);
-        return rf_err_set(err, rc, "xfer nccl: uv_async_init: %s", uv_strerror(rc));
-    }
-    *out = &t->base;
+    if ((rc = rf_xfer__new(sizeof(nccl), &nccl_backend, loop, &core, err)) < 0)
+        return rc;
+    atomic_init(&((nccl *)core)->mem_now, 0);
+    atomic_init(&((nccl *)core)->mem_peak, 0);
+    *out = &core->pub;
     return 0;
 }
 
-int rf_xfer_nccl_unique_id(uint8_t out[128], rf_err *err)
+_Static_assert(sizeof(((ncclUniqueId *)0)->internal) == RF_XFER_NCCL_ID_BYTES,
+               "RF_XFER_NCCL_ID_BYTES is the size of NCCL's unique id");
+
+int rf_xfer_nccl_unique_id(uint8_t out[RF_XFER_NCCL_ID_BYTES], rf_err *err)
 {
     ncclUniqueId id;
     int rc = 0;
 
     NCCL_TRY(err, NULL, ncclGetUniqueId(&id));
-    memcpy(out, id.internal, 128);
+    memcpy(out, id.internal, RF_XFER_NCCL_ID_BYTES);
 out:
     return rc;
 }

@@ -1,30 +1,26 @@
 /* common/xfer_tcp.c - the tcp transport: moves a job's messages between daemons' host memory
  * over TCP data sockets, on a worker thread that drives every peer connection with poll(). */
-#include "xfer.h"
+#include "xfer_core.h"
 
 #include <arpa/inet.h>
+#include <assert.h>
 #include <fcntl.h>
 #include <netdb.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <poll.h>
-#include <pthread.h>
 #include <sodium.h>
 #include <stdarg.h>
-#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/eventfd.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
-#include <time.h>
 #include <unistd.h>
 
 #include "copy.h"
 #include "log.h"
 #include "macros.h"
-
 
 /* Wire format, little-endian; protocol 3. Handshake (HMAC-SHA256 under the cluster key K,
  * each use under its own NUL-terminated tag, so no proof stands for another):
@@ -124,7 +120,6 @@ typedef struct run_item {
 typedef struct jstate {
     const rf_xfer_job *job;
     uint32_t npeers;
-    double deadline;
     uint32_t *send_first, *send_idx, *send_cur; /* per peer: its sends in job order */
     uint32_t *recv_open;  /* per peer: receives in admitted rounds not yet done */
     seq_ent *recv_seq;    /* receives sorted by seq */
@@ -141,22 +136,15 @@ typedef struct jstate {
 } jstate;
 
 typedef struct tcp {
-    rf_xfer_transport base;
-    uv_loop_t *loop;
-    uv_async_t async;
-    int lfd, efd;
+    rf_xfer_core base;
+    int lfd;
     char addr[ADDR_MAX];
-    uint32_t self, npeers;
-    char **addrs;
-    conn *out, *in; /* npeers each, indexed by peer */
+    conn *out, *in; /* base.npeers each, indexed by peer */
     conn *pending;  /* accepted, hello not read yet */
     size_t npending, cap_pending;
     /* The cluster key the hellos are authenticated with (rf_xfer_tcp_set_key). */
     uint8_t *key;
     size_t key_len;
-    /* The last hello that failed authentication in this job, named in a deadline message:
-     * a peer with another key shows up here rather than as silence. */
-    char auth_note[176];
     /* Staging, kept between jobs so that a refit does not fault in fresh pages every round;
      * never larger than the budget. Even rounds sit at its start, odd ones at its end, so
      * that two open rounds never overlap. */
@@ -170,26 +158,16 @@ typedef struct tcp {
     uint32_t *msg_first;
     uint64_t runs_key;
     rf_copy_desc desc; /* the general case, one item at a time */
-
-    bool running, closing, handle_closed;
-    atomic_bool abort_req, finished;
-    pthread_t thread;
-    const rf_xfer_job *job;
-    rf_xfer_done_cb done;
-    void *done_arg;
-    rf_xfer_result result; /* written by the worker, read after the join */
+    /* The worker's poll set, kept between steps and jobs: what each entry is and for whom. */
+    struct pollfd *pfd;
+    uint32_t *pref;
+    uint8_t *pkind;
+    size_t pcap;
     jstate js;
-    rf_xfer_close_cb close_cb;
-    void *close_arg;
 } tcp;
 
-static double now_s(void)
-{
-    struct timespec ts;
-
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
+/* A backend's failures are the core's: the first one is the job's. */
+#define fail(t, ...) rf_xfer__fail(&(t)->base, __VA_ARGS__)
 
 static void put32(uint8_t *p, uint32_t v)
 {
@@ -236,7 +214,7 @@ static void conn_close(conn *c)
 
 static void close_all_conns(tcp *t)
 {
-    for (uint32_t p = 0; p < t->npeers; p++) {
+    for (uint32_t p = 0; p < t->base.npeers; p++) {
         conn_close(&t->out[p]);
         conn_close(&t->in[p]);
     }
@@ -363,30 +341,10 @@ static int find_recv(const jstate *s, uint32_t seq)
     return lo < s->nrecv && s->recv_seq[lo].seq == seq ? (int)s->recv_seq[lo].idx : -1;
 }
 
-/* ---- the worker: failing ---- */
-
-static int fail(tcp *t, int code, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
-static int fail(tcp *t, int code, const char *fmt, ...)
-{
-    va_list ap;
-
-    if (t->result.code != 0)
-        return t->result.code;
-    t->result.code = code;
-    va_start(ap, fmt);
-    vsnprintf(t->result.error, sizeof(t->result.error), fmt, ap);
-    va_end(ap);
-    return code;
-}
-
-static const char *peer_addr(const tcp *t, uint32_t p)
-{
-    return p < t->npeers ? t->addrs[p] : "?";
-}
-
 /* The first unfinished message, to name in a deadline or abort message. */
-static void describe_outstanding(tcp *t, char *buf, size_t len)
+static void describe_outstanding(rf_xfer_core *base, char *buf, size_t len)
 {
+    tcp *t = (tcp *)base;
     const jstate *s = &t->js;
     const rf_xfer_job *job = s->job;
 
@@ -403,29 +361,14 @@ static void describe_outstanding(tcp *t, char *buf, size_t len)
             moved = c->done;
         snprintf(buf, len, "%u messages outstanding, first %s message seq %u (round %u) %s peer "
                  "%u (%s), %llu of %llu bytes moved", s->left, m->send ? "sending" : "receiving",
-                 m->seq, m->round, m->send ? "to" : "from", m->peer, peer_addr(t, m->peer),
-                 (unsigned long long)moved, (unsigned long long)m->bytes);
+                 m->seq, m->round, m->send ? "to" : "from", m->peer,
+                 rf_xfer__peer_addr(base, m->peer), (unsigned long long)moved,
+                 (unsigned long long)m->bytes);
         return;
     }
 }
 
 /* ---- the worker: rounds and staging ---- */
-
-static void digest_msg(const rf_xfer_msg *m, const uint8_t *payload, uint64_t bytes,
-                       uint8_t acc[32])
-{
-    crypto_generichash_state st;
-    uint8_t seq[4], h[32];
-
-    put32(seq, m->seq);
-    crypto_generichash_init(&st, NULL, 0, sizeof(h));
-    crypto_generichash_update(&st, seq, sizeof(seq));
-    if (bytes > 0)
-        crypto_generichash_update(&st, payload, bytes);
-    crypto_generichash_final(&st, h, sizeof(h));
-    for (int i = 0; i < 32; i++)
-        acc[i] ^= h[i];
-}
 
 /* Reduces every packed item of the job to runs, unless the table was built for this job's
  * plan_key already. */
@@ -564,8 +507,7 @@ static int window_update(tcp *t)
             uint64_t off = r & 1 ? s->arena_size - s->round_bytes[r] : 0;
 
             s->staging_now += s->round_bytes[r];
-            if (s->staging_now > t->result.peak_staging)
-                t->result.peak_staging = s->staging_now;
+            rf_xfer__staging(&t->base, s->staging_now);
             for (uint32_t i = s->round_first[r]; i < s->round_first[r + 1]; i++) {
                 const rf_xfer_msg *m = &job->msgs[i];
 
@@ -651,26 +593,26 @@ static int start_connect(tcp *t, uint32_t p, uint32_t seq)
     struct addrinfo hints, *ai = NULL;
     int fd = -1, one = 1, rc;
 
-    if (split_addr(t->addrs[p], host, sizeof(host), port, sizeof(port)) < 0)
+    if (split_addr(t->base.addrs[p], host, sizeof(host), port, sizeof(port)) < 0)
         return fail(t, -EINVAL, "peer %u has data address '%s', not host:port; check its "
-                    "Hello", p, t->addrs[p]);
+                    "Hello", p, t->base.addrs[p]);
     memset(&hints, 0, sizeof(hints));
     hints.ai_socktype = SOCK_STREAM;
     hints.ai_flags = AI_NUMERICSERV;
     rc = getaddrinfo(host, port, &hints, &ai);
     if (rc != 0) {
         rc = fail(t, -EHOSTUNREACH, "resolving peer %u (%s) for message seq %u: %s", p,
-                  t->addrs[p], seq, gai_strerror(rc));
+                  t->base.addrs[p], seq, gai_strerror(rc));
         goto out;
     }
     fd = socket(ai->ai_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
     if (fd < 0) {
-        rc = fail(t, -errno, "socket for peer %u (%s): %s", p, t->addrs[p], strerror(errno));
+        rc = fail(t, -errno, "socket for peer %u (%s): %s", p, t->base.addrs[p], strerror(errno));
         goto out;
     }
     setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
     if (connect(fd, ai->ai_addr, ai->ai_addrlen) < 0 && errno != EINPROGRESS) {
-        rc = fail(t, -errno, "connect to peer %u (%s) for message seq %u: %s", p, t->addrs[p],
+        rc = fail(t, -errno, "connect to peer %u (%s) for message seq %u: %s", p, t->base.addrs[p],
                   seq, strerror(errno));
         goto out;
     }
@@ -710,8 +652,7 @@ static int prepare_send(tcp *t, conn *c, uint32_t i)
     } else {
         c->payload = rf_xfer_direct_ptr(m);
     }
-    if (rf_xfer_msg_verified(s->job, m))
-        digest_msg(m, c->payload, rf_xfer_msg_digest_bytes(s->job, m), t->result.digest_sent);
+    rf_xfer__digest_msg(&t->base, m, c->payload);
     h = c->buf + c->buf_len;
     put32(h, FRAME_MAGIC);
     put32(h + 4, m->seq);
@@ -770,12 +711,12 @@ static int out_handshake_read(tcp *t, conn *c)
         if (nonce)
             return fail(t, e ? -e : -ECONNRESET, "peer %u (%s) sent no challenge on "
                         "its data port (%s) with message seq %u waiting; is it a refit daemon "
-                        "speaking data protocol %u?", p, t->addrs[p], why, waiting_seq(t, p),
+                        "speaking data protocol %u?", p, t->base.addrs[p], why, waiting_seq(t, p),
                         PROTO_VERSION);
         return fail(t, -EACCES, "peer %u (%s) did not accept our data connection's hello (%s) "
                     "with message seq %u waiting: it holds a different cluster key (give every "
                     "daemon the same cluster_key_file), runs an older release (data protocol "
-                    "below %u), or its own job failed (see its log)", p, t->addrs[p], why,
+                    "below %u), or its own job failed (see its log)", p, t->base.addrs[p], why,
                     waiting_seq(t, p), PROTO_VERSION);
     }
     c->hs_done += (size_t)n;
@@ -783,7 +724,7 @@ static int out_handshake_read(tcp *t, conn *c)
     if (!nonce && c->hs_done >= 4 && get32(c->ack) != ACK_MAGIC)
         return fail(t, -EPROTO, "peer %u (%s) answered our data connection's hello with "
                     "0x%08x, not an acceptance, with message seq %u waiting; is it a refit "
-                    "daemon speaking data protocol %u?", p, t->addrs[p], get32(c->ack),
+                    "daemon speaking data protocol %u?", p, t->base.addrs[p], get32(c->ack),
                     waiting_seq(t, p), PROTO_VERSION);
     if (c->hs_done < want)
         return 0;
@@ -791,7 +732,7 @@ static int out_handshake_read(tcp *t, conn *c)
     if (nonce) {
         put32(c->buf, HELLO_MAGIC);
         put32(c->buf + 4, PROTO_VERSION);
-        put32(c->buf + 8, t->self);
+        put32(c->buf + 8, t->base.self);
         put32(c->buf + 12, p);
         randombytes_buf(c->buf + 16, NONCE_LEN);
         hs_mac(t, HS_HELLO, sizeof(HS_HELLO), c->nonce, c->buf, c->buf + HELLO_BODY);
@@ -806,7 +747,7 @@ static int out_handshake_read(tcp *t, conn *c)
         return fail(t, -EACCES, "peer %u (%s) accepted our data connection without proving the "
                     "cluster key, with message seq %u waiting; nothing was sent to it. It holds "
                     "a different cluster key (give every daemon the same cluster_key_file), or "
-                    "something else answers on that address", p, t->addrs[p],
+                    "something else answers on that address", p, t->base.addrs[p],
                     waiting_seq(t, p));
     c->ctr = 0;
     c->stage = OUT_READY;
@@ -828,7 +769,7 @@ static int send_progress(tcp *t, conn *c)
             return 0;
         if (soerr != 0)
             return fail(t, -soerr, "connect to peer %u (%s) for message seq %u: %s; is its "
-                        "daemon up?", p, t->addrs[p], waiting_seq(t, p), strerror(soerr));
+                        "daemon up?", p, t->base.addrs[p], waiting_seq(t, p), strerror(soerr));
         c->stage = OUT_NONCE;
     }
     if (c->stage == OUT_NONCE || c->stage == OUT_ACK) {
@@ -892,10 +833,10 @@ static int send_progress(tcp *t, conn *c)
 
                     return fail(t, -errno, "sending message seq %u (round %u) to peer %u (%s): "
                                 "%s after %llu of %llu bytes", m->seq, m->round, p,
-                                t->addrs[p], strerror(errno), (unsigned long long)c->done,
+                                t->base.addrs[p], strerror(errno), (unsigned long long)c->done,
                                 (unsigned long long)m->bytes);
                 }
-                return fail(t, -errno, "sending to peer %u (%s): %s", p, t->addrs[p],
+                return fail(t, -errno, "sending to peer %u (%s): %s", p, t->base.addrs[p],
                             strerror(errno));
             }
             /* What went out, in iov order: header (or hello), payload, tag. */
@@ -919,8 +860,7 @@ static int send_progress(tcp *t, conn *c)
             if (c->cur >= 0 && c->done == s->job->msgs[c->cur].bytes && c->tag_done == TAG_LEN) {
                 uint32_t i = (uint32_t)c->cur;
 
-                t->result.bytes_sent += s->job->msgs[i].bytes;
-                rf_xfer__progress(&t->base, s->job->msgs[i].bytes);
+                rf_xfer__moved(&t->base, &s->job->msgs[i]);
                 c->cur = -1;
                 if ((rc = msg_done(t, i)) < 0)
                     return rc;
@@ -955,31 +895,31 @@ static int parse_header(tcp *t, conn *c)
 
     if (magic != FRAME_MAGIC)
         return fail(t, -EPROTO, "bad frame header from peer %u (%s): magic 0x%08x, expected "
-                    "message seq %u; the stream is corrupt", p, t->addrs[p], magic,
+                    "message seq %u; the stream is corrupt", p, t->base.addrs[p], magic,
                     expected_seq(t, p));
     if (version != s->job->version)
         return fail(t, -ESTALE, "frame for message seq %u from peer %u (%s) carries version "
                     "%llu, this job is version %llu; data of another refit is never installed",
-                    seq, p, t->addrs[p], (unsigned long long)version,
+                    seq, p, t->base.addrs[p], (unsigned long long)version,
                     (unsigned long long)s->job->version);
     i = find_recv(s, seq);
     if (i < 0 || s->job->msgs[i].peer != p)
         return fail(t, -EPROTO, "peer %u (%s) sent message seq %u, which this daemon does not "
-                    "expect from it; the plans differ", p, t->addrs[p], seq);
+                    "expect from it; the plans differ", p, t->base.addrs[p], seq);
     m = &s->job->msgs[i];
     if (s->state[i] != MSG_PENDING)
-        return fail(t, -EPROTO, "peer %u (%s) sent message seq %u twice", p, t->addrs[p], seq);
+        return fail(t, -EPROTO, "peer %u (%s) sent message seq %u twice", p, t->base.addrs[p], seq);
     if (m->round >= s->hi)
         return fail(t, -EPROTO, "peer %u (%s) sent message seq %u of round %u before round %u "
-                    "was done; it sends out of round order", p, t->addrs[p], seq, m->round,
+                    "was done; it sends out of round order", p, t->base.addrs[p], seq, m->round,
                     s->lo);
     if (bytes != m->bytes)
         return fail(t, -EPROTO, "peer %u (%s) sent message seq %u with %llu bytes, the plan "
-                    "says %llu; the plans differ", p, t->addrs[p], seq,
+                    "says %llu; the plans differ", p, t->base.addrs[p], seq,
                     (unsigned long long)bytes, (unsigned long long)m->bytes);
     if (m->kind != RF_PLAN_PACKED && bytes > 0 && !c->bounce && !(c->bounce = malloc(SEG_LEN)))
         return fail(t, -ENOMEM, "out of memory for the %u-byte receive buffer of peer %u (%s)",
-                    SEG_LEN, p, t->addrs[p]);
+                    SEG_LEN, p, t->base.addrs[p]);
     c->cur = i;
     c->done = c->seg_start = c->seg_end = 0;
     c->tag_done = 0;
@@ -1005,7 +945,7 @@ static int segment_done(tcp *t, conn *c)
                     "connection. Nothing of them was installed and this version will not "
                     "commit; if it recurs, look for a faulty NIC or an attacker on the path",
                     (unsigned long long)c->seg_start, (unsigned long long)c->seg_end, m->seq,
-                    m->round, p, t->addrs[p]);
+                    m->round, p, t->base.addrs[p]);
     if (direct)
         memcpy(c->payload + c->seg_start, c->bounce, len);
     c->seg_start = c->seg_end;
@@ -1019,12 +959,10 @@ static int finish_recv(tcp *t, conn *c)
     uint32_t i = (uint32_t)c->cur;
     const rf_xfer_msg *m = &s->job->msgs[i];
 
-    if (rf_xfer_msg_verified(s->job, m))
-        digest_msg(m, c->payload, rf_xfer_msg_digest_bytes(s->job, m), t->result.digest_recv);
+    rf_xfer__digest_msg(&t->base, m, c->payload);
     if (m->kind == RF_PLAN_PACKED)
         copy_items(t, i, s->staging[i], false);
-    t->result.bytes_recv += m->bytes;
-    rf_xfer__progress(&t->base, m->bytes);
+    rf_xfer__moved(&t->base, m);
     c->cur = -1;
     return msg_done(t, i);
 }
@@ -1044,11 +982,11 @@ static int recv_broken(tcp *t, conn *c, int e)
         const rf_xfer_msg *m = &t->js.job->msgs[c->cur];
 
         return fail(t, e ? -e : -ECONNRESET, "receiving message seq %u (round %u) from peer %u "
-                    "(%s): %s after %llu of %llu bytes", m->seq, m->round, p, t->addrs[p], why,
+                    "(%s): %s after %llu of %llu bytes", m->seq, m->round, p, t->base.addrs[p], why,
                     (unsigned long long)c->done, (unsigned long long)m->bytes);
     }
     return fail(t, e ? -e : -ECONNRESET, "receiving from peer %u (%s), message seq %u expected: "
-                "%s%s", p, t->addrs[p], expected_seq(t, p), why,
+                "%s%s", p, t->base.addrs[p], expected_seq(t, p), why,
                 c->buf_done ? " inside a frame header" : "");
 }
 
@@ -1117,7 +1055,7 @@ static int recv_progress(tcp *t, conn *c)
                                 "replayed, or not from this connection. Nothing of it was "
                                 "installed and this version will not commit; if it recurs, "
                                 "look for a faulty NIC or an attacker on the path", c->peer,
-                                t->addrs[c->peer], expected_seq(t, c->peer));
+                                t->base.addrs[c->peer], expected_seq(t, c->peer));
                 if ((rc = parse_header(t, c)) < 0)
                     return rc;
             }
@@ -1184,18 +1122,18 @@ static int hello_progress(tcp *t, size_t k)
         return 0;
     from = get32(c->buf + 8);
     to = get32(c->buf + 12);
-    if (from >= t->npeers || to != t->self) {
+    if (from >= t->base.npeers || to != t->base.self) {
         drop_pending(c, "its hello is from peer %u to peer %u, this daemon is peer %u of %u",
-                     from, to, t->self, t->npeers);
+                     from, to, t->base.self, t->base.npeers);
         return 0;
     }
     hs_mac(t, HS_HELLO, sizeof(HS_HELLO), c->nonce, c->buf, mac);
     if (crypto_verify_32(mac, c->buf + HELLO_BODY) != 0) {
-        snprintf(t->auth_note, sizeof(t->auth_note), "a data connection from %s claiming to be "
+        snprintf(t->base.note, sizeof(t->base.note), "a data connection from %s claiming to be "
                  "peer %u failed authentication: cluster keys differ?", c->raddr, from);
         drop_pending(c, "its hello claims to be peer %u (%s) but fails authentication: the "
                      "peer holds another cluster key, or the hello is forged or replayed",
-                     from, t->addrs[from]);
+                     from, t->base.addrs[from]);
         return 0;
     }
     if (t->in[from].cur >= 0 || t->in[from].buf_done > 0) {
@@ -1203,7 +1141,7 @@ static int hello_progress(tcp *t, size_t k)
 
         conn_close(c);
         return fail(t, -ECONNRESET, "peer %u (%s) reconnected in the middle of message seq %u; "
-                    "it restarted or failed", from, t->addrs[from],
+                    "it restarted or failed", from, t->base.addrs[from],
                     m ? m->seq : expected_seq(t, from));
     }
     /* The acceptance proves the key in turn: the connector sends nothing to an impostor. */
@@ -1262,7 +1200,7 @@ static void accept_all(tcp *t)
         c = &t->pending[t->npending];
         conn_init(c);
         c->fd = fd;
-        c->since = now_s();
+        c->since = rf_xfer__now();
         name_remote(&ss, sl, c->raddr, sizeof(c->raddr));
         randombytes_buf(c->nonce, sizeof(c->nonce));
         if ((rc = send_now(fd, c->nonce, sizeof(c->nonce))) < 0) {
@@ -1277,7 +1215,7 @@ static void accept_all(tcp *t)
  * read, so a hello that waited in the socket between two jobs still counts. */
 static void expire_pending(tcp *t)
 {
-    double now = now_s();
+    double now = rf_xfer__now();
 
     for (size_t i = 0; i < t->npending; i++) {
         conn *c = &t->pending[i];
@@ -1302,22 +1240,16 @@ static void compact_pending(tcp *t)
 
 enum { PF_EVENT, PF_LISTEN, PF_PENDING, PF_IN, PF_OUT };
 
-static int run_job(tcp *t)
+static int tcp_start(rf_xfer_core *base)
 {
+    tcp *t = (tcp *)base;
     jstate *s = &t->js;
-    const rf_xfer_job *job = t->job;
-    struct pollfd *pfd = NULL;
-    uint32_t *pref = NULL;
-    uint8_t *pkind = NULL;
-    size_t cap = 0;
-    char what[200];
+    const rf_xfer_job *job = base->job;
     int rc;
 
-    if ((rc = js_init(s, job, t->npeers)) < 0)
+    if ((rc = js_init(s, job, base->npeers)) < 0)
         return fail(t, rc, "out of memory for a job of %u messages", job->nmsgs);
-    s->deadline = now_s() + job->timeout_s;
-    t->auth_note[0] = '\0';
-    for (uint32_t p = 0; p < t->npeers; p++) {
+    for (uint32_t p = 0; p < base->npeers; p++) {
         conn *c = &t->out[p];
 
         c->cur = -1;
@@ -1327,232 +1259,164 @@ static int run_job(tcp *t)
         t->in[p].active = false;
     }
     if ((rc = arena_reserve(t)) < 0 || (rc = runs_build(t)) < 0 || (rc = window_update(t)) < 0)
-        goto out;
-    while (s->left > 0) {
-        size_t need = 2 + t->npending + 2 * (size_t)t->npeers, n = 0;
-        double left_s;
-        int pr;
-
-        if (atomic_load(&t->abort_req)) {
-            describe_outstanding(t, what, sizeof(what));
-            rc = fail(t, -ECANCELED, "aborted with %s", what);
-            goto out;
-        }
-        left_s = s->deadline - now_s();
-        if (left_s <= 0) {
-            describe_outstanding(t, what, sizeof(what));
-            /* The note goes first: it is the likelier cause, and the message is short. */
-            rc = fail(t, -ETIMEDOUT, "deadline of %.1f s passed%s%s%s with %s",
-                      job->timeout_s, t->auth_note[0] ? " (" : "", t->auth_note,
-                      t->auth_note[0] ? ")" : "", what);
-            goto out;
-        }
-        if (need > cap) {
-            free(pfd);
-            free(pref);
-            free(pkind);
-            pfd = malloc(need * sizeof(*pfd));
-            pref = malloc(need * sizeof(*pref));
-            pkind = malloc(need);
-            if (!pfd || !pref || !pkind) {
-                rc = fail(t, -ENOMEM, "out of memory polling %u peers", t->npeers);
-                goto out;
-            }
-            cap = need;
-        }
-        pfd[n] = (struct pollfd){.fd = t->efd, .events = POLLIN};
-        pkind[n++] = PF_EVENT;
-        pfd[n] = (struct pollfd){.fd = t->lfd, .events = POLLIN};
-        pkind[n++] = PF_LISTEN;
-        for (size_t k = 0; k < t->npending; k++) {
-            pfd[n] = (struct pollfd){.fd = t->pending[k].fd, .events = POLLIN};
-            pref[n] = (uint32_t)k;
-            pkind[n++] = PF_PENDING;
-        }
-        for (uint32_t p = 0; p < t->npeers; p++) {
-            conn *c = &t->out[p];
-
-            if (c->fd < 0 && next_send(s, p) >= 0) {
-                if ((rc = start_connect(t, p, job->msgs[next_send(s, p)].seq)) < 0)
-                    goto out;
-            }
-            if (c->fd >= 0 && send_wanted(t, c)) {
-                bool reading = c->stage == OUT_NONCE || c->stage == OUT_ACK;
-
-                pfd[n] = (struct pollfd){.fd = c->fd, .events = reading ? POLLIN : POLLOUT};
-                pref[n] = p;
-                pkind[n++] = PF_OUT;
-            }
-            c = &t->in[p];
-            if (c->fd >= 0 && recv_wanted(t, c)) {
-                pfd[n] = (struct pollfd){.fd = c->fd, .events = POLLIN};
-                pref[n] = p;
-                pkind[n++] = PF_IN;
-            }
-        }
-        pr = poll(pfd, n, left_s < 1.0 ? (int)(left_s * 1000) + 1 : 1000);
-        if (pr < 0) {
-            if (errno == EINTR)
-                continue;
-            rc = fail(t, -errno, "poll over %u peers: %s", t->npeers, strerror(errno));
-            goto out;
-        }
-        for (size_t k = 0; k < n; k++) {
-            if (pfd[k].revents == 0)
-                continue;
-            switch (pkind[k]) {
-            case PF_EVENT:
-            case PF_LISTEN:
-                break;
-            case PF_PENDING:
-                if ((rc = hello_progress(t, pref[k])) < 0)
-                    goto out;
-                break;
-            case PF_OUT:
-                if ((rc = send_progress(t, &t->out[pref[k]])) < 0)
-                    goto out;
-                break;
-            case PF_IN:
-                if (t->in[pref[k]].fd >= 0 && (rc = recv_progress(t, &t->in[pref[k]])) < 0)
-                    goto out;
-                break;
-            }
-        }
-        expire_pending(t);
-        compact_pending(t);
-        if (pfd[1].revents)
-            accept_all(t);
-    }
-    rc = 0;
-out:
-    free(pfd);
-    free(pref);
-    free(pkind);
-    js_free(s);
-    return rc;
+        return rc;
+    return 0;
 }
 
-static void *worker_main(void *arg)
+/* One poll over the wake-up, the listener, the accepted connections waiting for their hello and
+ * every peer connection with work, then what each ready one can do without blocking. */
+static int tcp_progress(rf_xfer_core *base, double wait_s)
 {
-    tcp *t = arg;
-    double t0 = now_s();
+    tcp *t = (tcp *)base;
+    jstate *s = &t->js;
+    const rf_xfer_job *job = s->job;
+    size_t need = 2 + t->npending + 2 * (size_t)base->npeers, n = 0;
+    struct pollfd *pfd;
+    int pr, rc;
 
-    if (run_job(t) < 0) {
-        /* A failed job leaves streams mid-frame or with stale frames: start over. */
-        close_all_conns(t);
+    if (s->left == 0)
+        return 1;
+    if (need > t->pcap) {
+        free(t->pfd);
+        free(t->pref);
+        free(t->pkind);
+        t->pfd = malloc(need * sizeof(*t->pfd));
+        t->pref = malloc(need * sizeof(*t->pref));
+        t->pkind = malloc(need);
+        t->pcap = t->pfd && t->pref && t->pkind ? need : 0;
+        if (t->pcap == 0)
+            return fail(t, -ENOMEM, "out of memory polling %u peers", base->npeers);
     }
-    t->result.seconds = now_s() - t0;
-    atomic_store(&t->finished, true);
-    uv_async_send(&t->async);
-    return NULL;
+    pfd = t->pfd;
+    pfd[n] = (struct pollfd){.fd = rf_xfer__wake_fd(base), .events = POLLIN};
+    t->pkind[n++] = PF_EVENT;
+    pfd[n] = (struct pollfd){.fd = t->lfd, .events = POLLIN};
+    t->pkind[n++] = PF_LISTEN;
+    for (size_t k = 0; k < t->npending; k++) {
+        pfd[n] = (struct pollfd){.fd = t->pending[k].fd, .events = POLLIN};
+        t->pref[n] = (uint32_t)k;
+        t->pkind[n++] = PF_PENDING;
+    }
+    for (uint32_t p = 0; p < base->npeers; p++) {
+        conn *c = &t->out[p];
+
+        if (c->fd < 0 && next_send(s, p) >= 0) {
+            if ((rc = start_connect(t, p, job->msgs[next_send(s, p)].seq)) < 0)
+                return rc;
+        }
+        if (c->fd >= 0 && send_wanted(t, c)) {
+            bool reading = c->stage == OUT_NONCE || c->stage == OUT_ACK;
+
+            pfd[n] = (struct pollfd){.fd = c->fd, .events = reading ? POLLIN : POLLOUT};
+            t->pref[n] = p;
+            t->pkind[n++] = PF_OUT;
+        }
+        c = &t->in[p];
+        if (c->fd >= 0 && recv_wanted(t, c)) {
+            pfd[n] = (struct pollfd){.fd = c->fd, .events = POLLIN};
+            t->pref[n] = p;
+            t->pkind[n++] = PF_IN;
+        }
+    }
+    assert(n <= need);
+    pr = poll(pfd, n, (int)(wait_s * 1000) + 1);
+    if (pr < 0) {
+        if (errno == EINTR)
+            return 0;
+        return fail(t, -errno, "poll over %u peers: %s", base->npeers, strerror(errno));
+    }
+    for (size_t k = 0; k < n; k++) {
+        uint32_t ref = t->pref[k];
+
+        if (pfd[k].revents == 0)
+            continue;
+        switch (t->pkind[k]) {
+        case PF_EVENT:
+        case PF_LISTEN:
+            break;
+        case PF_PENDING:
+            if ((rc = hello_progress(t, ref)) < 0)
+                return rc;
+            break;
+        case PF_OUT:
+            if ((rc = send_progress(t, &t->out[ref])) < 0)
+                return rc;
+            break;
+        case PF_IN:
+            if (t->in[ref].fd >= 0 && (rc = recv_progress(t, &t->in[ref])) < 0)
+                return rc;
+            break;
+        }
+    }
+    expire_pending(t);
+    compact_pending(t);
+    if (pfd[1].revents)
+        accept_all(t);
+    return s->left == 0;
+}
+
+static void tcp_finish(rf_xfer_core *base, int rc)
+{
+    tcp *t = (tcp *)base;
+
+    js_free(&t->js);
+    /* A failed job leaves streams mid-frame or with stale frames: start over. */
+    if (rc < 0)
+        close_all_conns(t);
 }
 
 /* ---- the loop thread ---- */
 
-static void free_tcp(tcp *t)
+static void tcp_release(rf_xfer_core *base)
 {
-    for (uint32_t p = 0; p < t->npeers; p++)
-        free(t->addrs[p]);
-    free(t->addrs);
+    tcp *t = (tcp *)base;
+
+    close_all_conns(t);
+    if (t->lfd >= 0)
+        close(t->lfd);
     free(t->out);
     free(t->in);
     free(t->pending);
     free(t->arena);
     free(t->runs);
     free(t->msg_first);
+    free(t->pfd);
+    free(t->pref);
+    free(t->pkind);
     if (t->key)
         sodium_memzero(t->key, t->key_len);
     free(t->key);
     free(t);
 }
 
-static void on_closed(uv_handle_t *h)
-{
-    tcp *t = container_of((uv_async_t *)h, tcp, async);
-    rf_xfer_close_cb cb = t->close_cb;
-    void *arg = t->close_arg;
-
-    free_tcp(t);
-    if (cb)
-        cb(arg);
-}
-
-static void finish_close(tcp *t)
-{
-    if (t->handle_closed)
-        return;
-    t->handle_closed = true;
-    close_all_conns(t);
-    if (t->lfd >= 0)
-        close(t->lfd);
-    if (t->efd >= 0)
-        close(t->efd);
-    t->lfd = t->efd = -1;
-    uv_close((uv_handle_t *)&t->async, on_closed);
-}
-
-static void on_async(uv_async_t *a)
-{
-    tcp *t = container_of(a, tcp, async);
-    rf_xfer_result res;
-    rf_xfer_done_cb done;
-    void *arg;
-
-    if (!t->running || !atomic_load(&t->finished))
-        return;
-    pthread_join(t->thread, NULL);
-    t->running = false;
-    res = t->result;
-    done = t->done;
-    arg = t->done_arg;
-    t->done = NULL;
-    t->job = NULL;
-    if (done)
-        done(&t->base, &res, arg);
-    if (t->closing && !t->running)
-        finish_close(t);
-}
-
-static int tcp_set_peers(rf_xfer_transport *base, uint32_t self, uint32_t npeers,
-                         const char *const *addrs, rf_err *err)
+/* Every peer needs an address to connect to; connections survive when the world keeps its
+ * shape and the peer its address. */
+static int tcp_set_peers(rf_xfer_core *base, uint32_t self, uint32_t npeers,
+                         char *const *addrs, rf_err *err)
 {
     tcp *t = (tcp *)base;
-    char **naddrs = NULL;
     conn *nout = NULL, *nin = NULL;
-    bool same_world = self == t->self && npeers == t->npeers;
+    bool same_world = self == base->self && npeers == base->npeers;
     uint32_t p;
     int rc = 0;
 
-    if (t->running || t->closing)
-        return rf_err_set(err, -EBUSY, "xfer tcp: cannot change peers while a job runs");
-    if (npeers == 0 || self >= npeers)
-        return rf_err_set(err, -EINVAL, "xfer tcp: this daemon's index %u is outside a peer "
-                          "table of %u", self, npeers);
-    naddrs = calloc(npeers, sizeof(*naddrs));
+    for (p = 0; p < npeers; p++) {
+        char host[ADDR_MAX], port[32];
+
+        if (!addrs[p] || split_addr(addrs[p], host, sizeof(host), port, sizeof(port)) < 0)
+            return rf_err_set(err, -EINVAL, "xfer tcp: peer %u has data address '%s', not "
+                              "host:port", p, addrs[p] ? addrs[p] : "(null)");
+    }
     nout = malloc(npeers * sizeof(*nout));
     nin = malloc(npeers * sizeof(*nin));
-    if (!naddrs || !nout || !nin) {
+    if (!nout || !nin) {
         rc = rf_err_set(err, -ENOMEM, "xfer tcp: out of memory for %u peers", npeers);
         goto out;
     }
     for (p = 0; p < npeers; p++) {
-        char host[ADDR_MAX], port[32];
-
-        if (!addrs[p] || split_addr(addrs[p], host, sizeof(host), port, sizeof(port)) < 0) {
-            rc = rf_err_set(err, -EINVAL, "xfer tcp: peer %u has data address '%s', not "
-                            "host:port", p, addrs[p] ? addrs[p] : "(null)");
-            goto out;
-        }
-        if (!(naddrs[p] = strdup(addrs[p]))) {
-            rc = rf_err_set(err, -ENOMEM, "xfer tcp: out of memory for %u peers", npeers);
-            goto out;
-        }
-    }
-    /* Connections survive when the world keeps its shape and the peer its address. */
-    for (p = 0; p < npeers; p++) {
         conn_init(&nout[p]);
         conn_init(&nin[p]);
-        if (same_world && strcmp(naddrs[p], t->addrs[p]) == 0) {
+        if (same_world && strcmp(addrs[p], base->addrs[p]) == 0) {
             nout[p] = t->out[p];
             nin[p] = t->in[p];
             conn_init(&t->out[p]);
@@ -1560,108 +1424,39 @@ static int tcp_set_peers(rf_xfer_transport *base, uint32_t self, uint32_t npeers
         }
     }
     close_all_conns(t);
-    for (p = 0; p < t->npeers; p++)
-        free(t->addrs[p]);
-    free(t->addrs);
     free(t->out);
     free(t->in);
-    t->addrs = naddrs;
     t->out = nout;
     t->in = nin;
-    t->self = self;
-    t->npeers = npeers;
-    naddrs = NULL;
     nout = nin = NULL;
 out:
-    if (naddrs) {
-        for (p = 0; p < npeers; p++)
-            free(naddrs[p]);
-        free(naddrs);
-    }
     free(nout);
     free(nin);
     return rc;
 }
 
-static int tcp_run(rf_xfer_transport *base, const rf_xfer_job *job, rf_xfer_done_cb done,
-                   void *arg, rf_err *err)
+static int tcp_check(rf_xfer_core *base, const rf_xfer_job *job, rf_err *err)
 {
-    tcp *t = (tcp *)base;
-    uint64_t drain;
-    int rc;
-
-    if (t->closing)
-        return rf_err_set(err, -ECANCELED, "xfer tcp: the transport is closing");
-    if (t->running)
-        return rf_err_set(err, -EBUSY, "xfer tcp: a job (version %llu) is still running",
-                          (unsigned long long)t->job->version);
-    if (!t->key)
+    (void)job;
+    if (!((tcp *)base)->key)
         return rf_err_set(err, -ENOKEY, "xfer tcp: no cluster key; data connections are "
                           "authenticated with it, so call rf_xfer_tcp_set_key before a job");
-    if (t->npeers == 0)
-        return rf_err_set(err, -EINVAL, "xfer tcp: no peer table; call set_peers first");
-    if (!(job->timeout_s > 0))
-        return rf_err_set(err, -EINVAL, "xfer tcp: job for version %llu has no deadline "
-                          "(timeout %g s); set timeout_s", (unsigned long long)job->version,
-                          job->timeout_s);
-    if (!job->checked && (rc = rf_xfer_job_check(job, t->npeers, err)) < 0)
-        return rc;
-    memset(&t->result, 0, sizeof(t->result));
-    rf_xfer__progress_reset(&t->base);
-    /* An abort meant for the previous job must not hit this one. */
-    while (read(t->efd, &drain, sizeof(drain)) > 0)
-        ;
-    atomic_store(&t->abort_req, false);
-    atomic_store(&t->finished, false);
-    t->job = job;
-    t->done = done;
-    t->done_arg = arg;
-    rc = pthread_create(&t->thread, NULL, worker_main, t);
-    if (rc != 0) {
-        t->job = NULL;
-        return rf_err_set(err, -rc, "xfer tcp: starting the worker thread: %s", strerror(rc));
-    }
-    t->running = true;
     return 0;
 }
 
-static void tcp_abort(rf_xfer_transport *base)
-{
-    tcp *t = (tcp *)base;
-    uint64_t one = 1;
-
-    if (!t->running)
-        return;
-    atomic_store(&t->abort_req, true);
-    if (write(t->efd, &one, sizeof(one)) < 0) {
-        /* The counter is saturated, so the worker is being woken anyway. */
-    }
-}
-
-static void tcp_close(rf_xfer_transport *base, rf_xfer_close_cb cb, void *arg)
-{
-    tcp *t = (tcp *)base;
-
-    if (t->closing)
-        return;
-    t->closing = true;
-    t->close_cb = cb;
-    t->close_arg = arg;
-    if (t->running)
-        tcp_abort(base);
-    else
-        finish_close(t);
-}
-
-static const rf_xfer_ops tcp_ops = {
+static const rf_xfer_backend tcp_backend = {
     .name = "tcp",
     .set_peers = tcp_set_peers,
-    .run = tcp_run,
-    .abort = tcp_abort,
-    .close = tcp_close,
+    .check = tcp_check,
+    .release = tcp_release,
+    .start = tcp_start,
+    .progress = tcp_progress,
+    .describe = describe_outstanding,
+    .finish = tcp_finish,
 };
 
-static int bind_listener(tcp *t, const char *listen_addr, rf_err *err)
+/* Binds the data listener: 0 with its socket in *fd_out and its bound address in addr. */
+static int bind_listener(const char *listen_addr, int *fd_out, char addr[ADDR_MAX], rf_err *err)
 {
     char host[ADDR_MAX], port[32], hbuf[NI_MAXHOST], sbuf[NI_MAXSERV];
     struct addrinfo hints, *ai = NULL;
@@ -1699,9 +1494,8 @@ static int bind_listener(tcp *t, const char *listen_addr, rf_err *err)
                         listen_addr, gai_strerror(rc));
         goto out;
     }
-    snprintf(t->addr, sizeof(t->addr), ss.ss_family == AF_INET6 ? "[%s]:%s" : "%s:%s", hbuf,
-             sbuf);
-    t->lfd = fd;
+    snprintf(addr, ADDR_MAX, ss.ss_family == AF_INET6 ? "[%s]:%s" : "%s:%s", hbuf, sbuf);
+    *fd_out = fd;
     fd = -1;
     rc = 0;
 out:
@@ -1714,41 +1508,23 @@ out:
 int rf_xfer_tcp_new(uv_loop_t *loop, const char *listen_addr, rf_xfer_transport **out,
                     rf_err *err)
 {
-    tcp *t = NULL;
-    int rc;
+    rf_xfer_core *core = NULL;
+    char addr[ADDR_MAX];
+    int lfd = -1, rc;
+    tcp *t;
 
     *out = NULL;
-    if (sodium_init() < 0)
-        return rf_err_set(err, -EIO, "xfer tcp: libsodium failed to initialise");
-    t = calloc(1, sizeof(*t));
-    if (!t)
-        return rf_err_set(err, -ENOMEM, "xfer tcp: out of memory");
-    t->base.ops = &tcp_ops;
-    t->loop = loop;
-    t->lfd = t->efd = -1;
-    atomic_init(&t->abort_req, false);
-    atomic_init(&t->finished, false);
-    if ((rc = bind_listener(t, listen_addr, err)) < 0)
-        goto fail;
-    t->efd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
-    if (t->efd < 0) {
-        rc = rf_err_set(err, -errno, "xfer tcp: eventfd: %s", strerror(errno));
-        goto fail;
+    if ((rc = bind_listener(listen_addr, &lfd, addr, err)) < 0)
+        return rc;
+    if ((rc = rf_xfer__new(sizeof(tcp), &tcp_backend, loop, &core, err)) < 0) {
+        close(lfd);
+        return rc;
     }
-    rc = uv_async_init(loop, &t->async, on_async);
-    if (rc < 0) {
-        rf_err_set(err, rc, "xfer tcp: uv_async_init: %s", uv_strerror(rc));
-        goto fail;
-    }
-    *out = &t->base;
+    t = (tcp *)core;
+    t->lfd = lfd;
+    memcpy(t->addr, addr, sizeof(t->addr));
+    *out = &core->pub;
     return 0;
-fail:
-    if (t->lfd >= 0)
-        close(t->lfd);
-    if (t->efd >= 0)
-        close(t->efd);
-    free(t);
-    return rc;
 }
 
 int rf_xfer_tcp_set_key(rf_xfer_transport *base, const uint8_t *key, size_t len)
@@ -1756,9 +1532,9 @@ int rf_xfer_tcp_set_key(rf_xfer_transport *base, const uint8_t *key, size_t len)
     tcp *t = (tcp *)base;
     uint8_t *copy;
 
-    if (!base || base->ops != &tcp_ops || !key || len < RF_XFER_TCP_KEY_MIN)
+    if (!base || base->ops != &tcp_backend || !key || len < RF_XFER_TCP_KEY_MIN)
         return -EINVAL;
-    if (t->running || t->closing)
+    if (t->base.running || t->base.closing)
         return -EBUSY;
     copy = malloc(len);
     if (!copy)

@@ -58,7 +58,7 @@ static void on_guard(uv_timer_t *h)
 
 static void set_world(world *w)
 {
-    uint8_t uid[128];
+    uint8_t uid[RF_XFER_NCCL_ID_BYTES];
     rf_err err;
 
     cr_assert_eq(rf_xfer_nccl_unique_id(uid, &err), 0, "%s", err.msg);
@@ -280,16 +280,18 @@ static void job_free(rf_xfer_job *j)
 
 static void digests_agree(const world *w)
 {
-    uint8_t s[32] = {0}, r[32] = {0}, zero[32] = {0};
+    uint8_t s[RF_XFER_DIGEST_BYTES] = {0}, r[RF_XFER_DIGEST_BYTES] = {0};
+    uint8_t zero[RF_XFER_DIGEST_BYTES] = {0};
 
     for (int i = 0; i < 2; i++) {
-        for (int b = 0; b < 32; b++) {
+        for (int b = 0; b < RF_XFER_DIGEST_BYTES; b++) {
             s[b] ^= w->res[i].digest_sent[b];
             r[b] ^= w->res[i].digest_recv[b];
         }
     }
-    cr_assert(memcmp(s, zero, 32) != 0, "verify on, yet no digest was computed");
-    cr_assert(memcmp(s, r, 32) == 0, "XOR of sent digests differs from XOR of received ones");
+    cr_assert(memcmp(s, zero, sizeof(s)) != 0, "verify on, yet no digest was computed");
+    cr_assert(memcmp(s, r, sizeof(s)) == 0,
+              "XOR of sent digests differs from XOR of received ones");
 }
 
 typedef struct fixture {
@@ -517,7 +519,7 @@ Test(xfer_nccl, spent_unique_id_is_refused)
     fixture f;
     rf_xfer_job jobs[2];
     rf_xfer_job *jp[2] = {NULL, &jobs[1]};
-    uint8_t uid[128];
+    uint8_t uid[RF_XFER_NCCL_ID_BYTES];
     uint32_t rank = 1;
     int dev = 1;
     rf_xfer_world wd = {.nranks = 2, .nlocal = 1, .local_ranks = &rank, .local_devices = &dev};
