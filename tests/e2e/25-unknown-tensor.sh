@@ -18,14 +18,21 @@ print("sealed", flush=True)
 time.sleep(600)
 PY
 BOGUS=$!; E2E_PIDS="$E2E_PIDS $BOGUS"
-wait_for "$E2E_DIR/pub0.log" "the plan failed" 30
-grep -q "no source holds model.layers.0.mlp.bogus_proj.weight \[0:64, 0:32\]" "$E2E_DIR/pub0.log" \
-    || fail "the plan failure does not name the tensor and box"
+WHY="no source holds model.layers.0.mlp.bogus_proj.weight [0:64, 0:32]"
+st_wait "$E2E_DIR/pub0.sock" 30 "the plan failed, naming the tensor and box" \
+    "cl['last_error'].startswith('plan failed: ') and '$WHY' in cl['last_error'] and
+not cl['plan']['ready']"
+# The coordinator sent its reason to every member.
+st_wait "$E2E_DIR/recv0.sock" 10 "the receiver's status shows the plan failure" \
+    "'$WHY' in s['last_error']"
 ctl --socket "$E2E_DIR/recv0.sock" status > "$E2E_DIR/st.txt"
-grep -q "bogus_proj" "$E2E_DIR/st.txt" || fail "the receiver's status does not show the plan failure"
-grep -q "starting the refit" "$E2E_DIR/pub0.log" && fail "a refit started without a plan"
+grep -q "bogus_proj" "$E2E_DIR/st.txt" || fail "refitctl status on the receiver does not show the plan failure"
+st_wait "$E2E_DIR/pub0.sock" 0 "no refit without a plan" \
+    "cl['state'] == 'idle' and cl['last_refit']['result'] == 'none' and cl['committed'] == 0"
 kill "$BOGUS"
 start_engine eng 0 $M --layout tp=1 --versions 2
 wait_ok tr eng
 grep -q "version 2 committed.*, 0 wrong" "$E2E_DIR/eng.log" || fail "engine did not verify version 2"
+st_committed "$E2E_DIR/pub0.sock" 10 2
+st_committed "$E2E_DIR/recv0.sock" 10 2
 echo "ok: unknown tensor fails the plan with its name and box; a correct engine then refits"

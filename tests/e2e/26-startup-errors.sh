@@ -7,9 +7,7 @@
 . "$(dirname "$0")/lib.sh"
 E2E_PUBLISHERS=1 E2E_RECEIVERS=1
 start_publisher 0 1
-wait_for "$E2E_DIR/pub0.log" "status endpoint on" 20
-TAKEN=$(sed -n 's|.*status endpoint on http://.*:\([0-9][0-9]*\)/ .*|\1|p' "$E2E_DIR/pub0.log" | head -n 1)
-[ -n "$TAKEN" ] || fail "no status port in the log"
+st_port TAKEN "$E2E_DIR/pub0.log" 20
 
 # expect_exit CODE TEXT LOG -- command...: runs the daemon, checks its exit status and message.
 expect_exit() {
@@ -86,11 +84,9 @@ expect_exit 1 "'coordinator_addr' 192.0.2.1:7470: cannot listen on 192.0.2.1" \
 [ -e "$E2E_DIR/c1.sock" ] || [ -e "$E2E_DIR/c3.sock" ] && fail "a refused start left a socket"
 # The running publisherd's own config is valid while it runs (its socket answers, its ports
 # are taken), and checking it changes nothing: no directory made for a socket path.
-PUB_STATUS=$(sed -n 's|.*status endpoint on http://\(.*:[0-9][0-9]*\)/ .*|\1|p' \
-    "$E2E_DIR/pub0.log" | head -n 1)
 expect_exit 0 "configuration is valid" "$E2E_DIR/check.log" -- "$BIN/refit-publisherd" \
     $E2E_COMMON --coordinator --index 0 --clients 1 --publishers 1 --receivers 1 \
-    --socket "$E2E_DIR/pub0.sock" --status-listen "$PUB_STATUS" --check-config
+    --socket "$E2E_DIR/pub0.sock" --status-listen "127.0.0.1:$TAKEN" --check-config
 expect_exit 0 "configuration is valid" "$E2E_DIR/check.log" -- $C --socket "$E2E_DIR/new/dir/r.sock"
 [ -e "$E2E_DIR/new" ] && fail "--check-config created the socket's directory"
 # A second coordinator on the address the first one listens on: its listener fails after its
@@ -100,4 +96,6 @@ expect_exit 1 "$COORD_ADDR" "$E2E_DIR/coord.log" -- "$BIN/refit-publisherd" $E2E
     --coordinator --index 0 --clients 1 --publishers 1 --receivers 1 --socket "$E2E_DIR/p2.sock"
 grep -q "open handles" "$E2E_DIR/coord.log" && fail "handles left open: $(cat "$E2E_DIR/coord.log")"
 kill -0 "$PUB0_PID" || fail "the running publisherd died"
+st_wait "$TAKEN" 5 "the running publisherd still serves /status, as coordinator, idle" \
+    's["role"] == "coordinator" and cl["state"] == "idle"'
 echo "ok: start-up errors named, exit codes 1 and 78; --check-config refuses the same"

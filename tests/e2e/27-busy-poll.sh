@@ -8,7 +8,6 @@ cpu_ticks() { # utime + stime of a process, in clock ticks
 }
 for cap in 60000 0; do
     E2E_PUBLISHERS=1 E2E_RECEIVERS=1
-    : > "$E2E_DIR/pub0.log"
     start_publisher 0 2 --busy-poll-ms "$cap"
     start_receiver 0 4
     start_engine "eng$cap" 0 --model qwen3-0.6b --shrink 8 --layout tp=4 --versions 3
@@ -16,7 +15,7 @@ for cap in 60000 0; do
     wait_ok "tr$cap" "eng$cap"
     grep -q "version 3 committed.*0 wrong" "$E2E_DIR/eng$cap.log" ||
         fail "busy_poll_ms=$cap: engine did not verify version 3"
-    wait_for "$E2E_DIR/pub0.log" "refit 3 committed" 10
+    st_committed "$E2E_DIR/pub0.sock" 10 3 clean
     a=$(cpu_ticks "$PUB0_PID")
     sleep 2
     b=$(cpu_ticks "$PUB0_PID")

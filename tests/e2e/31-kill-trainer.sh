@@ -10,11 +10,26 @@ start_receiver 0 4
 start_engine eng 0 $M --layout tp=4 --versions 3
 start_trainer t0 0 $M --layout tp=2 --ranks 0 --versions 3 --retries 100
 start_trainer t1 0 $M --layout tp=2 --ranks 1 --versions 3 --retries 100
-wait_for "$E2E_DIR/pub0.log" "refit 1 committed" 60
-wait_kill "$E2E_DIR/pub0.log" "starting the refit of version 2" "$t1_PID"
-wait_for "$E2E_DIR/pub0.log" "aborting the refit of version 2" 30
-grep -q "refit 2 committed" "$E2E_DIR/pub0.log" && fail "version 2 committed without its trainer"
+P=$E2E_DIR/pub0.sock
+st_wait "$P" 60 "version 1 committed" 'cl["committed"] == 1'
+st_wait "$P" 60 "the refit of version 2 running" \
+    'cl["state"] == "running" and cl["version_in_flight"] == 2'
+kill -9 "$t1_PID"
+st_wait "$P" 30 "the refit of version 2 aborted" \
+    'cl["last_refit"]["version"] == 2 and cl["last_refit"]["result"] == "aborted" and
+cl["last_error"].startswith("version 2 aborted: ")'
+st_wait "$P" 0 "the committed version stays 1 through the abort (2 lacks its trainer)" \
+    'cl["committed"] == 1 and s["committed"] == 1'
+# The receiverd ended its side of version 2 without a commit, version 1 still committed. (Its
+# result is "aborted", or "failed" when its data path, cut by the abort, ends after the Abort
+# came: then last_error holds the data path's error instead of the abort's reason.)
+st_wait "$E2E_DIR/recv0.sock" 10 "receiverd 0 ended version 2 without a commit" \
+    's["committed"] == 1 and s["refit_in_flight"] is None and
+s["last_refit"]["version"] == 2 and s["last_refit"]["result"] in ("aborted", "failed") and
+"version 2" in s["last_error"]'
 start_trainer t1b 0 $M --layout tp=2 --ranks 1 --start 2 --versions 2 --retries 100
 wait_ok t0 t1b eng
 grep -q "version 3 committed.*, 0 wrong" "$E2E_DIR/eng.log" || fail "engine did not verify version 3"
+st_committed "$P" 10 3
+st_committed "$E2E_DIR/recv0.sock" 10 3
 echo "ok: trainer killed mid-refit: aborted, replaced, next refits verified"

@@ -12,14 +12,8 @@ VERSIONS=10
 
 start_publisher 0 2
 start_receiver 0 4
-wait_for "$E2E_DIR/pub0.log" "status endpoint" 10
-wait_for "$E2E_DIR/recv0.log" "status endpoint" 10
-status_port() {
-    sed -n 's|.*status endpoint on http://.*:\([0-9][0-9]*\)/ .*|\1|p' "$1" | tail -n 1
-}
-PUB_HTTP=$(status_port "$E2E_DIR/pub0.log")
-RECV_HTTP=$(status_port "$E2E_DIR/recv0.log")
-[ -n "$PUB_HTTP" ] && [ -n "$RECV_HTTP" ] || fail "no status port in the daemons' logs"
+st_port PUB_HTTP "$E2E_DIR/pub0.log" 10
+st_port RECV_HTTP "$E2E_DIR/recv0.log" 10
 
 cat > "$E2E_DIR/scrape.py" <<'EOF'
 import json, math, re, sys, time, urllib.error, urllib.request

@@ -17,7 +17,8 @@ ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 
 start_publisher 0 2
 start_receiver 0 4
-wait_for "$E2E_DIR/pub0.log" "status endpoint" 10
+st_wait "$E2E_DIR/pub0.sock" 10 "the coordinator up" 'cl["state"] == "idle"'
+# The data port it picked (:0) is in the log only.
 wait_for "$E2E_DIR/recv0.log" "status endpoint" 10
 DATA_PORT=$(sed -n 's/.*transport tcp on 127\.0\.0\.1:\([0-9][0-9]*\).*/\1/p' "$E2E_DIR/recv0.log" | head -n 1)
 [ -n "$DATA_PORT" ] || fail "no data port in $E2E_DIR/recv0.log"
@@ -288,7 +289,7 @@ EOF
 # Run 1: 20 refits; the bad frames go in while they run.
 start_engine eng 0 --model qwen3-0.6b --shrink 8 --layout tp=4 --versions 20
 start_trainer tr 0 --model qwen3-0.6b --shrink 8 --layout tp=2 --versions 20
-wait_for "$E2E_DIR/eng.log" "version 2 committed" 30
+st_wait "$E2E_DIR/pub0.sock" 30 "version 2 committed (refits running)" 'cl["committed"] >= 2'
 # A client joining while every slot is taken is refused, and says why.
 out=$(PYTHONPATH=$ROOT/client/python REFIT_LIB=$BIN/librefit.so python3 -c '
 import sys, refit
@@ -298,7 +299,7 @@ try:
 except refit.Error as e:
     print(e.message)' "$E2E_DIR/pub0.sock" 2>&1)
 # The trainers hold both slots until version 20 is committed.
-run1_running() { ! grep -q "version 20 committed" "$E2E_DIR/eng.log"; }
+run1_running() { st_check "$E2E_DIR/pub0.sock" 0 x 'cl["committed"] < 20' > /dev/null; }
 if run1_running; then
     echo "$out" | grep -q "all are connected" ||
         fail "a third trainer on a daemon expecting 2, mid-run: $out"
@@ -311,21 +312,28 @@ grep -q "version 20 committed.*0 wrong" "$E2E_DIR/eng.log" || fail "engine did n
 if grep -qi "abort" "$E2E_DIR/eng.log" "$E2E_DIR/tr.log"; then
     fail "bad input disturbed the refits in flight: $(grep -i abort "$E2E_DIR/eng.log" "$E2E_DIR/tr.log" | head -3)"
 fi
+# Nor did any daemon see an error: no abort, no failed data path, no plan refused.
+st_committed "$E2E_DIR/pub0.sock" 10 20 clean
+st_committed "$E2E_DIR/recv0.sock" 10 20 clean
 
 # Between runs, on the same live daemons: bad registrations through the Python package.
 PYTHONPATH=$ROOT/client/python REFIT_LIB=$BIN/librefit.so \
     python3 "$E2E_DIR/register.py" "$E2E_DIR/pub0.sock" "$E2E_DIR/recv0.sock" ||
     fail "bad registrations (above)"
 
-# Both daemons are still up, and the cluster still refits, every byte verified.
+# Both daemons are still up and the bad registrations left no error behind; the cluster still
+# refits, every byte verified.
 for d in pub0 recv0; do
     ctl --socket "$E2E_DIR/$d.sock" status > /dev/null 2>&1 || fail "$d no longer answers refitctl status"
+    st_committed "$E2E_DIR/$d.sock" 0 20 clean
 done
 start_engine eng2 0 --model qwen3-0.6b --shrink 8 --layout tp=4 --start 21 --versions 3
 start_trainer tr2 0 --model qwen3-0.6b --shrink 8 --layout tp=2 --start 21 --versions 3
 wait_ok tr2 eng2
 grep -q "version 23 committed.*0 wrong" "$E2E_DIR/eng2.log" ||
     fail "engine did not verify version 23 after the bad input"
+st_committed "$E2E_DIR/pub0.sock" 10 23 clean
+st_committed "$E2E_DIR/recv0.sock" 10 23 clean
 echo "ok: bad frames, RPC requests and registrations refused with their reasons; refits 1-23 verified"
 
 # The forged data hello of protocol 1 (peer 0 to peer 1, no proof of the cluster key), sent to
@@ -367,7 +375,7 @@ sys.exit(0 if sent - late >= 3 and closed + late == sent else 1)
 EOF2
 start_engine eng3 0 --model qwen3-0.6b --shrink 8 --layout tp=4 --start 24 --versions 20
 start_trainer tr3 0 --model qwen3-0.6b --shrink 8 --layout tp=2 --start 24 --versions 20
-wait_for "$E2E_DIR/eng3.log" "version 24 committed" 30
+st_wait "$E2E_DIR/pub0.sock" 30 "version 24 committed" 'cl["committed"] >= 24'
 python3 "$E2E_DIR/forge.py" "$DATA_PORT" "$E2E_DIR/eng3.log" "version 43 committed" ||
     fail "forged data hellos were not all dropped mid-run (above)"
 wait_ok tr3 eng3
@@ -378,6 +386,8 @@ grep -q "version 43 committed.*0 wrong" "$E2E_DIR/eng3.log" ||
 if grep -qi "abort" "$E2E_DIR/eng3.log" "$E2E_DIR/tr3.log"; then
     fail "a forged data hello disturbed a refit: $(grep -i abort "$E2E_DIR/eng3.log" "$E2E_DIR/tr3.log" | head -3)"
 fi
+st_committed "$E2E_DIR/pub0.sock" 10 43 clean
+st_committed "$E2E_DIR/recv0.sock" 10 43 clean
 grep -q "dropped the data connection from 127.0.0.1:.*protocol 1" "$E2E_DIR/recv0.log" ||
     fail "the receiver did not log the forged data hellos it dropped"
 echo "ok: forged data hellos dropped and logged; refits 24-43 verified"

@@ -11,10 +11,7 @@ VERSIONS=5
 
 start_publisher 0 1
 start_receiver 0 1
-wait_for "$E2E_DIR/recv0.log" "status endpoint" 10
-port=$(sed -n 's|.*status endpoint on http://.*:\([0-9][0-9]*\)/ .*|\1|p' "$E2E_DIR/recv0.log" |
-       tail -n 1)
-[ -n "$port" ] || fail "no status port in the receiverd's log"
+st_port port "$E2E_DIR/recv0.log" 10
 
 python3 - "$port" "$VERSIONS" "$E2E_DIR/poller.ready" > "$E2E_DIR/polls.txt" <<'PY' &
 import json, sys, time, urllib.request

@@ -6,10 +6,7 @@
 . "$(dirname "$0")/lib.sh"
 E2E_PUBLISHERS=1 E2E_RECEIVERS=1
 start_publisher 0 1
-wait_for "$E2E_DIR/pub0.log" "status endpoint on" 20
-PORT=$(sed -n 's|.*status endpoint on http://.*:\([0-9][0-9]*\)/ .*|\1|p' "$E2E_DIR/pub0.log" |
-    head -n 1)
-[ -n "$PORT" ] || fail "no status port in the log"
+st_port PORT "$E2E_DIR/pub0.log" 20
 
 python3 - "$PORT" "$PUB0_PID" <<'PY' || fail "status under half-open connections (see above)"
 import json, os, socket, sys, time

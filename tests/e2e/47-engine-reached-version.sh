@@ -12,7 +12,8 @@ start_receiver 0 4
 start_engine eng 0 $M --layout tp=4 --versions 3
 start_trainer tr 0 $M --layout tp=2 --versions 2 --hold 5
 wait_for "$E2E_DIR/tr.log" "holding weights of version 5" 60
-wait_for "$E2E_DIR/eng.log" "version 2 committed" 30
+st_wait "$E2E_DIR/pub0.sock" 30 "version 2 committed and consumed by the engine" \
+    'cl["committed"] == 2 and cl["state"] == "idle" and m("receiver", 0)["ready_to_install"]'
 ctl --socket "$E2E_DIR/pub0.sock" refit --version 5 --wait --timeout 30 > "$E2E_DIR/refit.log" \
     2>&1 || fail "refitctl refit --version 5 failed: $(cat "$E2E_DIR/refit.log")"
 wait_ok eng
@@ -23,4 +24,6 @@ grep -q "waited for version 3, the daemon committed version 5: checking that one
 grep -q "version 5 committed after .*, 0 wrong elements" "$LOG" ||
     fail "engine did not verify version 5: $(cat "$LOG")"
 grep -q "version 3 committed" "$LOG" && fail "the engine reported version 3, never committed"
+st_committed "$E2E_DIR/pub0.sock" 10 5 clean
+st_committed "$E2E_DIR/recv0.sock" 10 5 clean
 echo "ok: the engine verified version 5, the version the daemon committed, while waiting for 3"

@@ -202,6 +202,35 @@ st_wait() {
     msg=$(st_check "$@") || fail "$msg"
 }
 
+# st_committed WHERE SECONDS VERSION [clean]: waits until the daemon at WHERE has committed
+# VERSION as its last refit and has nothing in flight; at the coordinator the cluster too (idle,
+# committed VERSION, its last refit VERSION committed). With "clean", neither may hold an error
+# (last_error empty): nothing failed on the way there. A test's final word on a daemon's side
+# of the refits, beside the engines' byte checks.
+st_committed() {
+    local where=$1 secs=$2 v=$3 clean=${4:-}
+    local want="s['committed'] == $v and s['refit_in_flight'] is None and
+s['last_refit']['version'] == $v and s['last_refit']['result'] == 'committed' and
+(s['role'] != 'coordinator' or (cl['state'] == 'idle' and cl['committed'] == $v and
+cl['last_refit']['version'] == $v and cl['last_refit']['result'] == 'committed'))"
+    [ "$clean" = clean ] && want="$want and s['last_error'] == '' and cl.get('last_error', '') == ''"
+    st_wait "$where" "$secs" "version $v committed, nothing in flight${clean:+, no error}" "$want"
+}
+
+# st_port VAR LOG SECONDS: waits for the daemon writing LOG to serve /status and sets VAR to its
+# port (the log line is the only place the daemon names a port it picked itself, from :0).
+st_port() {
+    local st_port_i=0 st_port_p=""  # not VAR's name: VAR is set in the caller's scope
+    while :; do
+        st_port_p=$(status_port "$2" 2>/dev/null)
+        [ -n "$st_port_p" ] && break
+        st_port_i=$((st_port_i + 1))
+        [ $st_port_i -gt $(($3 * 10)) ] && fail "no status endpoint in $2 within $3 s"
+        sleep 0.1
+    done
+    printf -v "$1" '%s' "$st_port_p"
+}
+
 # st_show WHERE: one line on where the daemon (or the coordinator's cluster) stands.
 st_show() {
     st_check "$1" 0 "status" "False" | sed 's/^status: not within 0 s (wanted: False); //'
