@@ -18,6 +18,7 @@
 #include <sys/uio.h>
 #include <unistd.h>
 
+#include "addr.h"
 #include "copy.h"
 #include "log.h"
 #include "macros.h"
@@ -140,6 +141,7 @@ typedef struct tcp {
     int lfd;
     char addr[ADDR_MAX];
     conn *out, *in; /* base.npeers each, indexed by peer */
+    rf_addr *to;    /* base.npeers: where each peer listens, parsed by set_peers */
     conn *pending;  /* accepted, hello not read yet */
     size_t npending, cap_pending;
     /* The cluster key the hellos are authenticated with (rf_xfer_tcp_set_key). */
@@ -221,34 +223,6 @@ static void close_all_conns(tcp *t)
     for (size_t i = 0; i < t->npending; i++)
         conn_close(&t->pending[i]);
     t->npending = 0;
-}
-
-/* "host:port" or "[v6]:port" into its parts. */
-static int split_addr(const char *a, char *host, size_t hlen, char *port, size_t plen)
-{
-    const char *colon, *h = a;
-    size_t n;
-
-    if (a[0] == '[') {
-        const char *close_br = strchr(a, ']');
-
-        if (!close_br || close_br[1] != ':')
-            return -EINVAL;
-        h = a + 1;
-        n = (size_t)(close_br - h);
-        colon = close_br + 1;
-    } else {
-        colon = strrchr(a, ':');
-        if (!colon)
-            return -EINVAL;
-        n = (size_t)(colon - a);
-    }
-    if (n == 0 || n >= hlen || colon[1] == '\0' || strlen(colon + 1) >= plen)
-        return -EINVAL;
-    memcpy(host, h, n);
-    host[n] = '\0';
-    strcpy(port, colon + 1);
-    return 0;
 }
 
 /* ---- the worker: job state ---- */
@@ -589,22 +563,13 @@ static bool frame_tag_ok(conn *c, const uint8_t *p, size_t len, const uint8_t ta
 static int start_connect(tcp *t, uint32_t p, uint32_t seq)
 {
     conn *c = &t->out[p];
-    char host[ADDR_MAX], port[32];
-    struct addrinfo hints, *ai = NULL;
+    struct addrinfo *ai = NULL;
     int fd = -1, one = 1, rc;
+    rf_err err = {0};
 
-    if (split_addr(t->base.addrs[p], host, sizeof(host), port, sizeof(port)) < 0)
-        return fail(t, -EINVAL, "peer %u has data address '%s', not host:port; check its "
-                    "Hello", p, t->base.addrs[p]);
-    memset(&hints, 0, sizeof(hints));
-    hints.ai_socktype = SOCK_STREAM;
-    hints.ai_flags = AI_NUMERICSERV;
-    rc = getaddrinfo(host, port, &hints, &ai);
-    if (rc != 0) {
-        rc = fail(t, -EHOSTUNREACH, "resolving peer %u (%s) for message seq %u: %s", p,
-                  t->base.addrs[p], seq, gai_strerror(rc));
-        goto out;
-    }
+    if (rf_addr_resolve(&t->to[p], RF_ADDR_CONNECT, &ai, &err) < 0)
+        return fail(t, -EHOSTUNREACH, "resolving peer %u (%s) for message seq %u: %s", p,
+                    t->base.addrs[p], seq, err.msg);
     fd = socket(ai->ai_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
     if (fd < 0) {
         rc = fail(t, -errno, "socket for peer %u (%s): %s", p, t->base.addrs[p], strerror(errno));
@@ -1376,6 +1341,7 @@ static void tcp_release(rf_xfer_core *base)
         close(t->lfd);
     free(t->out);
     free(t->in);
+    free(t->to);
     free(t->pending);
     free(t->arena);
     free(t->runs);
@@ -1396,22 +1362,28 @@ static int tcp_set_peers(rf_xfer_core *base, uint32_t self, uint32_t npeers,
 {
     tcp *t = (tcp *)base;
     conn *nout = NULL, *nin = NULL;
+    rf_addr *nto = NULL;
     bool same_world = self == base->self && npeers == base->npeers;
     uint32_t p;
     int rc = 0;
 
-    for (p = 0; p < npeers; p++) {
-        char host[ADDR_MAX], port[32];
-
-        if (!addrs[p] || split_addr(addrs[p], host, sizeof(host), port, sizeof(port)) < 0)
-            return rf_err_set(err, -EINVAL, "xfer tcp: peer %u has data address '%s', not "
-                              "host:port", p, addrs[p] ? addrs[p] : "(null)");
-    }
     nout = malloc(npeers * sizeof(*nout));
     nin = malloc(npeers * sizeof(*nin));
-    if (!nout || !nin) {
+    nto = malloc(npeers * sizeof(*nto));
+    if (!nout || !nin || !nto) {
         rc = rf_err_set(err, -ENOMEM, "xfer tcp: out of memory for %u peers", npeers);
         goto out;
+    }
+    for (p = 0; p < npeers; p++) {
+        if (!addrs[p]) {
+            rc = rf_err_set(err, -EINVAL, "xfer tcp: peer %u has no data address; its Hello "
+                            "must announce one", p);
+            goto out;
+        }
+        if ((rc = rf_addr_parse(addrs[p], RF_ADDR_CONNECT, &nto[p], err)) < 0) {
+            rf_err_wrap(err, "xfer tcp: peer %u's data address: ", p);
+            goto out;
+        }
     }
     for (p = 0; p < npeers; p++) {
         conn_init(&nout[p]);
@@ -1426,12 +1398,16 @@ static int tcp_set_peers(rf_xfer_core *base, uint32_t self, uint32_t npeers,
     close_all_conns(t);
     free(t->out);
     free(t->in);
+    free(t->to);
     t->out = nout;
     t->in = nin;
+    t->to = nto;
     nout = nin = NULL;
+    nto = NULL;
 out:
     free(nout);
     free(nin);
+    free(nto);
     return rc;
 }
 
@@ -1455,25 +1431,21 @@ static const rf_xfer_backend tcp_backend = {
     .finish = tcp_finish,
 };
 
-/* Binds the data listener: 0 with its socket in *fd_out and its bound address in addr. */
+/* Binds the data listener: 0 with its socket in *fd_out and its bound address in addr.
+ * ":port" and "*:port" take every interface (rf_addr's grammar for listeners). */
 static int bind_listener(const char *listen_addr, int *fd_out, char addr[ADDR_MAX], rf_err *err)
 {
-    char host[ADDR_MAX], port[32], hbuf[NI_MAXHOST], sbuf[NI_MAXSERV];
-    struct addrinfo hints, *ai = NULL;
+    char hbuf[NI_MAXHOST], sbuf[NI_MAXSERV];
+    struct addrinfo *ai = NULL;
     struct sockaddr_storage ss;
     socklen_t sl = sizeof(ss);
     int fd = -1, one = 1, rc;
+    rf_addr a;
 
-    if (split_addr(listen_addr, host, sizeof(host), port, sizeof(port)) < 0)
-        return rf_err_set(err, -EINVAL, "xfer tcp: listen address '%s' is not host:port "
-                          "(use [addr]:port for IPv6, port 0 for any)", listen_addr);
-    memset(&hints, 0, sizeof(hints));
-    hints.ai_socktype = SOCK_STREAM;
-    hints.ai_flags = AI_PASSIVE | AI_NUMERICSERV;
-    rc = getaddrinfo(host, port, &hints, &ai);
-    if (rc != 0)
-        return rf_err_set(err, -EINVAL, "xfer tcp: resolving listen address '%s': %s",
-                          listen_addr, gai_strerror(rc));
+    if ((rc = rf_addr_parse(listen_addr, RF_ADDR_LISTEN, &a, err)) < 0)
+        return rf_err_wrap(err, "xfer tcp: data listen address: ");
+    if ((rc = rf_addr_resolve(&a, RF_ADDR_LISTEN, &ai, err)) < 0)
+        return rf_err_wrap(err, "xfer tcp: data listen address '%s': ", listen_addr);
     fd = socket(ai->ai_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
     if (fd < 0) {
         rc = rf_err_set(err, -errno, "xfer tcp: socket for %s: %s", listen_addr,

@@ -2317,6 +2317,16 @@ Test(xfer_check, refused_jobs)
     cr_assert_eq(rf_xfer_set_peers(w.t[0], 2, 2, bad_addrs, &err), -EINVAL);
     cr_assert_eq(rf_xfer_set_peers(w.t[0], 0, 2, bad_addrs, &err), -EINVAL);
     cr_assert(strstr(err.msg, "no-port"), "%s", err.msg);
+    /* A peer is connected to: it needs a host, a port other than 0, and an address at all. */
+    for (int c = 0; c < 3; c++) {
+        const char *peer1[3] = {"*:7000", "127.0.0.1:0", NULL};
+        const char *says[3] = {"names no host", "port 0", "no data address"};
+
+        bad_addrs[1] = peer1[c];
+        cr_assert_eq(rf_xfer_set_peers(w.t[0], 0, 2, bad_addrs, &err), -EINVAL, "case %d", c);
+        cr_assert(strstr(err.msg, says[c]) && strstr(err.msg, "peer 1"), "case %d: %s", c,
+                  err.msg);
+    }
     world_close(&w);
 }
 
@@ -2357,6 +2367,59 @@ Test(xfer_check, busy_while_running_and_no_peers)
     cr_assert(strstr(err.msg, "cannot listen"), "%s", err.msg);
     world_close(&w);
     pair_free(&p);
+}
+
+/* ":0" and "*:0" listen on every interface: a peer reaches the transport through loopback at
+ * the port it announces, and a job runs over it. A listen address without a port is refused
+ * with the fix. */
+Test(xfer_check, all_interfaces_listener)
+{
+    const char *listen[2] = {":0", "*:0"};
+    const char *addrs[2];
+    char reach[64];
+    rf_err err;
+
+    for (int c = 0; c < 2; c++) {
+        const char *port;
+        world w;
+        pair p;
+
+        world_init_loop(&w);
+        w.n = 2;
+        cr_assert_eq(rf_xfer_tcp_new(&w.loop, "127.0.0.1:0", &w.t[0], &err), 0, "%s", err.msg);
+        cr_assert_eq(rf_xfer_tcp_new(&w.loop, listen[c], &w.t[1], &err), 0, "%s: %s",
+                     listen[c], err.msg);
+        port = strrchr(addr_of(&w, 1), ':');
+        cr_assert(strncmp(addr_of(&w, 1), "0.0.0.0:", 8) == 0 ||
+                  strncmp(addr_of(&w, 1), "[::]:", 5) == 0, "%s bound %s", listen[c],
+                  addr_of(&w, 1));
+        snprintf(reach, sizeof(reach), "127.0.0.1%s", port);
+        addrs[0] = addr_of(&w, 0);
+        addrs[1] = reach;
+        for (int i = 0; i < 2; i++) {
+            set_key(w.t[i], KEY_A);
+            cr_assert_eq(rf_xfer_set_peers(w.t[i], (uint32_t)i, 2, addrs, &err), 0, "%s",
+                         err.msg);
+        }
+        pair_init(&p, 5);
+        world_run(&w, (rf_xfer_job *[]){&p.sjob, &p.rjob});
+        cr_assert_eq(w.res[0].code, 0, "%s", w.res[0].error);
+        cr_assert_eq(w.res[1].code, 0, "%s", w.res[1].error);
+        pair_check(&p);
+        world_close(&w);
+        pair_free(&p);
+    }
+    {
+        uv_loop_t loop;
+        rf_xfer_transport *t = NULL;
+
+        cr_assert_eq(uv_loop_init(&loop), 0);
+        cr_assert_eq(rf_xfer_tcp_new(&loop, "127.0.0.1", &t, &err), -EINVAL);
+        cr_assert_null(t);
+        cr_assert(strstr(err.msg, "data listen address") && strstr(err.msg, "no port"), "%s",
+                  err.msg);
+        cr_assert_eq(uv_loop_close(&loop), 0);
+    }
 }
 
 Test(xfer_check, ipv6_listener)
