@@ -316,10 +316,8 @@ static int run_job(rf_xfer_core *t)
         if (wait_s > 1.0)
             wait_s = 1.0;
     }
-    /* A backend that fails says why; one that returns an error without saying it still
-     * fails the job. */
-    if (rc < 0 && t->result.code == 0)
-        rf_xfer__fail(t, rc, "%s transport failed: %s", be->name, strerror(-rc));
+    /* A backend that fails says why (the contract): the result carries its words. */
+    assert(rc >= 0 || t->result.code < 0);
     return rc < 0 ? rc : 0;
 }
 
@@ -327,14 +325,14 @@ static void *worker_main(void *arg)
 {
     rf_xfer_core *t = arg;
     double t0 = rf_xfer__now();
+    int rc;
 
     if (t->tearing_down) {
         t->pub.ops->teardown(t);
     } else {
         t->deadline = t0 + t->job->timeout_s;
         t->note[0] = '\0';
-        int rc = run_job(t);
-
+        rc = run_job(t);
         if (t->pub.ops->finish)
             t->pub.ops->finish(t, rc);
     }
