@@ -426,7 +426,7 @@ static int join_world(rf_node *n, const rf_inv *inv, rf_err *err)
     int rc = 0;
     rf_xfer_world w;
 
-    if (n->xfer->ops->set_world == NULL)
+    if (!rf_xfer_has_world(n->xfer))
         return 0;
     if (!n->slice.has_nccl_id)
         return rf_err_set(err, -EPROTO, "transport nccl, but the plan slice carries no NCCL "

@@ -1,6 +1,6 @@
 /* common/xfer_core.h - the transport core as its backends see it (xfer_tcp.c, xfer_nccl.c): the
- * state every transport shares and the helpers a backend calls (the contract it fulfils,
- * rf_xfer_backend, is in xfer.h). Only common/xfer*.c include it. */
+ * contract a backend fulfils (rf_xfer_backend), the state every transport shares and the
+ * helpers a backend calls. Only common/xfer*.c include it. */
 #ifndef RF_XFER_CORE_H
 #define RF_XFER_CORE_H
 
@@ -9,6 +9,55 @@
 #include <stdatomic.h>
 
 #include "xfer.h"
+
+/* The backend contract, for xfer_*.c (their helpers are in xfer_core.h). The core (xfer.c)
+ * owns a job's life: it refuses what it can check itself (closing, busy, no peer table, no
+ * deadline, rf_xfer_job_check), runs one job at a time on a worker thread of its own, stops it
+ * at an abort or at the deadline, hands the result to the loop thread, keeps the peer table,
+ * and closes. A backend only posts, progresses and cancels its own operations; every hook gets
+ * the core embedded first in the backend's struct, and, unless said otherwise, may be NULL.
+ *
+ * Loop thread, no job running:
+ *   set_peers  adopts the peer table the core is about to keep (the old one is still in t):
+ *              check the addresses, carry per-peer state over; -errno with err to refuse it.
+ *   check      refuses a job the backend cannot run (no key, no world, the job outside it);
+ *              called after the core's own checks.
+ *   release    frees the backend (required): called once, after the core's handle is closed.
+ * Worker thread, t->job set, one call after the other:
+ *   start      prepares the job (required); 0 or the error, set with rf_xfer__fail.
+ *   progress   one step of work (required); may block up to wait_s seconds, waking early when
+ *              rf_xfer__wake_fd turns readable (an abort). 1 when the job is complete, 0 to
+ *              be called again, or the error, set with rf_xfer__fail. A step that waits longer
+ *              on something (a world joining) checks rf_xfer__stop itself.
+ *   describe   names what is outstanding (required), for "aborted with ..." and "deadline of
+ *              N s passed with ...".
+ *   finish     the job ended with rc (0 or its error): release what was only the job's and,
+ *              when it failed, cancel what is in flight so the next job starts clean.
+ *   teardown   releases, at close, what is slow to release (communicators, device memory):
+ *              run on a worker before the handle closes.
+ * The optional set_world and needs_world implement rf_xfer_set_world/rf_xfer_needs_world.
+ *
+ * A new backend needs none of the harness: it embeds rf_xfer_core, calls rf_xfer__init last
+ * in its constructor, and fills in this table. */
+typedef struct rf_xfer_backend {
+    const char *name;
+    int (*set_peers)(rf_xfer_core *t, uint32_t self, uint32_t npeers, char *const *addrs,
+                     rf_err *err);
+    int (*check)(rf_xfer_core *t, const rf_xfer_job *job, rf_err *err);
+    void (*release)(rf_xfer_core *t);
+    int (*start)(rf_xfer_core *t);
+    int (*progress)(rf_xfer_core *t, double wait_s);
+    void (*describe)(rf_xfer_core *t, char *buf, size_t len);
+    void (*finish)(rf_xfer_core *t, int rc);
+    void (*teardown)(rf_xfer_core *t);
+    int (*set_world)(rf_xfer_core *t, const rf_xfer_world *w, rf_err *err);
+    bool (*needs_world)(const rf_xfer_core *t);
+} rf_xfer_backend;
+
+/* A transport is its backend's table; callers see it only through the functions of xfer.h. */
+struct rf_xfer_transport {
+    const rf_xfer_backend *ops;
+};
 
 /* What every transport holds, embedded first in its backend's struct (whose hooks cast back).
  * Fields from `job` on are the worker's while a job runs and the loop thread's otherwise;
