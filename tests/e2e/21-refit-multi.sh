@@ -17,7 +17,6 @@ wait_ok t0 t1 e0 e1
 for e in e0 e1; do
     grep -q "version 3 committed.*, 0 wrong" "$E2E_DIR/$e.log" || fail "$e did not verify version 3"
 done
-for d in pub0 pub1 recv0 recv1; do
-    st_committed "$E2E_DIR/$d.sock" 10 3 clean
-done
+st_committed 10 3 clean "$E2E_DIR/pub0.sock" "$E2E_DIR/pub1.sock" "$E2E_DIR/recv0.sock" \
+    "$E2E_DIR/recv1.sock"
 echo "ok: tp=2,ep=4,dp=2 -> tp=4,dp=4 over 2+2 daemons, 3 refits verified"

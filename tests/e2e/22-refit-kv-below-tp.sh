@@ -11,6 +11,5 @@ start_engine eng 0 $M --layout tp=8,ep=2 --versions 2
 start_trainer tr 0 $M --layout tp=8,pp=3 --versions 2
 wait_ok tr eng
 grep -q "version 2 committed.*, 0 wrong" "$E2E_DIR/eng.log" || fail "engine did not verify version 2"
-st_committed "$E2E_DIR/pub0.sock" 10 2 clean
-st_committed "$E2E_DIR/recv0.sock" 10 2 clean
+st_committed 10 2 clean "$E2E_DIR/pub0.sock" "$E2E_DIR/recv0.sock"
 echo "ok: KV heads below TP, uneven PP, engine EP: 2 refits verified"

@@ -12,6 +12,5 @@ start_trainer tr 0 $M --layout tp=2,dp=2 --versions 20
 wait_ok tr eng
 n=$(grep -c "committed after.*, 0 wrong" "$E2E_DIR/eng.log")
 [ "$n" = 20 ] || fail "engines verified $n versions, not 20"
-st_committed "$E2E_DIR/pub0.sock" 10 20 clean
-st_committed "$E2E_DIR/recv0.sock" 10 20 clean
+st_committed 10 20 clean "$E2E_DIR/pub0.sock" "$E2E_DIR/recv0.sock"
 echo "ok: 20 refits verified"

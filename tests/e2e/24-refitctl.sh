@@ -38,8 +38,7 @@ ctl --socket "$E2E_DIR/pub0.sock" wait 9 --timeout 0.3 > "$E2E_DIR/wait.log" 2>&
 [ $? = 1 ] || fail "a wait that times out did not exit 1"
 grep -q "version 9 was not committed within 300 ms" "$E2E_DIR/wait.log" || fail "timeout message: $(cat "$E2E_DIR/wait.log")"
 # The refusals and bad usage changed nothing on the daemons.
-st_committed "$E2E_DIR/pub0.sock" 0 3 clean
-st_committed "$E2E_DIR/recv0.sock" 0 3 clean
+st_committed 0 3 clean "$E2E_DIR/pub0.sock" "$E2E_DIR/recv0.sock"
 ctl --socket "$E2E_DIR/nothing.sock" status > "$E2E_DIR/nod.log" 2>&1
 [ $? = 3 ] || fail "status without a daemon did not exit 3"
 grep -q "no daemon at" "$E2E_DIR/nod.log" || fail "no clear message without a daemon"

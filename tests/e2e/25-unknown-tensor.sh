@@ -33,6 +33,5 @@ kill "$BOGUS"
 start_engine eng 0 $M --layout tp=1 --versions 2
 wait_ok tr eng
 grep -q "version 2 committed.*, 0 wrong" "$E2E_DIR/eng.log" || fail "engine did not verify version 2"
-st_committed "$E2E_DIR/pub0.sock" 10 2
-st_committed "$E2E_DIR/recv0.sock" 10 2
+st_committed 10 2 "$E2E_DIR/pub0.sock" "$E2E_DIR/recv0.sock"
 echo "ok: unknown tensor fails the plan with its name and box; a correct engine then refits"

@@ -15,7 +15,7 @@ for cap in 60000 0; do
     wait_ok "tr$cap" "eng$cap"
     grep -q "version 3 committed.*0 wrong" "$E2E_DIR/eng$cap.log" ||
         fail "busy_poll_ms=$cap: engine did not verify version 3"
-    st_committed "$E2E_DIR/pub0.sock" 10 3 clean
+    st_committed 10 3 clean "$E2E_DIR/pub0.sock"
     a=$(cpu_ticks "$PUB0_PID")
     sleep 2
     b=$(cpu_ticks "$PUB0_PID")

@@ -29,6 +29,5 @@ python3 -c "import sys; sys.exit(0 if $took >= 0.8 else 1)" ||
     fail "3 versions with a 400 ms step took $took s, under 0.8 s"
 n=$(grep -c "committed after.*, 0 wrong" "$E2E_DIR/eng.log")
 [ "$n" = 3 ] || fail "engine verified $n versions, not 3"
-st_committed "$E2E_DIR/pub0.sock" 10 3 clean
-st_committed "$E2E_DIR/recv0.sock" 10 3 clean
+st_committed 10 3 clean "$E2E_DIR/pub0.sock" "$E2E_DIR/recv0.sock"
 echo "ok: training step between versions; negative and malformed steps refused"

@@ -22,8 +22,8 @@ st_wait "$P" 0 "the committed version stays 1 through the abort (2 lacks its rec
 start_receiver 0 4
 wait_ok tr eng
 grep -q "version 3 committed.*, 0 wrong" "$E2E_DIR/eng.log" || fail "engine did not verify version 3"
-st_committed "$P" 10 3
+st_committed 10 3 "$P"
 # The restarted receiverd committed version 3 with no error of its own.
-st_committed "$E2E_DIR/recv0.sock" 10 3 clean
+st_committed 10 3 clean "$E2E_DIR/recv0.sock"
 grep -q "aborted\|lost receiverd" "$E2E_DIR/eng.log" || fail "engine was not told about the abort"
 echo "ok: receiverd killed mid-refit: aborted, restarted, next refits verified"

@@ -30,6 +30,5 @@ s["last_refit"]["version"] == 2 and s["last_refit"]["result"] in ("aborted", "fa
 start_trainer t1b 0 $M --layout tp=2 --ranks 1 --start 2 --versions 2 --retries 100
 wait_ok t0 t1b eng
 grep -q "version 3 committed.*, 0 wrong" "$E2E_DIR/eng.log" || fail "engine did not verify version 3"
-st_committed "$P" 10 3
-st_committed "$E2E_DIR/recv0.sock" 10 3
+st_committed 10 3 "$P" "$E2E_DIR/recv0.sock"
 echo "ok: trainer killed mid-refit: aborted, replaced, next refits verified"

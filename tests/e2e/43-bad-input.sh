@@ -313,8 +313,7 @@ if grep -qi "abort" "$E2E_DIR/eng.log" "$E2E_DIR/tr.log"; then
     fail "bad input disturbed the refits in flight: $(grep -i abort "$E2E_DIR/eng.log" "$E2E_DIR/tr.log" | head -3)"
 fi
 # Nor did any daemon see an error: no abort, no failed data path, no plan refused.
-st_committed "$E2E_DIR/pub0.sock" 10 20 clean
-st_committed "$E2E_DIR/recv0.sock" 10 20 clean
+st_committed 10 20 clean "$E2E_DIR/pub0.sock" "$E2E_DIR/recv0.sock"
 
 # Between runs, on the same live daemons: bad registrations through the Python package.
 PYTHONPATH=$ROOT/client/python REFIT_LIB=$BIN/librefit.so \
@@ -325,15 +324,14 @@ PYTHONPATH=$ROOT/client/python REFIT_LIB=$BIN/librefit.so \
 # refits, every byte verified.
 for d in pub0 recv0; do
     ctl --socket "$E2E_DIR/$d.sock" status > /dev/null 2>&1 || fail "$d no longer answers refitctl status"
-    st_committed "$E2E_DIR/$d.sock" 0 20 clean
 done
+st_committed 0 20 clean "$E2E_DIR/pub0.sock" "$E2E_DIR/recv0.sock"
 start_engine eng2 0 --model qwen3-0.6b --shrink 8 --layout tp=4 --start 21 --versions 3
 start_trainer tr2 0 --model qwen3-0.6b --shrink 8 --layout tp=2 --start 21 --versions 3
 wait_ok tr2 eng2
 grep -q "version 23 committed.*0 wrong" "$E2E_DIR/eng2.log" ||
     fail "engine did not verify version 23 after the bad input"
-st_committed "$E2E_DIR/pub0.sock" 10 23 clean
-st_committed "$E2E_DIR/recv0.sock" 10 23 clean
+st_committed 10 23 clean "$E2E_DIR/pub0.sock" "$E2E_DIR/recv0.sock"
 echo "ok: bad frames, RPC requests and registrations refused with their reasons; refits 1-23 verified"
 
 # The forged data hello of protocol 1 (peer 0 to peer 1, no proof of the cluster key), sent to
@@ -386,8 +384,7 @@ grep -q "version 43 committed.*0 wrong" "$E2E_DIR/eng3.log" ||
 if grep -qi "abort" "$E2E_DIR/eng3.log" "$E2E_DIR/tr3.log"; then
     fail "a forged data hello disturbed a refit: $(grep -i abort "$E2E_DIR/eng3.log" "$E2E_DIR/tr3.log" | head -3)"
 fi
-st_committed "$E2E_DIR/pub0.sock" 10 43 clean
-st_committed "$E2E_DIR/recv0.sock" 10 43 clean
+st_committed 10 43 clean "$E2E_DIR/pub0.sock" "$E2E_DIR/recv0.sock"
 grep -q "dropped the data connection from 127.0.0.1:.*protocol 1" "$E2E_DIR/recv0.log" ||
     fail "the receiver did not log the forged data hellos it dropped"
 echo "ok: forged data hellos dropped and logged; refits 24-43 verified"

@@ -24,6 +24,5 @@ grep -q "waited for version 3, the daemon committed version 5: checking that one
 grep -q "version 5 committed after .*, 0 wrong elements" "$LOG" ||
     fail "engine did not verify version 5: $(cat "$LOG")"
 grep -q "version 3 committed" "$LOG" && fail "the engine reported version 3, never committed"
-st_committed "$E2E_DIR/pub0.sock" 10 5 clean
-st_committed "$E2E_DIR/recv0.sock" 10 5 clean
+st_committed 10 5 clean "$E2E_DIR/pub0.sock" "$E2E_DIR/recv0.sock"
 echo "ok: the engine verified version 5, the version the daemon committed, while waiting for 3"

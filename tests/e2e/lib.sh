@@ -202,19 +202,87 @@ st_wait() {
     msg=$(st_check "$@") || fail "$msg"
 }
 
-# st_committed WHERE SECONDS VERSION [clean]: waits until the daemon at WHERE has committed
-# VERSION as its last refit and has nothing in flight; at the coordinator the cluster too (idle,
-# committed VERSION, its last refit VERSION committed). With "clean", neither may hold an error
-# (last_error empty): nothing failed on the way there. A test's final word on a daemon's side
-# of the refits, beside the engines' byte checks.
+# st_committed SECONDS VERSION [clean] WHERE...: waits until each daemon (a status port or a
+# socket, as for st_wait) has committed VERSION as its last refit and has nothing in flight; at
+# the coordinator the cluster too (idle, committed VERSION, its last refit VERSION committed).
+# With "clean", none may hold an error (last_error, never cleared, is empty): nothing failed
+# since it started. A test's final word on the daemons' side of the refits, beside the engines'
+# byte checks; one process for all of them (python3's start costs more than the polls).
 st_committed() {
-    local where=$1 secs=$2 v=$3 clean=${4:-}
-    local want="s['committed'] == $v and s['refit_in_flight'] is None and
-s['last_refit']['version'] == $v and s['last_refit']['result'] == 'committed' and
-(s['role'] != 'coordinator' or (cl['state'] == 'idle' and cl['committed'] == $v and
-cl['last_refit']['version'] == $v and cl['last_refit']['result'] == 'committed'))"
-    [ "$clean" = clean ] && want="$want and s['last_error'] == '' and cl.get('last_error', '') == ''"
-    st_wait "$where" "$secs" "version $v committed, nothing in flight${clean:+, no error}" "$want"
+    local msg
+    msg=$(REFITCTL="$BIN/refitctl" python3 - "$@" <<'PY'
+import json, os, subprocess, sys, time
+
+secs, v, rest = float(sys.argv[1]), int(sys.argv[2]), sys.argv[3:]
+clean = bool(rest) and rest[0] == "clean"
+wheres = rest[1:] if clean else rest
+
+
+def fetch(where):
+    if where.isdigit():
+        import urllib.request
+        with urllib.request.urlopen("http://127.0.0.1:%s/status" % where, timeout=2) as r:
+            return json.load(r)
+    p = subprocess.run([os.environ["REFITCTL"], "status", "--socket", where, "--json"],
+                       capture_output=True, text=True, timeout=5)
+    if p.returncode != 0:
+        raise OSError(p.stderr.strip() or "refitctl status exited %d" % p.returncode)
+    return json.loads(p.stdout)
+
+
+def wrong(s):
+    """What keeps s from 'VERSION committed, nothing in flight', or None."""
+    out = []
+    if s["committed"] != v:
+        out.append("committed %s" % s["committed"])
+    if s["refit_in_flight"] is not None:
+        out.append("refit of version %s in flight" % s["refit_in_flight"])
+    lr = s["last_refit"]
+    if (lr["version"], lr["result"]) != (v, "committed"):
+        out.append("last refit %s %s" % (lr["version"], lr["result"]))
+    if clean and s["last_error"]:
+        out.append("last_error '%s'" % s["last_error"])
+    if s["role"] == "coordinator":
+        cl = s["cluster"]
+        lr = cl["last_refit"]
+        if cl["state"] != "idle":
+            out.append("cluster %s (version %s)" % (cl["state"], cl["version_in_flight"]))
+        if cl["committed"] != v:
+            out.append("cluster committed %s" % cl["committed"])
+        if (lr["version"], lr["result"]) != (v, "committed"):
+            out.append("cluster last refit %s %s" % (lr["version"], lr["result"]))
+        if clean and cl["last_error"]:
+            out.append("cluster last_error '%s'" % cl["last_error"])
+    return ", ".join(out) or None
+
+
+if not wheres:
+    print("st_committed: no daemon named")
+    sys.exit(2)
+deadline = time.time() + secs
+left = list(wheres)
+why = {}
+while True:
+    for where in list(left):
+        try:
+            w = wrong(fetch(where))
+        except (OSError, ValueError, KeyError, TypeError, subprocess.TimeoutExpired) as e:
+            w = "no status: %s" % e
+        if w is None:
+            left.remove(where)
+        else:
+            why[where] = w
+    if not left:
+        sys.exit(0)
+    if time.time() > deadline:
+        break
+    time.sleep(0.01)
+print("version %d committed, nothing in flight%s: not within %g s on %s" % (
+    v, ", no error" if clean else "", secs,
+    "; ".join("%s (%s: %s)" % (os.path.basename(x), x, why[x]) for x in left)))
+sys.exit(1)
+PY
+) || fail "$msg"
 }
 
 # st_port VAR LOG SECONDS: waits for the daemon writing LOG to serve /status and sets VAR to its
