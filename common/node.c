@@ -41,6 +41,8 @@ struct rf_node {
     /* The refit in flight (running) and the last one that ended. */
     bool running;
     uint64_t version;
+    uint64_t aborted; /* the last version the coordinator aborted: its Done, sent after, keeps
+                         "aborted" and the abort's reason in the status */
     double t_start, t_begin;
     uint64_t committed;
     struct {
@@ -311,6 +313,13 @@ static void send_done(rf_node *n, uint64_t version, const rf_xfer_result *res, c
     n->last.transfer_s = times.transfer_s;
     n->last.total_s = times.total_s;
     n->last.peak_staging = res ? res->peak_staging : 0;
+    if (version == n->aborted) {
+        /* The data path's own failure follows from the abort: the status says why it ended. */
+        snprintf(n->last.result, sizeof(n->last.result), "aborted");
+        if (error)
+            RF_INFO("after the abort of version %llu: %s", (unsigned long long)version, error);
+        return;
+    }
     snprintf(n->last.result, sizeof(n->last.result), "%s", error ? "failed" : "moved");
     if (error)
         set_error(n, error);
@@ -377,6 +386,7 @@ static void on_start(rf_node *n, const Refit__Start *s)
         return;
     }
     n->version = s->version;
+    n->aborted = 0; /* a version may run again after an abort */
     n->t_start = now_s();
     n->t_begin = 0;
     if (s->version <= n->committed) {
@@ -593,6 +603,7 @@ static void on_abort(rf_node *n, uint64_t version, const char *reason)
              reason);
     RF_WARN("%s", msg);
     set_error(n, msg);
+    n->aborted = version;
     if (n->running && n->version == version)
         rf_xfer_abort(n->xfer);
     if (n->side == RF_SRC) {

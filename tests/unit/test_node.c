@@ -547,6 +547,23 @@ Test(node, start_for_a_plan_it_does_not_hold_answers_a_failed_done)
     cr_assert_not_null(e, "no Done within 10 s of a Start for the plan the node holds");
     cr_assert(!e->done->ok);
     cr_assert(strstr(e->done->error, "data path of version 1 failed"), "%s", e->done->error);
+    /* Version 1 again, aborted by the coordinator while (or after) its data path fails:
+     * whichever ends first, the status says "aborted" with the abort's reason, not the data
+     * path's follow-on error. */
+    m = mark();
+    send_start(1, s.plan_id);
+    send_abort(1, "receiver 0 (r0) timed out");
+    cr_assert_not_null(wait_sent_ms(m, REFIT__ENVELOPE__BODY_DONE, 10000));
+    {
+        json_t *st = node_status();
+        json_t *last = json_object_get(st, "last_refit");
+
+        cr_assert_str_eq(json_string_value(json_object_get(last, "result")), "aborted");
+        cr_assert(strncmp(json_string_value(json_object_get(st, "last_error")),
+                          "refit of version 1 aborted: receiver 0 (r0) timed out", 53) == 0,
+                  "last_error: %s", json_string_value(json_object_get(st, "last_error")));
+        json_decref(st);
+    }
     /* The trainer re-registers: the slice it held is stale. */
     refit_close(t);
     m = mark();
