@@ -12,8 +12,11 @@ CC      ?= cc
 CFLAGS  ?= -O2 -g
 # Messages for people are cut to their buffers on purpose, so truncation is not an error.
 # Hidden visibility: librefit.so exports only what client/refit.h marks REFIT_API.
+# common/ has one folder per layer (docs/ARCHITECTURE.md); headers are included by name.
+COMMON_DIRS := common/model common/data common/control common/service
+COMMON_INC  := -I common $(addprefix -I ,$(COMMON_DIRS))
 RF_CFLAGS := -std=c11 -D_GNU_SOURCE -Wall -Wextra -Werror -Wno-format-truncation -fPIC -MMD -MP \
-             -fvisibility=hidden -I common -I client -I $(BUILD)/gen
+             -fvisibility=hidden $(COMMON_INC) -I client -I $(BUILD)/gen
 
 # Libraries are found through their pkg-config files (scripts/deps.sh installs pkg-config with
 # them). Asked only when something is compiled or linked, and once per make: `make deps`,
@@ -77,9 +80,9 @@ NV_ARCHS   = $(eval NV_ARCHS := $(filter $(patsubst compute_%,%,$(shell $(NVCC) 
              2>&1 | tr '\n' ' ') -- set CUDA_ARCHS, or CUDA_HOME to a newer toolkit))$(NV_ARCHS)
 NV_GENCODE = $(foreach a,$(NV_ARCHS),-gencode arch=compute_$(a),code=sm_$(a)) \
              -gencode arch=compute_$(lastword $(NV_ARCHS)),code=compute_$(lastword $(NV_ARCHS))
-NVFLAGS    = -O2 -std=c++17 $(NV_GENCODE) -Xcompiler -fPIC,-Wall -I common -I client
-GPU_SRC   := $(wildcard common/*_cuda.c common/*_nccl.c sim/*_cuda.c client/lib/*_cuda.c)
-CU_SRC    := $(wildcard common/*.cu sim/*.cu)
+NVFLAGS    = -O2 -std=c++17 $(NV_GENCODE) -Xcompiler -fPIC,-Wall $(COMMON_INC) -I client
+GPU_SRC   := $(wildcard common/*/*_cuda.c common/*/*_nccl.c sim/*_cuda.c client/lib/*_cuda.c)
+CU_SRC    := $(wildcard common/*/*.cu sim/*.cu)
 ifeq ($(HAVE_CUDA),1)
 RF_CFLAGS += -DRF_HAVE_CUDA -I $(CUDA_HOME)/include -I $(NCCL_HOME)/include
 RF_LDLIBS += -L$(CUDA_HOME)/lib64 -L$(NCCL_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 \
@@ -95,7 +98,7 @@ else
 CU_O      :=
 endif
 ALL_C_IF  = $(if $(filter 1,$(HAVE_CUDA)),$(1),$(filter-out $(GPU_SRC),$(1)))
-COMMON_C  := $(call ALL_C_IF,$(wildcard common/*.c))
+COMMON_C  := $(call ALL_C_IF,$(wildcard common/*.c common/*/*.c))
 COMMON_O  := $(patsubst %.c,$(BUILD)/%.o,$(COMMON_C)) $(PROTO_C:.c=.o) $(filter $(BUILD)/common/%,$(CU_O))
 LIBCOMMON := $(BUILD)/librfcommon.a
 
@@ -320,7 +323,7 @@ PKGCONFIGDIR  ?= $(LIBDIR)/pkgconfig
 PYTHONDIR     ?= $(LIBDIR)/python3/dist-packages
 UNITDIR       ?= /lib/systemd/system
 CONFDIR       ?= /etc/refit
-REFIT_VERSION := $(shell sed -n 's/^\#define RF_VERSION "\(.*\)"/\1/p' common/daemon_cfg.h)
+REFIT_VERSION := $(shell sed -n 's/^\#define RF_VERSION "\(.*\)"/\1/p' common/service/daemon_cfg.h)
 # refit.pc names its directories relative to ${prefix} where they lie under it, so that
 # `pkg-config --define-prefix` and PKG_CONFIG_SYSROOT_DIR work on a staged tree.
 PC_LIBDIR     = $(patsubst $(PREFIX)/%,$${prefix}/%,$(LIBDIR))
@@ -328,7 +331,7 @@ PC_INCLUDEDIR = $(patsubst $(PREFIX)/%,$${prefix}/%,$(INCLUDEDIR))
 INSTALL_BINS  := refit-publisherd refit-receiverd refitctl refit-sim-trainer refit-sim-engine
 
 install: $(addprefix $(BUILD)/,$(INSTALL_BINS) librefit.so)
-	$(Q)test -n "$(REFIT_VERSION)" || { echo "install: no RF_VERSION in common/daemon_cfg.h"; exit 1; }
+	$(Q)test -n "$(REFIT_VERSION)" || { echo "install: no RF_VERSION in common/service/daemon_cfg.h"; exit 1; }
 	@echo "  INSTALL $(DESTDIR)$(PREFIX) (units in $(DESTDIR)$(UNITDIR), configs in $(DESTDIR)$(CONFDIR))"
 	$(Q)$(INSTALL) -d $(DESTDIR)$(BINDIR) $(DESTDIR)$(LIBDIR) $(DESTDIR)$(INCLUDEDIR) \
 		$(DESTDIR)$(PKGCONFIGDIR) $(DESTDIR)$(PYTHONDIR)/refit $(DESTDIR)$(UNITDIR) \

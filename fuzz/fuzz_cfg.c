@@ -1,4 +1,4 @@
-/* fuzz/fuzz_cfg.c - the daemons' configuration reader (common/daemon_cfg.h over common/cfg.h
+/* fuzz/fuzz_cfg.c - the daemons' configuration reader (common/service/daemon_cfg.h over common/service/cfg.h
  * and libinih): any INI text as --config, then any --key=value flags, for both daemons; a
  * refusal must say why.
  * Input: the file's text, then optionally a NUL and NUL-separated command-line arguments

@@ -1,7 +1,7 @@
-/* fuzz/fuzz_model.c - the model spec reader and the layouts (common/model.h): any JSON as a
+/* fuzz/fuzz_model.c - the model spec reader and the layouts (common/model/model.h): any JSON as a
  * model spec file, any trainer and engine layout strings. When the spec and both layouts are
  * accepted and the model is small enough to lay out quickly, every rank of both sides is laid
- * out into an inventory (common/layout.h validates each piece) and planned: the layouts of
+ * out into an inventory (common/model/layout.h validates each piece) and planned: the layouts of
  * one model always cover every tensor on both sides, so neither step may fail.
  * Input: the JSON text, then optionally a NUL, the trainer layout, a NUL, the engine layout. */
 #include <errno.h>

@@ -1,4 +1,4 @@
-/* fuzz/fuzz_rpc.c - the local RPC as a daemon serves it: a real registry (common/registry.h)
+/* fuzz/fuzz_rpc.c - the local RPC as a daemon serves it: a real registry (common/control/registry.h)
  * on a real Unix socket, with up to two clients writing any bytes to it, and the daemon's own
  * events (release, abort, commit, hold) between their requests. Every input runs on a fresh
  * registry, which must close each client when the client closes its end and must close its

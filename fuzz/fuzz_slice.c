@@ -1,5 +1,5 @@
 /* fuzz/fuzz_slice.c - the control plane's envelopes as the coordinator and the daemons use
- * them (common/slice.h): any stream of framed refit.Envelope messages. Inventories are merged
+ * them (common/control/slice.h): any stream of framed refit.Envelope messages. Inventories are merged
  * into the cluster inventory as the coordinator does (rf_slice_merge); when that succeeds and
  * the cluster is small, it is planned and every member's slice is built, sent through
  * protobuf and turned into the member's job against its own inventory, which must be

@@ -1,4 +1,4 @@
-/* fuzz/fuzz_wire.c - the control channel's frame reader (common/wire.h rf_wire_reader) on any
+/* fuzz/fuzz_wire.c - the control channel's frame reader (common/control/wire.h rf_wire_reader) on any
  * byte stream, fed in pieces of varying size: frames must come out the same whatever the
  * split, never longer than the maximum, and every complete frame is decoded as both kinds of
  * message the daemons read (refit.Envelope, refit.rpc.Request).

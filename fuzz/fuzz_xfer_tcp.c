@@ -1,5 +1,5 @@
 /* fuzz/fuzz_xfer_tcp.c - what a tcp data connection's peer controls, without sockets: a hello
- * answering the acceptor's nonce (common/xfer_tcp.h rf_xfer_tcp__hello_check) and a run of frame
+ * answering the acceptor's nonce (common/data/xfer_tcp.h rf_xfer_tcp__hello_check) and a run of frame
  * headers against a job (rf_xfer_tcp__accept_headers). Checked against a model written here
  * from the protocol's description: a hello passes exactly when its magic, protocol, from and to
  * are right and its HMAC proves the key; an accepted header names a message this daemon expects

@@ -1,5 +1,5 @@
 /* fuzz/gen_corpus.c - writes the seed corpus of every fuzz target (fuzz/corpus/NAME/) from
- * real messages: inventories of a small model laid out by common/model, the plan slices the
+ * real messages: inventories of a small model laid out by common/model/model, the plan slices the
  * planner makes of them, the RPC requests librefit sends, the daemons' example configs. Run
  * by `make fuzz-corpus`; the files are committed, so a seed changes only when this does.
  * Usage: gen_corpus DIR */

@@ -1,4 +1,4 @@
-/* client/lib/refit.c - librefit: blocking calls over the daemon's Unix socket (common/rpc),
+/* client/lib/refit.c - librefit: blocking calls over the daemon's Unix socket (common/control/rpc),
  * answers matched to requests by id, pushed events queued until refit_next_event. */
 #include "refit.h"
 

@@ -62,7 +62,7 @@ check_both "'data_listen' 192.0.2.1:0: cannot listen on 192.0.2.1" 1 -- \
     --socket "$E2E_DIR/c4.sock" --data-listen 192.0.2.1:0
 check_both "'data_listen' nosuch.invalid:0: cannot resolve 'nosuch.invalid'" 1 -- \
     --socket "$E2E_DIR/c5.sock" --data-listen nosuch.invalid:0
-# One address grammar (common/addr.c) for the config check and the sockets: ":0" and "*:0"
+# One address grammar (common/service/addr.c) for the config check and the sockets: ":0" and "*:0"
 # listen on all interfaces; an IPv6 address needs brackets (the message shows them); a
 # receiver connects to coordinator_addr, so it needs a host there and a real port.
 expect_exit 0 "configuration is valid" "$E2E_DIR/check.log" -- $C --socket "$E2E_DIR/c7.sock" \

@@ -24,12 +24,12 @@ DATA_PORT=$(sed -n 's/.*transport tcp on 127\.0\.0\.1:\([0-9][0-9]*\).*/\1/p' "$
 [ -n "$DATA_PORT" ] || fail "no data port in $E2E_DIR/recv0.log"
 
 export PEER_PROTOCOL=$(sed -n 's/#define RF_PEER_PROTOCOL_VERSION \([0-9]*\).*/\1/p' \
-    "$(dirname "$0")/../../common/peer.h")
+    "$(dirname "$0")/../../common/control/peer.h")
 cat > "$E2E_DIR/frames.py" <<'EOF'
 import os, socket, struct, sys, threading, time
 
 port, rpc_socks, data_port = int(sys.argv[1]), sys.argv[2:4], int(sys.argv[4])
-# The daemons' control protocol version (common/peer.h), so that only the MAC is wrong.
+# The daemons' control protocol version (common/control/peer.h), so that only the MAC is wrong.
 PEER_PROTOCOL = int(os.environ["PEER_PROTOCOL"])
 results, lock = [], threading.Lock()
 

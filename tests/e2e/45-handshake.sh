@@ -17,7 +17,7 @@ wait_for "$E2E_DIR/pub0.log" "publisher 0 .* joined" 15
 wait_for "$E2E_DIR/pub0.log" "receiver 0 .* joined" 15
 
 export PEER_PROTOCOL=$(sed -n 's/#define RF_PEER_PROTOCOL_VERSION \([0-9]*\).*/\1/p' \
-    "$(dirname "$0")/../../common/peer.h")
+    "$(dirname "$0")/../../common/control/peer.h")
 cat > "$E2E_DIR/strangers.py" <<'EOF'
 import os, socket, struct, sys, time
 

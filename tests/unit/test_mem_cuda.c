@@ -1,4 +1,4 @@
-/* tests/unit/test_mem_cuda.c - CUDA memory import (common/mem_cuda) and librefit's export
+/* tests/unit/test_mem_cuda.c - CUDA memory import (common/data/mem_cuda) and librefit's export
  * checks (client/lib/refit_cuda.c) inside one process: UUIDs, VMM fds exported and imported
  * back, and every refusal. IPC handles open only in another process: tests/gpu/01-mem-copy.sh
  * checks that path with the real binaries. GPU tests skip without a CUDA device. */

@@ -1,0 +1,959 @@
+/* common/control/node.c - a daemon's side of the cluster protocol: inventory, readiness, plan slice,
+ * Start -> data path -> Done, Commit and Abort applied to the local clients. */
+#define RF_LOG_MODULE "node"
+#include "node.h"
+
+#include <assert.h>
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "closer.h"
+#include "log.h"
+#include "macros.h"
+#include "registry.h"
+#include "slice.h"
+#include "version.h"
+#include "xfer.h"
+
+/* How late the status endpoint's snapshot may be after a change (snapshot_soon). */
+#define SNAPSHOT_DELAY_MS 2
+
+struct rf_node {
+    uv_loop_t *loop;
+    const rf_daemon_cfg *cfg;
+    rf_side side;
+    uint64_t daemon_id;
+    rf_registry *reg;
+    rf_xfer_transport *xfer;
+    rf_peer_connector *conn;
+    void *coord;            /* the coordinator's rf_peer while up, or a test's fake */
+    rf_node__send_fn send; /* rf_peer_send, or a test's recorder (rf_node__set_send) */
+    void *send_arg;
+    uv_timer_t tick;
+    uv_timer_t snap_timer; /* a pending refresh of the status snapshot (snapshot_soon) */
+
+    rf_slice_job slice; /* what Start runs */
+    rf_slice_job next;  /* a slice still arriving, or complete while a refit ran */
+    bool slice_stale;   /* slice must go once the running data path ends */
+    uint64_t slice_keys; /* plan_key of the last slice made runnable: one per slice */
+
+    /* The refit in flight (running) and the last one that ended. */
+    bool running;
+    uint64_t version;
+    uint64_t aborted; /* the last version the coordinator aborted: its Done, sent after, keeps
+                         "aborted" and the abort's reason in the status */
+    double t_start, t_begin;
+    uint64_t committed;
+    struct {
+        uint64_t version;
+        char result[16];
+        uint64_t bytes;
+        double wait_s, transfer_s, total_s;
+        uint64_t peak_staging;
+    } last;
+    char last_error[256];
+
+    rf_node_status_hook status_hook;
+    void *status_arg;
+
+    rf_metrics *metrics;
+    rf_metric *m_refits, *m_stage, *m_bytes, *m_committed, *m_peers, *m_clients, *m_error;
+    rf_metric *m_slice_msgs;
+
+    pthread_mutex_t snap_lock;
+    char *snapshot;
+    rf_closer closer; /* n is freed when the last of its closes finished */
+};
+
+static double now_s(void)
+{
+    return (double)uv_hrtime() / 1e9;
+}
+
+static const char *role_name(const rf_node *n)
+{
+    if (n->side == RF_DST)
+        return "receiver";
+    return n->cfg->coordinator ? "coordinator" : "publisher";
+}
+
+static int peer_send(void *peer, const Refit__Envelope *env, void *arg)
+{
+    (void)arg;
+    return rf_peer_send(peer, env);
+}
+
+static void send_env(rf_node *n, Refit__Envelope *env)
+{
+    int rc;
+
+    if (!n->coord)
+        return;
+    rc = n->send(n->coord, env, n->send_arg);
+    if (rc < 0)
+        RF_WARN("sending to the coordinator failed: %s", uv_strerror(rc));
+}
+
+static void set_error(rf_node *n, const char *msg)
+{
+    snprintf(n->last_error, sizeof(n->last_error), "%s", msg);
+    rf_metric_info_set(n->m_error, msg);
+}
+
+static void refresh_snapshot(rf_node *n)
+{
+    json_t *st = rf_node_status(n);
+    char *s = json_dumps(st, JSON_COMPACT);
+
+    json_decref(st);
+    pthread_mutex_lock(&n->snap_lock);
+    free(n->snapshot);
+    n->snapshot = s;
+    pthread_mutex_unlock(&n->snap_lock);
+}
+
+static void on_snap_timer(uv_timer_t *t)
+{
+    refresh_snapshot(container_of(t, rf_node, snap_timer));
+}
+
+/* The status endpoint's snapshot after a state change, at most SNAPSHOT_DELAY_MS late: building
+ * it (status JSON, ~70 us on the 2-core dev VM) then happens once for a burst of changes, and
+ * not right after a node's Done, when the coordinator on the same loop is about to read the
+ * other daemons' Done. */
+static void snapshot_soon(rf_node *n)
+{
+    if (!n->closer.closing && !uv_is_active((uv_handle_t *)&n->snap_timer))
+        uv_timer_start(&n->snap_timer, on_snap_timer, SNAPSHOT_DELAY_MS, 0);
+}
+
+static void install_slice(rf_node *n);
+static void drop_slice(rf_node *n);
+
+/* ---- inventory and readiness ------------------------------------------------------------ */
+
+static void send_inventory(rf_node *n)
+{
+    Refit__Envelope env = REFIT__ENVELOPE__INIT;
+    Refit__Inventory inv = REFIT__INVENTORY__INIT;
+    bool complete = rf_registry_complete(n->reg);
+
+    if (!n->coord)
+        return;
+    if (complete) {
+        if (rf_slice_inv_pack(rf_registry_inv(n->reg), n->side, rf_registry_generation(n->reg),
+                              &inv) < 0) {
+            RF_ERROR("out of memory packing the inventory");
+            return;
+        }
+    } else {
+        inv.generation = rf_registry_generation(n->reg);
+        inv.complete = false;
+    }
+    inv.committed = n->committed;
+    env.body_case = REFIT__ENVELOPE__BODY_INVENTORY;
+    env.inventory = &inv;
+    send_env(n, &env);
+    RF_INFO("sent %s inventory (generation %llu, %zu pieces)",
+            complete ? "complete" : "incomplete", (unsigned long long)inv.generation,
+            inv.n_pieces);
+    if (complete)
+        rf_slice_inv_msg_free(&inv);
+}
+
+/* Publishers: what the registry says now, also when it is "not ready" (0). The coordinator
+ * takes each Ready as the whole truth, so it is sent at every change, after every inventory
+ * and after every Abort. */
+static void send_ready(rf_node *n)
+{
+    Refit__Envelope env = REFIT__ENVELOPE__INIT;
+    Refit__Ready ready = REFIT__READY__INIT;
+    uint64_t v = rf_registry_ready(n->reg);
+
+    if (n->side != RF_SRC)
+        return;
+    ready.version = v > n->committed ? v : 0;
+    env.body_case = REFIT__ENVELOPE__BODY_READY;
+    env.ready = &ready;
+    send_env(n, &env);
+}
+
+static void on_inventory(rf_registry *r, void *ud)
+{
+    rf_node *n = ud;
+
+    (void)r;
+    drop_slice(n);
+    send_inventory(n);
+    send_ready(n);
+    snapshot_soon(n);
+}
+
+static void on_change(rf_registry *r, void *ud)
+{
+    rf_node *n = ud;
+
+    (void)r;
+    if (n->running)
+        RF_WARN("a local client left during the refit of version %llu: aborting it",
+                (unsigned long long)n->version);
+    drop_slice(n);
+    send_inventory(n);
+    send_ready(n);
+    snapshot_soon(n);
+}
+
+/* Receive quorum: ready once every gated engine consumed what this daemon committed last
+ * (always, with no gated engine). Sent at connect, after every
+ * commit and whenever the engines consume. */
+static void send_idle(rf_node *n)
+{
+    Refit__Envelope env = REFIT__ENVELOPE__INIT;
+    Refit__Idle idle = REFIT__IDLE__INIT;
+    uint64_t consumed;
+
+    if (n->side != RF_DST)
+        return;
+    consumed = rf_registry_consumed(n->reg);
+    idle.ready = consumed >= n->committed;
+    idle.version = consumed == UINT64_MAX ? n->committed : consumed;
+    env.body_case = REFIT__ENVELOPE__BODY_IDLE;
+    env.idle = &idle;
+    send_env(n, &env);
+}
+
+static void on_consumed(rf_registry *r, uint64_t consumed, void *ud)
+{
+    (void)r;
+    (void)consumed;
+    send_idle(ud);
+}
+
+static void on_ready(rf_registry *r, uint64_t version, void *ud)
+{
+    rf_node *n = ud;
+
+    (void)r;
+    if (version)
+        RF_INFO("local trainers published version %llu", (unsigned long long)version);
+    else
+        RF_INFO("local trainers hold no published version now");
+    send_ready(n);
+    snapshot_soon(n);
+}
+
+static int on_status(rf_registry *r, char **json, rf_err *err, void *ud)
+{
+    rf_node *n = ud;
+    json_t *st = rf_node_status(n);
+
+    (void)r;
+    *json = json_dumps(st, JSON_INDENT(2));
+    json_decref(st);
+    if (!*json)
+        return rf_err_set(err, -ENOMEM, "out of memory building the status");
+    return 0;
+}
+
+static int on_refit(rf_registry *r, uint64_t version, rf_err *err, void *ud)
+{
+    rf_node *n = ud;
+    Refit__Envelope env = REFIT__ENVELOPE__INIT;
+    Refit__Trigger trig = REFIT__TRIGGER__INIT;
+
+    (void)r;
+    if (rf_version_check(version, n->committed, "Refit", err) < 0)
+        return err->code;
+    if (!n->coord)
+        return rf_err_set(err, -ENOTCONN, "this daemon is not connected to the coordinator at "
+                          "%s; see refitctl status", n->cfg->coordinator_addr);
+    trig.version = version;
+    env.body_case = REFIT__ENVELOPE__BODY_TRIGGER;
+    env.trigger = &trig;
+    send_env(n, &env);
+    return 0;
+}
+
+/* ---- the refit ------------------------------------------------------------------------------ */
+
+static void send_done(rf_node *n, uint64_t version, const rf_xfer_result *res, const char *error)
+{
+    Refit__Envelope env = REFIT__ENVELOPE__INIT;
+    Refit__Done done = REFIT__DONE__INIT;
+    Refit__StageTimes times = REFIT__STAGE_TIMES__INIT;
+    uint8_t digest[RF_XFER_DIGEST_BYTES];
+    double end = now_s();
+
+    done.version = version;
+    done.ok = error == NULL;
+    done.error = (char *)(error ? error : "");
+    if (res) {
+        size_t i;
+
+        done.bytes = res->bytes_sent + res->bytes_recv;
+        for (i = 0; i < RF_XFER_DIGEST_BYTES; i++)
+            digest[i] = res->digest_sent[i] ^ res->digest_recv[i];
+        if (n->cfg->verify != RF_VERIFY_OFF) {
+            done.digest.data = digest;
+            done.digest.len = RF_XFER_DIGEST_BYTES;
+        }
+    }
+    times.wait_s = n->t_begin > 0 ? n->t_begin - n->t_start : 0;
+    times.transfer_s = n->t_begin > 0 ? end - n->t_begin : 0;
+    times.total_s = end - n->t_start;
+    done.times = &times;
+    env.body_case = REFIT__ENVELOPE__BODY_DONE;
+    env.done = &done;
+    send_env(n, &env);
+
+    n->last.version = version;
+    n->last.bytes = done.bytes;
+    n->last.wait_s = times.wait_s;
+    n->last.transfer_s = times.transfer_s;
+    n->last.total_s = times.total_s;
+    n->last.peak_staging = res ? res->peak_staging : 0;
+    if (version == n->aborted) {
+        /* The data path's own failure follows from the abort: the status says why it ended. */
+        snprintf(n->last.result, sizeof(n->last.result), "aborted");
+        if (error)
+            RF_INFO("after the abort of version %llu: %s", (unsigned long long)version, error);
+        return;
+    }
+    snprintf(n->last.result, sizeof(n->last.result), "%s", error ? "failed" : "moved");
+    if (error)
+        set_error(n, error);
+}
+
+static void account_bytes(rf_node *n, const rf_xfer_job *job)
+{
+    uint32_t i;
+
+    for (i = 0; i < job->nmsgs; i++) {
+        const rf_xfer_msg *m = &job->msgs[i];
+        char peer[32];
+
+        snprintf(peer, sizeof(peer), "%u", m->peer);
+        rf_metric_add(n->m_bytes, (double)m->bytes, peer, m->send ? "sent" : "received");
+    }
+}
+
+static void on_xfer_done(rf_xfer_transport *t, const rf_xfer_result *res, void *arg)
+{
+    rf_node *n = arg;
+    char msg[320];
+
+    (void)t;
+    n->running = false;
+    if (n->closer.closing)
+        return;
+    rf_registry_hold(n->reg, false);
+    if (res->code < 0) {
+        snprintf(msg, sizeof(msg), "data path of version %llu failed: %s",
+                 (unsigned long long)n->version, res->error);
+        RF_ERROR("%s", msg);
+        send_done(n, n->version, res, msg);
+    } else {
+        /* Done first: the coordinator waits for it; the bookkeeping does not. */
+        send_done(n, n->version, res, NULL);
+        account_bytes(n, &n->slice.job);
+        RF_INFO("version %llu: moved %llu bytes in %.3f s (%.2f GB/s)",
+                (unsigned long long)n->version,
+                (unsigned long long)(res->bytes_sent + res->bytes_recv), res->seconds,
+                res->seconds > 0 ? (double)(res->bytes_sent + res->bytes_recv) / res->seconds / 1e9
+                                 : 0.0);
+    }
+    rf_metric_observe(n->m_stage, n->last.transfer_s, "transfer");
+    if (n->slice_stale) {
+        n->slice_stale = false;
+        rf_slice_job_reset(&n->slice);
+    }
+    if (n->next.complete)
+        install_slice(n);
+    snapshot_soon(n);
+}
+
+static void on_start(rf_node *n, const Refit__Start *s)
+{
+    rf_err err = {0};
+    char msg[320];
+    int rc;
+
+    if (n->running) {
+        snprintf(msg, sizeof(msg), "Start(%llu) while version %llu is still moving",
+                 (unsigned long long)s->version, (unsigned long long)n->version);
+        send_done(n, s->version, NULL, msg);
+        return;
+    }
+    n->version = s->version;
+    n->aborted = 0; /* a version may run again after an abort */
+    n->t_start = now_s();
+    n->t_begin = 0;
+    if (s->version <= n->committed) {
+        snprintf(msg, sizeof(msg), "Start(%llu) refused: version %llu is already committed",
+                 (unsigned long long)s->version, (unsigned long long)n->committed);
+        send_done(n, s->version, NULL, msg);
+        return;
+    }
+    if (!n->slice.complete || n->slice_stale || s->plan_id.len != RF_PLAN_ID_BYTES ||
+        memcmp(s->plan_id.data, n->slice.plan_id, RF_PLAN_ID_BYTES) != 0 ||
+        n->slice.generation != rf_registry_generation(n->reg) || !rf_registry_complete(n->reg)) {
+        snprintf(msg, sizeof(msg), "Start(%llu) names a plan this daemon does not hold (its "
+                 "inventory changed or the slice is incomplete); the coordinator replans",
+                 (unsigned long long)s->version);
+        send_done(n, s->version, NULL, msg);
+        return;
+    }
+    n->slice.job.version = s->version;
+    n->t_begin = now_s();
+    rf_registry_hold(n->reg, true);
+    rc = rf_xfer_run(n->xfer, &n->slice.job, on_xfer_done, n, &err);
+    if (rc < 0) {
+        rf_registry_hold(n->reg, false);
+        snprintf(msg, sizeof(msg), "data path of version %llu could not start: %s",
+                 (unsigned long long)s->version, err.msg);
+        RF_ERROR("%s", msg);
+        send_done(n, s->version, NULL, msg);
+        return;
+    }
+    /* One data path per node at a time: Start while running was refused above. */
+    assert(!n->running);
+    n->running = true;
+    /* After the data path is under way: the event is asynchronous (engines never acknowledge
+     * it, their gate is the receive quorum), so writing it first would only hold the bytes
+     * back by a write to every engine. */
+    if (n->side == RF_DST)
+        rf_registry_notify(n->reg, RF_REG_INSTALLING, s->version, NULL);
+    snapshot_soon(n);
+}
+
+/* transport = nccl: joins the world of the slice, one rank per local GPU endpoint. */
+static int join_world(rf_node *n, const rf_inv *inv, rf_err *err)
+{
+    uint32_t nlocal = rf_inv_nendpoints(inv), i;
+    uint32_t *ranks = NULL;
+    const char **uuids = NULL;
+    int rc = 0;
+    rf_xfer_world w;
+
+    if (!rf_xfer_has_world(n->xfer))
+        return 0;
+    if (!n->slice.has_nccl_id)
+        return rf_err_set(err, -EPROTO, "transport nccl, but the plan slice carries no NCCL "
+                          "id: is the coordinator configured with transport = nccl too?");
+    ranks = calloc(nlocal ? nlocal : 1, sizeof(*ranks));
+    uuids = calloc(nlocal ? nlocal : 1, sizeof(*uuids));
+    if (!ranks || !uuids) {
+        rc = rf_err_set(err, -ENOMEM, "out of memory joining the NCCL world");
+        goto out;
+    }
+    /* The transport maps each endpoint's CUDA UUID to its device. */
+    for (i = 0; i < nlocal; i++) {
+        ranks[i] = n->slice.ep_base + i;
+        uuids[i] = rf_registry_endpoint_device(n->reg, i);
+    }
+    memset(&w, 0, sizeof(w));
+    w.nranks = n->slice.nranks;
+    w.nlocal = nlocal;
+    w.local_ranks = ranks;
+    w.local_uuids = uuids;
+    memcpy(w.unique_id, n->slice.nccl_id, sizeof(w.unique_id));
+    rc = rf_xfer_set_world(n->xfer, &w, err);
+out:
+    free(ranks);
+    free(uuids);
+    return rc;
+}
+
+/* Makes the completed pending slice the one Start runs: the peers and checks that need no
+ * running job. Called when the data path is idle. */
+static void install_slice(rf_node *n)
+{
+    const rf_inv *inv = rf_registry_inv(n->reg);
+    const char **addrs = NULL;
+    rf_err err = {0};
+    uint32_t i, self = UINT32_MAX;
+    int rc;
+
+    /* The slice a data path reads is never replaced under it. */
+    assert(!n->running);
+    rf_slice_job_reset(&n->slice);
+    n->slice = n->next;
+    rf_slice_job_init(&n->next);
+    addrs = calloc(n->slice.npeers ? n->slice.npeers : 1, sizeof(*addrs));
+    if (!addrs) {
+        RF_ERROR("out of memory for the plan slice");
+        goto fail;
+    }
+    for (i = 0; i < n->slice.npeers; i++) {
+        addrs[i] = n->slice.peers[i].data_addr;
+        if (n->slice.peers[i].daemon_id == n->daemon_id)
+            self = i;
+    }
+    if (self == UINT32_MAX) {
+        RF_ERROR("the plan slice does not list this daemon among its peers");
+        goto fail;
+    }
+    rc = rf_xfer_set_peers(n->xfer, self, n->slice.npeers, addrs, &err);
+    if (rc < 0) {
+        RF_ERROR("data path peers: %s", err.msg);
+        goto fail;
+    }
+    rc = join_world(n, inv, &err);
+    if (rc < 0) {
+        RF_ERROR("%s", err.msg);
+        set_error(n, err.msg);
+        goto fail;
+    }
+    /* The plan's budget is per endpoint (GPU); this daemon drives all of its endpoints. */
+    n->slice.job.staging_bytes = ((uint64_t)n->cfg->staging_mib << 20) *
+                                 (rf_inv_nendpoints(inv) ? rf_inv_nendpoints(inv) : 1);
+    n->slice.job.timeout_s = n->cfg->refit_timeout_s;
+    n->slice.job.verify = n->cfg->verify;
+    rc = rf_xfer_job_check(&n->slice.job, n->slice.npeers, &err);
+    if (rc < 0) {
+        RF_ERROR("plan slice is inconsistent: %s", err.msg);
+        set_error(n, err.msg);
+        goto fail;
+    }
+    n->slice.job.checked = true;
+    n->slice.job.plan_key = ++n->slice_keys;
+    rf_metric_set(n->m_slice_msgs, n->slice.job.nmsgs);
+    RF_INFO("plan slice complete: %u messages, %llu bytes, %u rounds", n->slice.job.nmsgs,
+            (unsigned long long)n->slice.bytes, n->slice.job.nrounds);
+    free(addrs);
+    snapshot_soon(n);
+    return;
+fail:
+    free(addrs);
+    rf_slice_job_reset(&n->slice);
+}
+
+/* Forgets the plan (the inventory changed, the coordinator went away). The slice a running
+ * data path reads is only marked stale; it is freed when the data path ended. */
+static void drop_slice(rf_node *n)
+{
+    rf_slice_job_reset(&n->next);
+    if (n->running) {
+        n->slice_stale = true;
+        rf_xfer_abort(n->xfer);
+    } else {
+        rf_slice_job_reset(&n->slice);
+    }
+}
+
+/* Frames collect in n->next; a complete slice replaces n->slice once no data path runs. */
+static void on_slice(rf_node *n, const Refit__PlanSlice *ps)
+{
+    const rf_inv *inv = rf_registry_inv(n->reg);
+    uint32_t nreg = rf_inv_nregions(inv), i;
+    uint8_t **bases = NULL;
+    rf_err err = {0};
+    int rc;
+
+    if (ps->generation != rf_registry_generation(n->reg)) {
+        RF_INFO("ignoring a plan slice for inventory generation %llu (now %llu)",
+                (unsigned long long)ps->generation,
+                (unsigned long long)rf_registry_generation(n->reg));
+        return;
+    }
+    bases = calloc(nreg ? nreg : 1, sizeof(*bases));
+    if (!bases) {
+        RF_ERROR("out of memory for the plan slice");
+        rf_slice_job_reset(&n->next);
+        return;
+    }
+    for (i = 0; i < nreg; i++)
+        bases[i] = rf_registry_region_base(n->reg, i);
+    rc = rf_slice_job_add(&n->next, ps, inv, n->side, bases, &err);
+    free(bases);
+    if (rc < 0) {
+        RF_ERROR("plan slice refused: %s", err.msg);
+        set_error(n, err.msg);
+        rf_slice_job_reset(&n->next);
+        return;
+    }
+    if (n->next.complete && !n->running)
+        install_slice(n);
+}
+
+static void on_commit(rf_node *n, uint64_t version)
+{
+    if (version <= n->committed)
+        return;
+    n->committed = version;
+    if (n->side == RF_SRC)
+        rf_registry_release(n->reg, version);
+    rf_registry_notify(n->reg, RF_REG_COMMITTED, version, NULL);
+    send_idle(n);
+    if (n->last.version == version)
+        snprintf(n->last.result, sizeof(n->last.result), "committed");
+    rf_metric_add(n->m_refits, 1, "committed");
+    rf_metric_set(n->m_committed, (double)version);
+    rf_metric_observe(n->m_stage, now_s() - n->t_start, "total");
+    RF_INFO("version %llu committed", (unsigned long long)version);
+    snapshot_soon(n);
+}
+
+static void on_abort(rf_node *n, uint64_t version, const char *reason)
+{
+    char msg[320];
+
+    snprintf(msg, sizeof(msg), "refit of version %llu aborted: %s", (unsigned long long)version,
+             reason);
+    RF_WARN("%s", msg);
+    set_error(n, msg);
+    n->aborted = version;
+    if (n->running && n->version == version)
+        rf_xfer_abort(n->xfer);
+    if (n->side == RF_SRC) {
+        rf_registry_abort(n->reg, version, reason);
+        /* The coordinator forgot every publisher's readiness at the abort. */
+        send_ready(n);
+    }
+    rf_registry_notify(n->reg, RF_REG_ABORTED, version, reason);
+    if (n->last.version == version || !n->running)
+        snprintf(n->last.result, sizeof(n->last.result), "aborted");
+    rf_metric_add(n->m_refits, 1, "aborted");
+    snapshot_soon(n);
+}
+
+/* ---- the coordinator connection --------------------------------------------------------- */
+
+void rf_node__coord_up(rf_node *n, void *peer)
+{
+    n->coord = peer;
+    rf_metric_set(n->m_peers, 1);
+    drop_slice(n);
+    send_inventory(n);
+    send_ready(n);
+    send_idle(n);
+    snapshot_soon(n);
+}
+
+static void coord_up(rf_peer *p, const Refit__Hello *hello)
+{
+    RF_INFO("connected to coordinator %s (%s)", hello->node, rf_peer_remote(p));
+    if (hello->role != REFIT__ROLE__ROLE_COORDINATOR) {
+        RF_ERROR("%s is not a coordinator; check coordinator_addr", rf_peer_remote(p));
+        rf_peer_close(p, "not a coordinator");
+        return;
+    }
+    rf_node__coord_up(rf_peer_data(p), p);
+}
+
+static void node_envelope(rf_node *n, const Refit__Envelope *env)
+{
+    switch (env->body_case) {
+    case REFIT__ENVELOPE__BODY_PLAN_SLICE:
+        on_slice(n, env->plan_slice);
+        break;
+    case REFIT__ENVELOPE__BODY_START:
+        on_start(n, env->start);
+        break;
+    case REFIT__ENVELOPE__BODY_COMMIT:
+        on_commit(n, env->commit->version);
+        break;
+    case REFIT__ENVELOPE__BODY_ABORT:
+        on_abort(n, env->abort->version, env->abort->reason);
+        break;
+    case REFIT__ENVELOPE__BODY_ERROR:
+        RF_ERROR("coordinator reports: %s", env->error->message);
+        set_error(n, env->error->message);
+        break;
+    default:
+        RF_WARN("unexpected message %d from the coordinator", env->body_case);
+        break;
+    }
+}
+
+static void coord_envelope(rf_peer *p, const Refit__Envelope *env)
+{
+    node_envelope(rf_peer_data(p), env);
+}
+
+void rf_node__envelope(rf_node *n, const Refit__Envelope *env)
+{
+    node_envelope(n, env);
+}
+
+void rf_node__set_send(rf_node *n, rf_node__send_fn fn, void *arg)
+{
+    n->send = fn ? fn : peer_send;
+    n->send_arg = fn ? arg : NULL;
+}
+
+void rf_node__coord_down(rf_node *n, void *peer, const char *reason)
+{
+    if (n->coord != peer)
+        return;
+    RF_WARN("lost the coordinator: %s", reason);
+    n->coord = NULL;
+    rf_metric_set(n->m_peers, 0);
+    drop_slice(n);
+    snapshot_soon(n);
+}
+
+static void coord_down(rf_peer *p, const char *reason)
+{
+    rf_node *n = rf_peer_data(p);
+
+    if (n)
+        rf_node__coord_down(n, p, reason);
+}
+
+/* ---- status -------------------------------------------------------------------------------- */
+
+json_t *rf_node_status(rf_node *n)
+{
+    json_t *st = json_object(), *reg = rf_registry_status(n->reg), *last;
+    char plan[RF_PLAN_ID_HEX] = "";
+
+    if (n->slice.complete)
+        rf_plan_id_to_hex(n->slice.plan_id, plan);
+    json_object_set_new(st, "role", json_string(role_name(n)));
+    json_object_set_new(st, "node", json_string(n->cfg->node));
+    json_object_set_new(st, "index", json_integer(n->cfg->index));
+    json_object_set_new(st, "version", json_string(RF_VERSION));
+    json_object_set_new(st, "transport", json_string(rf_transport_name(n->cfg->transport)));
+    json_object_set_new(st, "coordinator", json_pack("{s:s, s:b}", "addr",
+                        n->cfg->coordinator_addr, "connected", n->coord != NULL));
+    json_object_set_new(st, "plan_id", json_string(plan));
+    json_object_set_new(st, "plan_messages", json_integer(n->slice.complete ? n->slice.job.nmsgs : 0));
+    json_object_set_new(st, "plan_bytes", json_integer((json_int_t)(n->slice.complete ? n->slice.bytes : 0)));
+    json_object_set_new(st, "committed", json_integer((json_int_t)n->committed));
+    json_object_set_new(st, "refit_in_flight", n->running ? json_integer((json_int_t)n->version)
+                                                          : json_null());
+    if (n->running)
+        json_object_set_new(st, "progress", json_pack(
+            "{s:I, s:I, s:I, s:f}", "version", (json_int_t)n->version, "bytes_done",
+            (json_int_t)rf_xfer_progress(n->xfer), "bytes_total", (json_int_t)n->slice.bytes,
+            "elapsed_s", now_s() - n->t_start));
+    last = json_pack("{s:I, s:s, s:I, s:f, s:f, s:f, s:I}", "version",
+                     (json_int_t)n->last.version, "result", n->last.result, "bytes",
+                     (json_int_t)n->last.bytes, "wait_s", n->last.wait_s, "transfer_s",
+                     n->last.transfer_s, "total_s", n->last.total_s, "peak_staging",
+                     (json_int_t)n->last.peak_staging);
+    json_object_set_new(st, "last_refit", last);
+    json_object_set_new(st, "last_error", json_string(n->last_error));
+    json_object_set_new(st, "clients", reg ? reg : json_null());
+    if (n->status_hook)
+        n->status_hook(st, n->status_arg);
+    return st;
+}
+
+char *rf_node_status_snapshot(rf_node *n)
+{
+    char *s;
+
+    pthread_mutex_lock(&n->snap_lock);
+    s = n->snapshot ? strdup(n->snapshot) : NULL;
+    pthread_mutex_unlock(&n->snap_lock);
+    return s;
+}
+
+void rf_node_status_line(rf_node *n, char *buf, size_t len)
+{
+    if (n->running)
+        snprintf(buf, len, "refit of version %llu in flight", (unsigned long long)n->version);
+    else if (!n->coord)
+        snprintf(buf, len, "waiting for the coordinator at %s; committed %llu",
+                 n->cfg->coordinator_addr, (unsigned long long)n->committed);
+    else if (!rf_registry_complete(n->reg))
+        snprintf(buf, len, "waiting for local clients to register; committed %llu",
+                 (unsigned long long)n->committed);
+    else if (!n->slice.complete)
+        snprintf(buf, len, "waiting for the plan; committed %llu",
+                 (unsigned long long)n->committed);
+    else
+        snprintf(buf, len, "ready; committed %llu", (unsigned long long)n->committed);
+}
+
+void rf_node_set_status_hook(rf_node *n, rf_node_status_hook fn, void *arg)
+{
+    n->status_hook = fn;
+    n->status_arg = arg;
+}
+
+void rf_node_status_changed(rf_node *n)
+{
+    snapshot_soon(n);
+}
+
+static void on_tick(uv_timer_t *t)
+{
+    rf_node *n = container_of(t, rf_node, tick);
+
+    rf_metric_set(n->m_clients, (double)rf_registry_nclients(n->reg));
+    refresh_snapshot(n);
+}
+
+/* ---- life cycle ------------------------------------------------------------------------------ */
+
+static int add_metrics(rf_node *n)
+{
+    rf_metrics *m = n->metrics;
+    int rc = 0;
+
+    rc |= rf_metrics_counter(m, &n->m_refits, "refit_refits_total",
+                             "Refits seen by this daemon, by result", "result");
+    rc |= rf_metrics_histogram(m, &n->m_stage, "refit_stage_seconds",
+                               "Duration of refit stages on this daemon", "stage",
+                               rf_metrics_seconds_buckets, rf_metrics_seconds_nbuckets);
+    rc |= rf_metrics_counter(m, &n->m_bytes, "refit_bytes_total",
+                             "Payload bytes moved, by peer daemon and direction", "peer,direction");
+    rc |= rf_metrics_gauge(m, &n->m_committed, "refit_committed_version",
+                           "Version committed last", NULL);
+    rc |= rf_metrics_gauge(m, &n->m_peers, "refit_coordinator_connected",
+                           "1 when the connection to the coordinator is up", NULL);
+    rc |= rf_metrics_gauge(m, &n->m_clients, "refit_clients_connected",
+                           "Local trainer or engine clients connected", NULL);
+    rc |= rf_metrics_gauge(m, &n->m_slice_msgs, "refit_slice_messages",
+                           "Messages in this daemon's plan slice", NULL);
+    rc |= rf_metrics_info(m, &n->m_error, "refit_last_error", "The last error this daemon saw",
+                          "message");
+    if (rc < 0)
+        return -EINVAL;
+    /* Gauges scraped before the first event read 0, not absent. */
+    rf_metric_set(n->m_committed, 0);
+    rf_metric_set(n->m_peers, 0);
+    rf_metric_set(n->m_clients, 0);
+    rf_metric_set(n->m_slice_msgs, 0);
+    return 0;
+}
+
+int rf_node_start(uv_loop_t *loop, const rf_node_opts *opts, rf_node **out, rf_err *err)
+{
+    const rf_daemon_cfg *cfg = opts->cfg;
+    rf_registry_opts ro = {0};
+    rf_registry_cb cb = {0};
+    rf_peer_config pc = {0};
+    rf_xfer_open_opts xo = {0};
+    rf_node *n = calloc(1, sizeof(*n));
+    int rc;
+
+    if (!n)
+        return rf_err_set(err, -ENOMEM, "out of memory");
+    n->loop = loop;
+    n->cfg = cfg;
+    n->side = cfg->role == RF_DAEMON_PUBLISHER ? RF_SRC : RF_DST;
+    n->daemon_id = opts->daemon_id;
+    n->metrics = opts->metrics;
+    n->send = peer_send;
+    pthread_mutex_init(&n->snap_lock, NULL);
+    rf_slice_job_init(&n->slice);
+    snprintf(n->last.result, sizeof(n->last.result), "none");
+    rc = add_metrics(n);
+    if (rc < 0) {
+        rf_err_set(err, rc, "registering the node's metrics failed");
+        goto fail;
+    }
+
+    xo.nccl = cfg->transport == RF_TRANSPORT_NCCL;
+    xo.listen_addr = cfg->data_listen;
+    xo.key = opts->key->bytes;
+    xo.key_len = opts->key->len;
+    rc = rf_xfer_open(loop, &xo, &n->xfer, err);
+    if (rc < 0)
+        goto fail;
+
+    ro.socket_path = cfg->socket;
+    ro.side = n->side;
+    ro.expected_clients = (unsigned)cfg->clients;
+    ro.node = (uint32_t)cfg->index;
+    ro.allowed_uids = cfg->socket_uids.v;
+    ro.n_allowed_uids = cfg->socket_uids.n;
+    ro.gpu_memory = cfg->transport == RF_TRANSPORT_NCCL;
+    cb.on_inventory = on_inventory;
+    cb.on_change = on_change;
+    cb.on_ready = on_ready;
+    cb.on_status = on_status;
+    cb.on_refit = on_refit;
+    cb.on_consumed = on_consumed;
+    rc = rf_registry_open(loop, &ro, &cb, n, &n->reg, err);
+    if (rc < 0)
+        goto fail;
+
+    pc.key = opts->key;
+    pc.role = n->side == RF_SRC ? REFIT__ROLE__ROLE_PUBLISHER : REFIT__ROLE__ROLE_RECEIVER;
+    pc.node = cfg->node;
+    pc.daemon_id = n->daemon_id;
+    pc.data_addr = rf_xfer_data_addr(n->xfer);
+    pc.index = (uint32_t)cfg->index;
+    pc.max_frame = (uint32_t)cfg->max_frame_mib << 20;
+    pc.heartbeat_ms = (uint64_t)cfg->heartbeat_ms;
+    pc.timeout_ms = (uint64_t)cfg->peer_timeout_ms;
+    pc.cb.on_up = coord_up;
+    pc.cb.on_envelope = coord_envelope;
+    pc.cb.on_down = coord_down;
+    pc.data = n;
+    rc = rf_peer_connect(loop, cfg->coordinator_addr, &pc, &n->conn, err);
+    if (rc < 0)
+        goto fail;
+
+    uv_timer_init(loop, &n->tick);
+    uv_timer_start(&n->tick, on_tick, 1000, 1000);
+    uv_timer_init(loop, &n->snap_timer);
+    refresh_snapshot(n);
+    RF_INFO("%s %s: local socket %s, transport %s%s%s, coordinator %s", role_name(n), cfg->node,
+            cfg->socket, rf_xfer_name(n->xfer), pc.data_addr[0] ? " on " : "", pc.data_addr,
+            cfg->coordinator_addr);
+    *out = n;
+    return 0;
+fail:
+    if (n->reg)
+        rf_registry_close(n->reg);
+    if (n->xfer)
+        rf_xfer_close(n->xfer, NULL, NULL);
+    pthread_mutex_destroy(&n->snap_lock);
+    free(n);
+    return rc;
+}
+
+static void node_free(rf_node *n)
+{
+    if (!rf_closer_done(&n->closer))
+        return;
+    rf_slice_job_reset(&n->slice);
+    rf_slice_job_reset(&n->next);
+    pthread_mutex_destroy(&n->snap_lock);
+    free(n->snapshot);
+    free(n);
+}
+
+static void tick_closed(uv_handle_t *h)
+{
+    node_free(container_of((uv_timer_t *)h, rf_node, tick));
+}
+
+static void snap_timer_closed(uv_handle_t *h)
+{
+    node_free(container_of((uv_timer_t *)h, rf_node, snap_timer));
+}
+
+/* The registry (and the client memory it maps) goes only after the data path stopped. */
+static void xfer_closed(void *arg)
+{
+    rf_node *n = arg;
+
+    rf_registry_close(n->reg);
+    node_free(n);
+}
+
+void rf_node_close(rf_node *n)
+{
+    /* The connector's peer keeps a pointer to n: detach it before n goes away (a test's fake
+     * coordinator is its own). */
+    if (n->coord && n->send == peer_send)
+        rf_peer_set_data(n->coord, NULL);
+    n->coord = NULL;
+    rf_closer_begin(&n->closer);
+    rf_peer_connector_close(n->conn);
+    rf_closer_add(&n->closer);
+    rf_xfer_close(n->xfer, xfer_closed, n);
+    rf_closer_add(&n->closer);
+    uv_close((uv_handle_t *)&n->tick, tick_closed);
+    rf_closer_add(&n->closer);
+    uv_close((uv_handle_t *)&n->snap_timer, snap_timer_closed);
+    node_free(n);
+}

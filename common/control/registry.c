@@ -1,0 +1,1103 @@
+/* common/control/registry.c - the daemon side of the local RPC: clients, their regions and pieces,
+ * the local inventory, and the version handshakes with trainers, engines and refitctl. */
+#include "registry.h"
+
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "rpc.h"
+#include "version.h"
+
+#define DEVICE_MAX 128
+#define CLIENT_NAME_MAX 128
+
+typedef enum wait_kind { WAIT_RELEASED, WAIT_VERSION, WAIT_CTL } wait_kind;
+
+typedef struct reg_region {
+    char device[DEVICE_MAX];
+    rf_mem_ref *ref;
+    uint64_t size;
+    uint32_t inv_id;     /* in the live inventory */
+    uint32_t scratch_id; /* in the seal check's scratch inventory */
+} reg_region;
+
+typedef struct reg_piece {
+    char *tensor;
+    rf_dtype dtype;
+    int ndim;
+    int64_t shape[RF_MAX_DIMS];
+    uint32_t region; /* client-local */
+    uint64_t offset;
+    rf_box box;
+    int64_t strides[RF_MAX_DIMS];
+} reg_piece;
+
+typedef struct reg_waiter {
+    uint64_t id, version;
+    wait_kind kind;
+} reg_waiter;
+
+typedef struct reg_client {
+    rf_registry *reg;
+    rf_rpc_conn *conn;
+    struct reg_client *prev, *next;
+    bool hello, sealed;
+    int kind; /* Refit__Rpc__ClientKind */
+    char name[CLIENT_NAME_MAX];
+    int rank, pid;
+    reg_region *regions;
+    uint32_t nregions, cap_regions;
+    reg_piece *pieces;
+    uint32_t npieces, cap_pieces;
+    uint64_t published; /* trainers: the last version published (versions only increase) */
+    uint64_t offered;   /* trainers: the version their memory holds for a refit; 0 after an
+                           abort or release of it, until they publish again */
+    bool gated;        /* engines: installs wait for Consumed */
+    uint64_t consumed; /* gated engines: last version they are done with */
+    reg_waiter *waiters;
+    size_t nwaiters, cap_waiters;
+} reg_client;
+
+struct rf_registry {
+    uv_loop_t *loop;
+    rf_rpc_server *srv;
+    rf_side side;
+    unsigned expected;
+    uint32_t node;
+    rf_registry_cb cb;
+    void *ud;
+    rf_mem_cache *mem;
+    reg_client *clients;
+    rf_inv *inv;
+    char (*ep_device)[DEVICE_MAX]; /* per inventory endpoint */
+    uint32_t cap_ep;
+    rf_mem_ref **region_ref;       /* per inventory region */
+    uint32_t cap_region;
+    uint64_t generation, ready, released, committed;
+    char abort_msg[768]; /* trainers: why the last abort took their publishes back */
+    bool complete, closing;
+    /* While the data path runs, memory of clients that leave stays mapped until it ends. */
+    bool held;
+    rf_mem_ref **deferred;
+    uint32_t ndeferred, cap_deferred;
+    uint64_t consumed; /* last value reported through on_consumed */
+    bool gpu_only;     /* the transport moves GPU memory (nccl), else host memory (tcp) */
+};
+
+static const char *kind_name(int kind)
+{
+    switch (kind) {
+    case REFIT__RPC__CLIENT_KIND__CLIENT_TRAINER: return "trainer";
+    case REFIT__RPC__CLIENT_KIND__CLIENT_ENGINE: return "engine";
+    case REFIT__RPC__CLIENT_KIND__CLIENT_CTL: return "ctl";
+    default: return "unknown";
+    }
+}
+
+static bool is_data(const reg_client *c)
+{
+    return c->hello && c->kind != REFIT__RPC__CLIENT_KIND__CLIENT_CTL;
+}
+
+static int grow(void **p, uint32_t *cap, uint32_t need, size_t elem)
+{
+    uint32_t n = *cap ? *cap : 8;
+    void *np;
+
+    if (need <= *cap)
+        return 0;
+    while (n < need)
+        n *= 2;
+    np = realloc(*p, (size_t)n * elem);
+    if (np == NULL)
+        return -ENOMEM;
+    *p = np;
+    *cap = n;
+    return 0;
+}
+
+/* Adds a region to inv. The live inventory has one endpoint per device string and records
+ * the region's mapping; a scratch inventory (the seal check) just needs the region. */
+static int add_region(rf_registry *r, rf_inv *inv, reg_region *rg, bool live, rf_err *err)
+{
+    uint32_t nep = rf_inv_nendpoints(inv), ep = nep, id;
+    int rc;
+
+    if (live)
+        for (ep = 0; ep < nep; ep++)
+            if (strcmp(r->ep_device[ep], rg->device) == 0)
+                break;
+    if (ep == nep) {
+        rc = rf_inv_add_endpoint(inv, r->side, r->node, &ep, err);
+        if (rc < 0)
+            return rc;
+        if (live) {
+            if (grow((void **)&r->ep_device, &r->cap_ep, ep + 1, DEVICE_MAX) < 0)
+                return rf_err_set(err, -ENOMEM, "out of memory adding an endpoint");
+            memcpy(r->ep_device[ep], rg->device, DEVICE_MAX);
+        }
+    }
+    rc = rf_inv_add_region(inv, ep, rg->size, &id, err);
+    if (rc < 0)
+        return rc;
+    if (live) {
+        if (grow((void **)&r->region_ref, &r->cap_region, id + 1, sizeof(rf_mem_ref *)) < 0)
+            return rf_err_set(err, -ENOMEM, "out of memory adding a region");
+        r->region_ref[id] = rg->ref;
+        rg->inv_id = id;
+    } else {
+        rg->scratch_id = id;
+    }
+    return 0;
+}
+
+static int add_piece(rf_inv *inv, const reg_client *c, const reg_piece *rp, bool live,
+                     rf_err *err)
+{
+    const reg_region *rg = &c->regions[rp->region];
+    uint32_t t, id;
+    rf_piece p;
+    int rc;
+
+    rc = rf_inv_add_tensor(inv, rp->tensor, rp->dtype, rp->ndim, rp->shape, &t, err);
+    if (rc < 0)
+        return rc;
+    memset(&p, 0, sizeof(p));
+    p.tensor = t;
+    p.region = live ? rg->inv_id : rg->scratch_id;
+    p.offset = rp->offset;
+    p.box = rp->box;
+    memcpy(p.strides, rp->strides, sizeof(p.strides));
+    return rf_inv_add_piece(inv, &p, &id, err);
+}
+
+static int inv_add_client(rf_registry *r, rf_inv *inv, reg_client *c, bool live, rf_err *err)
+{
+    uint32_t i;
+    int rc;
+
+    for (i = 0; i < c->nregions; i++) {
+        rc = add_region(r, inv, &c->regions[i], live, err);
+        if (rc < 0)
+            return rc;
+    }
+    for (i = 0; i < c->npieces; i++) {
+        rc = add_piece(inv, c, &c->pieces[i], live, err);
+        if (rc < 0)
+            return rc;
+    }
+    return 0;
+}
+
+/* Builds the live inventory again from every client's registrations (after one left or had
+ * its pieces dropped). They were all valid together before, so only memory can fail. */
+static int rebuild(rf_registry *r, rf_err *err)
+{
+    rf_inv *inv = rf_inv_new();
+    reg_client *c;
+    int rc = 0;
+
+    if (r->inv)
+        rf_inv_free(r->inv);
+    r->inv = inv;
+    if (inv == NULL)
+        return rf_err_set(err, -ENOMEM, "out of memory rebuilding the local inventory");
+    for (c = r->clients; c != NULL; c = c->next) {
+        rc = inv_add_client(r, inv, c, true, err);
+        if (rc < 0)
+            break;
+    }
+    r->generation++;
+    return rc;
+}
+
+static unsigned count_data(const rf_registry *r, bool sealed_only)
+{
+    const reg_client *c;
+    unsigned n = 0;
+
+    for (c = r->clients; c != NULL; c = c->next)
+        if (is_data(c) && (!sealed_only || c->sealed))
+            n++;
+    return n;
+}
+
+static void check_complete(rf_registry *r)
+{
+    if (r->complete || r->closing || count_data(r, true) != r->expected)
+        return;
+    r->complete = true;
+    if (r->cb.on_inventory)
+        r->cb.on_inventory(r, r->ud);
+}
+
+static void changed(rf_registry *r)
+{
+    r->complete = false;
+    if (!r->closing && r->cb.on_change)
+        r->cb.on_change(r, r->ud);
+}
+
+/* Trainers: the version a refit may read from this daemon's memory: every expected client is
+ * here, sealed, and offers that same version, not released yet. 0 otherwise: a client is
+ * missing or re-registering (its successor has published nothing), the clients offer different
+ * versions (one has moved on), or an abort took the offer back. */
+static uint64_t ready_version(const rf_registry *r)
+{
+    const reg_client *c;
+    uint64_t v = 0;
+
+    if (r->side != RF_SRC || r->expected == 0 || count_data(r, true) != r->expected)
+        return 0;
+    for (c = r->clients; c != NULL; c = c->next) {
+        if (!is_data(c))
+            continue;
+        if (c->offered == 0 || (v != 0 && c->offered != v))
+            return 0;
+        v = c->offered;
+    }
+    return v > r->released ? v : 0;
+}
+
+/* Readiness belongs to the clients that published it: recomputed at every change of them or
+ * of their offers, and reported whenever it changes, to 0 included. */
+static void check_ready(rf_registry *r)
+{
+    uint64_t v = ready_version(r);
+
+    if (v == r->ready)
+        return;
+    r->ready = v;
+    if (!r->closing && r->cb.on_ready)
+        r->cb.on_ready(r, v, r->ud);
+}
+
+static void reply_version(reg_client *c, uint64_t id, uint64_t version)
+{
+    Refit__Rpc__Response resp = REFIT__RPC__RESPONSE__INIT;
+
+    resp.id = id;
+    resp.version = version;
+    rf_rpc_conn_send(c->conn, &resp);
+}
+
+static int add_waiter(reg_client *c, uint64_t id, uint64_t version, wait_kind kind)
+{
+    if (c->nwaiters == c->cap_waiters) {
+        size_t n = c->cap_waiters ? c->cap_waiters * 2 : 4;
+        reg_waiter *w = realloc(c->waiters, n * sizeof(*w));
+
+        if (w == NULL)
+            return -ENOMEM;
+        c->waiters = w;
+        c->cap_waiters = n;
+    }
+    c->waiters[c->nwaiters++] = (reg_waiter){id, version, kind};
+    return 0;
+}
+
+/* Answers the waiters of the given kinds whose version is in (lo, hi]: with the version hi
+ * when code is 0, else with the error. */
+static void answer_waiters(rf_registry *r, unsigned kinds, uint64_t lo, uint64_t hi, int code,
+                           const char *msg)
+{
+    reg_client *c;
+    size_t i, j;
+
+    for (c = r->clients; c != NULL; c = c->next) {
+        for (i = 0, j = 0; i < c->nwaiters; i++) {
+            reg_waiter w = c->waiters[i];
+
+            if ((kinds & (1u << w.kind)) && w.version > lo && w.version <= hi) {
+                if (code == 0)
+                    reply_version(c, w.id, hi);
+                else
+                    rf_rpc_conn_reply(c->conn, w.id, code, "%s", msg);
+            } else {
+                c->waiters[j++] = w;
+            }
+        }
+        c->nwaiters = j;
+    }
+}
+
+static void check_consumed(rf_registry *r);
+
+static void release_ref(rf_registry *r, rf_mem_ref *ref)
+{
+    if (ref == NULL)
+        return;
+    if (r->held && grow((void **)&r->deferred, &r->cap_deferred, r->ndeferred + 1,
+                        sizeof(*r->deferred)) == 0) {
+        r->deferred[r->ndeferred++] = ref;
+        return;
+    }
+    /* Out of memory while held: nothing better than releasing now; the data path then
+     * fails on the unmapped memory only if it still touches this client's regions. */
+    rf_mem_release(r->mem, ref);
+}
+
+static void client_free(reg_client *c)
+{
+    uint32_t i;
+
+    for (i = 0; i < c->nregions; i++)
+        release_ref(c->reg, c->regions[i].ref);
+    for (i = 0; i < c->npieces; i++)
+        free(c->pieces[i].tensor);
+    free(c->regions);
+    free(c->pieces);
+    free(c->waiters);
+    free(c);
+}
+
+static void drop_pieces(reg_client *c)
+{
+    uint32_t i;
+
+    for (i = 0; i < c->npieces; i++)
+        free(c->pieces[i].tensor);
+    c->npieces = 0;
+}
+
+static void on_connect(rf_rpc_conn *conn, void *ud)
+{
+    rf_registry *r = ud;
+    reg_client *c = calloc(1, sizeof(*c));
+
+    if (c == NULL) {
+        rf_rpc_conn_reply(conn, 0, -ENOMEM, "daemon out of memory: closing the connection");
+        rf_rpc_conn_close(conn);
+        return;
+    }
+    c->reg = r;
+    c->conn = conn;
+    c->next = r->clients;
+    if (r->clients)
+        r->clients->prev = c;
+    r->clients = c;
+    rf_rpc_conn_set_data(conn, c);
+}
+
+static void on_close(rf_rpc_conn *conn, void *ud)
+{
+    rf_registry *r = ud;
+    reg_client *c = rf_rpc_conn_data(conn);
+    bool data, had;
+    rf_err err;
+
+    if (c == NULL)
+        return;
+    data = is_data(c);
+    had = c->nregions > 0 || c->npieces > 0;
+    if (c->prev)
+        c->prev->next = c->next;
+    else
+        r->clients = c->next;
+    if (c->next)
+        c->next->prev = c->prev;
+    /* The inventory must stop naming the client's regions before they are unmapped. */
+    if (had && rebuild(r, &err) < 0)
+        fprintf(stderr, "registry: %s\n", err.msg);
+    client_free(c);
+    /* Readiness first: the inventory change that follows is reported with it already gone. */
+    check_ready(r);
+    if (data)
+        changed(r);
+    check_consumed(r);
+}
+
+static void do_hello(rf_registry *r, reg_client *c, uint64_t id, const Refit__Rpc__Hello *h)
+{
+    const reg_client *o;
+    bool want_trainer = r->side == RF_SRC;
+
+    if (c->hello) {
+        rf_rpc_conn_reply(c->conn, id, -EISCONN, "Hello sent twice on one connection");
+        return;
+    }
+    if (h->protocol_version != RF_RPC_PROTOCOL_VERSION) {
+        rf_rpc_conn_reply(c->conn, id, -EPROTONOSUPPORT, "client speaks protocol version %u, "
+                          "this daemon %d: use a librefit of the daemon's release",
+                          h->protocol_version, RF_RPC_PROTOCOL_VERSION);
+        return;
+    }
+    if (h->kind != REFIT__RPC__CLIENT_KIND__CLIENT_TRAINER &&
+        h->kind != REFIT__RPC__CLIENT_KIND__CLIENT_ENGINE &&
+        h->kind != REFIT__RPC__CLIENT_KIND__CLIENT_CTL) {
+        rf_rpc_conn_reply(c->conn, id, -EINVAL, "unknown client kind %d (trainer, engine or "
+                          "ctl)", (int)h->kind);
+        return;
+    }
+    if (h->kind != REFIT__RPC__CLIENT_KIND__CLIENT_CTL) {
+        if ((h->kind == REFIT__RPC__CLIENT_KIND__CLIENT_TRAINER) != want_trainer) {
+            rf_rpc_conn_reply(c->conn, id, -EINVAL, "%s client connected to the %s daemon: "
+                              "trainers connect to refit-publisherd, engines to "
+                              "refit-receiverd", kind_name(h->kind),
+                              want_trainer ? "publisher" : "receiver");
+            return;
+        }
+        if (h->rank < 0 || h->rank > RF_REGISTRY_MAX_RANK) {
+            rf_rpc_conn_reply(c->conn, id, -EINVAL, "rank %d is outside 0..%d: give the "
+                              "client's global rank", h->rank, RF_REGISTRY_MAX_RANK);
+            return;
+        }
+        for (o = r->clients; o != NULL; o = o->next) {
+            if (is_data(o) && o->rank == h->rank) {
+                rf_rpc_conn_reply(c->conn, id, -EADDRINUSE, "rank %d is already connected "
+                                  "(client '%s', pid %d)", h->rank, o->name, o->pid);
+                return;
+            }
+        }
+        if (count_data(r, false) >= r->expected) {
+            rf_rpc_conn_reply(c->conn, id, -EUSERS, "this daemon expects %u %s clients and "
+                              "all are connected: check the daemon's expected_clients",
+                              r->expected, kind_name(h->kind));
+            return;
+        }
+    }
+    c->hello = true;
+    c->kind = h->kind;
+    c->rank = h->rank;
+    c->pid = h->pid;
+    /* A new engine has nothing to consume: its memory waits for the next commit. */
+    c->consumed = r->committed;
+    snprintf(c->name, sizeof(c->name), "%s", h->name && h->name[0] ? h->name : "unnamed");
+    rf_rpc_conn_reply(c->conn, id, 0, "welcome");
+}
+
+uint64_t rf_registry_consumed(const rf_registry *r)
+{
+    const reg_client *c;
+    uint64_t min = UINT64_MAX;
+
+    for (c = r->clients; c != NULL; c = c->next)
+        if (c->hello && c->gated && c->consumed < min)
+            min = c->consumed;
+    return min;
+}
+
+static void check_consumed(rf_registry *r)
+{
+    uint64_t now = rf_registry_consumed(r);
+
+    if (now == r->consumed || r->closing)
+        return;
+    r->consumed = now;
+    if (r->cb.on_consumed)
+        r->cb.on_consumed(r, now, r->ud);
+}
+
+static void do_gate(rf_registry *r, reg_client *c, uint64_t id)
+{
+    if (c->kind != REFIT__RPC__CLIENT_KIND__CLIENT_ENGINE) {
+        rf_rpc_conn_reply(c->conn, id, -EPERM, "Gate is for engines, not %s clients",
+                          kind_name(c->kind));
+        return;
+    }
+    if (c->sealed) {
+        rf_rpc_conn_reply(c->conn, id, -EINVAL, "Gate after Seal: gate the client before "
+                          "sealing, so no install can start before the gate holds");
+        return;
+    }
+    c->gated = true;
+    rf_rpc_conn_reply(c->conn, id, 0, "gated: installs wait for Consumed");
+    check_consumed(r);
+}
+
+static void do_consumed(rf_registry *r, reg_client *c, uint64_t id, uint64_t version)
+{
+    if (!c->gated) {
+        rf_rpc_conn_reply(c->conn, id, -EINVAL, "Consumed from a client that is not gated: "
+                          "send Gate before Seal");
+        return;
+    }
+    if (version > r->committed || version < c->consumed) {
+        rf_rpc_conn_reply(c->conn, id, -EINVAL, "Consumed(%" PRIu64 ") outside [%" PRIu64
+                          ", %" PRIu64 "]: only committed versions can be consumed, in order",
+                          version, c->consumed, r->committed);
+        return;
+    }
+    c->consumed = version;
+    rf_rpc_conn_reply(c->conn, id, 0, "consumed");
+    check_consumed(r);
+}
+
+void rf_registry_hold(rf_registry *r, bool hold)
+{
+    uint32_t i;
+
+    r->held = hold;
+    if (hold)
+        return;
+    for (i = 0; i < r->ndeferred; i++)
+        rf_mem_release(r->mem, r->deferred[i]);
+    r->ndeferred = 0;
+}
+
+static bool need_registering(reg_client *c, uint64_t id, const char *what)
+{
+    if (!is_data(c)) {
+        rf_rpc_conn_reply(c->conn, id, -EPERM, "%s is for trainer and engine clients, not %s",
+                          what, kind_name(c->kind));
+        return false;
+    }
+    if (c->sealed) {
+        rf_rpc_conn_reply(c->conn, id, -EBUSY, "%s after Seal: reconnect to register again",
+                          what);
+        return false;
+    }
+    return true;
+}
+
+static void do_region(rf_registry *r, reg_client *c, uint64_t id,
+                      const Refit__Rpc__RegisterRegion *m, int fd)
+{
+    rf_mem_desc d = {0};
+    rf_mem_ref *ref = NULL;
+    reg_region *rg;
+    rf_err err = {0};
+    int rc;
+
+    if (!need_registering(c, id, "RegisterRegion"))
+        goto out;
+    if (m->device == NULL || m->device[0] == '\0' || strlen(m->device) >= DEVICE_MAX) {
+        rf_rpc_conn_reply(c->conn, id, -EINVAL, "region device must be \"host\" or a GPU "
+                          "UUID (1 to %d characters)", DEVICE_MAX - 1);
+        goto out;
+    }
+    if ((m->kind == REFIT__RPC__MEM_KIND__MEM_MEMFD) != (strcmp(m->device, "host") == 0)) {
+        rf_rpc_conn_reply(c->conn, id, -EINVAL, "region on device %s with memory kind %s: "
+                          "host memory is a memfd, GPU memory a CUDA handle", m->device,
+                          rf_mem_kind_name((rf_mem_kind)m->kind));
+        goto out;
+    }
+    if (r->gpu_only != (m->kind != REFIT__RPC__MEM_KIND__MEM_MEMFD)) {
+        rf_rpc_conn_reply(c->conn, id, -EINVAL, "region on %s: this daemon's transport moves "
+                          "%s memory only; register %s memory, or run the daemons with "
+                          "transport = %s", m->device, r->gpu_only ? "GPU" : "host",
+                          r->gpu_only ? "GPU (CUDA)" : "host (memfd)",
+                          r->gpu_only ? "tcp" : "nccl");
+        goto out;
+    }
+    d.kind = (rf_mem_kind)m->kind;
+    d.device = m->device;
+    d.size = m->size;
+    d.offset = m->offset;
+    d.handle = m->ipc_handle.data;
+    d.handle_len = m->ipc_handle.len;
+    d.fd = fd;
+    rc = rf_mem_import(r->mem, &d, &ref, &err);
+    if (rc < 0) {
+        rf_rpc_conn_reply(c->conn, id, rc, "region %u: %s", c->nregions, err.msg);
+        goto out;
+    }
+    if (grow((void **)&c->regions, &c->cap_regions, c->nregions + 1, sizeof(reg_region)) < 0) {
+        rf_rpc_conn_reply(c->conn, id, -ENOMEM, "daemon out of memory registering a region");
+        goto out;
+    }
+    rg = &c->regions[c->nregions];
+    memset(rg, 0, sizeof(*rg));
+    snprintf(rg->device, sizeof(rg->device), "%s", m->device);
+    rg->size = m->size;
+    rg->ref = ref;
+    rc = add_region(r, r->inv, rg, true, &err);
+    if (rc < 0) {
+        rf_mem_release(r->mem, ref);
+        ref = NULL;
+        rebuild(r, NULL);
+        rf_rpc_conn_reply(c->conn, id, rc, "region %u: %s", c->nregions, err.msg);
+        goto out;
+    }
+    c->nregions++;
+    ref = NULL;
+    r->generation++;
+    {
+        Refit__Rpc__Response resp = REFIT__RPC__RESPONSE__INIT;
+
+        resp.id = id;
+        resp.region = c->nregions - 1;
+        rf_rpc_conn_send(c->conn, &resp);
+    }
+out:
+    if (ref)
+        rf_mem_release(r->mem, ref);
+    if (fd >= 0)
+        close(fd);
+}
+
+static void do_piece(rf_registry *r, reg_client *c, uint64_t id,
+                     const Refit__Rpc__RegisterPiece *m)
+{
+    reg_piece p;
+    rf_err err = {0};
+    uint32_t ntensors;
+    size_t d;
+    int rc;
+
+    memset(&p, 0, sizeof(p));
+    if (!need_registering(c, id, "RegisterPiece"))
+        return;
+    /* First: every later refusal echoes the name. */
+    if (m->tensor == NULL || rf_tensor_name_check(m->tensor, &err) < 0) {
+        rf_rpc_conn_reply(c->conn, id, -EINVAL, "piece refused: %s",
+                          m->tensor ? err.msg : "no tensor name");
+        return;
+    }
+    if (m->n_shape < 1 || m->n_shape > RF_MAX_DIMS || m->n_start != m->n_shape ||
+        m->n_extent != m->n_shape || m->n_strides != m->n_shape) {
+        rf_rpc_conn_reply(c->conn, id, -EINVAL, "piece of %s has %zu shape dims, %zu start, "
+                          "%zu extent and %zu strides: all must be one per dim, 1 to %d dims",
+                          m->tensor, m->n_shape, m->n_start, m->n_extent, m->n_strides,
+                          RF_MAX_DIMS);
+        return;
+    }
+    if (m->region >= c->nregions) {
+        rf_rpc_conn_reply(c->conn, id, -ENOENT, "piece of %s names unknown region %u (this "
+                          "client registered %u regions)", m->tensor, m->region, c->nregions);
+        return;
+    }
+    if (m->dtype >= RF_DT__COUNT) {
+        rf_rpc_conn_reply(c->conn, id, -EINVAL, "piece of %s has unknown dtype %u", m->tensor,
+                          m->dtype);
+        return;
+    }
+    p.dtype = (rf_dtype)m->dtype;
+    p.ndim = (int)m->n_shape;
+    p.region = m->region;
+    p.offset = m->offset;
+    for (d = 0; d < RF_MAX_DIMS; d++) {
+        p.box.start[d] = d < m->n_shape ? m->start[d] : 0;
+        p.box.extent[d] = d < m->n_shape ? m->extent[d] : 1;
+        p.shape[d] = d < m->n_shape ? m->shape[d] : 1;
+        p.strides[d] = d < m->n_shape ? m->strides[d] : 0;
+    }
+    p.tensor = strdup(m->tensor);
+    if (p.tensor == NULL ||
+        grow((void **)&c->pieces, &c->cap_pieces, c->npieces + 1, sizeof(reg_piece)) < 0) {
+        free(p.tensor);
+        rf_rpc_conn_reply(c->conn, id, -ENOMEM, "daemon out of memory registering a piece");
+        return;
+    }
+    /* Validate by adding to the live inventory; a tensor created by a piece that then fails
+     * is removed by a rebuild, so nothing stays half-registered. */
+    ntensors = rf_inv_ntensors(r->inv);
+    rc = add_piece(r->inv, c, &p, true, &err);
+    if (rc < 0) {
+        if (rf_inv_ntensors(r->inv) != ntensors)
+            rebuild(r, NULL);
+        free(p.tensor);
+        rf_rpc_conn_reply(c->conn, id, rc, "%s", err.msg);
+        return;
+    }
+    c->pieces[c->npieces++] = p;
+    r->generation++;
+    {
+        Refit__Rpc__Response resp = REFIT__RPC__RESPONSE__INIT;
+
+        resp.id = id;
+        resp.piece = c->npieces - 1;
+        rf_rpc_conn_send(c->conn, &resp);
+    }
+}
+
+static void do_seal(rf_registry *r, reg_client *c, uint64_t id)
+{
+    rf_err err = {0};
+    rf_inv *scratch = NULL;
+    int rc = 0;
+
+    if (!need_registering(c, id, "Seal"))
+        return;
+    if (r->side == RF_DST) {
+        /* Regions belong to one client, so overlaps are checked on this client's pieces
+         * alone: another engine's unfinished registration cannot fail this one. */
+        scratch = rf_inv_new();
+        rc = scratch ? inv_add_client(r, scratch, c, false, &err)
+                     : rf_err_set(&err, -ENOMEM, "out of memory sealing");
+        if (rc == 0)
+            rc = rf_inv_check_dst_overlap(scratch, &err);
+        rf_inv_free(scratch);
+    }
+    if (rc < 0) {
+        drop_pieces(c);
+        rebuild(r, NULL);
+        rf_rpc_conn_reply(c->conn, id, rc, "seal refused: %s; this client's pieces were "
+                          "dropped (its regions kept): register them again", err.msg);
+        changed(r);
+        check_ready(r);
+        return;
+    }
+    c->sealed = true;
+    r->generation++;
+    rf_rpc_conn_reply(c->conn, id, 0, "sealed");
+    check_complete(r);
+    check_ready(r);
+}
+
+static void do_publish(rf_registry *r, reg_client *c, uint64_t id, uint64_t version)
+{
+    rf_err err = {0};
+
+    if (c->kind != REFIT__RPC__CLIENT_KIND__CLIENT_TRAINER) {
+        rf_rpc_conn_reply(c->conn, id, -EPERM, "Publish is for trainers, not %s clients",
+                          kind_name(c->kind));
+        return;
+    }
+    if (!c->sealed) {
+        rf_rpc_conn_reply(c->conn, id, -EINVAL, "Publish of version %" PRIu64 " before Seal: "
+                          "register the pieces and seal first", version);
+        return;
+    }
+    if (rf_version_check(version, r->released, "Publish", &err) < 0) {
+        rf_rpc_conn_reply(c->conn, id, err.code, "%s", err.msg);
+        return;
+    }
+    /* The same version again is how trainers retry after an abort. */
+    if (version < c->published) {
+        rf_rpc_conn_reply(c->conn, id, -EINVAL, "Publish of version %" PRIu64 ": versions "
+                          "must not decrease (this client published %" PRIu64 ")", version,
+                          c->published);
+        return;
+    }
+    c->published = version;
+    c->offered = version;
+    rf_rpc_conn_reply(c->conn, id, 0, "published");
+    check_ready(r);
+}
+
+static void do_wait(rf_registry *r, reg_client *c, uint64_t id, uint64_t version, wait_kind k)
+{
+    uint64_t reached = k == WAIT_RELEASED ? r->released : r->committed;
+    rf_err err = {0};
+    int rc;
+
+    if (k == WAIT_RELEASED && c->kind != REFIT__RPC__CLIENT_KIND__CLIENT_TRAINER) {
+        rf_rpc_conn_reply(c->conn, id, -EPERM, "WaitReleased is for trainers, not %s clients",
+                          kind_name(c->kind));
+        return;
+    }
+    if (k == WAIT_VERSION && c->kind != REFIT__RPC__CLIENT_KIND__CLIENT_ENGINE) {
+        rf_rpc_conn_reply(c->conn, id, -EPERM, "WaitVersion is for engines, not %s clients",
+                          kind_name(c->kind));
+        return;
+    }
+    if (reached >= version) {
+        reply_version(c, id, reached);
+        return;
+    }
+    /* A wait that comes after the abort of what this trainer published (its offer was taken
+     * back) fails now as the waiters queued before the abort did: it would never be answered. */
+    if (k == WAIT_RELEASED && c->published >= version && c->offered < version) {
+        rf_rpc_conn_reply(c->conn, id, -ECANCELED, "%s", r->abort_msg[0] ? r->abort_msg :
+                          "this trainer's publish was taken back: publish again to retry");
+        return;
+    }
+    if (k == WAIT_CTL && r->cb.on_wait) {
+        rc = r->cb.on_wait(r, version, &err, r->ud);
+        if (rc < 0) {
+            rf_rpc_conn_reply(c->conn, id, rc, "%s", err.msg);
+            return;
+        }
+    }
+    if (add_waiter(c, id, version, k) < 0)
+        rf_rpc_conn_reply(c->conn, id, -ENOMEM, "daemon out of memory adding a waiter");
+}
+
+static void do_status(rf_registry *r, reg_client *c, uint64_t id)
+{
+    Refit__Rpc__Response resp = REFIT__RPC__RESPONSE__INIT;
+    rf_err err = {0};
+    char *json = NULL;
+    int rc;
+
+    if (r->cb.on_status == NULL) {
+        rf_rpc_conn_reply(c->conn, id, -ENOTSUP, "this daemon does not serve status");
+        return;
+    }
+    rc = r->cb.on_status(r, &json, &err, r->ud);
+    if (rc < 0) {
+        rf_rpc_conn_reply(c->conn, id, rc, "status: %s", err.msg);
+        return;
+    }
+    resp.id = id;
+    resp.status_json = json ? json : "{}";
+    rf_rpc_conn_send(c->conn, &resp);
+    free(json);
+}
+
+static void do_refit(rf_registry *r, reg_client *c, uint64_t id, uint64_t version)
+{
+    rf_err err = {0};
+    int rc;
+
+    if (r->cb.on_refit == NULL) {
+        rf_rpc_conn_reply(c->conn, id, -ENOTSUP, "this daemon does not take refit triggers: "
+                          "send them to the coordinator");
+        return;
+    }
+    rc = r->cb.on_refit(r, version, &err, r->ud);
+    if (rc < 0)
+        rf_rpc_conn_reply(c->conn, id, rc, "refit %" PRIu64 ": %s", version, err.msg);
+    else
+        rf_rpc_conn_reply(c->conn, id, 0, "refit %" PRIu64 " triggered", version);
+}
+
+static void on_request(rf_rpc_conn *conn, const Refit__Rpc__Request *q, void *ud)
+{
+    rf_registry *r = ud;
+    reg_client *c = rf_rpc_conn_data(conn);
+    int fd = -1;
+
+    /* Only kinds that travel as a descriptor claim one, so fds stay matched to requests. */
+    if (q->body_case == REFIT__RPC__REQUEST__BODY_REGISTER_REGION &&
+        (q->register_region->kind == REFIT__RPC__MEM_KIND__MEM_MEMFD ||
+         q->register_region->kind == REFIT__RPC__MEM_KIND__MEM_CUDA_VMM_FD))
+        fd = rf_rpc_conn_take_fd(conn);
+    if (q->body_case != REFIT__RPC__REQUEST__BODY_HELLO && !c->hello) {
+        rf_rpc_conn_reply(conn, q->id, -EPROTO, "request before Hello: say Hello first");
+        if (fd >= 0)
+            close(fd);
+        return;
+    }
+    switch (q->body_case) {
+    case REFIT__RPC__REQUEST__BODY_HELLO:
+        do_hello(r, c, q->id, q->hello);
+        break;
+    case REFIT__RPC__REQUEST__BODY_REGISTER_REGION:
+        do_region(r, c, q->id, q->register_region, fd);
+        break;
+    case REFIT__RPC__REQUEST__BODY_REGISTER_PIECE:
+        do_piece(r, c, q->id, q->register_piece);
+        break;
+    case REFIT__RPC__REQUEST__BODY_SEAL:
+        do_seal(r, c, q->id);
+        break;
+    case REFIT__RPC__REQUEST__BODY_PUBLISH:
+        do_publish(r, c, q->id, q->publish->version);
+        break;
+    case REFIT__RPC__REQUEST__BODY_WAIT_RELEASED:
+        do_wait(r, c, q->id, q->wait_released->version, WAIT_RELEASED);
+        break;
+    case REFIT__RPC__REQUEST__BODY_WAIT_VERSION:
+        do_wait(r, c, q->id, q->wait_version->version, WAIT_VERSION);
+        break;
+    case REFIT__RPC__REQUEST__BODY_STATUS:
+        do_status(r, c, q->id);
+        break;
+    case REFIT__RPC__REQUEST__BODY_REFIT:
+        do_refit(r, c, q->id, q->refit->version);
+        break;
+    case REFIT__RPC__REQUEST__BODY_GATE:
+        do_gate(r, c, q->id);
+        break;
+    case REFIT__RPC__REQUEST__BODY_CONSUMED:
+        do_consumed(r, c, q->id, q->consumed->version);
+        break;
+    case REFIT__RPC__REQUEST__BODY_WAIT:
+        do_wait(r, c, q->id, q->wait->version, WAIT_CTL);
+        break;
+    default:
+        rf_rpc_conn_reply(conn, q->id, -EOPNOTSUPP, "unknown request %d", (int)q->body_case);
+        break;
+    }
+}
+
+int rf_registry_open(uv_loop_t *loop, const rf_registry_opts *opts, const rf_registry_cb *cb,
+                     void *ud, rf_registry **out, rf_err *err)
+{
+    static const rf_rpc_server_cb rpc_cb = {on_connect, on_request, on_close};
+    rf_rpc_server_opts so = {0};
+    rf_registry *r;
+    int rc;
+
+    *out = NULL;
+    if (opts->side != RF_SRC && opts->side != RF_DST)
+        return rf_err_set(err, -EINVAL, "registry side %d: RF_SRC or RF_DST", opts->side);
+    if (opts->expected_clients == 0)
+        return rf_err_set(err, -EINVAL, "registry on %s expects 0 clients: set at least 1",
+                          opts->socket_path ? opts->socket_path : "(no path)");
+    r = calloc(1, sizeof(*r));
+    if (r == NULL)
+        return rf_err_set(err, -ENOMEM, "out of memory opening the registry");
+    r->loop = loop;
+    r->side = opts->side;
+    r->expected = opts->expected_clients;
+    r->node = opts->node;
+    r->consumed = UINT64_MAX;
+    r->gpu_only = opts->gpu_memory;
+    if (cb)
+        r->cb = *cb;
+    r->ud = ud;
+    r->mem = rf_mem_cache_new();
+    r->inv = rf_inv_new();
+    if (r->mem == NULL || r->inv == NULL) {
+        rc = rf_err_set(err, -ENOMEM, "out of memory opening the registry");
+        goto fail;
+    }
+    so.path = opts->socket_path;
+    so.allowed_uids = opts->allowed_uids;
+    so.n_allowed_uids = opts->n_allowed_uids;
+    so.allowed_gids = opts->allowed_gids;
+    so.n_allowed_gids = opts->n_allowed_gids;
+    so.max_frame = opts->max_frame;
+    rc = rf_rpc_server_open(loop, &so, &rpc_cb, r, &r->srv, err);
+    if (rc < 0)
+        goto fail;
+    *out = r;
+    return 0;
+fail:
+    rf_mem_cache_free(r->mem);
+    rf_inv_free(r->inv);
+    free(r);
+    return rc;
+}
+
+void rf_registry_close(rf_registry *r)
+{
+    if (r == NULL)
+        return;
+    r->closing = true;
+    rf_rpc_server_close(r->srv); /* on_close frees each client */
+    rf_inv_free(r->inv);
+    r->held = false;
+    rf_registry_hold(r, false);
+    free(r->deferred);
+    rf_mem_cache_free(r->mem);
+    free(r->ep_device);
+    free(r->region_ref);
+    free(r);
+}
+
+const rf_inv *rf_registry_inv(const rf_registry *r) { return r->inv; }
+bool rf_registry_complete(const rf_registry *r) { return r->complete; }
+uint64_t rf_registry_generation(const rf_registry *r) { return r->generation; }
+uint64_t rf_registry_committed(const rf_registry *r) { return r->committed; }
+
+void *rf_registry_region_base(const rf_registry *r, uint32_t region)
+{
+    if (region >= rf_inv_nregions(r->inv))
+        return NULL;
+    return rf_mem_ref_base(r->region_ref[region]);
+}
+
+rf_mem_kind rf_registry_region_kind(const rf_registry *r, uint32_t region)
+{
+    return rf_mem_ref_kind(r->region_ref[region]);
+}
+
+const char *rf_registry_endpoint_device(const rf_registry *r, uint32_t endpoint)
+{
+    if (endpoint >= rf_inv_nendpoints(r->inv))
+        return NULL;
+    return r->ep_device[endpoint];
+}
+
+json_t *rf_registry_status(const rf_registry *r)
+{
+    json_t *o = json_object(), *arr = json_array();
+    const reg_client *c;
+
+    if (o == NULL || arr == NULL) {
+        json_decref(o);
+        json_decref(arr);
+        return NULL;
+    }
+    json_object_set_new(o, "side", json_string(r->side == RF_SRC ? "trainers" : "engines"));
+    json_object_set_new(o, "socket", json_string(rf_rpc_server_path(r->srv)));
+    json_object_set_new(o, "expected_clients", json_integer(r->expected));
+    json_object_set_new(o, "connected_clients", json_integer(count_data(r, false)));
+    json_object_set_new(o, "complete", json_boolean(r->complete));
+    json_object_set_new(o, "generation", json_integer((json_int_t)r->generation));
+    json_object_set_new(o, "tensors", json_integer(rf_inv_ntensors(r->inv)));
+    json_object_set_new(o, "regions", json_integer(rf_inv_nregions(r->inv)));
+    json_object_set_new(o, "pieces", json_integer(rf_inv_npieces(r->inv, r->side)));
+    json_object_set_new(o, "ready", json_integer((json_int_t)r->ready));
+    json_object_set_new(o, "released", json_integer((json_int_t)r->released));
+    json_object_set_new(o, "committed", json_integer((json_int_t)r->committed));
+    for (c = r->clients; c != NULL; c = c->next) {
+        json_t *j;
+
+        if (!c->hello)
+            continue;
+        j = json_pack("{s:s, s:s, s:i, s:i, s:b, s:i, s:i, s:I}", "name", c->name, "kind",
+                      kind_name(c->kind), "rank", c->rank, "pid", c->pid, "sealed", c->sealed,
+                      "regions", (int)c->nregions, "pieces", (int)c->npieces, "published",
+                      (json_int_t)c->published);
+        if (j)
+            json_array_append_new(arr, j);
+    }
+    json_object_set_new(o, "clients", arr);
+    return o;
+}
+
+/* Takes back every offer of a version <= version (released, or aborted). */
+static void withdraw_offers(rf_registry *r, uint64_t version)
+{
+    reg_client *c;
+
+    for (c = r->clients; c != NULL; c = c->next)
+        if (c->offered <= version)
+            c->offered = 0;
+}
+
+void rf_registry_release(rf_registry *r, uint64_t version)
+{
+    if (version <= r->released)
+        return;
+    answer_waiters(r, 1u << WAIT_RELEASED, 0, version, 0, NULL);
+    r->released = version;
+    withdraw_offers(r, version);
+    check_ready(r);
+}
+
+uint64_t rf_registry_ready(const rf_registry *r)
+{
+    return r->ready;
+}
+
+unsigned rf_registry_nclients(const rf_registry *r)
+{
+    return count_data(r, false);
+}
+
+void rf_registry_abort(rf_registry *r, uint64_t version, const char *reason)
+{
+    snprintf(r->abort_msg, sizeof(r->abort_msg), "refit of version %" PRIu64 " aborted: %s; "
+             "the weights were not released, publish again to retry", version,
+             reason ? reason : "no reason");
+    answer_waiters(r, 1u << WAIT_RELEASED, r->released, version, -ECANCELED, r->abort_msg);
+    /* The failed publishes are taken back: a persistent failure does not loop. Trainers publish
+     * again (the same version or a later one) and readiness is reported anew. */
+    withdraw_offers(r, version);
+    check_ready(r);
+}
+
+void rf_registry_notify(rf_registry *r, rf_reg_event ev, uint64_t version, const char *reason)
+{
+    Refit__Rpc__Response resp = REFIT__RPC__RESPONSE__INIT;
+    Refit__Rpc__Event e = REFIT__RPC__EVENT__INIT;
+    reg_client *c;
+    char msg[768];
+
+    e.kind = (Refit__Rpc__EventKind)ev;
+    e.version = version;
+    e.reason = (char *)(reason ? reason : "");
+    resp.event = &e;
+    for (c = r->clients; c != NULL; c = c->next)
+        if (c->hello && c->kind == REFIT__RPC__CLIENT_KIND__CLIENT_ENGINE)
+            rf_rpc_conn_send(c->conn, &resp);
+    if (ev == RF_REG_COMMITTED && version > r->committed) {
+        answer_waiters(r, (1u << WAIT_VERSION) | (1u << WAIT_CTL), 0, version, 0, NULL);
+        r->committed = version;
+    } else if (ev == RF_REG_ABORTED) {
+        snprintf(msg, sizeof(msg), "refit of version %" PRIu64 " aborted: %s; the engines "
+                 "hold a mix of versions until the next commit", version,
+                 reason ? reason : "no reason");
+        answer_waiters(r, (1u << WAIT_VERSION) | (1u << WAIT_CTL), r->committed, version,
+                       -ECANCELED, msg);
+    }
+}

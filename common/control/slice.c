@@ -1,0 +1,636 @@
+/* common/control/slice.c - inventories to and from protobuf, the coordinator's merge, plan slices
+ * per daemon and the transfer job a daemon builds from its slice. */
+#include "slice.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+static int64_t *dup_dims(const int64_t *v, int n)
+{
+    int64_t *out = malloc(sizeof(*out) * (size_t)(n ? n : 1));
+
+    if (out)
+        memcpy(out, v, sizeof(*out) * (size_t)n);
+    return out;
+}
+
+int rf_slice_inv_pack(const rf_inv *local, rf_side side, uint64_t generation,
+                      Refit__Inventory *out)
+{
+    uint32_t nt = rf_inv_ntensors(local), ne = rf_inv_nendpoints(local);
+    uint32_t nr = rf_inv_nregions(local), np = rf_inv_npieces(local, side);
+    Refit__Inventory init = REFIT__INVENTORY__INIT;
+    uint32_t i;
+
+    *out = init;
+    out->generation = generation;
+    out->complete = true;
+    out->tensors = calloc(nt ? nt : 1, sizeof(*out->tensors));
+    out->endpoints = calloc(ne ? ne : 1, sizeof(*out->endpoints));
+    out->regions = calloc(nr ? nr : 1, sizeof(*out->regions));
+    out->pieces = calloc(np ? np : 1, sizeof(*out->pieces));
+    if (!out->tensors || !out->endpoints || !out->regions || !out->pieces)
+        goto nomem;
+
+    for (i = 0; i < nt; i++) {
+        const rf_tensor *t = rf_inv_tensor(local, i);
+        Refit__TensorDesc *d = malloc(sizeof(*d));
+
+        if (!d)
+            goto nomem;
+        refit__tensor_desc__init(d);
+        out->tensors[out->n_tensors++] = d;
+        d->name = strdup(t->name);
+        d->dtype = t->dtype;
+        d->n_shape = (size_t)t->ndim;
+        d->shape = dup_dims(t->shape, t->ndim);
+        if (!d->name || !d->shape)
+            goto nomem;
+    }
+    for (i = 0; i < ne; i++) {
+        Refit__EndpointDesc *d = malloc(sizeof(*d));
+
+        if (!d)
+            goto nomem;
+        refit__endpoint_desc__init(d);
+        out->endpoints[out->n_endpoints++] = d;
+        d->local_id = i;
+        d->device = strdup("host");
+        if (!d->device)
+            goto nomem;
+    }
+    for (i = 0; i < nr; i++) {
+        const rf_region *r = rf_inv_region(local, i);
+        Refit__RegionDesc *d = malloc(sizeof(*d));
+
+        if (!d)
+            goto nomem;
+        refit__region_desc__init(d);
+        out->regions[out->n_regions++] = d;
+        d->local_id = i;
+        d->endpoint = r->endpoint;
+        d->size = r->size;
+    }
+    for (i = 0; i < np; i++) {
+        Refit__PieceDesc *d = malloc(sizeof(*d));
+        rf_piece p;
+        int nd;
+
+        if (!d)
+            goto nomem;
+        refit__piece_desc__init(d);
+        out->pieces[out->n_pieces++] = d;
+        rf_inv_piece(local, side, i, &p);
+        nd = rf_inv_tensor(local, p.tensor)->ndim;
+        d->tensor = p.tensor;
+        d->region = p.region;
+        d->offset = p.offset;
+        d->n_start = d->n_extent = d->n_strides = (size_t)nd;
+        d->start = dup_dims(p.box.start, nd);
+        d->extent = dup_dims(p.box.extent, nd);
+        d->strides = dup_dims(p.strides, nd);
+        if (!d->start || !d->extent || !d->strides)
+            goto nomem;
+    }
+    return 0;
+
+nomem:
+    rf_slice_inv_msg_free(out);
+    return -ENOMEM;
+}
+
+void rf_slice_inv_msg_free(Refit__Inventory *msg)
+{
+    size_t i;
+
+    for (i = 0; i < msg->n_tensors; i++) {
+        free(msg->tensors[i]->name);
+        free(msg->tensors[i]->shape);
+        free(msg->tensors[i]);
+    }
+    for (i = 0; i < msg->n_endpoints; i++) {
+        free(msg->endpoints[i]->device);
+        free(msg->endpoints[i]);
+    }
+    for (i = 0; i < msg->n_regions; i++)
+        free(msg->regions[i]);
+    for (i = 0; i < msg->n_pieces; i++) {
+        free(msg->pieces[i]->start);
+        free(msg->pieces[i]->extent);
+        free(msg->pieces[i]->strides);
+        free(msg->pieces[i]);
+    }
+    free(msg->tensors);
+    free(msg->endpoints);
+    free(msg->regions);
+    free(msg->pieces);
+    msg->tensors = NULL;
+    msg->endpoints = NULL;
+    msg->regions = NULL;
+    msg->pieces = NULL;
+    msg->n_tensors = msg->n_endpoints = msg->n_regions = msg->n_pieces = 0;
+}
+
+void rf_slice_map_free(rf_slice_map *map)
+{
+    free(map->members);
+    free(map->ep_member);
+    map->members = NULL;
+    map->ep_member = NULL;
+    map->nmembers = 0;
+}
+
+/* Adds member m's inventory to the global one; tmap translates its tensor indices. */
+static int merge_one(rf_inv *g, const Refit__Inventory *in, uint32_t m, rf_slice_member *mem,
+                     rf_err *err)
+{
+    uint32_t *tmap = NULL;
+    size_t i;
+    int rc = 0;
+
+    tmap = malloc(sizeof(*tmap) * (in->n_tensors ? in->n_tensors : 1));
+    if (!tmap)
+        return rf_err_set(err, -ENOMEM, "out of memory merging inventories");
+    for (i = 0; i < in->n_tensors; i++) {
+        const Refit__TensorDesc *t = in->tensors[i];
+        rf_dtype dt = (rf_dtype)t->dtype;
+
+        if (t->dtype >= RF_DT__COUNT || t->n_shape < 1 || t->n_shape > RF_MAX_DIMS) {
+            rc = rf_err_set(err, -EINVAL, "daemon %u describes tensor %s with dtype %u and %zu "
+                            "dims, which refit cannot hold", m, t->name, t->dtype, t->n_shape);
+            goto out;
+        }
+        rc = rf_inv_add_tensor(g, t->name, dt, (int)t->n_shape, t->shape, &tmap[i], err);
+        if (rc < 0) {
+            rf_err_wrap(err, "inventory of daemon %u: ", m);
+            goto out;
+        }
+    }
+    mem->ep_base = rf_inv_nendpoints(g);
+    mem->nep = (uint32_t)in->n_endpoints;
+    for (i = 0; i < in->n_endpoints; i++) {
+        uint32_t id;
+
+        rc = rf_inv_add_endpoint(g, mem->side, m, &id, err);
+        if (rc < 0)
+            goto out;
+    }
+    mem->region_base = rf_inv_nregions(g);
+    mem->nregion = (uint32_t)in->n_regions;
+    for (i = 0; i < in->n_regions; i++) {
+        const Refit__RegionDesc *r = in->regions[i];
+        uint32_t id;
+
+        if (r->endpoint >= in->n_endpoints) {
+            rc = rf_err_set(err, -EINVAL, "inventory of daemon %u: region %zu names endpoint "
+                            "%u of %zu", m, i, r->endpoint, in->n_endpoints);
+            goto out;
+        }
+        rc = rf_inv_add_region(g, mem->ep_base + r->endpoint, r->size, &id, err);
+        if (rc < 0)
+            goto out;
+    }
+    mem->piece_base = rf_inv_npieces(g, mem->side);
+    mem->npiece = (uint32_t)in->n_pieces;
+    for (i = 0; i < in->n_pieces; i++) {
+        const Refit__PieceDesc *d = in->pieces[i];
+        rf_piece p;
+        uint32_t id;
+        int nd, k;
+
+        if (d->tensor >= in->n_tensors || d->region >= in->n_regions) {
+            rc = rf_err_set(err, -EINVAL, "inventory of daemon %u: piece %zu names tensor %u "
+                            "of %zu and region %u of %zu", m, i, d->tensor, in->n_tensors,
+                            d->region, in->n_regions);
+            goto out;
+        }
+        nd = (int)in->tensors[d->tensor]->n_shape;
+        if (d->n_start != (size_t)nd || d->n_extent != (size_t)nd || d->n_strides != (size_t)nd) {
+            rc = rf_err_set(err, -EINVAL, "inventory of daemon %u: piece %zu of %s has %zu/%zu/"
+                            "%zu start/extent/stride dims, the tensor has %d", m, i,
+                            in->tensors[d->tensor]->name, d->n_start, d->n_extent,
+                            d->n_strides, nd);
+            goto out;
+        }
+        memset(&p, 0, sizeof(p));
+        p.tensor = tmap[d->tensor];
+        p.region = mem->region_base + d->region;
+        p.offset = d->offset;
+        for (k = 0; k < RF_MAX_DIMS; k++) {
+            p.box.start[k] = k < nd ? d->start[k] : 0;
+            p.box.extent[k] = k < nd ? d->extent[k] : 1;
+            p.strides[k] = k < nd ? d->strides[k] : 0;
+        }
+        rc = rf_inv_add_piece(g, &p, &id, err);
+        if (rc < 0) {
+            rf_err_wrap(err, "inventory of daemon %u: ", m);
+            goto out;
+        }
+    }
+out:
+    free(tmap);
+    return rc;
+}
+
+int rf_slice_merge(Refit__Inventory *const *invs, const rf_side *sides, uint32_t nmembers,
+                   rf_inv **global, rf_slice_map *map, rf_err *err)
+{
+    rf_inv *g = NULL;
+    uint32_t m, e;
+    int rc = 0;
+
+    memset(map, 0, sizeof(*map));
+    g = rf_inv_new();
+    map->members = calloc(nmembers ? nmembers : 1, sizeof(*map->members));
+    if (!g || !map->members) {
+        rc = rf_err_set(err, -ENOMEM, "out of memory merging inventories");
+        goto out;
+    }
+    map->nmembers = nmembers;
+    for (m = 0; m < nmembers; m++) {
+        map->members[m].side = sides[m];
+        rc = merge_one(g, invs[m], m, &map->members[m], err);
+        if (rc < 0)
+            goto out;
+    }
+    map->ep_member = malloc(sizeof(*map->ep_member) * (rf_inv_nendpoints(g) + 1));
+    if (!map->ep_member) {
+        rc = rf_err_set(err, -ENOMEM, "out of memory merging inventories");
+        goto out;
+    }
+    for (m = 0; m < nmembers; m++)
+        for (e = 0; e < map->members[m].nep; e++)
+            map->ep_member[map->members[m].ep_base + e] = m;
+    rc = rf_inv_check_dst_overlap(g, err);
+out:
+    if (rc < 0) {
+        rf_inv_free(g);
+        rf_slice_map_free(map);
+        g = NULL;
+    }
+    *global = g;
+    return rc;
+}
+
+void rf_slice_msg_free(Refit__PlanSlice *s)
+{
+    size_t i, k;
+
+    if (!s)
+        return;
+    for (i = 0; i < s->n_msgs; i++) {
+        Refit__SliceMsg *msg = s->msgs[i];
+
+        for (k = 0; k < msg->n_xfers; k++) {
+            free(msg->xfers[k]->start);
+            free(msg->xfers[k]->extent);
+            free(msg->xfers[k]);
+        }
+        free(msg->xfers);
+        free(msg);
+    }
+    for (i = 0; i < s->n_peers; i++) {
+        free(s->peers[i]->data_addr);
+        free(s->peers[i]);
+    }
+    free(s->msgs);
+    free(s->peers);
+    free(s->plan_id.data);
+    free(s->nccl_id.data);
+    free(s);
+}
+
+static Refit__PlanSlice *new_frame(const rf_plan *plan, const rf_slice_map *map,
+                                   const rf_slice_peer *peers, uint64_t generation, uint32_t m,
+                                   const uint8_t *nccl_id)
+{
+    Refit__PlanSlice *s = malloc(sizeof(*s));
+    uint32_t i;
+
+    if (!s)
+        return NULL;
+    refit__plan_slice__init(s);
+    s->rounds = rf_plan_nrounds(plan);
+    s->generation = generation;
+    s->global_ep_base = map->members[m].ep_base;
+    s->nranks = rf_inv_nendpoints(rf_plan_inv(plan));
+    if (nccl_id) {
+        s->nccl_id.data = malloc(RF_XFER_NCCL_ID_BYTES);
+        if (!s->nccl_id.data)
+            goto fail;
+        memcpy(s->nccl_id.data, nccl_id, RF_XFER_NCCL_ID_BYTES);
+        s->nccl_id.len = RF_XFER_NCCL_ID_BYTES;
+    }
+    s->plan_id.data = malloc(RF_PLAN_ID_BYTES);
+    s->peers = calloc(map->nmembers, sizeof(*s->peers));
+    if (!s->plan_id.data || !s->peers)
+        goto fail;
+    memcpy(s->plan_id.data, rf_plan_id(plan), RF_PLAN_ID_BYTES);
+    s->plan_id.len = RF_PLAN_ID_BYTES;
+    for (i = 0; i < map->nmembers; i++) {
+        Refit__PeerAddr *p = malloc(sizeof(*p));
+
+        if (!p)
+            goto fail;
+        refit__peer_addr__init(p);
+        s->peers[s->n_peers++] = p;
+        p->daemon_id = peers[i].daemon_id;
+        p->role = peers[i].role;
+        p->data_addr = strdup(peers[i].data_addr ? peers[i].data_addr : "");
+        if (!p->data_addr)
+            goto fail;
+    }
+    return s;
+fail:
+    rf_slice_msg_free(s);
+    return NULL;
+}
+
+static int push_frame(Refit__PlanSlice ***out, size_t *nout, size_t *cap, Refit__PlanSlice *s)
+{
+    if (*nout == *cap) {
+        size_t ncap = *cap ? *cap * 2 : 4;
+        Refit__PlanSlice **n = realloc(*out, ncap * sizeof(*n));
+
+        if (!n)
+            return -ENOMEM;
+        *out = n;
+        *cap = ncap;
+    }
+    (*out)[(*nout)++] = s;
+    return 0;
+}
+
+static Refit__SliceMsg *slice_msg_new(const rf_plan *plan, const rf_slice_map *map, uint32_t m,
+                                      uint32_t seq)
+{
+    const rf_plan_msg *pm = rf_plan_msg_at(plan, seq);
+    const rf_slice_member *me = &map->members[m];
+    const rf_inv *inv = rf_plan_inv(plan);
+    bool send = me->side == RF_SRC;
+    Refit__SliceMsg *sm = malloc(sizeof(*sm));
+    uint32_t k;
+
+    if (!sm)
+        return NULL;
+    refit__slice_msg__init(sm);
+    sm->round = pm->round;
+    sm->kind = pm->kind;
+    sm->send = send;
+    sm->local_ep = (send ? pm->src_ep : pm->dst_ep) - me->ep_base;
+    sm->peer_ep = send ? pm->dst_ep : pm->src_ep;
+    sm->peer = map->ep_member[sm->peer_ep];
+    sm->bytes = pm->bytes;
+    sm->seq = seq;
+    sm->xfers = calloc(pm->count ? pm->count : 1, sizeof(*sm->xfers));
+    if (!sm->xfers)
+        goto fail;
+    for (k = 0; k < pm->count; k++) {
+        const rf_plan_xfer *x = rf_plan_xfer_at(plan, (uint64_t)pm->first + k);
+        const rf_box *b = rf_plan_box(plan, x->box);
+        uint32_t piece = send ? x->src : x->dst;
+        int nd = rf_inv_tensor(inv, rf_inv_piece_tensor(inv, me->side, piece))->ndim;
+        Refit__SliceXfer *sx = malloc(sizeof(*sx));
+
+        if (!sx)
+            goto fail;
+        refit__slice_xfer__init(sx);
+        sm->xfers[sm->n_xfers++] = sx;
+        sx->piece = piece - me->piece_base;
+        sx->msg_off = x->msg_off;
+        sx->bytes = x->bytes;
+        sx->n_start = sx->n_extent = (size_t)nd;
+        sx->start = dup_dims(b->start, nd);
+        sx->extent = dup_dims(b->extent, nd);
+        if (!sx->start || !sx->extent)
+            goto fail;
+    }
+    return sm;
+fail:
+    for (k = 0; k < sm->n_xfers; k++) {
+        free(sm->xfers[k]->start);
+        free(sm->xfers[k]->extent);
+        free(sm->xfers[k]);
+    }
+    free(sm->xfers);
+    free(sm);
+    return NULL;
+}
+
+int rf_slice_build(const rf_plan *plan, const rf_slice_map *map, uint32_t m,
+                   const rf_slice_peer *peers, uint64_t generation, uint32_t max_xfers,
+                   const uint8_t *nccl_id, Refit__PlanSlice ***out, size_t *nout)
+{
+    const rf_slice_member *me = &map->members[m];
+    uint32_t nmsgs = rf_plan_nmsgs(plan), i;
+    Refit__PlanSlice *cur = NULL;
+    size_t cap = 0, cur_msgs_cap = 0, cur_xfers = 0;
+    int rc = 0;
+
+    *out = NULL;
+    *nout = 0;
+    cur = new_frame(plan, map, peers, generation, m, nccl_id);
+    if (!cur)
+        return -ENOMEM;
+    for (i = 0; i < nmsgs; i++) {
+        const rf_plan_msg *pm = rf_plan_msg_at(plan, i);
+        uint32_t ep = me->side == RF_SRC ? pm->src_ep : pm->dst_ep;
+        Refit__SliceMsg *sm;
+
+        if (ep < me->ep_base || ep >= me->ep_base + me->nep)
+            continue;
+        if (cur->n_msgs > 0 && cur_xfers + pm->count > max_xfers) {
+            rc = push_frame(out, nout, &cap, cur);
+            if (rc < 0)
+                goto fail;
+            cur = new_frame(plan, map, peers, generation, m, nccl_id);
+            cur_msgs_cap = 0;
+            cur_xfers = 0;
+            if (!cur) {
+                rc = -ENOMEM;
+                goto fail;
+            }
+        }
+        if (cur->n_msgs == cur_msgs_cap) {
+            size_t ncap = cur_msgs_cap ? cur_msgs_cap * 2 : 64;
+            Refit__SliceMsg **n = realloc(cur->msgs, ncap * sizeof(*n));
+
+            if (!n) {
+                rc = -ENOMEM;
+                goto fail;
+            }
+            cur->msgs = n;
+            cur_msgs_cap = ncap;
+        }
+        sm = slice_msg_new(plan, map, m, i);
+        if (!sm) {
+            rc = -ENOMEM;
+            goto fail;
+        }
+        cur->msgs[cur->n_msgs++] = sm;
+        cur_xfers += pm->count;
+    }
+    cur->last = true;
+    rc = push_frame(out, nout, &cap, cur);
+    if (rc < 0)
+        goto fail;
+    return 0;
+fail:
+    rf_slice_msg_free(cur);
+    while (*nout > 0)
+        rf_slice_msg_free((*out)[--(*nout)]);
+    free(*out);
+    *out = NULL;
+    return rc;
+}
+
+void rf_slice_job_init(rf_slice_job *j)
+{
+    memset(j, 0, sizeof(*j));
+}
+
+void rf_slice_job_reset(rf_slice_job *j)
+{
+    uint32_t i;
+
+    for (i = 0; i < j->job.nmsgs; i++)
+        free(j->job.msgs[i].items);
+    free(j->job.msgs);
+    for (i = 0; i < j->npeers; i++)
+        free((char *)j->peers[i].data_addr);
+    free(j->peers);
+    rf_slice_job_init(j);
+}
+
+int rf_slice_job_add(rf_slice_job *j, const Refit__PlanSlice *frame, const rf_inv *local,
+                     rf_side side, uint8_t *const *bases, rf_err *err)
+{
+    size_t i, k;
+
+    if (j->complete)
+        rf_slice_job_reset(j);
+    if (frame->plan_id.len != RF_PLAN_ID_BYTES)
+        return rf_err_set(err, -EPROTO, "plan slice carries a plan id of %zu bytes, not %d",
+                          frame->plan_id.len, RF_PLAN_ID_BYTES);
+    if (j->job.nmsgs == 0 && j->npeers == 0) {
+        memcpy(j->plan_id, frame->plan_id.data, RF_PLAN_ID_BYTES);
+        j->generation = frame->generation;
+        j->job.nrounds = frame->rounds;
+        j->ep_base = frame->global_ep_base;
+        j->nranks = frame->nranks;
+        j->has_nccl_id = frame->nccl_id.len == RF_XFER_NCCL_ID_BYTES;
+        if (j->has_nccl_id)
+            memcpy(j->nccl_id, frame->nccl_id.data, RF_XFER_NCCL_ID_BYTES);
+        j->peers = calloc(frame->n_peers ? frame->n_peers : 1, sizeof(*j->peers));
+        if (!j->peers)
+            return rf_err_set(err, -ENOMEM, "out of memory for the plan slice");
+        for (i = 0; i < frame->n_peers; i++) {
+            j->peers[i].daemon_id = frame->peers[i]->daemon_id;
+            j->peers[i].role = frame->peers[i]->role;
+            j->peers[i].data_addr = strdup(frame->peers[i]->data_addr);
+            if (!j->peers[i].data_addr)
+                return rf_err_set(err, -ENOMEM, "out of memory for the plan slice");
+            j->npeers++;
+        }
+    } else if (memcmp(j->plan_id, frame->plan_id.data, RF_PLAN_ID_BYTES) != 0) {
+        return rf_err_set(err, -EPROTO, "plan slice frame belongs to another plan than the "
+                          "frames before it");
+    }
+    if (j->job.nmsgs + frame->n_msgs > j->cap_msgs) {
+        uint32_t ncap = j->cap_msgs ? j->cap_msgs : 64;
+        rf_xfer_msg *n;
+
+        while (ncap < j->job.nmsgs + frame->n_msgs)
+            ncap *= 2;
+        n = realloc(j->job.msgs, ncap * sizeof(*n));
+        if (!n)
+            return rf_err_set(err, -ENOMEM, "out of memory for the plan slice");
+        j->job.msgs = n;
+        j->cap_msgs = ncap;
+    }
+    for (i = 0; i < frame->n_msgs; i++) {
+        const Refit__SliceMsg *sm = frame->msgs[i];
+        rf_xfer_msg *xm = &j->job.msgs[j->job.nmsgs];
+
+        memset(xm, 0, sizeof(*xm));
+        if (sm->peer >= j->npeers)
+            return rf_err_set(err, -EPROTO, "plan slice message %u names peer %u of %u",
+                              sm->seq, sm->peer, j->npeers);
+        xm->seq = sm->seq;
+        xm->round = sm->round;
+        xm->kind = sm->kind;
+        xm->send = sm->send;
+        xm->peer = sm->peer;
+        xm->ep = frame->global_ep_base + sm->local_ep;
+        xm->peer_ep = sm->peer_ep;
+        xm->bytes = sm->bytes;
+        xm->items = calloc(sm->n_xfers ? sm->n_xfers : 1, sizeof(*xm->items));
+        if (!xm->items)
+            return rf_err_set(err, -ENOMEM, "out of memory for the plan slice");
+        j->job.nmsgs++;
+        for (k = 0; k < sm->n_xfers; k++) {
+            const Refit__SliceXfer *sx = sm->xfers[k];
+            rf_xfer_item *it = &xm->items[k];
+            const rf_tensor *t;
+            int d;
+
+            if (sx->piece >= rf_inv_npieces(local, side))
+                return rf_err_set(err, -EPROTO, "plan slice message %u names local piece %u, "
+                                  "this daemon holds %u: the plan is stale", sm->seq,
+                                  sx->piece, rf_inv_npieces(local, side));
+            rf_inv_piece(local, side, sx->piece, &it->piece);
+            t = rf_inv_tensor(local, it->piece.tensor);
+            if (sx->n_start != (size_t)t->ndim || sx->n_extent != (size_t)t->ndim)
+                return rf_err_set(err, -EPROTO, "plan slice box for %s has %zu dims, the "
+                                  "tensor %d", t->name, sx->n_start, t->ndim);
+            it->ndim = t->ndim;
+            it->esize = rf_dtype_size(t->dtype);
+            for (d = 0; d < RF_MAX_DIMS; d++) {
+                it->box.start[d] = d < t->ndim ? sx->start[d] : 0;
+                it->box.extent[d] = d < t->ndim ? sx->extent[d] : 1;
+            }
+            if (!rf_box_contains(&it->piece.box, &it->box, t->ndim))
+                return rf_err_set(err, -EPROTO, "plan slice moves a box of %s outside the "
+                                  "local piece: the plan is stale", t->name);
+            it->base = bases[it->piece.region];
+            it->msg_off = sx->msg_off;
+            it->bytes = sx->bytes;
+            xm->nitems++;
+        }
+        j->bytes += sm->bytes;
+    }
+    if (frame->last)
+        j->complete = true;
+    return 0;
+}
+
+int rf_slice_msg_from_plan(const rf_plan *plan, uint32_t mi, rf_side side,
+                           uint8_t *const *bases, uint32_t peer, rf_xfer_msg *out, rf_err *err)
+{
+    const rf_inv *inv = rf_plan_inv(plan);
+    const rf_plan_msg *pm = rf_plan_msg_at(plan, mi);
+
+    *out = (rf_xfer_msg){.seq = mi, .round = pm->round, .kind = pm->kind,
+                         .send = side == RF_SRC, .peer = peer, .bytes = pm->bytes,
+                         .nitems = pm->count, .ep = side == RF_SRC ? pm->src_ep : pm->dst_ep,
+                         .peer_ep = side == RF_SRC ? pm->dst_ep : pm->src_ep};
+    out->items = calloc(pm->count ? pm->count : 1, sizeof(*out->items));
+    if (!out->items)
+        return rf_err_set(err, -ENOMEM, "out of memory for the %u items of message %u",
+                          pm->count, mi);
+    for (uint32_t k = 0; k < pm->count; k++) {
+        const rf_plan_xfer *x = rf_plan_xfer_at(plan, (uint64_t)pm->first + k);
+        rf_xfer_item *it = &out->items[k];
+        const rf_tensor *t;
+
+        rf_inv_piece(inv, side, side == RF_SRC ? x->src : x->dst, &it->piece);
+        t = rf_inv_tensor(inv, it->piece.tensor);
+        it->base = bases[it->piece.region];
+        it->ndim = t->ndim;
+        it->esize = rf_dtype_size(t->dtype);
+        it->box = *rf_plan_box(plan, x->box);
+        it->msg_off = x->msg_off;
+        it->bytes = x->bytes;
+    }
+    return 0;
+}

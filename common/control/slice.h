@@ -1,0 +1,89 @@
+/* common/control/slice.h - the bridge between the cluster plan and each daemon: a daemon's local
+ * inventory to and from its protobuf form, the coordinator's merge of every daemon's inventory
+ * into one, the plan slice each daemon receives, and the transfer job a slice becomes. */
+#ifndef RF_SLICE_H
+#define RF_SLICE_H
+
+#include <stdint.h>
+
+#include "layout.h"
+#include "plan.h"
+#include "refit.pb-c.h"
+#include "xfer.h"
+
+/* Builds the Inventory message of a daemon's local inventory (pieces of one side, in id
+ * order). The message's arrays are malloc'd; rf_slice_inv_msg_free releases them. */
+int rf_slice_inv_pack(const rf_inv *local, rf_side side, uint64_t generation,
+                      Refit__Inventory *out);
+void rf_slice_inv_msg_free(Refit__Inventory *msg);
+
+/* Where each member's local ids start in the merged (global) inventory. Members are the
+ * daemons in a fixed order (publishers by index, then receivers by index); member m's
+ * endpoints all get node m. */
+typedef struct rf_slice_member {
+    rf_side side;
+    uint32_t ep_base, nep;
+    uint32_t region_base, nregion;
+    uint32_t piece_base, npiece; /* piece ids of the member's side */
+} rf_slice_member;
+
+typedef struct rf_slice_map {
+    uint32_t nmembers;
+    rf_slice_member *members;
+    uint32_t *ep_member; /* global endpoint -> member */
+} rf_slice_map;
+
+/* Merges the inventories (one per member, sides[m] saying which side member m serves) into
+ * a new global inventory. A tensor described differently by two members, a piece naming a
+ * region or tensor that its member did not send, or any piece that fails validation is an
+ * error naming the member and the tensor. */
+int rf_slice_merge(Refit__Inventory *const *invs, const rf_side *sides, uint32_t nmembers,
+                   rf_inv **global, rf_slice_map *map, rf_err *err);
+void rf_slice_map_free(rf_slice_map *map);
+
+/* The slice of member m: every message it sends or receives, with transfers in its local
+ * piece ids, split into frames of at most max_xfers transfers each. *out is a malloc'd array
+ * of *nout messages; free each with rf_slice_msg_free, then the array. peers holds the data
+ * address of every member (nmembers entries) and daemon ids. */
+typedef struct rf_slice_peer {
+    uint64_t daemon_id;
+    const char *data_addr;
+    Refit__Role role;
+} rf_slice_peer;
+
+int rf_slice_build(const rf_plan *plan, const rf_slice_map *map, uint32_t m,
+                   const rf_slice_peer *peers, uint64_t generation, uint32_t max_xfers,
+                   const uint8_t *nccl_id, Refit__PlanSlice ***out, size_t *nout);
+void rf_slice_msg_free(Refit__PlanSlice *s);
+
+/* On a daemon: the job its slice frames turn into. Add every frame in order; the job is
+ * complete after the frame with last = true. Pieces are resolved against the local inventory
+ * and each region's mapped base (bases indexed by local region id). */
+typedef struct rf_slice_job {
+    rf_xfer_job job;         /* version set per refit by the caller */
+    uint8_t plan_id[RF_PLAN_ID_BYTES];
+    bool complete;
+    uint64_t generation;
+    uint32_t npeers;
+    rf_slice_peer *peers;    /* data_addr strings owned by the job */
+    uint64_t bytes;          /* bytes this daemon sends or receives */
+    uint32_t ep_base;        /* global endpoint id of local endpoint 0 */
+    uint32_t nranks;         /* global endpoints: the NCCL world's size */
+    bool has_nccl_id;
+    uint8_t nccl_id[RF_XFER_NCCL_ID_BYTES];
+    uint32_t cap_msgs;
+} rf_slice_job;
+
+void rf_slice_job_init(rf_slice_job *j);
+int rf_slice_job_add(rf_slice_job *j, const Refit__PlanSlice *frame, const rf_inv *local,
+                     rf_side side, uint8_t *const *bases, rf_err *err);
+void rf_slice_job_reset(rf_slice_job *j);
+
+/* Without daemons (a process that drives a plan's transports itself: benchmarks, tests): one
+ * side of plan message mi as a transport message. Items point into bases[region of the piece
+ * on that side]; peer is the caller's index of the other side's transport; ep and peer_ep are
+ * the plan's endpoint ids. out->items is malloc'd (free it). -ENOMEM. */
+int rf_slice_msg_from_plan(const rf_plan *plan, uint32_t mi, rf_side side,
+                           uint8_t *const *bases, uint32_t peer, rf_xfer_msg *out, rf_err *err);
+
+#endif

@@ -1,0 +1,299 @@
+/* common/data/copy_cuda.cu - the gather/scatter kernels: descriptors reduced on the host with the
+ * host copy's own merging (rf_copy_flatten), split into chunks of staging bytes, one block per
+ * chunk, each thread moving 16, 8, 4, 2 or 1 bytes at a time as alignment allows. */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cuda_runtime.h>
+
+#include "copy_cuda.h"
+#include "drv_cuda.h"
+
+#define CHUNK (64u << 10)   /* staging bytes per block iteration: a multiple of 16 */
+#define THREADS 256
+#define MAX_DEV 64
+#define NDIM (RF_MAX_DIMS + 1) /* outer dims plus a strided innermost one */
+
+/* One descriptor as the kernel walks it: runs of `run` bytes, contiguous in both memories,
+ * at mem + sum(idx[k] * str[k]) for idx over ext (row-major), packed in staging. */
+typedef struct dev_desc {
+    uint64_t mem;
+    uint64_t stage;   /* staging offset */
+    uint64_t bytes;
+    uint64_t chunk0;  /* index of this descriptor's first chunk in the batch */
+    uint64_t run;
+    int64_t ext[NDIM];
+    int64_t str[NDIM];
+    uint32_t n;
+    uint32_t vec;
+} dev_desc;
+
+struct rf_copy_cuda_buf {
+    int dev;
+    int sms;
+    unsigned max_blocks; /* 0: every SM, 16 blocks each */
+    dev_desc *host;   /* pinned */
+    dev_desc *devp;
+    size_t cap;
+    cudaEvent_t done; /* recorded after the last batch's launch */
+    bool pending;
+};
+
+/* Quotient of a by b, in 32 bits when both fit: row and index arithmetic here nearly always
+ * does, and the 64-bit division is several times longer. */
+__device__ __forceinline__ uint64_t udiv(uint64_t a, uint64_t b)
+{
+    if (((a | b) >> 32) == 0)
+        return (uint32_t)a / (uint32_t)b;
+    return a / b;
+}
+
+template <typename T>
+__device__ __forceinline__ void move(const dev_desc &x, uint64_t lo, uint64_t hi,
+                                     uint8_t *staging, bool gather)
+{
+    const uint64_t v = sizeof(T);
+
+    for (uint64_t o = lo + threadIdx.x * v; o < hi; o += (uint64_t)blockDim.x * v) {
+        uint64_t r = udiv(o, x.run);
+        uint64_t addr = x.mem + (o - r * x.run);
+
+        for (int k = (int)x.n - 1; k >= 0; k--) {
+            uint64_t e = (uint64_t)x.ext[k];
+            uint64_t q = udiv(r, e);
+
+            addr += (r - q * e) * (uint64_t)x.str[k];
+            r = q;
+        }
+        T *m = reinterpret_cast<T *>(addr);
+        T *s = reinterpret_cast<T *>(staging + x.stage + o);
+        if (gather)
+            *s = *m;
+        else
+            *m = *s;
+    }
+}
+
+__global__ void copy_kernel(const dev_desc *d, uint32_t n, uint64_t chunks, uint8_t *staging,
+                            bool gather)
+{
+    __shared__ dev_desc x;
+
+    for (uint64_t c = blockIdx.x; c < chunks; c += gridDim.x) {
+        if (threadIdx.x == 0) {
+            uint32_t lo = 0, hi = n - 1;
+
+            /* The last descriptor whose first chunk is at or before c. */
+            while (lo < hi) {
+                uint32_t mid = lo + (hi - lo + 1) / 2;
+
+                if (d[mid].chunk0 <= c)
+                    lo = mid;
+                else
+                    hi = mid - 1;
+            }
+            x = d[lo];
+        }
+        __syncthreads();
+        uint64_t lo = (c - x.chunk0) * CHUNK;
+        uint64_t hi = lo + CHUNK < x.bytes ? lo + CHUNK : x.bytes;
+        switch (x.vec) {
+        case 16: move<uint4>(x, lo, hi, staging, gather); break;
+        case 8: move<uint2>(x, lo, hi, staging, gather); break;
+        case 4: move<uint32_t>(x, lo, hi, staging, gather); break;
+        case 2: move<uint16_t>(x, lo, hi, staging, gather); break;
+        default: move<uint8_t>(x, lo, hi, staging, gather); break;
+        }
+        __syncthreads();
+    }
+}
+
+/* The widest access that every address of the descriptor allows. */
+static uint32_t vec_of(const dev_desc *x, uint64_t staging)
+{
+    uint64_t a = x->run | x->mem | (staging + x->stage);
+
+    for (uint32_t k = 0; k < x->n; k++)
+        a |= (uint64_t)x->str[k];
+    for (uint32_t v = 16; v > 1; v >>= 1)
+        if ((a & (v - 1)) == 0)
+            return v;
+    return 1;
+}
+
+static void to_dev(const rf_copy_desc *d, uint64_t staging, uint64_t chunk0, dev_desc *x)
+{
+    rf_copy_flat f;
+
+    rf_copy_flatten(d, &f);
+    memset(x, 0, sizeof(*x));
+    x->mem = (uint64_t)(uintptr_t)d->base + f.first;
+    x->stage = d->staging_off;
+    x->bytes = rf_copy_desc_bytes(d);
+    x->chunk0 = chunk0;
+    x->n = (uint32_t)f.n;
+    for (int k = 0; k < f.n; k++) {
+        x->ext[k] = f.ext[k];
+        x->str[k] = f.str[k];
+    }
+    if (f.inner_str != 0) {
+        x->ext[x->n] = f.inner_ext;
+        x->str[x->n] = f.inner_str;
+        x->n++;
+    }
+    x->run = f.run;
+    x->vec = vec_of(x, staging);
+}
+
+int rf_copy_cuda_buf_new(rf_copy_cuda_buf **out, rf_err *err)
+{
+    rf_copy_cuda_buf *b = (rf_copy_cuda_buf *)calloc(1, sizeof(*b));
+    int rc = 0;
+
+    *out = NULL;
+    if (b == NULL)
+        return rf_err_set(err, -ENOMEM, "copy_cuda: out of memory for a descriptor buffer");
+    CUDA_TRY(err, cudaGetDevice(&b->dev));
+    CUDA_TRY(err, cudaDeviceGetAttribute(&b->sms, cudaDevAttrMultiProcessorCount, b->dev));
+    CUDA_TRY(err, cudaEventCreateWithFlags(&b->done, cudaEventDisableTiming));
+    *out = b;
+    b = NULL;
+out:
+    free(b);
+    return rc;
+}
+
+void rf_copy_cuda_buf_set_blocks(rf_copy_cuda_buf *b, unsigned max_blocks)
+{
+    b->max_blocks = max_blocks;
+}
+
+void rf_copy_cuda_buf_free(rf_copy_cuda_buf *b)
+{
+    int cur = -1;
+
+    if (b == NULL)
+        return;
+    cudaGetDevice(&cur);
+    cudaSetDevice(b->dev);
+    if (b->pending)
+        cudaEventSynchronize(b->done);
+    cudaEventDestroy(b->done);
+    cudaFreeHost(b->host);
+    cudaFree(b->devp);
+    if (cur >= 0)
+        cudaSetDevice(cur);
+    free(b);
+}
+
+static int run(rf_copy_cuda_buf *b, const rf_copy_desc *d, size_t n, uint8_t *staging,
+               cudaStream_t s, bool gather, rf_err *err)
+{
+    uint64_t chunks = 0;
+    int cur = -1, rc = 0;
+    unsigned grid;
+
+    for (size_t i = 0; i < n; i++)
+        if ((rc = rf_copy_check(&d[i], i, err)) != 0)
+            return rc;
+    if (n == 0)
+        return 0;
+    if (n > UINT32_MAX)
+        return rf_err_set(err, -E2BIG, "copy_cuda: %zu descriptors in one batch; split it "
+                          "below 2^32", n);
+    CUDA_TRY(err, cudaGetDevice(&cur));
+    if (cur != b->dev)
+        CUDA_TRY(err, cudaSetDevice(b->dev));
+    /* The pinned array may still be read by the previous batch's copy. */
+    if (b->pending) {
+        CUDA_TRY(err, cudaEventSynchronize(b->done));
+        b->pending = false;
+    }
+    if (n > b->cap) {
+        size_t cap = b->cap ? b->cap : 64;
+
+        while (cap < n)
+            cap *= 2;
+        cudaFreeHost(b->host);
+        cudaFree(b->devp);
+        b->host = NULL;
+        b->devp = NULL;
+        b->cap = 0;
+        CUDA_TRY(err, cudaMallocHost((void **)&b->host, cap * sizeof(dev_desc)));
+        CUDA_TRY(err, cudaMalloc((void **)&b->devp, cap * sizeof(dev_desc)));
+        b->cap = cap;
+    }
+    for (size_t i = 0; i < n; i++) {
+        to_dev(&d[i], (uint64_t)(uintptr_t)staging, chunks, &b->host[i]);
+        chunks += (b->host[i].bytes + CHUNK - 1) / CHUNK;
+    }
+    grid = b->max_blocks ? b->max_blocks : (unsigned)b->sms * 16;
+    if (chunks < grid)
+        grid = (unsigned)chunks;
+    CUDA_TRY(err, cudaMemcpyAsync(b->devp, b->host, n * sizeof(dev_desc),
+                                  cudaMemcpyHostToDevice, s));
+    copy_kernel<<<grid, THREADS, 0, s>>>(b->devp, (uint32_t)n, chunks, staging, gather);
+    CUDA_TRY(err, cudaGetLastError());
+    CUDA_TRY(err, cudaEventRecord(b->done, s));
+    b->pending = true;
+out:
+    if (cur >= 0 && cur != b->dev)
+        cudaSetDevice(cur);
+    return rc;
+}
+
+int rf_copy_cuda_gather_buf(rf_copy_cuda_buf *b, const rf_copy_desc *d, size_t n,
+                            void *staging_dev, cudaStream_t s, rf_err *err)
+{
+    return run(b, d, n, (uint8_t *)staging_dev, s, true, err);
+}
+
+int rf_copy_cuda_scatter_buf(rf_copy_cuda_buf *b, const rf_copy_desc *d, size_t n,
+                             const void *staging_dev, cudaStream_t s, rf_err *err)
+{
+    return run(b, d, n, (uint8_t *)(uintptr_t)staging_dev, s, false, err);
+}
+
+static __thread rf_copy_cuda_buf *tls_buf[MAX_DEV];
+
+static int thread_buf(rf_copy_cuda_buf **out, rf_err *err)
+{
+    int dev = 0, rc = 0;
+
+    CUDA_TRY(err, cudaGetDevice(&dev));
+    if (dev < 0 || dev >= MAX_DEV)
+        return rf_err_set(err, -ENODEV, "copy_cuda: device %d beyond the %d this build "
+                          "supports per thread; use rf_copy_cuda_buf_new", dev, MAX_DEV);
+    if (tls_buf[dev] == NULL && (rc = rf_copy_cuda_buf_new(&tls_buf[dev], err)) < 0)
+        return rc;
+    *out = tls_buf[dev];
+out:
+    return rc;
+}
+
+int rf_copy_cuda_gather(const rf_copy_desc *d, size_t n, void *staging_dev, cudaStream_t s,
+                        rf_err *err)
+{
+    rf_copy_cuda_buf *b = NULL;
+    int rc = thread_buf(&b, err);
+
+    return rc < 0 ? rc : rf_copy_cuda_gather_buf(b, d, n, staging_dev, s, err);
+}
+
+int rf_copy_cuda_scatter(const rf_copy_desc *d, size_t n, const void *staging_dev,
+                         cudaStream_t s, rf_err *err)
+{
+    rf_copy_cuda_buf *b = NULL;
+    int rc = thread_buf(&b, err);
+
+    return rc < 0 ? rc : rf_copy_cuda_scatter_buf(b, d, n, staging_dev, s, err);
+}
+
+void rf_copy_cuda_thread_release(void)
+{
+    for (int i = 0; i < MAX_DEV; i++) {
+        rf_copy_cuda_buf_free(tls_buf[i]);
+        tls_buf[i] = NULL;
+    }
+}

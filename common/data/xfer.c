@@ -1,0 +1,663 @@
+/* common/data/xfer.c - the transport core: checks on a transfer job before a byte moves, the worker
+ * thread that runs one job at a time through a backend (xfer_core.h), its abort, deadline and
+ * result, the peer table, close, the verification digest, and the choice of a daemon's
+ * transport. */
+#include "xfer_core.h"
+
+#include <assert.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/eventfd.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "macros.h"
+
+typedef struct span {
+    uint64_t off, bytes;
+} span;
+
+static int span_cmp(const void *a, const void *b)
+{
+    const span *x = a, *y = b;
+
+    return x->off < y->off ? -1 : x->off > y->off;
+}
+
+static int check_item(const rf_xfer_msg *m, uint32_t k, rf_err *err)
+{
+    const rf_xfer_item *it = &m->items[k];
+    const char *what;
+    char box[160];
+    int64_t numel;
+
+    if (it->ndim < 1 || it->ndim > RF_MAX_DIMS || it->esize == 0 || it->esize > 16)
+        return rf_err_set(err, -EINVAL, "message seq %u item %u has %d dims and elements of "
+                          "%zu bytes; the job was built wrong", m->seq, k, it->ndim, it->esize);
+    numel = rf_box_numel(&it->box, it->ndim);
+    if (it->base == NULL)
+        what = "has no mapped memory; map the piece's region before running the job";
+    else if (rf_box_empty(&it->box, it->ndim) ||
+             !rf_box_contains(&it->piece.box, &it->box, it->ndim))
+        what = "is empty or outside its local piece: the plan is stale";
+    else if (it->bytes != (uint64_t)numel * it->esize)
+        what = "holds another number of bytes than the item says";
+    else if (it->msg_off > m->bytes || it->bytes > m->bytes - it->msg_off)
+        what = "lies outside its message's payload";
+    else
+        return 0;
+    /* Formatting only on the way out: a 100k-tensor job checks 100k items every refit. */
+    rf_box_format(&it->box, it->ndim, box, sizeof(box));
+    return rf_err_set(err, -EINVAL, "message seq %u item %u (box %s, %llu bytes at offset %llu "
+                      "of %llu) %s", m->seq, k, box, (unsigned long long)it->bytes,
+                      (unsigned long long)it->msg_off, (unsigned long long)m->bytes, what);
+}
+
+/* A packed payload must be tiled exactly by its items: a gap would send whatever the staging
+ * buffer held before, an overlap would write one destination byte twice. */
+static int check_packed_tiling(const rf_xfer_msg *m, rf_err *err)
+{
+    span *s = NULL;
+    uint64_t end = 0;
+    uint32_t k;
+    int rc = 0;
+
+    s = malloc((m->nitems ? m->nitems : 1) * sizeof(*s));
+    if (!s)
+        return rf_err_set(err, -ENOMEM, "out of memory checking message seq %u", m->seq);
+    for (k = 0; k < m->nitems; k++) {
+        s[k].off = m->items[k].msg_off;
+        s[k].bytes = m->items[k].bytes;
+    }
+    qsort(s, m->nitems, sizeof(*s), span_cmp);
+    for (k = 0; k < m->nitems; k++) {
+        if (s[k].off != end) {
+            rc = rf_err_set(err, -EINVAL, "packed message seq %u: its items %s at payload "
+                            "offset %llu; the job was built wrong", m->seq,
+                            s[k].off > end ? "leave a gap" : "overlap",
+                            (unsigned long long)end);
+            goto out;
+        }
+        end += s[k].bytes;
+    }
+    if (end != m->bytes)
+        rc = rf_err_set(err, -EINVAL, "packed message seq %u says %llu bytes, its items hold "
+                        "%llu", m->seq, (unsigned long long)m->bytes, (unsigned long long)end);
+out:
+    free(s);
+    return rc;
+}
+
+static int u64_cmp(const void *a, const void *b)
+{
+    uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+
+    return x < y ? -1 : x > y;
+}
+
+/* seq must name one message per direction: the receiver finds a frame's message by it. */
+static int check_unique_seqs(const rf_xfer_job *job, rf_err *err)
+{
+    uint64_t *keys = NULL;
+    uint32_t i;
+    int rc = 0;
+
+    keys = malloc((job->nmsgs ? job->nmsgs : 1) * sizeof(*keys));
+    if (!keys)
+        return rf_err_set(err, -ENOMEM, "out of memory checking a job of %u messages",
+                          job->nmsgs);
+    for (i = 0; i < job->nmsgs; i++)
+        keys[i] = ((uint64_t)job->msgs[i].seq << 1) | (job->msgs[i].send ? 1u : 0u);
+    qsort(keys, job->nmsgs, sizeof(*keys), u64_cmp);
+    for (i = 1; i < job->nmsgs; i++) {
+        if (keys[i] == keys[i - 1]) {
+            rc = rf_err_set(err, -EINVAL, "message seq %llu appears twice among the messages "
+                            "this daemon %s; the job was built wrong",
+                            (unsigned long long)(keys[i] >> 1), keys[i] & 1 ? "sends" : "receives");
+            break;
+        }
+    }
+    free(keys);
+    return rc;
+}
+
+int rf_xfer_job_check(const rf_xfer_job *job, uint32_t npeers, rf_err *err)
+{
+    uint64_t round_packed = 0;
+    uint32_t i, k, round = 0;
+    int rc;
+
+    if (job->nmsgs > 0 && job->msgs == NULL)
+        return rf_err_set(err, -EINVAL, "job of %u messages has no message array", job->nmsgs);
+    for (i = 0; i < job->nmsgs; i++) {
+        const rf_xfer_msg *m = &job->msgs[i];
+
+        if (m->round >= job->nrounds || m->round < round)
+            return rf_err_set(err, -EINVAL, "message seq %u is in round %u, after round %u of "
+                              "%u: messages must be sorted by round and inside nrounds",
+                              m->seq, m->round, round, job->nrounds);
+        if (m->round != round)
+            round_packed = 0;
+        round = m->round;
+        if (m->peer >= npeers)
+            return rf_err_set(err, -EINVAL, "message seq %u names peer %u, the peer table holds "
+                              "%u; set the peers first", m->seq, m->peer, npeers);
+        if (m->kind != RF_PLAN_DIRECT && m->kind != RF_PLAN_PACKED)
+            return rf_err_set(err, -EINVAL, "message seq %u has unknown kind %u", m->seq,
+                              m->kind);
+        if (m->nitems > 0 && m->items == NULL)
+            return rf_err_set(err, -EINVAL, "message seq %u has %u items and no item array",
+                              m->seq, m->nitems);
+        for (k = 0; k < m->nitems; k++)
+            if ((rc = check_item(m, k, err)) < 0)
+                return rc;
+        if (m->kind == RF_PLAN_DIRECT) {
+            const rf_xfer_item *it = &m->items[0];
+
+            if (m->nitems != 1 || it->msg_off != 0 || it->bytes != m->bytes)
+                return rf_err_set(err, -EINVAL, "direct message seq %u must carry exactly one "
+                                  "item of its %llu bytes; it has %u", m->seq,
+                                  (unsigned long long)m->bytes, m->nitems);
+            if (!rf_piece_contiguous(&it->piece, it->ndim, it->esize, &it->box, NULL)) {
+                char box[160];
+
+                rf_box_format(&it->box, it->ndim, box, sizeof(box));
+                return rf_err_set(err, -EINVAL, "direct message seq %u moves box %s, which is "
+                                  "not contiguous in local memory; it must be packed",
+                                  m->seq, box);
+            }
+        } else {
+            if ((rc = check_packed_tiling(m, err)) < 0)
+                return rc;
+            round_packed += m->bytes;
+            if (job->staging_bytes > 0 && round_packed > job->staging_bytes)
+                return rf_err_set(err, -ENOSPC, "round %u packs more than %llu bytes on this "
+                                  "daemon, its staging budget; rebuild the plan with this "
+                                  "budget or raise it", round,
+                                  (unsigned long long)job->staging_bytes);
+        }
+    }
+    return check_unique_seqs(job, err);
+}
+
+uint8_t *rf_xfer_direct_ptr(const rf_xfer_msg *m)
+{
+    const rf_xfer_item *it = &m->items[0];
+
+    return it->base + rf_piece_byte_offset(&it->piece, it->ndim, it->esize, it->box.start);
+}
+
+/* ---- the core: the worker ---- */
+
+double rf_xfer__now(void)
+{
+    struct timespec ts;
+
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+int rf_xfer__fail(rf_xfer_core *t, int code, const char *fmt, ...)
+{
+    va_list ap;
+
+    assert(code < 0);
+    if (t->result.code != 0)
+        return t->result.code;
+    t->result.code = code;
+    va_start(ap, fmt);
+    vsnprintf(t->result.error, sizeof(t->result.error), fmt, ap);
+    va_end(ap);
+    return code;
+}
+
+int rf_xfer__stop(const rf_xfer_core *t)
+{
+    if (atomic_load(&t->abort_req))
+        return -ECANCELED;
+    return rf_xfer__now() > t->deadline ? -ETIMEDOUT : 0;
+}
+
+const char *rf_xfer__peer_addr(const rf_xfer_core *t, uint32_t p)
+{
+    return p < t->npeers && t->addrs[p] ? t->addrs[p] : "?";
+}
+
+void rf_xfer__moved(rf_xfer_core *t, const rf_xfer_msg *m)
+{
+    if (m->send)
+        t->result.bytes_sent += m->bytes;
+    else
+        t->result.bytes_recv += m->bytes;
+    atomic_fetch_add_explicit(&t->progress, m->bytes, memory_order_relaxed);
+}
+
+void rf_xfer__staging(rf_xfer_core *t, uint64_t bytes)
+{
+    if (bytes > t->result.peak_staging)
+        t->result.peak_staging = bytes;
+}
+
+bool rf_xfer__digest_begin(rf_xfer_core *t, const rf_xfer_msg *m, rf_xfer_digest *d)
+{
+    uint8_t seq[4];
+
+    if (!rf_xfer_msg_verified(t->job, m))
+        return false;
+    for (int i = 0; i < 4; i++)
+        seq[i] = (uint8_t)(m->seq >> (8 * i));
+    crypto_generichash_init(&d->st, NULL, 0, RF_XFER_DIGEST_BYTES);
+    crypto_generichash_update(&d->st, seq, sizeof(seq));
+    d->acc = m->send ? t->result.digest_sent : t->result.digest_recv;
+    d->left = rf_xfer_msg_digest_bytes(t->job, m);
+    return true;
+}
+
+void rf_xfer__digest_add(rf_xfer_digest *d, const uint8_t *p, uint64_t n)
+{
+    if (n > d->left)
+        n = d->left;
+    if (n > 0)
+        crypto_generichash_update(&d->st, p, n);
+    d->left -= n;
+}
+
+void rf_xfer__digest_end(rf_xfer_digest *d)
+{
+    uint8_t h[RF_XFER_DIGEST_BYTES];
+
+    /* Both ends must digest the same bytes, or the digests differ for no fault of the data. */
+    assert(d->left == 0);
+    crypto_generichash_final(&d->st, h, sizeof(h));
+    for (int i = 0; i < RF_XFER_DIGEST_BYTES; i++)
+        d->acc[i] ^= h[i];
+}
+
+void rf_xfer__digest_msg(rf_xfer_core *t, const rf_xfer_msg *m, const uint8_t *payload)
+{
+    rf_xfer_digest d;
+
+    if (!rf_xfer__digest_begin(t, m, &d))
+        return;
+    rf_xfer__digest_add(&d, payload, d.left);
+    rf_xfer__digest_end(&d);
+}
+
+/* Steps the backend until the job is complete, fails, is aborted or runs out of time; the
+ * backend's own steps name what failed, the core names what was outstanding. */
+static int run_job(rf_xfer_core *t)
+{
+    const rf_xfer_backend *be = t->pub.ops;
+    double wait_s = t->job->timeout_s < 1.0 ? t->job->timeout_s : 1.0;
+    char what[300];
+    int rc;
+
+    rc = be->start(t);
+    while (rc == 0) {
+        rc = be->progress(t, wait_s);
+        if (rc != 0)
+            break;
+        if (atomic_load(&t->abort_req)) {
+            be->describe(t, what, sizeof(what));
+            rc = rf_xfer__fail(t, -ECANCELED, "aborted with %s", what);
+            break;
+        }
+        wait_s = t->deadline - rf_xfer__now();
+        if (wait_s <= 0) {
+            be->describe(t, what, sizeof(what));
+            /* The note goes first: it is the likelier cause, and the message is short. */
+            rc = rf_xfer__fail(t, -ETIMEDOUT, "deadline of %.1f s passed%s%s%s with %s",
+                               t->job->timeout_s, t->note[0] ? " (" : "", t->note,
+                               t->note[0] ? ")" : "", what);
+            break;
+        }
+        if (wait_s > 1.0)
+            wait_s = 1.0;
+    }
+    /* A backend that fails says why (the contract): the result carries its words. */
+    assert(rc >= 0 || t->result.code < 0);
+    return rc < 0 ? rc : 0;
+}
+
+static void *worker_main(void *arg)
+{
+    rf_xfer_core *t = arg;
+    double t0 = rf_xfer__now();
+    int rc;
+
+    if (t->tearing_down) {
+        t->pub.ops->teardown(t);
+    } else {
+        t->deadline = t0 + t->job->timeout_s;
+        t->note[0] = '\0';
+        rc = run_job(t);
+        if (t->pub.ops->finish)
+            t->pub.ops->finish(t, rc);
+    }
+    t->result.seconds = rf_xfer__now() - t0;
+    atomic_store(&t->finished, true);
+    uv_async_send(&t->async);
+    return NULL;
+}
+
+static int start_worker(rf_xfer_core *t)
+{
+    int rc;
+
+    /* One job (or the teardown) at a time: the worker owns the backend's job state. */
+    assert(!t->running);
+    atomic_store(&t->finished, false);
+    rc = pthread_create(&t->thread, NULL, worker_main, t);
+    if (rc != 0)
+        return -rc;
+    t->running = true;
+    return 0;
+}
+
+/* ---- the core: the loop thread ---- */
+
+static void on_closed(uv_handle_t *h)
+{
+    rf_xfer_core *t = container_of((uv_async_t *)h, rf_xfer_core, async);
+    rf_xfer_close_cb cb = t->close_cb;
+    void *arg = t->close_arg;
+
+    for (uint32_t p = 0; p < t->npeers; p++)
+        free(t->addrs[p]);
+    free(t->addrs);
+    if (t->wake_fd >= 0)
+        close(t->wake_fd);
+    t->pub.ops->release(t);
+    if (cb)
+        cb(arg);
+}
+
+static void close_handle(rf_xfer_core *t)
+{
+    assert(!t->handle_closed && !t->running);
+    t->handle_closed = true;
+    uv_close((uv_handle_t *)&t->async, on_closed);
+}
+
+/* Closing once no job runs: a backend with slow resources releases them on a worker first. */
+static void finish_close(rf_xfer_core *t)
+{
+    if (t->handle_closed)
+        return;
+    if (t->pub.ops->teardown && !t->tearing_down) {
+        t->tearing_down = true;
+        if (start_worker(t) == 0)
+            return;
+    }
+    close_handle(t);
+}
+
+static void on_async(uv_async_t *a)
+{
+    rf_xfer_core *t = container_of(a, rf_xfer_core, async);
+    rf_xfer_result res;
+    rf_xfer_done_cb done;
+    void *arg;
+
+    if (!t->running || !atomic_load(&t->finished))
+        return;
+    pthread_join(t->thread, NULL);
+    t->running = false;
+    if (t->tearing_down) {
+        close_handle(t);
+        return;
+    }
+    res = t->result;
+    done = t->done;
+    arg = t->done_arg;
+    t->done = NULL;
+    t->job = NULL;
+    if (done)
+        done(&t->pub, &res, arg);
+    if (t->closing && !t->running)
+        finish_close(t);
+}
+
+int rf_xfer__new(size_t size, const rf_xfer_backend *be, uv_loop_t *loop, rf_xfer_core **out,
+                 rf_err *err)
+{
+    rf_xfer_core *t = NULL;
+    int rc;
+
+    assert(size >= sizeof(*t) && be->start && be->progress && be->describe && be->release);
+    *out = NULL;
+    /* The verification digest is libsodium's, and so is tcp's authentication. */
+    if (sodium_init() < 0)
+        return rf_err_set(err, -EIO, "xfer %s: libsodium failed to initialise", be->name);
+    t = calloc(1, size);
+    if (!t)
+        return rf_err_set(err, -ENOMEM, "xfer %s: out of memory", be->name);
+    t->pub.ops = be;
+    t->loop = loop;
+    atomic_init(&t->progress, 0);
+    atomic_init(&t->abort_req, false);
+    atomic_init(&t->finished, false);
+    t->wake_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    if (t->wake_fd < 0) {
+        rc = rf_err_set(err, -errno, "xfer %s: eventfd: %s", be->name, strerror(errno));
+        goto fail;
+    }
+    rc = uv_async_init(loop, &t->async, on_async);
+    if (rc < 0) {
+        rf_err_set(err, rc, "xfer %s: uv_async_init: %s", be->name, uv_strerror(rc));
+        goto fail;
+    }
+    *out = t;
+    return 0;
+fail:
+    if (t->wake_fd >= 0)
+        close(t->wake_fd);
+    free(t);
+    return rc;
+}
+
+/* Every transport's struct starts with its core, whose own first member is the public face. */
+static rf_xfer_core *core_of(rf_xfer_transport *pub)
+{
+    return container_of(pub, rf_xfer_core, pub);
+}
+
+static const rf_xfer_core *const_core_of(const rf_xfer_transport *pub)
+{
+    return container_of(pub, const rf_xfer_core, pub);
+}
+
+const char *rf_xfer_name(const rf_xfer_transport *pub)
+{
+    return pub->ops->name;
+}
+
+const char *rf_xfer_data_addr(const rf_xfer_transport *pub)
+{
+    const rf_xfer_core *t = const_core_of(pub);
+
+    return t->data_addr ? t->data_addr : "";
+}
+
+uint64_t rf_xfer_progress(const rf_xfer_transport *pub)
+{
+    return atomic_load_explicit(&const_core_of(pub)->progress, memory_order_relaxed);
+}
+
+int rf_xfer_set_peers(rf_xfer_transport *pub, uint32_t self, uint32_t npeers,
+                      const char *const *addrs, rf_err *err)
+{
+    rf_xfer_core *t = core_of(pub);
+    const char *name = t->pub.ops->name;
+    char **naddrs = NULL;
+    uint32_t p;
+    int rc = 0;
+
+    if (t->running || t->closing)
+        return rf_err_set(err, -EBUSY, "xfer %s: cannot change peers while a job runs", name);
+    if (npeers == 0 || self >= npeers)
+        return rf_err_set(err, -EINVAL, "xfer %s: this daemon's index %u is outside a peer "
+                          "table of %u", name, self, npeers);
+    naddrs = calloc(npeers, sizeof(*naddrs));
+    if (!naddrs)
+        return rf_err_set(err, -ENOMEM, "xfer %s: out of memory for %u peers", name, npeers);
+    for (p = 0; p < npeers; p++) {
+        if (addrs && addrs[p] && !(naddrs[p] = strdup(addrs[p]))) {
+            rc = rf_err_set(err, -ENOMEM, "xfer %s: out of memory for %u peers", name, npeers);
+            goto out;
+        }
+    }
+    if (t->pub.ops->set_peers && (rc = t->pub.ops->set_peers(t, self, npeers, naddrs, err)) < 0)
+        goto out;
+    /* The new table is kept, the old one freed below. */
+    for (p = 0; p < t->npeers; p++)
+        free(t->addrs[p]);
+    free(t->addrs);
+    t->addrs = naddrs;
+    t->self = self;
+    t->npeers = npeers;
+    naddrs = NULL;
+out:
+    if (naddrs) {
+        for (p = 0; p < npeers; p++)
+            free(naddrs[p]);
+        free(naddrs);
+    }
+    return rc;
+}
+
+int rf_xfer_run(rf_xfer_transport *pub, const rf_xfer_job *job, rf_xfer_done_cb done, void *arg,
+                rf_err *err)
+{
+    rf_xfer_core *t = core_of(pub);
+    const char *name = t->pub.ops->name;
+    uint64_t drain;
+    int rc;
+
+    if (t->closing)
+        return rf_err_set(err, -ECANCELED, "xfer %s: the transport is closing", name);
+    if (t->running)
+        return rf_err_set(err, -EBUSY, "xfer %s: a job (version %llu) is still running", name,
+                          (unsigned long long)t->job->version);
+    if (t->npeers == 0)
+        return rf_err_set(err, -EINVAL, "xfer %s: no peer table; call set_peers first", name);
+    if (!(job->timeout_s > 0))
+        return rf_err_set(err, -EINVAL, "xfer %s: job for version %llu has no deadline "
+                          "(timeout %g s); set timeout_s", name,
+                          (unsigned long long)job->version, job->timeout_s);
+    if (!job->checked && (rc = rf_xfer_job_check(job, t->npeers, err)) < 0)
+        return rc;
+    if (t->pub.ops->check && (rc = t->pub.ops->check(t, job, err)) < 0)
+        return rc;
+    memset(&t->result, 0, sizeof(t->result));
+    atomic_store_explicit(&t->progress, 0, memory_order_relaxed);
+    /* An abort meant for the previous job must not hit this one. */
+    while (read(t->wake_fd, &drain, sizeof(drain)) > 0)
+        ;
+    atomic_store(&t->abort_req, false);
+    t->job = job;
+    t->done = done;
+    t->done_arg = arg;
+    rc = start_worker(t);
+    if (rc < 0) {
+        t->job = NULL;
+        return rf_err_set(err, rc, "xfer %s: starting the worker thread: %s", name,
+                          strerror(-rc));
+    }
+    return 0;
+}
+
+static void abort_job(rf_xfer_core *t)
+{
+    uint64_t one = 1;
+
+    if (!t->running || t->tearing_down)
+        return;
+    atomic_store(&t->abort_req, true);
+    if (write(t->wake_fd, &one, sizeof(one)) < 0) {
+        /* The counter is saturated, so the worker is being woken anyway. */
+    }
+}
+
+void rf_xfer_abort(rf_xfer_transport *pub)
+{
+    abort_job(core_of(pub));
+}
+
+void rf_xfer_close(rf_xfer_transport *pub, rf_xfer_close_cb cb, void *arg)
+{
+    rf_xfer_core *t = core_of(pub);
+
+    if (t->closing)
+        return;
+    t->closing = true;
+    t->close_cb = cb;
+    t->close_arg = arg;
+    if (t->running)
+        abort_job(t);
+    else
+        finish_close(t);
+}
+
+int rf_xfer_set_world(rf_xfer_transport *pub, const rf_xfer_world *w, rf_err *err)
+{
+    return pub->ops->set_world ? pub->ops->set_world(core_of(pub), w, err) : 0;
+}
+
+bool rf_xfer_needs_world(const rf_xfer_transport *pub)
+{
+    return pub->ops->needs_world ? pub->ops->needs_world(const_core_of(pub)) : false;
+}
+
+bool rf_xfer_has_world(const rf_xfer_transport *pub)
+{
+    return pub->ops->set_world != NULL;
+}
+
+/* ---- a daemon's transport ---- */
+
+int rf_xfer_open(uv_loop_t *loop, const rf_xfer_open_opts *o, rf_xfer_transport **out,
+                 rf_err *err)
+{
+    rf_xfer_transport *t = NULL;
+    int rc;
+
+    *out = NULL;
+    if (o->nccl)
+        return rf_xfer_nccl_new(loop, out, err);
+    rc = rf_xfer_tcp_new(loop, o->listen_addr, &t, err);
+    if (rc < 0)
+        return rc;
+    rc = rf_xfer_tcp_set_key(t, o->key, o->key_len);
+    if (rc < 0) {
+        /* The listener is bound already: the loop finishes closing it. */
+        rf_xfer_close(t, NULL, NULL);
+        return rf_err_set(err, rc, "the cluster key (%zu bytes) cannot authenticate data "
+                          "connections; it needs at least %d bytes", o->key_len,
+                          RF_XFER_TCP_KEY_MIN);
+    }
+    core_of(t)->data_addr = rf_xfer_tcp_addr(t);
+    *out = t;
+    return 0;
+}
+
+#ifndef RF_HAVE_CUDA
+/* Built without a CUDA toolkit: the nccl transport is not there, and saying so is all a
+ * daemon configured for it can do. */
+int rf_xfer_nccl_new(uv_loop_t *loop, rf_xfer_transport **out, rf_err *err)
+{
+    (void)loop;
+    *out = NULL;
+    return rf_err_set(err, -ENOTSUP, "transport = nccl, but this build of refit has no CUDA "
+                      "or NCCL: rebuild with CUDA_HOME (and NCCL_HOME) pointing at a toolkit "
+                      "with NCCL, or set transport = tcp");
+}
+
+int rf_xfer_nccl_unique_id(uint8_t out[RF_XFER_NCCL_ID_BYTES], rf_err *err)
+{
+    (void)out;
+    return rf_err_set(err, -ENOTSUP, "transport = nccl, but this build of refit has no NCCL");
+}
+#endif

@@ -1,0 +1,1788 @@
+/* common/model/plan.c - the reshard planner: cuts every destination piece along the boundaries of the
+ * source pieces that overlap it, picks one holder per cell balancing sender and link loads,
+ * then groups the transfers into messages per endpoint pair and schedules them in rounds. */
+#include "plan.h"
+
+#include <sodium.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+
+#define MiB (1024ull * 1024ull)
+/* Smallest accepted staging budget: a round must hold at least one element of any dtype. */
+#define MIN_STAGING 4096ull
+
+struct rf_plan {
+    const rf_inv *inv;
+    rf_plan_opts opts;
+    uint8_t id[RF_PLAN_ID_BYTES];
+    /* The transfers in the order they were planned (destination piece by piece), in a mapping
+     * of their own (big_alloc), and order: the index of the i-th transfer in message order.
+     * Moving twelve million transfers into message order would cost a second copy of them
+     * in fresh memory, which is the dearest part of planning at that size. */
+    rf_plan_xfer *xfers;
+    size_t xfers_bytes;
+    uint32_t *order;
+    size_t order_bytes;
+    uint64_t nxfers;
+    rf_plan_msg *msgs;
+    uint32_t nmsgs;
+    uint32_t nrounds;
+    rf_box *boxes;
+    uint32_t nboxes;
+    uint32_t nendpoints;
+    uint64_t *sent; /* per endpoint id */
+    uint64_t *recv;
+    rf_plan_stats st;
+};
+
+void rf_plan_opts_default(rf_plan_opts *o)
+{
+    o->staging_bytes = 256 * MiB;
+    o->direct_min_bytes = 4 * MiB;
+}
+
+/* ---- small growable arrays and hash tables ------------------------------------------------ */
+
+static int grow(void **p, uint64_t *cap, uint64_t need, size_t elem)
+{
+    uint64_t c = *cap ? *cap : 64;
+    void *q;
+
+    if (need <= *cap)
+        return 0;
+    while (c < need)
+        c *= 2;
+    q = realloc(*p, c * elem);
+    if (q == NULL)
+        return -ENOMEM;
+    *p = q;
+    *cap = c;
+    return 0;
+}
+
+/* Arrays of hundreds of MiB (the transfers of a large plan) get a mapping of their own with
+ * transparent huge pages where the kernel allows: one page fault per 2 MiB instead of 512,
+ * and growing or shrinking them with mremap copies nothing. */
+static void *big_alloc(size_t bytes)
+{
+    void *p = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+
+    if (p == MAP_FAILED)
+        return NULL;
+    (void)madvise(p, bytes, MADV_HUGEPAGE);
+    return p;
+}
+
+static void big_free(void *p, size_t bytes)
+{
+    if (p)
+        munmap(p, bytes);
+}
+
+/* Resizes *p (of *bytes) to hold n elements of size elem; a NULL *p is allocated. */
+static int big_resize(void **p, size_t *bytes, uint64_t n, size_t elem)
+{
+    size_t nb = (size_t)n * elem;
+    void *q;
+
+    if (nb == 0)
+        nb = elem;
+    if (*p == NULL) {
+        q = big_alloc(nb);
+        if (q == NULL)
+            return -ENOMEM;
+    } else {
+        q = mremap(*p, *bytes, nb, MREMAP_MAYMOVE);
+        if (q == MAP_FAILED)
+            return -ENOMEM;
+        if (nb > *bytes)
+            (void)madvise(q, nb, MADV_HUGEPAGE);
+    }
+    *p = q;
+    *bytes = nb;
+    return 0;
+}
+
+static uint64_t mix64(uint64_t x)
+{
+    x ^= x >> 33;
+    x *= 0xff51afd7ed558ccdull;
+    x ^= x >> 33;
+    x *= 0xc4ceb9fe1a85ec53ull;
+    x ^= x >> 33;
+    return x;
+}
+
+/* Box table: boxes interned by value (unused dims normalised to [0:1]). */
+typedef struct boxtab {
+    rf_box *boxes;
+    uint64_t n, cap;
+    uint32_t *slots; /* index + 1, 0 = empty */
+    uint64_t nslots;
+} boxtab;
+
+static uint64_t box_hash(const rf_box *b)
+{
+    uint64_t h = 0;
+
+    for (int d = 0; d < RF_MAX_DIMS; d++)
+        h = (h ^ (uint64_t)b->start[d]) * 0x100000001b3ull ^ (uint64_t)b->extent[d] * 0x9e3779b97f4a7c15ull;
+    return mix64(h);
+}
+
+static int boxtab_rehash(boxtab *t, uint64_t nslots)
+{
+    uint32_t *s = calloc(nslots, sizeof(*s));
+
+    if (s == NULL)
+        return -ENOMEM;
+    for (uint64_t i = 0; i < t->n; i++) {
+        uint64_t j = box_hash(&t->boxes[i]) & (nslots - 1);
+        while (s[j])
+            j = (j + 1) & (nslots - 1);
+        s[j] = (uint32_t)(i + 1);
+    }
+    free(t->slots);
+    t->slots = s;
+    t->nslots = nslots;
+    return 0;
+}
+
+static int boxtab_intern(boxtab *t, const rf_box *b, uint32_t *id)
+{
+    uint64_t j;
+    int rc;
+
+    if ((t->n + 1) * 2 > t->nslots) {
+        rc = boxtab_rehash(t, t->nslots ? t->nslots * 2 : 1024);
+        if (rc)
+            return rc;
+    }
+    j = box_hash(b) & (t->nslots - 1);
+    while (t->slots[j]) {
+        uint32_t i = t->slots[j] - 1;
+        if (memcmp(&t->boxes[i], b, sizeof(*b)) == 0) {
+            *id = i;
+            return 0;
+        }
+        j = (j + 1) & (t->nslots - 1);
+    }
+    if (t->n >= UINT32_MAX - 1)
+        return -E2BIG;
+    rc = grow((void **)&t->boxes, &t->cap, t->n + 1, sizeof(rf_box));
+    if (rc)
+        return rc;
+    t->boxes[t->n] = *b;
+    t->slots[j] = (uint32_t)(t->n + 1);
+    *id = (uint32_t)t->n++;
+    return 0;
+}
+
+/* Link loads keyed by (source node, destination node). */
+typedef struct linktab {
+    uint64_t *keys; /* key + 1, 0 = empty */
+    uint64_t *vals;
+    uint64_t n, nslots;
+} linktab;
+
+static uint64_t *linktab_find(const linktab *t, uint64_t key)
+{
+    uint64_t j;
+
+    if (t->nslots == 0)
+        return NULL;
+    j = mix64(key + 1) & (t->nslots - 1);
+    while (t->keys[j]) {
+        if (t->keys[j] == key + 1)
+            return &t->vals[j];
+        j = (j + 1) & (t->nslots - 1);
+    }
+    return NULL;
+}
+
+/* The load counter of a link, added at 0 if new. Pointers stay valid until the next
+ * insertion of a new key. */
+static int linktab_slot(linktab *t, uint64_t key, uint64_t **val)
+{
+    uint64_t j;
+
+    if ((*val = linktab_find(t, key)) != NULL)
+        return 0;
+    if ((t->n + 1) * 2 > t->nslots) {
+        uint64_t ns = t->nslots ? t->nslots * 2 : 256;
+        uint64_t *k = calloc(ns, sizeof(*k)), *v = calloc(ns, sizeof(*v));
+        if (k == NULL || v == NULL) {
+            free(k);
+            free(v);
+            return -ENOMEM;
+        }
+        for (uint64_t i = 0; i < t->nslots; i++) {
+            if (!t->keys[i])
+                continue;
+            j = mix64(t->keys[i]) & (ns - 1);
+            while (k[j])
+                j = (j + 1) & (ns - 1);
+            k[j] = t->keys[i];
+            v[j] = t->vals[i];
+        }
+        free(t->keys);
+        free(t->vals);
+        t->keys = k;
+        t->vals = v;
+        t->nslots = ns;
+    }
+    j = mix64(key + 1) & (t->nslots - 1);
+    while (t->keys[j])
+        j = (j + 1) & (t->nslots - 1);
+    t->keys[j] = key + 1;
+    t->n++;
+    *val = &t->vals[j];
+    return 0;
+}
+
+/* Stable LSD radix sort of (key, val) pairs by key, 16 bits a pass over the bits in use. */
+static int radix_sort(uint64_t *key, uint32_t *val, uint64_t n, int bits)
+{
+    uint64_t *k2 = NULL, *cnt = NULL;
+    uint32_t *v2 = NULL;
+    int rc = 0;
+
+    if (n < 2 || bits <= 0)
+        return 0;
+    k2 = malloc(n * sizeof(*k2));
+    v2 = malloc(n * sizeof(*v2));
+    cnt = malloc(65536 * sizeof(*cnt));
+    if (k2 == NULL || v2 == NULL || cnt == NULL) {
+        rc = -ENOMEM;
+        goto out;
+    }
+    for (int shift = 0; shift < bits; shift += 16) {
+        uint64_t sum = 0;
+        memset(cnt, 0, 65536 * sizeof(*cnt));
+        for (uint64_t i = 0; i < n; i++)
+            cnt[(key[i] >> shift) & 0xffff]++;
+        for (int b = 0; b < 65536; b++) {
+            uint64_t c = cnt[b];
+            cnt[b] = sum;
+            sum += c;
+        }
+        for (uint64_t i = 0; i < n; i++) {
+            uint64_t o = cnt[(key[i] >> shift) & 0xffff]++;
+            k2[o] = key[i];
+            v2[o] = val[i];
+        }
+        memcpy(key, k2, n * sizeof(*key));
+        memcpy(val, v2, n * sizeof(*val));
+    }
+out:
+    free(k2);
+    free(v2);
+    free(cnt);
+    return rc;
+}
+
+static int bits_for(uint64_t n) /* bits needed for values 0..n-1 */
+{
+    int b = 0;
+
+    while (b < 64 && (n - 1) >> b)
+        b++;
+    return b;
+}
+
+/* ---- the digest ------------------------------------------------------------------------ */
+
+/* Values are written as LEB128 varints: the digest is over a faithful, compact encoding. */
+typedef struct hbuf {
+    crypto_generichash_state st;
+    uint8_t buf[16384];
+    size_t n;
+} hbuf;
+
+static void hb_flush(hbuf *h)
+{
+    crypto_generichash_update(&h->st, h->buf, h->n);
+    h->n = 0;
+}
+
+/* Appends v with no room check: callers make sure of 10 free bytes per value. */
+static inline void hb_put(hbuf *h, uint64_t v)
+{
+    while (v >= 0x80) {
+        h->buf[h->n++] = (uint8_t)(v | 0x80);
+        v >>= 7;
+    }
+    h->buf[h->n++] = (uint8_t)v;
+}
+
+static inline void hb_u64(hbuf *h, uint64_t v)
+{
+    if (h->n > sizeof(h->buf) - 16)
+        hb_flush(h);
+    hb_put(h, v);
+}
+
+static void hb_bytes(hbuf *h, const void *p, size_t len)
+{
+    hb_u64(h, len);
+    hb_flush(h);
+    crypto_generichash_update(&h->st, p, len);
+}
+
+/* Signed difference, zigzag-encoded so that small steps either way stay one byte. */
+static inline uint64_t zz(uint64_t cur, uint64_t prev)
+{
+    int64_t d = (int64_t)(cur - prev);
+
+    return ((uint64_t)d << 1) ^ (uint64_t)(d >> 63);
+}
+
+/* The geometry table (every box and strides in use, interned) is hashed once, then each piece
+ * as its compact record: the tensor, region and offset as differences from the previous
+ * piece's and the geometry id. Pieces of a shard layout mostly step by one tensor and a
+ * steady offset, so a piece costs a few bytes of hashing instead of its whole box. The
+ * encoding is faithful: the table and the records give back every piece exactly. */
+void rf_plan_digest(const rf_inv *inv, const rf_plan_opts *opts, uint8_t out[RF_PLAN_ID_BYTES])
+{
+    static const char tag[] = "refit-plan-v2";
+    hbuf hb, *h = &hb;
+    uint32_t nt = rf_inv_ntensors(inv), ng = rf_inv_ngeoms(inv);
+    const rf_geom *geoms = rf_inv_geoms(inv);
+
+    h->n = 0;
+    crypto_generichash_init(&h->st, NULL, 0, RF_PLAN_ID_BYTES);
+    hb_bytes(h, tag, sizeof(tag));
+    hb_u64(h, opts->staging_bytes);
+    hb_u64(h, opts->direct_min_bytes);
+    hb_u64(h, nt);
+    for (uint32_t t = 0; t < nt; t++) {
+        const rf_tensor *tt = rf_inv_tensor(inv, t);
+        hb_bytes(h, tt->name, strlen(tt->name));
+        hb_u64(h, (uint64_t)tt->dtype);
+        hb_u64(h, (uint64_t)tt->ndim);
+        for (int d = 0; d < tt->ndim; d++)
+            hb_u64(h, (uint64_t)tt->shape[d]);
+    }
+    hb_u64(h, rf_inv_nendpoints(inv));
+    for (uint32_t e = 0; e < rf_inv_nendpoints(inv); e++) {
+        const rf_endpoint *ep = rf_inv_endpoint(inv, e);
+        hb_u64(h, (uint64_t)ep->side);
+        hb_u64(h, ep->node);
+    }
+    hb_u64(h, rf_inv_nregions(inv));
+    for (uint32_t r = 0; r < rf_inv_nregions(inv); r++) {
+        const rf_region *rg = rf_inv_region(inv, r);
+        hb_u64(h, rg->endpoint);
+        hb_u64(h, rg->size);
+    }
+    hb_u64(h, ng);
+    for (uint32_t g = 0; g < ng; g++) {
+        for (int d = 0; d < RF_MAX_DIMS; d++) {
+            hb_u64(h, (uint64_t)geoms[g].box.start[d]);
+            hb_u64(h, (uint64_t)geoms[g].box.extent[d]);
+            hb_u64(h, (uint64_t)geoms[g].strides[d]);
+        }
+    }
+    for (int s = RF_SRC; s <= RF_DST; s++) {
+        uint32_t np = rf_inv_npieces(inv, (rf_side)s);
+        const rf_piece_rec *r = rf_inv_piece_recs(inv, (rf_side)s);
+        uint64_t pt = 0, pr = 0, po = 0;
+        hb_u64(h, np);
+        for (uint32_t i = 0; i < np; i++) {
+            if (h->n > sizeof(h->buf) - 48)
+                hb_flush(h);
+            hb_put(h, zz(r[i].tensor, pt));
+            hb_put(h, zz(r[i].region, pr));
+            hb_put(h, r[i].geom);
+            hb_put(h, zz(r[i].offset, po));
+            pt = r[i].tensor;
+            pr = r[i].region;
+            po = r[i].offset;
+        }
+    }
+    hb_flush(h);
+    crypto_generichash_final(&h->st, out, RF_PLAN_ID_BYTES);
+}
+
+/* ---- building ------------------------------------------------------------------------- */
+
+/* Per tensor, the source pieces sorted by their start along one "key" dim, with the largest
+ * extent along it, so that a destination box finds its overlapping sources by binary search. */
+typedef struct srcidx {
+    uint64_t *first;  /* per tensor, into ids/kstart; first[nt] = total */
+    uint32_t *ids;
+    int64_t *kstart;  /* start along the key dim, sorted within a tensor */
+    int64_t *maxext;  /* per tensor: largest extent along the key dim */
+    uint8_t *kdim;    /* per tensor: the key dim */
+} srcidx;
+
+/* What planning one destination piece reads about its tensor and the tensor's sources, packed
+ * so that it comes from one or two cache lines: the pieces of a rank walk the tensors in order,
+ * so these are read almost sequentially, where the scattered source records would miss. */
+typedef struct tinfo {
+    uint32_t first, count; /* into the packed sources */
+    int64_t maxext;        /* largest source extent along the key dim */
+    uint8_t kdim, ndim, esize;
+} tinfo;
+
+typedef struct sent {
+    int64_t kstart;        /* start along the key dim; sorted within a tensor */
+    uint32_t id, ep;       /* source piece and its endpoint */
+    const rf_geom *g;
+} sent;
+
+/* A candidate source for one destination piece. */
+typedef struct cand {
+    uint32_t id;
+    uint32_t ep;
+    uint64_t link;     /* (src node << 32) | dst node */
+    uint64_t *linkp;   /* that link's load */
+    const rf_geom *g;  /* its box (unused dims [0:1]) and strides, in the inventory */
+    int32_t lo[RF_MAX_DIMS], hi[RF_MAX_DIMS]; /* cell ranges covered, per dim */
+} cand;
+
+typedef struct builder {
+    const rf_inv *inv;
+    rf_plan *plan;
+    uint64_t half;
+    srcidx si;
+    tinfo *ti;        /* per tensor */
+    sent *se;         /* sources in index order */
+    uint64_t *load;   /* sender load per endpoint */
+    linktab links;
+    boxtab boxes;
+    uint64_t nx, capx;
+    /* Messages in the order they are opened (build ids). A packed message stays open for
+     * more transfers of its endpoint pair until the next one would overflow half the budget:
+     * open[pair] (dense, source index * destination endpoints + destination index) or the
+     * hash table opentab hold its build id + 1. */
+    rf_plan_msg *mb;
+    uint64_t nmb, capmb;
+    uint32_t *open;
+    linktab opentab;
+    uint32_t *epidx;  /* endpoint id -> dense index within its side */
+    uint32_t nsrc_ep, ndst_ep;
+    uint32_t *node;   /* endpoint id -> node */
+    uint32_t *nodeidx; /* endpoint id -> dense node index within its side */
+    uint32_t nsrc_node, ndst_node;
+    uint64_t *linkmat; /* dense link loads [src node idx][dst node idx], or NULL: hash */
+    uint32_t *sidx_ep, *didx_ep; /* dense endpoint index -> endpoint id, per side */
+    uint32_t *src_ep;  /* source piece -> endpoint */
+    uint32_t *reg_ep;  /* region -> endpoint */
+    uint8_t *t_ndim;   /* per tensor: ndim and element size */
+    uint8_t *t_esize;
+    const rf_piece_rec *srec, *drec;
+    const rf_geom *geoms;
+    /* Per geometry, when the table is small enough: the interned box id of its box (+ 1, 0 =
+     * not yet) and the number of contiguous runs of its box in its own memory. A destination
+     * piece sent whole, the common case, then costs no box hashing nor run counting. */
+    uint32_t *gbid;
+    uint64_t *gruns;
+    /* scratch for one destination piece */
+    cand *cands;
+    uint64_t ncand, capcand;
+    int64_t *cuts[RF_MAX_DIMS];
+    uint64_t capcuts[RF_MAX_DIMS];
+    int ncuts[RF_MAX_DIMS];
+    int32_t *holder;
+    uint8_t *done;
+    uint64_t capcells, capdone;
+    int32_t *hs; /* holders of one cell */
+    uint64_t caphs;
+} builder;
+
+static int cmp_i64(const void *a, const void *b)
+{
+    int64_t x = *(const int64_t *)a, y = *(const int64_t *)b;
+
+    return (x > y) - (x < y);
+}
+
+static int build_srcidx(builder *b, rf_err *err)
+{
+    const rf_inv *inv = b->inv;
+    uint32_t nt = rf_inv_ntensors(inv), ns = rf_inv_npieces(inv, RF_SRC);
+    srcidx *si = &b->si;
+    uint64_t *fill = NULL, *key = NULL;
+    uint32_t *val = NULL;
+    int64_t (*lo)[RF_MAX_DIMS] = NULL; /* per tensor scratch: distinct-start heuristic */
+    const rf_piece_rec *sr = b->srec;
+    int rc = 0;
+
+    si->first = calloc((uint64_t)nt + 1, sizeof(*si->first));
+    si->ids = malloc(((uint64_t)ns + 1) * sizeof(*si->ids));
+    si->kstart = malloc(((uint64_t)ns + 1) * sizeof(*si->kstart));
+    si->maxext = calloc((uint64_t)nt + 1, sizeof(*si->maxext));
+    si->kdim = calloc((uint64_t)nt + 1, 1);
+    fill = calloc((uint64_t)nt + 1, sizeof(*fill));
+    if (!si->first || !si->ids || !si->kstart || !si->maxext || !si->kdim || !fill) {
+        rc = rf_err_set(err, -ENOMEM, "plan: out of memory indexing %u source pieces", ns);
+        goto out;
+    }
+    for (uint32_t i = 0; i < ns; i++)
+        si->first[sr[i].tensor + 1]++;
+    for (uint32_t t = 0; t < nt; t++)
+        si->first[t + 1] += si->first[t];
+    /* The key dim of a tensor is the one along which its source pieces are split the most:
+     * the first dim where two pieces start at different places is a good enough proxy and
+     * costs one pass. */
+    lo = malloc(((uint64_t)nt + 1) * sizeof(*lo));
+    if (lo == NULL) {
+        rc = rf_err_set(err, -ENOMEM, "plan: out of memory indexing %u source pieces", ns);
+        goto out;
+    }
+    memset(si->kdim, 0xff, nt);
+    for (uint32_t i = 0; i < ns; i++) {
+        uint32_t t = sr[i].tensor;
+        const rf_box *pb = &b->geoms[sr[i].geom].box;
+        if (fill[t] == 0) {
+            memcpy(lo[t], pb->start, sizeof(lo[t]));
+        } else if (si->kdim[t] == 0xff) {
+            for (int d = 0; d < RF_MAX_DIMS; d++) {
+                if (pb->start[d] != lo[t][d]) {
+                    si->kdim[t] = (uint8_t)d;
+                    break;
+                }
+            }
+        }
+        fill[t]++;
+    }
+    for (uint32_t t = 0; t < nt; t++) {
+        if (si->kdim[t] == 0xff)
+            si->kdim[t] = 0;
+        fill[t] = si->first[t];
+    }
+    for (uint32_t i = 0; i < ns; i++) {
+        uint32_t t = sr[i].tensor;
+        const rf_box *pb = &b->geoms[sr[i].geom].box;
+        int k = si->kdim[t];
+        si->ids[fill[t]] = i;
+        si->kstart[fill[t]] = pb->start[k];
+        fill[t]++;
+        if (pb->extent[k] > si->maxext[t])
+            si->maxext[t] = pb->extent[k];
+    }
+    /* Sort each tensor's group by start (stable: by piece id among equal starts). One radix
+     * sort over (tensor, start) keeps this linear. */
+    key = malloc(((uint64_t)ns + 1) * sizeof(*key));
+    val = malloc(((uint64_t)ns + 1) * sizeof(*val));
+    if (key == NULL || val == NULL) {
+        rc = rf_err_set(err, -ENOMEM, "plan: out of memory indexing %u source pieces", ns);
+        goto out;
+    }
+    {
+        int64_t maxs = 0;
+        int sb, tb;
+        for (uint32_t i = 0; i < ns; i++)
+            if (si->kstart[i] > maxs)
+                maxs = si->kstart[i];
+        sb = bits_for((uint64_t)maxs + 1);
+        tb = bits_for((uint64_t)nt + 1);
+        if (sb + tb <= 64) {
+            uint64_t pos = 0;
+            for (uint32_t t = 0; t < nt; t++)
+                for (; pos < si->first[t + 1]; pos++)
+                    key[pos] = ((uint64_t)t << sb) | (uint64_t)si->kstart[pos];
+            for (uint32_t i = 0; i < ns; i++)
+                val[i] = si->ids[i];
+            rc = radix_sort(key, val, ns, sb + tb);
+            if (rc) {
+                rf_err_set(err, rc, "plan: out of memory sorting %u source pieces", ns);
+                goto out;
+            }
+            for (uint32_t i = 0; i < ns; i++) {
+                si->ids[i] = val[i];
+                si->kstart[i] = (int64_t)(key[i] & (sb == 64 ? ~0ull : ((1ull << sb) - 1)));
+            }
+        } else {
+            /* Coordinates too large for one key: fall back to sorting by start only within
+             * each tensor through the same path, tensor by tensor. */
+            for (uint32_t t = 0; t < nt; t++) {
+                uint64_t a = si->first[t], n = si->first[t + 1] - a;
+                for (uint64_t i = 0; i < n; i++) {
+                    key[i] = (uint64_t)si->kstart[a + i];
+                    val[i] = si->ids[a + i];
+                }
+                rc = radix_sort(key, val, n, sb);
+                if (rc) {
+                    rf_err_set(err, rc, "plan: out of memory sorting %u source pieces", ns);
+                    goto out;
+                }
+                for (uint64_t i = 0; i < n; i++) {
+                    si->kstart[a + i] = (int64_t)key[i];
+                    si->ids[a + i] = val[i];
+                }
+            }
+        }
+    }
+    b->ti = malloc(((uint64_t)nt + 1) * sizeof(*b->ti));
+    b->se = malloc(((uint64_t)ns + 1) * sizeof(*b->se));
+    if (b->ti == NULL || b->se == NULL) {
+        rc = rf_err_set(err, -ENOMEM, "plan: out of memory indexing %u source pieces", ns);
+        goto out;
+    }
+    for (uint32_t t = 0; t < nt; t++)
+        b->ti[t] = (tinfo){.first = (uint32_t)si->first[t],
+                           .count = (uint32_t)(si->first[t + 1] - si->first[t]),
+                           .maxext = si->maxext[t], .kdim = si->kdim[t], .ndim = b->t_ndim[t],
+                           .esize = b->t_esize[t]};
+    for (uint32_t i = 0; i < ns; i++)
+        b->se[i] = (sent){.kstart = si->kstart[i], .id = si->ids[i], .ep = b->src_ep[si->ids[i]],
+                          .g = &b->geoms[sr[si->ids[i]].geom]};
+out:
+    free(fill);
+    free(key);
+    free(val);
+    free(lo);
+    return rc;
+}
+
+static void box_norm(rf_box *b, int ndim)
+{
+    for (int d = ndim; d < RF_MAX_DIMS; d++) {
+        b->start[d] = 0;
+        b->extent[d] = 1;
+    }
+}
+
+/* Contiguous runs that sub occupies in memory laid out with these strides, as rf_piece_runs
+ * counts them: the innermost dims that are contiguous merge into one run, and each index of
+ * the dims outside them is a run of its own. */
+static inline uint64_t nruns(const int64_t *strides, int ndim, const rf_box *sub)
+{
+    uint64_t run_el = 1, n = 1;
+    int d = ndim - 1;
+
+    for (; d >= 0; d--) {
+        uint64_t ext = (uint64_t)sub->extent[d];
+        if (ext == 1)
+            continue;
+        if ((uint64_t)strides[d] != run_el)
+            break;
+        run_el *= ext;
+    }
+    for (; d >= 0; d--)
+        n *= (uint64_t)sub->extent[d];
+    return n;
+}
+
+static inline uint64_t numel(const rf_box *box, int ndim)
+{
+    uint64_t n = 1;
+
+    for (int d = 0; d < ndim; d++)
+        n *= (uint64_t)box->extent[d];
+    return n;
+}
+
+/* The destination piece being planned, as the phases of plan_piece and emit read it: filled
+ * once per piece, so that emit takes the piece as one argument rather than five. */
+typedef struct dpiece {
+    uint32_t id;        /* destination piece id */
+    uint32_t geom;      /* its geometry: box (unused dims [0:1]) and strides */
+    uint32_t tensor;
+    uint32_t ep, node;  /* its endpoint and that endpoint's node */
+    int ndim;
+    size_t esize;
+    const rf_box *box;  /* its box, in the inventory */
+} dpiece;
+
+static int emit(builder *b, const dpiece *dp, const cand *c, const rf_box *box, uint64_t bytes,
+                bool whole, rf_err *err);
+
+/* A packed transfer larger than half the staging budget would fit no round: it is split along
+ * the outermost dim of extent > 1 into slabs that fit, and a single slab that is still too
+ * large is split again along the next dim, by emit's own check on each slab. */
+static int emit_slabs(builder *b, const dpiece *dp, const cand *c, const rf_box *box,
+                      uint64_t bytes, rf_err *err)
+{
+    int ndim = dp->ndim, d = 0, rc;
+    uint64_t slab;
+    rf_box sub = *box;
+
+    while (d < ndim && box->extent[d] == 1)
+        d++;
+    slab = bytes / (uint64_t)box->extent[d];
+    if (slab <= b->half) {
+        int64_t k = (int64_t)(b->half / slab);
+        for (int64_t s = 0; s < box->extent[d]; s += k) {
+            sub.start[d] = box->start[d] + s;
+            sub.extent[d] = box->extent[d] - s < k ? box->extent[d] - s : k;
+            rc = emit(b, dp, c, &sub, numel(&sub, ndim) * dp->esize, false, err);
+            if (rc)
+                return rc;
+        }
+    } else {
+        for (int64_t s = 0; s < box->extent[d]; s++) {
+            sub.start[d] = box->start[d] + s;
+            sub.extent[d] = 1;
+            rc = emit(b, dp, c, &sub, numel(&sub, ndim) * dp->esize, false, err);
+            if (rc)
+                return rc;
+        }
+    }
+    return 0;
+}
+
+/* The message that carries a new transfer of bytes from src_ep to dst_ep. Messages are formed
+ * while transfers are emitted: a packed transfer joins its pair's open packed message while
+ * that still fits half the budget, else opens a new one; a direct one gets its own. */
+static int msg_for(builder *b, uint32_t src_ep, uint32_t dst_ep, bool direct, uint64_t bytes,
+                   rf_plan_msg **out, rf_err *err)
+{
+    uint32_t *slot32 = NULL;
+    uint64_t *slot64 = NULL, open = 0;
+    rf_plan_msg *mm;
+
+    if (!direct) {
+        uint32_t si = b->epidx[src_ep], di = b->epidx[dst_ep];
+        if (b->open) {
+            slot32 = &b->open[(uint64_t)si * b->ndst_ep + di];
+            open = *slot32;
+        } else {
+            if (linktab_slot(&b->opentab, (uint64_t)si << 32 | di, &slot64))
+                return rf_err_set(err, -ENOMEM, "plan: out of memory for open messages");
+            open = *slot64;
+        }
+    }
+    if (open && b->mb[open - 1].bytes + bytes <= b->half) {
+        *out = &b->mb[open - 1];
+        return 0;
+    }
+    if (b->nmb >= UINT32_MAX - 1)
+        return rf_err_set(err, -E2BIG, "plan: more than 2^32 messages");
+    if (grow((void **)&b->mb, &b->capmb, b->nmb + 1, sizeof(rf_plan_msg)))
+        return rf_err_set(err, -ENOMEM, "plan: out of memory after %llu messages",
+                          (unsigned long long)b->nmb);
+    mm = &b->mb[b->nmb];
+    *mm = (rf_plan_msg){.src_ep = src_ep, .dst_ep = dst_ep, .round = 0,
+                   .kind = direct ? RF_PLAN_DIRECT : RF_PLAN_PACKED,
+                   .first = (uint32_t)b->nx, .count = 0, .bytes = 0};
+    b->nmb++;
+    if (slot32)
+        *slot32 = (uint32_t)b->nmb;
+    else if (slot64)
+        *slot64 = b->nmb;
+    *out = mm;
+    return 0;
+}
+
+/* Emits the transfer of box (of bytes) from candidate c to destination piece dp. whole says
+ * that box is the destination piece's own box, whose interned id and run count the geometry
+ * cache keeps. */
+static int emit(builder *b, const dpiece *dp, const cand *c, const rf_box *box, uint64_t bytes,
+                bool whole, rf_err *err)
+{
+    rf_plan *pl = b->plan;
+    uint64_t sruns = nruns(c->g->strides, dp->ndim, box), druns;
+    bool direct;
+    uint32_t bid;
+    rf_plan_msg *mm = NULL;
+    int rc;
+
+    if (whole && b->gruns)
+        druns = b->gruns[dp->geom];
+    else
+        druns = nruns(b->geoms[dp->geom].strides, dp->ndim, box);
+    /* Contiguous here means one byte range in row-major order of the box on both sides. */
+    direct = bytes >= pl->opts.direct_min_bytes && sruns == 1 && druns == 1;
+    if (!direct && bytes > b->half)
+        return emit_slabs(b, dp, c, box, bytes, err);
+    if (whole && b->gbid && b->gbid[dp->geom]) {
+        bid = b->gbid[dp->geom] - 1;
+        rc = 0;
+    } else {
+        rc = boxtab_intern(&b->boxes, box, &bid);
+        if (rc == 0 && whole && b->gbid)
+            b->gbid[dp->geom] = bid + 1;
+    }
+    if (b->nx >= UINT32_MAX - 1)
+        return rf_err_set(err, -E2BIG, "plan: %llu transfers exceed the 32-bit transfer index",
+                          (unsigned long long)b->nx + 1);
+    if (rc == 0 && b->nx >= b->capx) {
+        rc = big_resize((void **)&pl->xfers, &pl->xfers_bytes, b->capx * 2, sizeof(rf_plan_xfer));
+        if (rc == 0)
+            b->capx *= 2;
+    }
+    if (rc)
+        return rf_err_set(err, rc, "plan: out of memory after %llu transfers",
+                          (unsigned long long)b->nx);
+    rc = msg_for(b, c->ep, dp->ep, direct, bytes, &mm, err);
+    if (rc)
+        return rc;
+    pl->xfers[b->nx] = (rf_plan_xfer){.src = c->id, .dst = dp->id, .box = bid,
+                                 .msg = (uint32_t)(mm - b->mb), .msg_off = mm->bytes,
+                                 .bytes = bytes};
+    mm->bytes += bytes;
+    mm->count++;
+    b->nx++;
+    pl->sent[c->ep] += bytes;
+    pl->recv[dp->ep] += bytes;
+    if (direct) {
+        pl->st.direct_bytes += bytes;
+        pl->st.direct_transfers++;
+    } else {
+        pl->st.packed_bytes += bytes;
+        pl->st.packed_transfers++;
+    }
+    pl->st.runs += sruns + druns;
+    return 0;
+}
+
+/* The holder that keeps the largest of its sender's and its link's load lowest; ties go to
+ * the lower sender load, then to the lower piece id (candidates are in piece-id order of
+ * the index, so the scan order decides the rest deterministically). */
+static int pick(builder *b, const int32_t *hs, int nh, uint64_t bytes)
+{
+    int best = -1;
+    uint64_t bcost = 0, bsend = 0;
+    uint32_t bid = 0;
+
+    for (int i = 0; i < nh; i++) {
+        const cand *c = &b->cands[hs[i]];
+        uint64_t s = b->load[c->ep] + bytes;
+        uint64_t l = *c->linkp + bytes;
+        uint64_t cost = s > l ? s : l;
+        if (best < 0 || cost < bcost || (cost == bcost && (s < bsend ||
+                                          (s == bsend && c->id < bid)))) {
+            best = hs[i];
+            bcost = cost;
+            bsend = s;
+            bid = c->id;
+        }
+    }
+    return best;
+}
+
+static int charge(builder *b, const cand *c, uint64_t bytes, rf_err *err)
+{
+    (void)err;
+    *c->linkp += bytes;
+    b->load[c->ep] += bytes;
+    return 0;
+}
+
+static int uncovered(builder *b, const rf_tensor *t, const rf_box *box, uint32_t dst_ep,
+                     rf_err *err)
+{
+    char bs[256];
+
+    (void)b;
+    rf_box_format(box, t->ndim, bs, sizeof(bs));
+    return rf_err_set(err, -EINVAL,
+                      "no source holds %s %s (destination piece on endpoint %u); check that "
+                      "the training side registered every shard of this tensor",
+                      t->name, bs, dst_ep);
+}
+
+static int add_cut(builder *b, int d, int64_t v)
+{
+    if (grow((void **)&b->cuts[d], &b->capcuts[d], (uint64_t)b->ncuts[d] + 1, sizeof(int64_t)))
+        return -ENOMEM;
+    b->cuts[d][b->ncuts[d]++] = v;
+    return 0;
+}
+
+static int find_cut(const int64_t *c, int n, int64_t v)
+{
+    int lo = 0, hi = n - 1;
+
+    while (lo < hi) {
+        int m = (lo + hi) / 2;
+        if (c[m] < v)
+            lo = m + 1;
+        else
+            hi = m;
+    }
+    return lo;
+}
+
+/* Phase 1 of planning a piece: the range [lo, hi) of the tensor's sources (sorted by start
+ * along the key dim) whose start lies where they could still reach the box, from the box's
+ * start less the largest source extent along that dim to the box's end. */
+static void key_range(const builder *b, const dpiece *dp, const tinfo *ti, uint64_t *lo,
+                      uint64_t *hi)
+{
+    const sent *se = b->se;
+    uint64_t a = ti->first, z = a + ti->count, l = a, h = z;
+    int k = ti->kdim;
+    int64_t qlo, qhi;
+
+    if (z - a == 1) {
+        *lo = a; /* the one source: the overlap test decides */
+        *hi = z;
+        return;
+    }
+    qlo = dp->box->start[k] - ti->maxext + 1;
+    qhi = dp->box->start[k] + dp->box->extent[k];
+    while (l < h) {
+        uint64_t m = (l + h) / 2;
+        if (se[m].kstart < qlo)
+            l = m + 1;
+        else
+            h = m;
+    }
+    *lo = l;
+    h = z;
+    while (l < h) {
+        uint64_t m = (l + h) / 2;
+        if (se[m].kstart < qhi)
+            l = m + 1;
+        else
+            h = m;
+    }
+    *hi = l;
+}
+
+/* Phase 2: of the sources in [lo, hi), the candidates are those that overlap the box; those
+ * that hold all of it go to b->hs, *nfull of them, for the fast path. Each candidate's link
+ * load pointer is taken once every link exists, since the hash table may grow. */
+static int find_cands(builder *b, const dpiece *dp, uint64_t lo, uint64_t hi, int *nfull,
+                      rf_err *err)
+{
+    const sent *se = b->se;
+    const rf_box *dbox = dp->box;
+    int ndim = dp->ndim, nf = 0;
+
+    if (grow((void **)&b->cands, &b->capcand, hi - lo + 1, sizeof(cand)) ||
+        grow((void **)&b->hs, &b->caphs, hi - lo + 1, sizeof(int32_t)))
+        return rf_err_set(err, -ENOMEM, "plan: out of memory");
+    b->ncand = 0;
+    for (uint64_t i = lo; i < hi; i++) {
+        const rf_geom *sg = se[i].g;
+        bool full = true;
+        cand *c;
+        int d;
+        for (d = 0; d < ndim; d++) {
+            int64_t s0 = sg->box.start[d], s1 = s0 + sg->box.extent[d];
+            int64_t d0 = dbox->start[d], d1 = d0 + dbox->extent[d];
+            if (s0 >= d1 || s1 <= d0)
+                break;
+            if (s0 > d0 || s1 < d1)
+                full = false;
+        }
+        if (d < ndim)
+            continue;
+        c = &b->cands[b->ncand];
+        c->g = sg;
+        c->id = se[i].id;
+        c->ep = se[i].ep;
+        if (full)
+            b->hs[nf++] = (int32_t)b->ncand;
+        b->ncand++;
+    }
+    *nfull = nf;
+    if (b->linkmat) {
+        uint64_t *row = &b->linkmat[b->nodeidx[dp->ep]];
+        for (uint64_t i = 0; i < b->ncand; i++)
+            b->cands[i].linkp = &row[(uint64_t)b->nodeidx[b->cands[i].ep] * b->ndst_node];
+    } else {
+        for (uint64_t i = 0; i < b->ncand; i++)
+            b->cands[i].link = ((uint64_t)b->node[b->cands[i].ep] << 32) | dp->node;
+        for (int pass = 0; pass < 2; pass++)
+            for (uint64_t i = 0; i < b->ncand; i++)
+                if (linktab_slot(&b->links, b->cands[i].link, &b->cands[i].linkp))
+                    return rf_err_set(err, -ENOMEM, "plan: out of memory for link loads");
+    }
+    return 0;
+}
+
+/* The fast path, and the common case: some sources hold the whole box, so it needs no
+ * cutting; the least loaded of the nfull in b->hs sends it in one transfer. */
+static int send_whole(builder *b, const dpiece *dp, int nfull, rf_err *err)
+{
+    uint64_t bytes = numel(dp->box, dp->ndim) * dp->esize;
+    int w = nfull == 1 ? b->hs[0] : pick(b, b->hs, nfull, bytes);
+    int rc = charge(b, &b->cands[w], bytes, err);
+
+    if (rc == 0)
+        rc = emit(b, dp, &b->cands[w], dp->box, bytes, true, err);
+    return rc;
+}
+
+/* Phase 3: cuts the box along every source boundary inside it into a grid of *ncells cells,
+ * records each candidate's range of cells per dim, and sizes the per-cell tables. */
+static int cut_box(builder *b, const dpiece *dp, uint64_t *ncells, rf_err *err)
+{
+    const rf_box *dbox = dp->box;
+    int ndim = dp->ndim;
+    uint64_t nc = 1;
+
+    for (int d = 0; d < ndim; d++) {
+        int64_t s = dbox->start[d], e = s + dbox->extent[d];
+        int n = 1;
+        b->ncuts[d] = 0;
+        if (add_cut(b, d, s) || add_cut(b, d, e))
+            return rf_err_set(err, -ENOMEM, "plan: out of memory");
+        for (uint64_t i = 0; i < b->ncand; i++) {
+            int64_t cs = b->cands[i].g->box.start[d], ce = cs + b->cands[i].g->box.extent[d];
+            if (cs > s && cs < e && add_cut(b, d, cs))
+                return rf_err_set(err, -ENOMEM, "plan: out of memory");
+            if (ce > s && ce < e && add_cut(b, d, ce))
+                return rf_err_set(err, -ENOMEM, "plan: out of memory");
+        }
+        qsort(b->cuts[d], (size_t)b->ncuts[d], sizeof(int64_t), cmp_i64);
+        for (int i = 1; i < b->ncuts[d]; i++)
+            if (b->cuts[d][i] != b->cuts[d][n - 1])
+                b->cuts[d][n++] = b->cuts[d][i];
+        b->ncuts[d] = n;
+        nc *= (uint64_t)(b->ncuts[d] - 1);
+    }
+    for (uint64_t i = 0; i < b->ncand; i++) {
+        cand *c = &b->cands[i];
+        for (int d = 0; d < ndim; d++) {
+            int64_t s = c->g->box.start[d], e = s + c->g->box.extent[d];
+            int64_t bs = dbox->start[d], be = bs + dbox->extent[d];
+            c->lo[d] = find_cut(b->cuts[d], b->ncuts[d], s > bs ? s : bs);
+            c->hi[d] = find_cut(b->cuts[d], b->ncuts[d], e < be ? e : be);
+        }
+    }
+    if (grow((void **)&b->holder, &b->capcells, nc, sizeof(int32_t)) ||
+        grow((void **)&b->done, &b->capdone, nc, 1))
+        return rf_err_set(err, -ENOMEM, "plan: out of memory cutting a piece into %llu cells",
+                          (unsigned long long)nc);
+    *ncells = nc;
+    return 0;
+}
+
+/* Steps idx to the next cell of the grid in row-major order (wrapping to all zeros). */
+static void next_cell(int32_t *idx, const int *ncuts, int ndim)
+{
+    for (int d = ndim - 1; d >= 0; d--) {
+        if (++idx[d] < ncuts[d] - 1)
+            break;
+        idx[d] = 0;
+    }
+}
+
+/* Phase 4: one holder per cell, in row-major cell order, each picked and charged as it comes
+ * so that later cells see the loads the earlier ones added; -1 marks a cell nobody holds. */
+static int assign_cells(builder *b, const dpiece *dp, uint64_t ncells, rf_err *err)
+{
+    int32_t idx[RF_MAX_DIMS] = {0};
+    int32_t *hs = b->hs;
+    int ndim = dp->ndim;
+    int rc;
+
+    for (uint64_t cell = 0; cell < ncells; cell++) {
+        int nh = 0;
+        uint64_t cell_el = 1;
+        for (uint64_t i = 0; i < b->ncand; i++) {
+            const cand *c = &b->cands[i];
+            int in = 1;
+            for (int d = 0; d < ndim && in; d++)
+                in = idx[d] >= c->lo[d] && idx[d] < c->hi[d];
+            if (in)
+                hs[nh++] = (int32_t)i;
+        }
+        for (int d = 0; d < ndim; d++)
+            cell_el *= (uint64_t)(b->cuts[d][idx[d] + 1] - b->cuts[d][idx[d]]);
+        b->holder[cell] = nh == 0 ? -1 : pick(b, hs, nh, cell_el * dp->esize);
+        if (nh > 0) {
+            rc = charge(b, &b->cands[b->holder[cell]], cell_el * dp->esize, err);
+            if (rc)
+                return rc;
+        }
+        next_cell(idx, b->ncuts, ndim);
+    }
+    return 0;
+}
+
+/* Steps j to the next cell of the block idx + [0, ext) in row-major order, leaving dim skip
+ * where it is (-1 skips none); false once the block is done. */
+static bool next_in_block(int32_t *j, const int32_t *idx, const int32_t *ext, int ndim,
+                          int skip)
+{
+    for (int e = ndim - 1; e >= 0; e--) {
+        if (e == skip)
+            continue;
+        if (++j[e] < idx[e] + ext[e])
+            return true;
+        j[e] = idx[e];
+    }
+    return false;
+}
+
+static uint64_t cell_index(const int32_t *j, const int64_t *cstride, int ndim)
+{
+    uint64_t ci = 0;
+
+    for (int q = 0; q < ndim; q++)
+        ci += (uint64_t)j[q] * (uint64_t)cstride[q];
+    return ci;
+}
+
+/* Whether the block idx + [0, ext) can grow by one cell along dim d: the slab of cells just
+ * past it there lies inside the grid, is unmerged and has holder h throughout. */
+static bool slab_joins(const builder *b, const int64_t *cstride, int ndim, const int32_t *idx,
+                       const int32_t *ext, int d, int32_t h)
+{
+    int32_t j[RF_MAX_DIMS];
+
+    if (idx[d] + ext[d] >= b->ncuts[d] - 1)
+        return false;
+    memcpy(j, idx, sizeof(j));
+    j[d] = idx[d] + ext[d];
+    do {
+        uint64_t ci = cell_index(j, cstride, ndim);
+        if (b->done[ci] || b->holder[ci] != h)
+            return false;
+    } while (next_in_block(j, idx, ext, ndim, d));
+    return true;
+}
+
+/* Phase 5, for one box: grows a block of cells from the unmerged cell idx (holder h),
+ * innermost dim first, while the slab it would add has the same holder and is unmerged;
+ * marks the block merged and emits it as one transfer (or fails if nobody holds it). */
+static int merge_from(builder *b, const dpiece *dp, const int64_t *cstride, const int32_t *idx,
+                      int32_t h, rf_err *err)
+{
+    int ndim = dp->ndim;
+    int32_t ext[RF_MAX_DIMS], j[RF_MAX_DIMS];
+    rf_box box;
+
+    for (int d = 0; d < ndim; d++)
+        ext[d] = 1;
+    for (int d = ndim - 1; d >= 0; d--)
+        while (slab_joins(b, cstride, ndim, idx, ext, d, h))
+            ext[d]++;
+    memcpy(j, idx, sizeof(j));
+    do
+        b->done[cell_index(j, cstride, ndim)] = 1;
+    while (next_in_block(j, idx, ext, ndim, -1));
+    for (int d = 0; d < ndim; d++) {
+        box.start[d] = b->cuts[d][idx[d]];
+        box.extent[d] = b->cuts[d][idx[d] + ext[d]] - box.start[d];
+    }
+    box_norm(&box, ndim);
+    if (h < 0)
+        return uncovered(b, rf_inv_tensor(b->inv, dp->tensor), &box, dp->ep, err);
+    return emit(b, dp, &b->cands[h], &box, numel(&box, ndim) * dp->esize, false, err);
+}
+
+/* Phase 5: merges the cells into as few boxes as a greedy pass finds, starting a box at each
+ * first unmerged cell in row-major order, so that neighbouring cells of one holder go as one
+ * transfer. */
+static int merge_cells(builder *b, const dpiece *dp, uint64_t ncells, rf_err *err)
+{
+    int ndim = dp->ndim;
+    int64_t cstride[RF_MAX_DIMS];
+    int32_t idx[RF_MAX_DIMS] = {0};
+    int rc;
+
+    memset(b->done, 0, ncells);
+    cstride[ndim - 1] = 1;
+    for (int d = ndim - 2; d >= 0; d--)
+        cstride[d] = cstride[d + 1] * (b->ncuts[d + 1] - 1);
+    for (uint64_t cell = 0; cell < ncells; cell++) {
+        if (!b->done[cell]) {
+            rc = merge_from(b, dp, cstride, idx, b->holder[cell], err);
+            if (rc)
+                return rc;
+        }
+        next_cell(idx, b->ncuts, ndim);
+    }
+    return 0;
+}
+
+/* Plans destination piece dst: finds the sources that overlap it, then either sends it whole
+ * from one of them or cuts it into cells, gives each cell a holder and merges the cells back
+ * into boxes, one transfer each. */
+static int plan_piece(builder *b, uint32_t dst, rf_err *err)
+{
+    const rf_piece_rec *dr = &b->drec[dst];
+    const tinfo *ti = &b->ti[dr->tensor];
+    uint32_t dst_ep = b->reg_ep[dr->region];
+    dpiece dp = {.id = dst, .geom = dr->geom, .tensor = dr->tensor, .ep = dst_ep,
+                 .node = b->node[dst_ep], .ndim = ti->ndim, .esize = ti->esize,
+                 .box = &b->geoms[dr->geom].box}; /* unused dims are [0:1] already */
+    uint64_t lo, hi, ncells = 0;
+    int nfull = 0, rc;
+
+    key_range(b, &dp, ti, &lo, &hi);
+    rc = find_cands(b, &dp, lo, hi, &nfull, err);
+    if (rc)
+        return rc;
+    if (nfull > 0)
+        return send_whole(b, &dp, nfull, err);
+    rc = cut_box(b, &dp, &ncells, err);
+    if (rc == 0)
+        rc = assign_cells(b, &dp, ncells, err);
+    if (rc == 0)
+        rc = merge_cells(b, &dp, ncells, err);
+    return rc;
+}
+
+/* What schedule works on, shared by its phases and freed at its one exit: the messages in
+ * creation order, the permutations between build, creation and final order, and each
+ * endpoint's staging use per round. */
+typedef struct sched {
+    uint64_t nm;       /* messages */
+    rf_plan_msg *m;         /* in creation order */
+    uint32_t *corder;  /* creation position -> build id */
+    uint32_t *mperm;   /* final position -> creation position */
+    uint32_t *fin;     /* build id -> final position */
+    uint32_t *cursor;  /* final position -> next slot of its transfers in message order */
+    uint64_t *mkey;    /* sort keys */
+    uint64_t **use;    /* per endpoint: bytes in each round */
+    uint64_t *usecap;
+    uint64_t *hint;    /* per endpoint: no round before this one has room left */
+    uint32_t ne, R;    /* endpoints, rounds */
+} sched;
+
+static int sched_nomem(const builder *b, rf_err *err)
+{
+    return rf_err_set(err, -ENOMEM, "plan: out of memory scheduling %llu transfers",
+                      (unsigned long long)b->nx);
+}
+
+/* Creation order, which the rounds are filled in: by (source endpoint, destination endpoint,
+ * packed before direct), then by first transfer. Build ids already follow the first transfer,
+ * so a stable sort by the pair key alone gives it. */
+static int creation_order(const builder *b, sched *s, rf_err *err)
+{
+    int db = bits_for(b->ndst_ep ? b->ndst_ep : 1);
+    int pbits = bits_for(b->nsrc_ep ? b->nsrc_ep : 1) + db + 1;
+    const rf_plan_msg *mb = b->mb;
+
+    for (uint64_t i = 0; i < s->nm; i++) {
+        s->mkey[i] = (((uint64_t)b->epidx[mb[i].src_ep] << db | b->epidx[mb[i].dst_ep]) << 1) |
+                     (mb[i].kind == RF_PLAN_DIRECT);
+        s->corder[i] = (uint32_t)i;
+    }
+    if (radix_sort(s->mkey, s->corder, s->nm, pbits))
+        return sched_nomem(b, err);
+    for (uint64_t i = 0; i < s->nm; i++)
+        s->m[i] = mb[s->corder[i]];
+    return 0;
+}
+
+/* Rounds for the packed messages: each goes, first fit, into the earliest round where it fits
+ * under half the budget on both its ends, so that staging double-buffers. Records the largest
+ * staging use in the plan's stats. */
+static int place_packed(builder *b, sched *s, rf_err *err)
+{
+    rf_plan_msg *m = s->m;
+    uint32_t ne = s->ne;
+
+    s->use = calloc((uint64_t)ne + 1, sizeof(*s->use));
+    s->usecap = calloc((uint64_t)ne + 1, sizeof(*s->usecap));
+    s->hint = calloc((uint64_t)ne + 1, sizeof(*s->hint));
+    if (!s->use || !s->usecap || !s->hint)
+        return sched_nomem(b, err);
+    for (uint64_t i = 0; i < s->nm; i++) {
+        uint32_t se = m[i].src_ep, de = m[i].dst_ep;
+        uint64_t **use = s->use, *hint = s->hint, r;
+        if (m[i].kind != RF_PLAN_PACKED)
+            continue;
+        r = hint[se] > hint[de] ? hint[se] : hint[de];
+        for (;; r++) {
+            uint64_t us = r < s->R ? use[se][r] : 0, ud = r < s->R ? use[de][r] : 0;
+            if (us + m[i].bytes <= b->half && ud + m[i].bytes <= b->half)
+                break;
+        }
+        if (r >= s->R) {
+            for (uint32_t e = 0; e < ne; e++) {
+                uint64_t old = s->usecap[e];
+                if (grow((void **)&use[e], &s->usecap[e], r + 1, sizeof(uint64_t)))
+                    return sched_nomem(b, err);
+                memset(use[e] + old, 0, (s->usecap[e] - old) * sizeof(uint64_t));
+            }
+            s->R = (uint32_t)r + 1;
+        }
+        m[i].round = (uint32_t)r;
+        use[se][r] += m[i].bytes;
+        use[de][r] += m[i].bytes;
+        while (hint[se] < s->R && use[se][hint[se]] >= b->half)
+            hint[se]++;
+        while (hint[de] < s->R && use[de][hint[de]] >= b->half)
+            hint[de]++;
+    }
+    for (uint32_t e = 0; e < ne; e++)
+        for (uint32_t r = 0; r < s->R; r++)
+            if (s->use[e][r] > b->plan->st.max_staging_bytes)
+                b->plan->st.max_staging_bytes = s->use[e][r];
+    return 0;
+}
+
+/* Direct messages need no staging: each goes to the round where the larger of its two ends'
+ * loads is least (the first such round on ties), spreading them over the packed rounds. */
+static int place_direct(const builder *b, sched *s, rf_err *err)
+{
+    rf_plan_msg *m = s->m;
+    uint64_t **use = s->use;
+
+    if (s->R == 0 && s->nm > 0) {
+        for (uint32_t e = 0; e < s->ne; e++) {
+            if (grow((void **)&use[e], &s->usecap[e], 1, sizeof(uint64_t)))
+                return sched_nomem(b, err);
+            use[e][0] = 0;
+        }
+        s->R = 1;
+    }
+    for (uint64_t i = 0; i < s->nm; i++) {
+        uint32_t se = m[i].src_ep, de = m[i].dst_ep, best = 0;
+        uint64_t bc = UINT64_MAX;
+        if (m[i].kind != RF_PLAN_DIRECT)
+            continue;
+        for (uint32_t r = 0; r < s->R; r++) {
+            uint64_t c = use[se][r] > use[de][r] ? use[se][r] : use[de][r];
+            if (c < bc) {
+                bc = c;
+                best = r;
+            }
+        }
+        m[i].round = best;
+        use[se][best] += m[i].bytes;
+        use[de][best] += m[i].bytes;
+    }
+    return 0;
+}
+
+/* The final message order, (round, src, dst, creation order), as the permutation s->mperm;
+ * then the plan's messages in that order with their transfer ranges, and fin, which renumbers
+ * a build id to its final position. */
+static int final_order(builder *b, sched *s, rf_err *err)
+{
+    rf_plan *pl = b->plan;
+    uint32_t ne = s->ne, R = s->R;
+    int eb = bits_for(ne ? ne : 1), rb = bits_for(R ? R : 1);
+    uint64_t first = 0;
+
+    if (2 * eb + rb > 64)
+        return rf_err_set(err, -E2BIG, "plan: %u rounds of %u endpoints do not fit the sort key",
+                          R, ne);
+    for (uint64_t i = 0; i < s->nm; i++) {
+        s->mkey[i] = ((uint64_t)s->m[i].round << (2 * eb)) |
+                     ((uint64_t)s->m[i].src_ep << eb) | s->m[i].dst_ep;
+        s->mperm[i] = (uint32_t)i;
+    }
+    if (radix_sort(s->mkey, s->mperm, s->nm, 2 * eb + rb))
+        return sched_nomem(b, err);
+    /* The keys are done with: give their memory back before the plan's messages take theirs. */
+    free(s->mkey);
+    s->mkey = NULL;
+    pl->msgs = malloc((s->nm + 1) * sizeof(*pl->msgs));
+    s->cursor = malloc((s->nm + 1) * sizeof(*s->cursor));
+    if (pl->msgs == NULL || s->cursor == NULL)
+        return sched_nomem(b, err);
+    for (uint64_t i = 0; i < s->nm; i++) {
+        pl->msgs[i] = s->m[s->mperm[i]];
+        pl->msgs[i].first = (uint32_t)first;
+        s->cursor[i] = (uint32_t)first;
+        s->fin[s->corder[s->mperm[i]]] = (uint32_t)i;
+        first += pl->msgs[i].count;
+    }
+    return 0;
+}
+
+/* The transfers' message order (the plan's order array), in one sequential pass over the
+ * transfers: the messages open at any one time are those of a few destination endpoints, so
+ * the writes stay in cache. Each transfer's msg becomes its message's final position. */
+static int order_xfers(builder *b, sched *s, rf_err *err)
+{
+    rf_plan *pl = b->plan;
+    uint64_t n = b->nx;
+    size_t ybytes = (n + 1) * sizeof(uint32_t);
+    uint32_t *y = big_alloc(ybytes);
+
+    if (y == NULL)
+        return sched_nomem(b, err);
+    for (uint64_t i = 0; i < n; i++) {
+        uint32_t f = s->fin[pl->xfers[i].msg];
+        pl->xfers[i].msg = f;
+        y[s->cursor[f]++] = (uint32_t)i;
+    }
+    pl->order = y;
+    pl->order_bytes = ybytes;
+    return 0;
+}
+
+/* Groups transfers into messages, schedules rounds, and sorts everything into its final
+ * order. The messages were formed while the transfers were emitted, in destination-piece
+ * order: a message's transfers are in that order, and its build id orders it by its first
+ * transfer. */
+static int schedule(builder *b, rf_err *err)
+{
+    rf_plan *pl = b->plan;
+    sched s = {.nm = b->nmb, .ne = rf_inv_nendpoints(b->inv)};
+    uint64_t nm = s.nm;
+    int rc;
+
+    s.mkey = malloc((nm + 1) * sizeof(*s.mkey));
+    s.corder = malloc((nm + 1) * sizeof(*s.corder));
+    s.mperm = malloc((nm + 1) * sizeof(*s.mperm));
+    s.fin = malloc((nm + 1) * sizeof(*s.fin));
+    s.m = malloc((nm + 1) * sizeof(*s.m));
+    if (!s.mkey || !s.corder || !s.mperm || !s.fin || !s.m) {
+        rc = sched_nomem(b, err);
+        goto out;
+    }
+    rc = creation_order(b, &s, err);
+    if (rc == 0)
+        rc = place_packed(b, &s, err);
+    if (rc == 0)
+        rc = place_direct(b, &s, err);
+    if (rc == 0)
+        rc = final_order(b, &s, err);
+    if (rc == 0)
+        rc = order_xfers(b, &s, err);
+    if (rc)
+        goto out;
+    pl->nmsgs = (uint32_t)nm;
+    pl->nrounds = nm ? s.R : 0;
+out:
+    free(s.corder);
+    free(s.fin);
+    free(s.mperm);
+    free(s.cursor);
+    free(s.mkey);
+    free(s.m);
+    if (s.use)
+        for (uint32_t e = 0; e < s.ne; e++)
+            free(s.use[e]);
+    free(s.use);
+    free(s.usecap);
+    free(s.hint);
+    return rc;
+}
+
+static void builder_free(builder *b)
+{
+    free(b->si.first);
+    free(b->si.ids);
+    free(b->si.kstart);
+    free(b->si.maxext);
+    free(b->si.kdim);
+    free(b->ti);
+    free(b->se);
+    free(b->load);
+    free(b->links.keys);
+    free(b->links.vals);
+    free(b->boxes.slots);
+    free(b->boxes.boxes);
+    free(b->mb);
+    free(b->open);
+    free(b->opentab.keys);
+    free(b->opentab.vals);
+    free(b->epidx);
+    free(b->node);
+    free(b->nodeidx);
+    free(b->linkmat);
+    free(b->sidx_ep);
+    free(b->didx_ep);
+    free(b->src_ep);
+    free(b->reg_ep);
+    free(b->t_ndim);
+    free(b->t_esize);
+    free(b->gbid);
+    free(b->gruns);
+    free(b->cands);
+    for (int d = 0; d < RF_MAX_DIMS; d++)
+        free(b->cuts[d]);
+    free(b->holder);
+    free(b->done);
+    free(b->hs);
+}
+
+static int cmp_u32(const void *a, const void *b)
+{
+    uint32_t x = *(const uint32_t *)a, y = *(const uint32_t *)b;
+
+    return (x > y) - (x < y);
+}
+
+/* Dense per-side endpoint and node numbering, link loads, piece endpoints, per-tensor sizes,
+ * and the per-geometry cache when the geometry table is of a modest size (it is a handful of
+ * entries for real layouts, but one per piece at worst). */
+static uint64_t geom_cache_max = 256ull * MiB;
+static uint64_t linkmat_max = 1ull << 22; /* also bounds the dense open-message table */
+
+/* For tests: lower the limits so the paths for very large inventories (no geometry cache,
+ * link loads in a hash table) run on small ones. Not thread-safe; call before building. */
+void rf_plan__set_limits(uint64_t geom_cache_bytes, uint64_t link_matrix_entries);
+void rf_plan__set_limits(uint64_t geom_cache_bytes, uint64_t link_matrix_entries)
+{
+    geom_cache_max = geom_cache_bytes;
+    linkmat_max = link_matrix_entries;
+}
+static int setup(builder *b, rf_err *err)
+{
+    const rf_inv *inv = b->inv;
+    uint32_t ne = rf_inv_nendpoints(inv), ns = rf_inv_npieces(inv, RF_SRC);
+    uint32_t nr = rf_inv_nregions(inv), nt = rf_inv_ntensors(inv), ng = rf_inv_ngeoms(inv);
+    uint32_t *nodes[2] = {NULL, NULL}, nn[2] = {0, 0};
+    int rc = 0;
+
+    b->srec = rf_inv_piece_recs(inv, RF_SRC);
+    b->drec = rf_inv_piece_recs(inv, RF_DST);
+    b->geoms = rf_inv_geoms(inv);
+    b->reg_ep = malloc(((uint64_t)nr + 1) * sizeof(uint32_t));
+    b->t_ndim = malloc((uint64_t)nt + 1);
+    b->t_esize = malloc((uint64_t)nt + 1);
+    if (!b->reg_ep || !b->t_ndim || !b->t_esize)
+        goto nomem;
+
+    b->sidx_ep = malloc(((uint64_t)ne + 1) * sizeof(uint32_t));
+    b->didx_ep = malloc(((uint64_t)ne + 1) * sizeof(uint32_t));
+    b->nodeidx = malloc(((uint64_t)ne + 1) * sizeof(uint32_t));
+    b->src_ep = malloc(((uint64_t)ns + 1) * sizeof(uint32_t));
+    nodes[0] = malloc(((uint64_t)ne + 1) * sizeof(uint32_t));
+    nodes[1] = malloc(((uint64_t)ne + 1) * sizeof(uint32_t));
+    if (!b->sidx_ep || !b->didx_ep || !b->nodeidx || !b->src_ep || !nodes[0] || !nodes[1])
+        goto nomem;
+    for (uint32_t e = 0; e < ne; e++) {
+        const rf_endpoint *ep = rf_inv_endpoint(inv, e);
+        b->node[e] = ep->node;
+        if (ep->side == RF_SRC) {
+            b->sidx_ep[b->nsrc_ep] = e;
+            b->epidx[e] = b->nsrc_ep++;
+        } else {
+            b->didx_ep[b->ndst_ep] = e;
+            b->epidx[e] = b->ndst_ep++;
+        }
+        nodes[ep->side][nn[ep->side]++] = ep->node;
+    }
+    for (int s = 0; s < 2; s++) {
+        uint32_t w = 0;
+        qsort(nodes[s], nn[s], sizeof(uint32_t), cmp_u32);
+        for (uint32_t i = 0; i < nn[s]; i++)
+            if (w == 0 || nodes[s][w - 1] != nodes[s][i])
+                nodes[s][w++] = nodes[s][i];
+        nn[s] = w;
+    }
+    b->nsrc_node = nn[0];
+    b->ndst_node = nn[1];
+    for (uint32_t e = 0; e < ne; e++) {
+        const rf_endpoint *ep = rf_inv_endpoint(inv, e);
+        uint32_t *f = bsearch(&ep->node, nodes[ep->side], nn[ep->side], sizeof(uint32_t), cmp_u32);
+        b->nodeidx[e] = (uint32_t)(f - nodes[ep->side]);
+    }
+    if ((uint64_t)nn[0] * nn[1] <= linkmat_max) {
+        b->linkmat = calloc((uint64_t)nn[0] * nn[1] + 1, sizeof(uint64_t));
+        if (b->linkmat == NULL)
+            goto nomem;
+    }
+    if ((uint64_t)b->nsrc_ep * b->ndst_ep <= linkmat_max) {
+        b->open = calloc((uint64_t)b->nsrc_ep * b->ndst_ep + 1, sizeof(uint32_t));
+        if (b->open == NULL)
+            goto nomem;
+    }
+    for (uint32_t r = 0; r < nr; r++)
+        b->reg_ep[r] = rf_inv_region(inv, r)->endpoint;
+    for (uint32_t i = 0; i < ns; i++)
+        b->src_ep[i] = b->reg_ep[b->srec[i].region];
+    for (uint32_t t = 0; t < nt; t++) {
+        const rf_tensor *tt = rf_inv_tensor(inv, t);
+        b->t_ndim[t] = (uint8_t)tt->ndim;
+        b->t_esize[t] = (uint8_t)rf_dtype_size(tt->dtype);
+    }
+    if ((uint64_t)ng * (sizeof(*b->gbid) + sizeof(*b->gruns)) <= geom_cache_max) {
+        b->gbid = calloc((uint64_t)ng + 1, sizeof(*b->gbid));
+        b->gruns = malloc(((uint64_t)ng + 1) * sizeof(*b->gruns));
+        if (b->gbid == NULL || b->gruns == NULL)
+            goto nomem;
+        /* Dims past a tensor's ndim have extent 1 and add no runs. */
+        for (uint32_t g = 0; g < ng; g++)
+            b->gruns[g] = nruns(b->geoms[g].strides, RF_MAX_DIMS, &b->geoms[g].box);
+    }
+    goto out;
+nomem:
+    rc = rf_err_set(err, -ENOMEM, "plan: out of memory setting up for %u endpoints", ne);
+out:
+    free(nodes[0]);
+    free(nodes[1]);
+    return rc;
+}
+
+int rf_plan_build(const rf_inv *inv, const rf_plan_opts *opts, rf_plan **out, rf_err *err)
+{
+    builder b;
+    rf_plan *pl = NULL;
+    rf_plan_opts def;
+    uint32_t ne, nd;
+    int rc = 0;
+
+    memset(&b, 0, sizeof(b));
+    *out = NULL;
+    if (opts == NULL) {
+        rf_plan_opts_default(&def);
+        opts = &def;
+    }
+    if (opts->staging_bytes < MIN_STAGING) {
+        rc = rf_err_set(err, -EINVAL,
+                        "plan: staging budget of %llu bytes is below the minimum of %llu; "
+                        "raise staging_bytes",
+                        (unsigned long long)opts->staging_bytes, MIN_STAGING);
+        goto out;
+    }
+    if (sodium_init() < 0) {
+        rc = rf_err_set(err, -EIO, "plan: libsodium failed to initialise");
+        goto out;
+    }
+    pl = calloc(1, sizeof(*pl));
+    ne = rf_inv_nendpoints(inv);
+    nd = rf_inv_npieces(inv, RF_DST);
+    if (pl == NULL)
+        goto nomem;
+    pl->inv = inv;
+    pl->opts = *opts;
+    pl->nendpoints = ne;
+    pl->sent = calloc((uint64_t)ne + 1, sizeof(uint64_t));
+    pl->recv = calloc((uint64_t)ne + 1, sizeof(uint64_t));
+    b.inv = inv;
+    b.plan = pl;
+    b.half = opts->staging_bytes / 2;
+    b.load = calloc((uint64_t)ne + 1, sizeof(uint64_t));
+    b.epidx = calloc((uint64_t)ne + 1, sizeof(uint32_t));
+    b.node = calloc((uint64_t)ne + 1, sizeof(uint32_t));
+    if (!pl->sent || !pl->recv || !b.load || !b.epidx || !b.node)
+        goto nomem;
+    rc = setup(&b, err);
+    if (rc)
+        goto out;
+    rc = build_srcidx(&b, err);
+    if (rc)
+        goto out;
+    /* Most destination pieces take one transfer: reserve that many up front. */
+    b.capx = (uint64_t)nd + 64;
+    if (big_resize((void **)&pl->xfers, &pl->xfers_bytes, b.capx, sizeof(rf_plan_xfer)))
+        goto nomem;
+    for (uint32_t i = 0; i < nd; i++) {
+        rc = plan_piece(&b, i, err);
+        if (rc)
+            goto out;
+    }
+    pl->nxfers = b.nx;
+    rc = schedule(&b, err);
+    if (rc)
+        goto out;
+    /* The transfer array was reserved for one transfer per piece and grown by doubling. */
+    (void)big_resize((void **)&pl->xfers, &pl->xfers_bytes, pl->nxfers + 1, sizeof(rf_plan_xfer));
+    pl->boxes = b.boxes.boxes;
+    pl->nboxes = (uint32_t)b.boxes.n;
+    b.boxes.boxes = NULL;
+
+    pl->st.tensors = rf_inv_ntensors(inv);
+    pl->st.src_pieces = rf_inv_npieces(inv, RF_SRC);
+    pl->st.dst_pieces = nd;
+    pl->st.transfers = pl->nxfers;
+    pl->st.messages = pl->nmsgs;
+    pl->st.rounds = pl->nrounds;
+    {
+        uint64_t tot_s = 0, tot_r = 0;
+        for (uint32_t e = 0; e < ne; e++) {
+            tot_s += pl->sent[e];
+            tot_r += pl->recv[e];
+            if (pl->sent[e] > pl->st.max_sender_bytes)
+                pl->st.max_sender_bytes = pl->sent[e];
+            if (pl->recv[e] > pl->st.max_receiver_bytes)
+                pl->st.max_receiver_bytes = pl->recv[e];
+        }
+        pl->st.mean_sender_bytes = b.nsrc_ep ? (double)tot_s / b.nsrc_ep : 0.0;
+        pl->st.mean_receiver_bytes = b.ndst_ep ? (double)tot_r / b.ndst_ep : 0.0;
+        pl->st.dst_bytes = tot_r;
+        for (uint64_t i = 0; i < b.links.nslots; i++)
+            if (b.links.keys[i] && b.links.vals[i] > pl->st.max_link_bytes)
+                pl->st.max_link_bytes = b.links.vals[i];
+        if (b.linkmat)
+            for (uint64_t i = 0; i < (uint64_t)b.nsrc_node * b.ndst_node; i++)
+                if (b.linkmat[i] > pl->st.max_link_bytes)
+                    pl->st.max_link_bytes = b.linkmat[i];
+    }
+    rf_plan_digest(inv, opts, pl->id);
+    *out = pl;
+    pl = NULL;
+    goto out;
+nomem:
+    rc = rf_err_set(err, -ENOMEM, "plan: out of memory");
+out:
+    builder_free(&b);
+    rf_plan_free(pl);
+    return rc;
+}
+
+void rf_plan_free(rf_plan *plan)
+{
+    if (plan == NULL)
+        return;
+    big_free(plan->xfers, plan->xfers_bytes);
+    big_free(plan->order, plan->order_bytes);
+    free(plan->msgs);
+    free(plan->boxes);
+    free(plan->sent);
+    free(plan->recv);
+    free(plan);
+}
+
+const uint8_t *rf_plan_id(const rf_plan *plan)
+{
+    return plan->id;
+}
+
+void rf_plan_id_to_hex(const uint8_t id[RF_PLAN_ID_BYTES], char out[RF_PLAN_ID_HEX])
+{
+    sodium_bin2hex(out, RF_PLAN_ID_HEX, id, RF_PLAN_ID_BYTES);
+}
+
+void rf_plan_id_hex(const rf_plan *plan, char out[RF_PLAN_ID_HEX])
+{
+    rf_plan_id_to_hex(plan->id, out);
+}
+
+const rf_inv *rf_plan_inv(const rf_plan *plan)
+{
+    return plan->inv;
+}
+
+uint64_t rf_plan_nxfers(const rf_plan *plan)
+{
+    return plan->nxfers;
+}
+
+uint32_t rf_plan_nmsgs(const rf_plan *plan)
+{
+    return plan->nmsgs;
+}
+
+uint32_t rf_plan_nrounds(const rf_plan *plan)
+{
+    return plan->nrounds;
+}
+
+const rf_plan_xfer *rf_plan_xfer_at(const rf_plan *plan, uint64_t i)
+{
+    return i < plan->nxfers ? &plan->xfers[plan->order[i]] : NULL;
+}
+
+const rf_plan_msg *rf_plan_msg_at(const rf_plan *plan, uint32_t i)
+{
+    return i < plan->nmsgs ? &plan->msgs[i] : NULL;
+}
+
+const rf_box *rf_plan_box(const rf_plan *plan, uint32_t i)
+{
+    return i < plan->nboxes ? &plan->boxes[i] : NULL;
+}
+
+const rf_plan_stats *rf_plan_stats_get(const rf_plan *plan)
+{
+    return &plan->st;
+}
+
+size_t rf_plan_memory(const rf_plan *plan)
+{
+    return sizeof(*plan) + plan->nxfers * (sizeof(rf_plan_xfer) + sizeof(uint32_t)) + plan->nmsgs * sizeof(rf_plan_msg) +
+           plan->nboxes * sizeof(rf_box) + 2 * (size_t)plan->nendpoints * sizeof(uint64_t);
+}
+
+uint64_t rf_plan_sent_bytes(const rf_plan *plan, uint32_t ep)
+{
+    return ep < plan->nendpoints ? plan->sent[ep] : 0;
+}
+
+uint64_t rf_plan_recv_bytes(const rf_plan *plan, uint32_t ep)
+{
+    return ep < plan->nendpoints ? plan->recv[ep] : 0;
+}
