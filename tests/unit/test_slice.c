@@ -6,6 +6,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "member_inv.h"
 #include "model.h"
 #include "plan.h"
 #include "slice.h"
@@ -28,55 +29,9 @@ static rf_inv *local[NMEM];
 static Refit__Inventory *wire[NMEM]; /* each member's inventory, packed and unpacked again */
 static rf_side sides[NMEM];
 
-typedef struct sink_ctx {
-    rf_inv *inv;
-    uint32_t ep, region_base;
-} sink_ctx;
-
-static int sink_region(void *ctx, uint32_t r, uint64_t size)
-{
-    sink_ctx *s = ctx;
-    rf_err err = {0};
-    uint32_t id;
-
-    cr_assert_eq(rf_inv_add_region(s->inv, s->ep, size, &id, &err), 0, "%s", err.msg);
-    cr_assert_eq(id, s->region_base + r);
-    return 0;
-}
-
-static int sink_piece(void *ctx, const rf_piece *p)
-{
-    sink_ctx *s = ctx;
-    rf_piece q = *p;
-    rf_err err = {0};
-
-    q.region = s->region_base + p->region;
-    cr_assert_eq(rf_inv_add_piece(s->inv, &q, NULL, &err), 0, "%s", err.msg);
-    return 0;
-}
-
 static rf_inv *member_inv(const member_def *d)
 {
-    rf_inv *inv = rf_inv_new();
-    rf_err err = {0};
-    rf_par par;
-
-    cr_assert_eq(rf_par_parse(d->layout, d->side, model, &par, &err), 0, "%s", err.msg);
-    for (uint32_t t = 0; t < rf_model_ntensors(model); t++) {
-        const rf_tensor *td = rf_model_tensor(model, t);
-        uint32_t id;
-
-        cr_assert_eq(rf_inv_add_tensor(inv, td->name, td->dtype, td->ndim, td->shape, &id,
-                                       &err), 0, "%s", err.msg);
-    }
-    for (int r = d->first; r < d->first + d->n; r++) {
-        sink_ctx s = {inv, 0, rf_inv_nregions(inv)};
-        rf_rank_sink sink = {&s, sink_region, sink_piece};
-
-        cr_assert_eq(rf_inv_add_endpoint(inv, d->side, 0, &s.ep, &err), 0, "%s", err.msg);
-        cr_assert_eq(rf_model_rank(model, &par, d->side, r, &sink, &err), 0, "%s", err.msg);
-    }
-    return inv;
+    return test_member_inv(model, d->layout, d->side, d->first, d->n);
 }
 
 /* msg through its bytes, as a daemon's inventory reaches the coordinator. */
