@@ -511,9 +511,11 @@ static int check_par(const rf_model *m, rf_side side, const char *s, rf_par *p, 
         if (p->etp != 1)
             return BAD("engine layout '%s': etp is a trainer key; the engine shards each expert "
                        "group over tp/ep ranks", s);
-        if (p->tp % p->ep != 0)
-            return BAD("engine layout '%s': ep=%d must divide tp=%d", s, p->ep, p->tp);
-        if (c->experts > 0 && c->moe_inter % (p->tp / p->ep) != 0)
+        if (p->tp % p->ep != 0 && p->ep != p->tp * p->dp)
+            return BAD("engine layout '%s': ep=%d must divide tp=%d (experts over each replica's "
+                       "TP group) or equal tp*dp=%d (vLLM expert parallelism: experts over all "
+                       "ranks, attention per DP rank)", s, p->ep, p->tp, p->tp * p->dp);
+        if (c->experts > 0 && p->tp % p->ep == 0 && c->moe_inter % (p->tp / p->ep) != 0)
             return BAD("engine layout '%s': tp/ep=%d does not divide moe_intermediate_size=%"
                        PRId64 " of %s", s, p->tp / p->ep, c->moe_inter, c->name);
     }
@@ -823,12 +825,24 @@ static int engine_qkv(emit *e, const int32_t *li, int tp, int tp_r)
     return 0;
 }
 
-/* vLLM fused MoE: w13_weight [E_local, 2*I_local, H] and w2_weight [E_local, H, I_local]. */
-static int engine_experts(emit *e, int64_t l, const rf_par *p, int tp_r)
+/* Whether the engine spreads experts over all tp*dp ranks, as vLLM does with
+ * --enable-expert-parallel and dp > 1; then DP replicas differ in their experts. With dp = 1 the
+ * two meanings of ep = tp coincide, so that case stays on the TP-group path. */
+static bool engine_ep_all(const rf_par *p)
+{
+    return p->dp > 1 && p->ep > 1 && p->ep == p->tp * p->dp;
+}
+
+/* vLLM fused MoE: w13_weight [E_local, 2*I_local, H] and w2_weight [E_local, H, I_local]. With
+ * ep dividing tp, each replica's TP group holds all experts, ep groups of tp/ep ranks splitting
+ * the intermediate dim; with ep = tp*dp, rank r holds experts [r*E/ep, (r+1)*E/ep) whole. */
+static int engine_experts(emit *e, int64_t l, const rf_par *p, int rank)
 {
     const rf_model *m = e->m;
     const cfg *c = &m->c;
-    int gs = p->tp / p->ep, grp = tp_r / gs, j = tp_r % gs;
+    bool all = engine_ep_all(p);
+    int tp_r = rank % p->tp, gs = all ? 1 : p->tp / p->ep;
+    int grp = all ? rank : tp_r / gs, j = all ? 0 : tp_r % gs;
     int64_t El = c->experts / p->ep, Il = c->moe_inter / gs, H = c->hidden;
     int32_t x0 = m->expert0[l] + (int32_t)(3 * grp * El);
     uint32_t r13, r2;
@@ -898,7 +912,7 @@ static int engine_rank(emit *e, const rf_par *p, int rank)
         TRY(em_whole(e, li[R_ROUTER]));
         if (li[R_ROUTER_BIAS] >= 0)
             TRY(em_whole(e, li[R_ROUTER_BIAS]));
-        TRY(engine_experts(e, l, p, tp_r));
+        TRY(engine_experts(e, l, p, rank));
         if (c->shared > 0) {
             TRY(em_fc1(e, li[R_SH_GATE], li[R_SH_UP], tp, tp_r));
             TRY(em_rowpar(e, li[R_SH_DOWN], tp, tp_r));

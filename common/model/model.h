@@ -30,7 +30,10 @@ uint64_t rf_model_bytes(const rf_model *m);
 int rf_model_find(const rf_model *m, const char *name, uint32_t *id);
 
 /* A side's parallelism. Unset keys take defaults: tp = pp = ep = etp = 1; on the trainer side
- * dp = max(1, ep*etp/tp), on the engine side dp = 1. */
+ * dp = max(1, ep*etp/tp), on the engine side dp = 1. The engine's rank r is dp_rank*tp + tp_rank;
+ * attention and dense weights are sharded by tp and replicated over dp. Its ep either divides
+ * tp (each replica's TP group holds all experts, tp/ep ranks sharing one expert group) or equals
+ * tp*dp (vLLM --enable-expert-parallel: rank r holds experts [r*E/ep, (r+1)*E/ep) whole). */
 typedef struct rf_par {
     int tp, pp, ep, etp, dp;
 } rf_par;

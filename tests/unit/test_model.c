@@ -185,8 +185,11 @@ static void check_side(const rf_model *m, const char *layout, rf_side side)
     uint32_t nt = rf_model_ntensors(m);
     cov c = {.nt = nt};
     int world = rf_par_world(&p, side);
-    /* The engine: one DP replica must cover the model; the others are checked identical. */
-    int ranks = side == RF_DST ? p.tp : world;
+    /* vLLM expert parallelism (ep = tp*dp, dp > 1) spreads experts over every rank, so the
+     * replicas differ and all ranks together cover the model. */
+    bool ep_all = side == RF_DST && p.dp > 1 && p.ep == p.tp * p.dp;
+    /* Otherwise one engine DP replica must cover the model; the others are checked identical. */
+    int ranks = side == RF_DST && !ep_all ? p.tp : world;
     char what[128];
 
     snprintf(what, sizeof(what), "%s %s %s", rf_model_name(m), side ? "engine" : "trainer",
@@ -199,7 +202,7 @@ static void check_side(const rf_model *m, const char *layout, rf_side side)
 
         rank_of(m, &p, side, r, &g);
         cov_add(&c, &g);
-        if (side == RF_DST && p.dp > 1) {
+        if (side == RF_DST && p.dp > 1 && !ep_all) {
             got h;
 
             rank_of(m, &p, side, r + p.tp * (p.dp - 1), &h);
@@ -239,6 +242,10 @@ ParameterizedTestParameters(model, layouts)
         {"qwen3-30b-a3b", "tp=2,pp=2,ep=4,etp=2,dp=4", "tp=8,ep=2"},
         {"deepseek-v3", "tp=8,pp=4,ep=8", "tp=8"},
         {"deepseek-v3", "tp=4,pp=8,ep=16,dp=4", "tp=16,ep=16"},
+        /* vLLM expert parallelism: experts over tp*dp ranks, attention per DP rank. */
+        {"qwen3-30b-a3b", "tp=2,ep=4,dp=2", "tp=1,dp=8,ep=8"},
+        {"qwen3-30b-a3b", "tp=2,ep=4,dp=2", "tp=2,dp=8,ep=16"},
+        {"deepseek-v3", "tp=8,pp=4,ep=8", "tp=8,dp=4,ep=32"},
     };
     return cr_make_param_array(layout_case, cases, sizeof(cases) / sizeof(cases[0]));
 }
@@ -476,6 +483,67 @@ Test(model, w13_w2_offsets)
     rf_model_free(m);
 }
 
+/* vLLM --enable-expert-parallel, tp=2 dp=4 ep=8: rank 5 is DP rank 2, TP rank 1. Its experts
+ * are 80..95, whole; its attention is TP rank 1's shard, the same bytes as rank 1's. */
+Test(model, vllm_ep_over_tp_dp)
+{
+    rf_model *m = load("qwen3-30b-a3b");
+    rf_par d = par(m, "tp=2,dp=4,ep=8", RF_DST);
+    const rf_piece *p, *q;
+    got g, h;
+
+    cr_assert_eq(rf_par_world(&d, RF_DST), 8);
+    rank_of(m, &d, RF_DST, 5, &g);
+    p = find_piece(&g, m, "model.layers.7.mlp.experts.81.gate_proj.weight");
+    expect_rows(p, 0, 768, (uint64_t)1 * 1536 * H30 * 2, H30);
+    cr_assert_eq(g.regions[p->region], (uint64_t)16 * 1536 * H30 * 2);
+    p = find_piece(&g, m, "model.layers.7.mlp.experts.81.up_proj.weight");
+    expect_rows(p, 0, 768, (uint64_t)(1536 + 768) * H30 * 2, H30);
+    p = find_piece(&g, m, "model.layers.7.mlp.experts.81.down_proj.weight");
+    cr_assert_eq(p->box.start[0], 0);
+    cr_assert_eq(p->box.extent[0], H30);
+    cr_assert_eq(p->box.start[1], 0);
+    cr_assert_eq(p->box.extent[1], 768);
+    cr_assert_eq(p->strides[0], 768);
+    cr_assert_eq(p->offset, (uint64_t)1 * H30 * 768 * 2);
+    cr_assert_eq(g.regions[p->region], (uint64_t)16 * H30 * 768 * 2);
+    for (uint32_t i = 0; i < g.npieces; i++) {
+        const char *name = rf_model_tensor(m, g.pieces[i].tensor)->name;
+        const char *x = strstr(name, ".experts.");
+
+        if (x) {
+            int ex = atoi(x + 9);
+
+            cr_assert(ex >= 80 && ex < 96, "rank 5 holds %s", name);
+        }
+    }
+    /* Attention: q rows 2048..4095 of 4096, k rows 256..511 of 512 (KV heads 2..3). */
+    p = find_piece(&g, m, "model.layers.7.self_attn.q_proj.weight");
+    expect_rows(p, 2048, 2048, 0, H30);
+    p = find_piece(&g, m, "model.layers.7.self_attn.k_proj.weight");
+    expect_rows(p, 256, 256, (uint64_t)2048 * H30 * 2, H30);
+    rank_of(m, &d, RF_DST, 1, &h);
+    q = find_piece(&h, m, "model.layers.7.self_attn.q_proj.weight");
+    cr_assert_eq(memcmp(&q->box, &find_piece(&g, m, "model.layers.7.self_attn.q_proj.weight")->box,
+                        sizeof(rf_box)), 0, "DP ranks hold the same attention shard");
+    q = find_piece(&h, m, "model.layers.7.self_attn.o_proj.weight");
+    p = find_piece(&g, m, "model.layers.7.self_attn.o_proj.weight");
+    cr_assert_eq(memcmp(&q->box, &p->box, sizeof(rf_box)), 0);
+    cr_assert_eq(p->box.start[1], 2048);
+    cr_assert_eq(p->box.extent[1], 2048);
+    got_free(&h);
+    got_free(&g);
+    /* tp=1: every rank holds attention whole and its 16 experts. */
+    d = par(m, "tp=1,dp=8,ep=8", RF_DST);
+    rank_of(m, &d, RF_DST, 7, &g);
+    p = find_piece(&g, m, "model.layers.0.self_attn.q_proj.weight");
+    expect_rows(p, 0, 4096, 0, H30);
+    p = find_piece(&g, m, "model.layers.0.mlp.experts.112.gate_proj.weight");
+    expect_rows(p, 0, 768, 0, H30);
+    got_free(&g);
+    rf_model_free(m);
+}
+
 Test(model, row_parallel_and_vocab)
 {
     rf_model *m = load("qwen3-0.6b"), *small = NULL;
@@ -638,6 +706,10 @@ ParameterizedTestParameters(model, bad_layouts)
         {"qwen3-0.6b", "pp=2", RF_DST, "pp=2 is not supported on the engine side"},
         {"qwen3-30b-a3b", "etp=2", RF_DST, "etp is a trainer key"},
         {"qwen3-30b-a3b", "tp=4,ep=8", RF_DST, "ep=8 must divide tp=4"},
+        {"qwen3-30b-a3b", "tp=2,dp=4,ep=4", RF_DST, "ep=4 must divide tp=2 (experts over each "
+                                                     "replica's TP group) or equal tp*dp=8"},
+        {"qwen3-30b-a3b", "tp=1,dp=8,ep=16", RF_DST, "or equal tp*dp=8 (vLLM expert"},
+        {"qwen3-30b-a3b", "tp=2,dp=3,ep=6", RF_DST, "ep=6 does not divide the 128 experts"},
         {"qwen3-30b-a3b", "tp=2,ep=4,dp=1", RF_SRC, "ep*etp=4 must divide tp*dp=2"},
         {"qwen3-30b-a3b", "etp=5", RF_SRC, "does not divide"},
         {"qwen3-4b", "tp=64", RF_SRC, "tp=64 does not divide num_attention_heads=32"},

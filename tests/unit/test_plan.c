@@ -855,6 +855,92 @@ Test(plan_model, trainer_dp8_engine_dp1_reads_each_byte_once)
     rf_model_free(m);
 }
 
+/* vLLM expert parallelism on the engine (ep = tp*dp): executed byte for byte on a shrunk model. */
+Test(plan_model, qwen3_30b_a3b_vllm_ep_shrunk_executes, .timeout = 60)
+{
+    static const char *dst[] = {"tp=1,dp=8,ep=8", "tp=2,dp=4,ep=8"};
+
+    for (size_t i = 0; i < sizeof(dst) / sizeof(dst[0]); i++) {
+        rf_model *m = NULL;
+        rf_inv *inv = model_inv("qwen3-30b-a3b", 64, "tp=2,ep=4,dp=2", dst[i], &m);
+
+        execute_inv(inv);
+        rf_model_free(m);
+    }
+}
+
+/* What engine rank r of a tp=1 layout with experts over all ranks must hold of tensor t,
+ * counted from its name alone: a non-expert tensor whole, an expert whole when it lies in
+ * [r*E/ep, (r+1)*E/ep), else nothing. */
+static uint64_t ep_rank_bytes(const rf_tensor *ten, int experts, int ep, int r)
+{
+    const char *x = strstr(ten->name, ".experts.");
+    uint64_t n = (uint64_t)ten->shape[0] * (uint64_t)(ten->ndim > 1 ? ten->shape[1] : 1);
+
+    if (x && atoi(x + 9) / (experts / ep) != r)
+        return 0;
+    return n * rf_dtype_size(ten->dtype);
+}
+
+/* Full size, from Megatron trainers to engines with experts over tp*dp: the plan builds (so
+ * every destination byte has a source) and each engine rank receives exactly its share, tensor
+ * by tensor, counted from the plan's transfers. */
+typedef struct ep_case {
+    const char *model, *src, *dst;
+    int experts, ep;
+} ep_case;
+
+Test(plan_model, vllm_ep_full_size_each_rank_receives_its_share, .timeout = 60)
+{
+    static const ep_case cases[] = {
+        {"qwen3-30b-a3b", "tp=2,ep=4,dp=2", "tp=1,dp=8,ep=8", 128, 8},
+        {"qwen3-30b-a3b", "tp=4,pp=2,ep=8,dp=2", "tp=1,dp=16,ep=16", 128, 16},
+        {"deepseek-v3", "tp=8,pp=4,ep=8", "tp=1,dp=8,ep=8", 256, 8},
+    };
+
+    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+        const ep_case *c = &cases[i];
+        rf_model *m = NULL;
+        rf_inv *inv = model_inv(c->model, 1, c->src, c->dst, &m);
+        uint32_t nt = rf_inv_ntensors(inv), dst0 = UINT32_MAX;
+        uint64_t *got;
+        rf_plan *pl = NULL;
+        rf_err err;
+
+        cr_assert_eq(rf_plan_build(inv, NULL, &pl, &err), 0, "%s -> %s: %s", c->src, c->dst,
+                     err.msg);
+        for (uint32_t e = 0; e < rf_inv_nendpoints(inv) && dst0 == UINT32_MAX; e++)
+            if (rf_inv_endpoint(inv, e)->side == RF_DST)
+                dst0 = e;
+        cr_assert_eq(rf_inv_nendpoints(inv) - dst0, (uint32_t)c->ep);
+        got = calloc((size_t)c->ep * nt, sizeof(*got));
+        cr_assert_not_null(got);
+        for (uint64_t x = 0; x < rf_plan_nxfers(pl); x++) {
+            const rf_plan_xfer *xf = rf_plan_xfer_at(pl, x);
+            uint32_t r = rf_plan_msg_at(pl, xf->msg)->dst_ep - dst0;
+            rf_piece p;
+
+            rf_inv_piece(inv, RF_DST, xf->dst, &p);
+            got[(size_t)r * nt + p.tensor] += xf->bytes;
+        }
+        for (int r = 0; r < c->ep; r++) {
+            for (uint32_t t = 0; t < nt; t++) {
+                const rf_tensor *ten = rf_inv_tensor(inv, t);
+                uint64_t want = ep_rank_bytes(ten, c->experts, c->ep, r);
+
+                cr_assert_eq(got[(size_t)r * nt + t], want, "%s %s rank %d receives %llu of %s, "
+                             "holds %llu", c->model, c->dst, r,
+                             (unsigned long long)got[(size_t)r * nt + t], ten->name,
+                             (unsigned long long)want);
+            }
+        }
+        free(got);
+        rf_plan_free(pl);
+        rf_inv_free(inv);
+        rf_model_free(m);
+    }
+}
+
 /* ---- refitctl plan as a process -------------------------------------------------------- */
 
 static int run_ctl(const char *args, char *out, size_t len)
@@ -909,6 +995,10 @@ Test(refitctl, plan_text_explain_and_help)
     cr_assert(strstr(out, "transfers") != NULL, "%s", out);
     cr_assert(strstr(out, "predicted") != NULL, "%s", out);
     cr_assert(strstr(out, "top senders") != NULL, "%s", out);
+    cr_assert_eq(run_ctl("plan --model qwen3-30b-a3b --src tp=2,ep=4,dp=2 --dst tp=1,dp=8,ep=8 "
+                         "--explain", out, sizeof(out)), 0, "%s", out);
+    cr_assert(strstr(out, "engine tp=1,dp=8,ep=8 (8 GPUs)") != NULL, "%s", out);
+    cr_assert(strstr(out, "per receiver max 9.62 GiB, mean 9.62 GiB") != NULL, "%s", out);
     cr_assert_eq(run_ctl("--help", out, sizeof(out)), 0);
     cr_assert(strstr(out, "plan") != NULL, "%s", out);
     cr_assert_eq(run_ctl("plan --help", out, sizeof(out)), 0);
@@ -923,6 +1013,9 @@ Test(refitctl, bad_layout_exits_2)
     cr_assert_eq(run_ctl("plan --model qwen3-0.6b --src tp=3 --dst tp=2", out, sizeof(out)), 2,
                  "%s", out);
     cr_assert(strchr(out, '\n') == strrchr(out, '\n'), "one line expected: %s", out);
+    cr_assert_eq(run_ctl("plan --model qwen3-30b-a3b --src tp=2,ep=4,dp=2 --dst tp=2,dp=4,ep=4",
+                         out, sizeof(out)), 2, "%s", out);
+    cr_assert(strstr(out, "or equal tp*dp=8") != NULL, "%s", out);
     cr_assert_eq(run_ctl("plan --model no-such-model --src tp=1 --dst tp=1", out, sizeof(out)), 2,
                  "%s", out);
     cr_assert_eq(run_ctl("plan --model qwen3-0.6b --src tp=1 --dst tp=1 --staging-mib 0", out,
