@@ -608,19 +608,21 @@ cl["last_refit"]["result"] == "aborted"'
         ;;
     esac
 
-    # The refit in flight ends (commit or abort) before the fresh clients come, so that what
-    # the old trainers published and what the fresh ones publish can be told apart.
+    # The old clients go, and the refit in flight ends (commit or abort, after its settle),
+    # before the oracle's cut: what the old trainers published (they may publish again after
+    # the fault's abort, and that commit is theirs) and what the fresh ones publish are then
+    # told apart.
+    for n in $FM_CLIENTS; do kill -TERM "$(fm_pid "$n")" 2>/dev/null; done
+    fm_wait_exit 10 $FM_CLIENTS > /dev/null || fail "old clients did not exit on SIGTERM"
+    FM_CLIENTS=""
     if [ "$victim" != pub0 ]; then
         st_wait "$cp" 40 "the coordinator ended the refit in flight after the fault" \
-            'cl["state"] != "running"'
+            'cl["state"] == "idle"'
     fi
     off=$(stat -c %s "$E2E_DIR/pub0.log")
     since=$committed
     [ "$victim" = pub0 ] || since=$(st_show "$cp" | sed -n 's/.* committed \([0-9]*\) plan .*/\1/p')
     [ -n "$since" ] || fail "no committed version in the coordinator's status: $(st_show "$cp")"
-    for n in $FM_CLIENTS; do kill -TERM "$(fm_pid "$n")" 2>/dev/null; done
-    fm_wait_exit 10 $FM_CLIENTS > /dev/null || fail "old clients did not exit on SIGTERM"
-    FM_CLIENTS=""
     case $victim in pub*|recv*) fm_daemon $victim ;; esac
     cp=$E2E_DIR/pub0.sock
     if [ "$victim" = pub0 ]; then
