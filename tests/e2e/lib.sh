@@ -324,9 +324,12 @@ now_ms() {
 FM_MODEL=${FM_MODEL:-"--model qwen3-0.6b --shrink 16"}
 FM_FRESH=10
 FM_RECOVER_S=${FM_RECOVER_S:-40}
-# A hold by SIGSTOP must end well before the 2000 ms peer timeout, or the coordinator has
-# dropped the held daemon and the phase is no longer the one the scenario names.
-FM_HOLD_MS=${FM_HOLD_MS:-1500}
+# A hold by SIGSTOP must end well before the peer timeout, or the coordinator has dropped the
+# held daemon and the phase is no longer the one the scenario names. The matrix's daemons get
+# a longer peer timeout than the other tests' 2000 ms, so that a loaded 2-core machine (a
+# status poll costs a python start) still kills within the hold.
+FM_PEER_TIMEOUT_MS=${FM_PEER_TIMEOUT_MS:-5000}
+FM_HOLD_MS=${FM_HOLD_MS:-4000}
 FM_PASSED=""
 FM_FAILED=""
 
@@ -349,8 +352,8 @@ fm_daemon() {
     local name=$1 before i=0
     before=$(fm_count "$E2E_DIR/$name.log" "status endpoint on")
     case $name in
-        pub*) start_publisher "${name#pub}" 1 ;;
-        recv*) start_receiver "${name#recv}" 1 ;;
+        pub*) start_publisher "${name#pub}" 1 --peer-timeout-ms "$FM_PEER_TIMEOUT_MS" ;;
+        recv*) start_receiver "${name#recv}" 1 --peer-timeout-ms "$FM_PEER_TIMEOUT_MS" ;;
     esac
     while [ "$(fm_count "$E2E_DIR/$name.log" "status endpoint on")" -le "$before" ]; do
         i=$((i + 1))
@@ -557,7 +560,8 @@ m("receiver", 0)["done"] and not m("receiver", 1)["done"]'
         fm_kill 9 $victim
         t1=$(now_ms)
         [ $((t1 - t0)) -lt "$FM_HOLD_MS" ] || fail "receiverd 1 was held $((t1 - t0)) ms before \
-the kill, past $FM_HOLD_MS ms: the coordinator may have dropped it first (peer timeout 2000 ms), \
+the kill, past $FM_HOLD_MS ms: the coordinator may have dropped it first (peer timeout \
+$FM_PEER_TIMEOUT_MS ms), \
 so the phase is not proven; rerun on a less loaded machine"
         [ $victim = recv1 ] || fm_kill CONT recv1
         echo "receiverd 1 held $((t1 - t0)) ms, $victim killed in phase $phase"
