@@ -177,8 +177,10 @@ static void print_status(json_t *st)
             json_t *ready = json_object_get(m, "ready");
             char what[48];
 
-            if (ready)
-                snprintf(what, sizeof(what), "published %.0f", num(m, "ready"));
+            if (ready && num(m, "ready") > 0)
+                snprintf(what, sizeof(what), "ready with %.0f", num(m, "ready"));
+            else if (ready)
+                snprintf(what, sizeof(what), "nothing to refit");
             else
                 snprintf(what, sizeof(what), "%s", json_is_true(json_object_get(
                          m, "ready_to_install")) ? "engines ready" : "engines busy");
