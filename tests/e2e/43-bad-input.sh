@@ -23,66 +23,15 @@ wait_for "$E2E_DIR/recv0.log" "status endpoint" 10
 DATA_PORT=$(sed -n 's/.*transport tcp on 127\.0\.0\.1:\([0-9][0-9]*\).*/\1/p' "$E2E_DIR/recv0.log" | head -n 1)
 [ -n "$DATA_PORT" ] || fail "no data port in $E2E_DIR/recv0.log"
 
-export PEER_PROTOCOL=$(sed -n 's/#define RF_PEER_PROTOCOL_VERSION \([0-9]*\).*/\1/p' \
-    "$(dirname "$0")/../../common/control/peer.h")
+# The hand-made frames below come from tests/e2e/pbwire.py.
+export PYTHONPATH="$(cd "$(dirname "$0")" && pwd)${PYTHONPATH:+:$PYTHONPATH}"
 cat > "$E2E_DIR/frames.py" <<'EOF'
 import os, socket, struct, sys, threading, time
 
+from pbwire import PEER_PROTOCOL, field, frame, parse_fields, read_varint, varint
+
 port, rpc_socks, data_port = int(sys.argv[1]), sys.argv[2:4], int(sys.argv[4])
-# The daemons' control protocol version (common/control/peer.h), so that only the MAC is wrong.
-PEER_PROTOCOL = int(os.environ["PEER_PROTOCOL"])
 results, lock = [], threading.Lock()
-
-
-def varint(n):
-    out = b""
-    while True:
-        b, n = n & 0x7F, n >> 7
-        if n == 0:
-            return out + bytes([b])
-        out += bytes([b | 0x80])
-
-
-def field(num, payload):
-    """A protobuf field: an int is a varint, bytes are length-delimited."""
-    if isinstance(payload, int):
-        return varint(num << 3) + varint(payload)
-    return varint(num << 3 | 2) + varint(len(payload)) + payload
-
-
-def frame(body):
-    return struct.pack(">I", len(body)) + body
-
-
-def parse_fields(b):
-    i, out = 0, {}
-    while i < len(b):
-        key, i = read_varint(b, i)
-        num, wt = key >> 3, key & 7
-        if wt == 0:
-            v, i = read_varint(b, i)
-        elif wt == 2:
-            n, i = read_varint(b, i)
-            v, i = b[i:i + n], i + n
-        elif wt == 1:
-            v, i = b[i:i + 8], i + 8
-        elif wt == 5:
-            v, i = b[i:i + 4], i + 4
-        else:
-            raise ValueError("wire type %d" % wt)
-        out[num] = v
-    return out
-
-
-def read_varint(b, i):
-    n = shift = 0
-    while True:
-        c = b[i]
-        i += 1
-        n |= (c & 0x7F) << shift
-        shift += 7
-        if not c & 0x80:
-            return n, i
 
 
 def read_frames(s, timeout, stop):

@@ -16,13 +16,14 @@ start_receiver 0 4
 wait_for "$E2E_DIR/pub0.log" "publisher 0 .* joined" 15
 wait_for "$E2E_DIR/pub0.log" "receiver 0 .* joined" 15
 
-export PEER_PROTOCOL=$(sed -n 's/#define RF_PEER_PROTOCOL_VERSION \([0-9]*\).*/\1/p' \
-    "$(dirname "$0")/../../common/control/peer.h")
+# The hand-made frames below come from tests/e2e/pbwire.py.
+export PYTHONPATH="$(cd "$(dirname "$0")" && pwd)${PYTHONPATH:+:$PYTHONPATH}"
 cat > "$E2E_DIR/strangers.py" <<'EOF'
 import os, socket, struct, sys, time
 
+from pbwire import PEER_PROTOCOL, field, frame, parse_fields, read_varint, varint
+
 port, pid = int(sys.argv[1]), int(sys.argv[2])
-PEER_PROTOCOL = int(os.environ["PEER_PROTOCOL"])
 DEADLINE = 2.0      # peer_timeout_ms of lib.sh
 LIMIT = 64          # RF_PEER_MAX_PENDING_DEFAULT
 fails = []
@@ -32,52 +33,6 @@ def check(ok, what):
     print("%s %s" % ("ok  " if ok else "FAIL", what))
     if not ok:
         fails.append(what)
-
-
-def varint(n):
-    out = b""
-    while True:
-        b, n = n & 0x7F, n >> 7
-        if n == 0:
-            return out + bytes([b])
-        out += bytes([b | 0x80])
-
-
-def read_varint(b, i):
-    n = shift = 0
-    while True:
-        c = b[i]
-        i += 1
-        n |= (c & 0x7F) << shift
-        shift += 7
-        if not c & 0x80:
-            return n, i
-
-
-def field(num, payload):
-    if isinstance(payload, int):
-        return varint(num << 3) + varint(payload)
-    return varint(num << 3 | 2) + varint(len(payload)) + payload
-
-
-def parse_fields(b):
-    i, out = 0, {}
-    while i < len(b):
-        key, i = read_varint(b, i)
-        num, wt = key >> 3, key & 7
-        if wt == 0:
-            v, i = read_varint(b, i)
-        elif wt == 2:
-            n, i = read_varint(b, i)
-            v, i = b[i:i + n], i + n
-        else:
-            raise ValueError("wire type %d" % wt)
-        out[num] = v
-    return out
-
-
-def frame(body):
-    return struct.pack(">I", len(body)) + body
 
 
 class Conn:
