@@ -12,10 +12,25 @@ E2E_FAILED=0
 head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n' > "$E2E_ROOT/cluster.key"
 chmod 600 "$E2E_ROOT/cluster.key"
 
+# e2e_stop PID...: asks each process to stop (SIGCONT first, for one a test stopped), waits up
+# to 2 s for them all to be gone (a zombie counts as gone), then SIGKILLs what is left.
+e2e_stop() {
+    local p i=0 left
+    for p in "$@"; do kill -CONT "$p" 2>/dev/null; kill "$p" 2>/dev/null; done
+    while [ $i -lt 40 ]; do
+        left=""
+        for p in "$@"; do
+            [ -r "/proc/$p/stat" ] && ! grep -q ') Z ' "/proc/$p/stat" 2>/dev/null && left=1
+        done
+        [ -z "$left" ] && break
+        i=$((i + 1))
+        sleep 0.05
+    done
+    for p in "$@"; do kill -9 "$p" 2>/dev/null; done
+}
+
 e2e_cleanup() {
-    for p in $E2E_PIDS; do kill "$p" 2>/dev/null; done
-    sleep 0.2
-    for p in $E2E_PIDS; do kill -9 "$p" 2>/dev/null; done
+    e2e_stop $E2E_PIDS
     if [ "$E2E_FAILED" = 0 ] && [ -z "${E2E_KEEP:-}" ]; then
         rm -rf "$E2E_ROOT"
     else
@@ -402,10 +417,7 @@ fm_kill() {
 }
 
 fm_scenario_cleanup() {
-    local p
-    for p in $E2E_PIDS; do kill -CONT "$p" 2>/dev/null; kill "$p" 2>/dev/null; done
-    sleep 0.2
-    for p in $E2E_PIDS; do kill -9 "$p" 2>/dev/null; done
+    e2e_stop $E2E_PIDS
     wait 2>/dev/null
 }
 
