@@ -94,7 +94,6 @@ typedef struct rf_xfer_result {
 /* A transport: one of the backends below behind the transport core (xfer.c), which runs one
  * job at a time on a worker thread and reports to the loop thread. */
 typedef struct rf_xfer_transport rf_xfer_transport;
-typedef struct rf_xfer_core rf_xfer_core;
 
 /* Called on the loop thread when a job ends, successfully or not; res is valid during the
  * call. The transport accepts the next job from inside the callback. */

@@ -10,6 +10,8 @@
 
 #include "xfer.h"
 
+typedef struct rf_xfer_core rf_xfer_core;
+
 /* The backend contract, for xfer_*.c (their helpers are in xfer_core.h). The core (xfer.c)
  * owns a job's life: it refuses what it can check itself (closing, busy, no peer table, no
  * deadline, rf_xfer_job_check), runs one job at a time on a worker thread of its own, stops it
