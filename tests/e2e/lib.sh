@@ -39,6 +39,8 @@ e2e_cleanup() {
     fi
 }
 trap e2e_cleanup EXIT
+# Stopped from outside (make's per-script timeout): a failure, so the logs are kept and shown.
+trap 'E2E_FAILED=1; echo "FAIL: stopped by a signal (past the time limit?)"; exit 1' INT TERM
 
 fail() {
     echo "FAIL: $*"
