@@ -39,6 +39,12 @@ typedef struct rf_xfer_msg {
     uint64_t bytes;
     uint32_t nitems;
     rf_xfer_item *items;
+    /* RF_PLAN_LOCAL messages only (else NULL): the daemon that receives the message copies it
+     * itself, from the source's memory mapped here. items are then the destination side and
+     * src_items[i] (nitems entries) the source side of the same transfer: same box (global
+     * coordinates), esize, msg_off and bytes, another piece. send is false, peer the source's
+     * daemon. Only the local transport (rf_xfer_local_new) takes them. */
+    rf_xfer_item *src_items;
 } rf_xfer_msg;
 
 /* A verification digest (BLAKE2b-256) and an NCCL unique id (ncclUniqueId, sent in plan
@@ -103,7 +109,7 @@ typedef void (*rf_xfer_close_cb)(void *arg);
 
 typedef struct rf_xfer_world rf_xfer_world;
 
-/* "tcp" or "nccl". */
+/* "tcp", "nccl" or "local". */
 const char *rf_xfer_name(const rf_xfer_transport *t);
 /* The address a daemon announces in its Hello for data connections; "" for none (nccl
  * bootstraps from the unique id). */
@@ -214,6 +220,16 @@ int rf_xfer_tcp_new(uv_loop_t *loop, const char *listen_addr, rf_xfer_transport 
 #define RF_XFER_TCP_KEY_MIN 32
 int rf_xfer_tcp_set_key(rf_xfer_transport *t, const uint8_t *key, size_t len);
 const char *rf_xfer_tcp_addr(const rf_xfer_transport *t);
+
+/* The local transport: RF_PLAN_LOCAL messages, copies from memory of a trainer on this host
+ * (imported by this daemon) straight into its engines' memory, on the worker (no staging, no
+ * network): host memory with memcpy (threads where it pays), or, with gpu, device memory with
+ * the batched copy kernels and cudaMemcpyAsync on a stream per device. Its jobs hold only
+ * local messages; with verify on, a message's digest goes into digest_sent from the source
+ * bytes read before the copy and into digest_recv from the destination bytes after it, so the
+ * daemon's XOR is zero exactly when the copy is right. Needs no peers' addresses and no world
+ * (set_peers with NULL addresses names the source daemons). */
+int rf_xfer_local_new(uv_loop_t *loop, bool gpu, rf_xfer_transport **out, rf_err *err);
 
 /* The nccl transport (built with CUDA only, RF_HAVE_CUDA): GPU memory between the cluster's
  * GPU endpoints with NCCL send/recv, one ncclGroupStart/End per round over every local GPU;

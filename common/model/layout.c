@@ -675,9 +675,19 @@ int rf_inv_add_endpoint(rf_inv *inv, rf_side side, uint32_t node, uint32_t *id, 
         return rf_err_set(err, rc, "out of memory adding an endpoint");
     inv->endpoints[inv->nendpoints].side = side;
     inv->endpoints[inv->nendpoints].node = node;
+    inv->endpoints[inv->nendpoints].host = RF_HOST_NONE;
     if (id)
         *id = inv->nendpoints;
     inv->nendpoints++;
+    return 0;
+}
+
+int rf_inv_set_endpoint_host(rf_inv *inv, uint32_t id, uint32_t host, rf_err *err)
+{
+    if (id >= inv->nendpoints)
+        return rf_err_set(err, -EINVAL, "host for endpoint %u but the inventory holds %u", id,
+                          inv->nendpoints);
+    inv->endpoints[id].host = host;
     return 0;
 }
 

@@ -62,10 +62,14 @@ typedef struct rf_tensor {
 typedef enum rf_side { RF_SRC = 0, RF_DST = 1 } rf_side;
 
 /* An endpoint is one GPU (or one host memory domain on the host path) that holds pieces.
- * node names the machine/daemon, for link loads; side says trainer (SRC) or engine (DST). */
+ * node names the daemon, for link loads; side says trainer (SRC) or engine (DST); host names
+ * the machine: a source and a destination endpoint with the same host (not RF_HOST_NONE) can
+ * be joined by local copies (the planner's RF_PLAN_LOCAL messages) instead of the network. */
+#define RF_HOST_NONE UINT32_MAX
 typedef struct rf_endpoint {
     rf_side side;
     uint32_t node;
+    uint32_t host; /* RF_HOST_NONE (the default): never local to anything */
 } rf_endpoint;
 
 /* A region is one registered allocation on an endpoint (an imported IPC handle, a memfd). */
@@ -115,6 +119,8 @@ int rf_inv_add_tensor(rf_inv *inv, const char *name, rf_dtype dtype, int ndim,
 /* 0 and *id, or -ENOENT. O(1) on average. */
 int rf_inv_find_tensor(const rf_inv *inv, const char *name, uint32_t *id);
 int rf_inv_add_endpoint(rf_inv *inv, rf_side side, uint32_t node, uint32_t *id, rf_err *err);
+/* Puts endpoint id on host (RF_HOST_NONE: on no known host); -EINVAL for a bad id. */
+int rf_inv_set_endpoint_host(rf_inv *inv, uint32_t id, uint32_t host, rf_err *err);
 int rf_inv_add_region(rf_inv *inv, uint32_t endpoint, uint64_t size, uint32_t *id, rf_err *err);
 
 /* Validates and adds a piece; nothing is added on error. Checks: the tensor and region

@@ -10,8 +10,13 @@
 typedef enum rf_plan_kind {
     RF_PLAN_DIRECT = 0, /* contiguous on both sides and large: sent from source memory
                            straight into destination memory, no copy */
-    RF_PLAN_PACKED = 1  /* strided or small: gathered into staging, sent with the other
+    RF_PLAN_PACKED = 1, /* strided or small: gathered into staging, sent with the other
                            packed transfers of the same endpoint pair and round, scattered */
+    RF_PLAN_LOCAL = 2   /* source and destination endpoints on one host (rf_endpoint.host):
+                           the destination's daemon copies every transfer straight from source
+                           memory into destination memory (no staging, no network); its
+                           transfers tile the message at msg_off in row-major box order, which
+                           only the verification digest uses */
 } rf_plan_kind;
 
 typedef struct rf_plan_opts {
