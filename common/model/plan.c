@@ -1,6 +1,7 @@
 /* common/model/plan.c - the reshard planner: cuts every destination piece along the boundaries of the
- * source pieces that overlap it, picks one holder per cell balancing sender and link loads,
- * then groups the transfers into messages per endpoint pair and schedules them in rounds. */
+ * source pieces that overlap it, picks one holder per cell (a same-host one first, else
+ * balancing sender and link loads), then groups the transfers into messages per endpoint pair
+ * and schedules the network ones in rounds. */
 #include "plan.h"
 
 #include <sodium.h>
@@ -33,6 +34,7 @@ struct rf_plan {
     uint32_t nendpoints;
     uint64_t *sent; /* per endpoint id */
     uint64_t *recv;
+    uint64_t *path; /* [kind * nendpoints + endpoint]: sent or received bytes per path */
     rf_plan_stats st;
 };
 
@@ -345,7 +347,7 @@ static inline uint64_t zz(uint64_t cur, uint64_t prev)
  * encoding is faithful: the table and the records give back every piece exactly. */
 void rf_plan_digest(const rf_inv *inv, const rf_plan_opts *opts, uint8_t out[RF_PLAN_ID_BYTES])
 {
-    static const char tag[] = "refit-plan-v2";
+    static const char tag[] = "refit-plan-v2", hosts_tag[] = "hosts";
     hbuf hb, *h = &hb;
     uint32_t nt = rf_inv_ntensors(inv), ng = rf_inv_ngeoms(inv);
     const rf_geom *geoms = rf_inv_geoms(inv);
@@ -401,6 +403,17 @@ void rf_plan_digest(const rf_inv *inv, const rf_plan_opts *opts, uint8_t out[RF_
             po = r[i].offset;
         }
     }
+    /* Hosts come last and only when some endpoint has one: the encoding above says where it
+     * ends (every count is in it), so a suffix tells inventories with hosts from those
+     * without, and an inventory without hosts keeps the id it had before hosts existed. */
+    for (uint32_t e = 0; e < rf_inv_nendpoints(inv); e++) {
+        if (rf_inv_endpoint(inv, e)->host == RF_HOST_NONE)
+            continue;
+        hb_bytes(h, hosts_tag, sizeof(hosts_tag));
+        for (uint32_t k = 0; k < rf_inv_nendpoints(inv); k++)
+            hb_u64(h, rf_inv_endpoint(inv, k)->host);
+        break;
+    }
     hb_flush(h);
     crypto_generichash_final(&h->st, out, RF_PLAN_ID_BYTES);
 }
@@ -439,6 +452,7 @@ typedef struct cand {
     uint64_t link;     /* (src node << 32) | dst node */
     uint64_t *linkp;   /* that link's load */
     const rf_geom *g;  /* its box (unused dims [0:1]) and strides, in the inventory */
+    bool local;        /* on the destination's host: copied there, no network */
     int32_t lo[RF_MAX_DIMS], hi[RF_MAX_DIMS]; /* cell ranges covered, per dim */
 } cand;
 
@@ -449,7 +463,8 @@ typedef struct builder {
     srcidx si;
     tinfo *ti;        /* per tensor */
     sent *se;         /* sources in index order */
-    uint64_t *load;   /* sender load per endpoint */
+    uint64_t *load;   /* sender load per endpoint: network bytes */
+    uint64_t *lload;  /* per source endpoint: bytes copied from it on its host */
     linktab links;
     boxtab boxes;
     uint64_t nx, capx;
@@ -461,6 +476,12 @@ typedef struct builder {
     uint64_t nmb, capmb;
     uint32_t *open;
     linktab opentab;
+    /* The same for local messages, whose pairs are never network pairs; NULL and empty
+     * unless some source and destination share a host. */
+    uint32_t *open_local;
+    linktab opentab_local;
+    uint32_t *host;   /* endpoint id -> host */
+    bool any_local;   /* some source endpoint and destination endpoint share a host */
     uint32_t *epidx;  /* endpoint id -> dense index within its side */
     uint32_t nsrc_ep, ndst_ep;
     uint32_t *node;   /* endpoint id -> node */
@@ -726,22 +747,26 @@ static int emit_slabs(builder *b, const dpiece *dp, const cand *c, const rf_box 
 }
 
 /* The message that carries a new transfer of bytes from src_ep to dst_ep. Messages are formed
- * while transfers are emitted: a packed transfer joins its pair's open packed message while
- * that still fits half the budget, else opens a new one; a direct one gets its own. */
-static int msg_for(builder *b, uint32_t src_ep, uint32_t dst_ep, bool direct, uint64_t bytes,
-                   rf_plan_msg **out, rf_err *err)
+ * while transfers are emitted: a packed or local transfer joins its pair's open message of
+ * its kind while that still fits half the budget, else opens a new one; a direct one gets its
+ * own. Local messages are bounded like packed ones although they use no staging, so that the
+ * local transport's digests and progress come in pieces of a known size. */
+static int msg_for(builder *b, uint32_t src_ep, uint32_t dst_ep, rf_plan_kind kind,
+                   uint64_t bytes, rf_plan_msg **out, rf_err *err)
 {
     uint32_t *slot32 = NULL;
     uint64_t *slot64 = NULL, open = 0;
     rf_plan_msg *mm;
 
-    if (!direct) {
+    if (kind != RF_PLAN_DIRECT) {
         uint32_t si = b->epidx[src_ep], di = b->epidx[dst_ep];
-        if (b->open) {
-            slot32 = &b->open[(uint64_t)si * b->ndst_ep + di];
+        uint32_t *dense = kind == RF_PLAN_LOCAL ? b->open_local : b->open;
+        linktab *tab = kind == RF_PLAN_LOCAL ? &b->opentab_local : &b->opentab;
+        if (dense) {
+            slot32 = &dense[(uint64_t)si * b->ndst_ep + di];
             open = *slot32;
         } else {
-            if (linktab_slot(&b->opentab, (uint64_t)si << 32 | di, &slot64))
+            if (linktab_slot(tab, (uint64_t)si << 32 | di, &slot64))
                 return rf_err_set(err, -ENOMEM, "plan: out of memory for open messages");
             open = *slot64;
         }
@@ -756,10 +781,11 @@ static int msg_for(builder *b, uint32_t src_ep, uint32_t dst_ep, bool direct, ui
         return rf_err_set(err, -ENOMEM, "plan: out of memory after %llu messages",
                           (unsigned long long)b->nmb);
     mm = &b->mb[b->nmb];
-    *mm = (rf_plan_msg){.src_ep = src_ep, .dst_ep = dst_ep, .round = 0,
-                   .kind = direct ? RF_PLAN_DIRECT : RF_PLAN_PACKED,
+    *mm = (rf_plan_msg){.src_ep = src_ep, .dst_ep = dst_ep, .round = 0, .kind = kind,
                    .first = (uint32_t)b->nx, .count = 0, .bytes = 0};
     b->nmb++;
+    if (kind == RF_PLAN_LOCAL)
+        b->plan->st.local_messages++;
     if (slot32)
         *slot32 = (uint32_t)b->nmb;
     else if (slot64)
@@ -776,7 +802,7 @@ static int emit(builder *b, const dpiece *dp, const cand *c, const rf_box *box, 
 {
     rf_plan *pl = b->plan;
     uint64_t sruns = nruns(c->g->strides, dp->ndim, box), druns;
-    bool direct;
+    rf_plan_kind kind;
     uint32_t bid;
     rf_plan_msg *mm = NULL;
     int rc;
@@ -785,9 +811,16 @@ static int emit(builder *b, const dpiece *dp, const cand *c, const rf_box *box, 
         druns = b->gruns[dp->geom];
     else
         druns = nruns(b->geoms[dp->geom].strides, dp->ndim, box);
-    /* Contiguous here means one byte range in row-major order of the box on both sides. */
-    direct = bytes >= pl->opts.direct_min_bytes && sruns == 1 && druns == 1;
-    if (!direct && bytes > b->half)
+    /* Contiguous here means one byte range in row-major order of the box on both sides. A
+     * local copy reads source memory itself, so neither contiguity nor size changes its path,
+     * and it needs no staging, so it is never cut into slabs. */
+    if (c->local)
+        kind = RF_PLAN_LOCAL;
+    else if (bytes >= pl->opts.direct_min_bytes && sruns == 1 && druns == 1)
+        kind = RF_PLAN_DIRECT;
+    else
+        kind = RF_PLAN_PACKED;
+    if (kind == RF_PLAN_PACKED && bytes > b->half)
         return emit_slabs(b, dp, c, box, bytes, err);
     if (whole && b->gbid && b->gbid[dp->geom]) {
         bid = b->gbid[dp->geom] - 1;
@@ -808,7 +841,7 @@ static int emit(builder *b, const dpiece *dp, const cand *c, const rf_box *box, 
     if (rc)
         return rf_err_set(err, rc, "plan: out of memory after %llu transfers",
                           (unsigned long long)b->nx);
-    rc = msg_for(b, c->ep, dp->ep, direct, bytes, &mm, err);
+    rc = msg_for(b, c->ep, dp->ep, kind, bytes, &mm, err);
     if (rc)
         return rc;
     pl->xfers[b->nx] = (rf_plan_xfer){.src = c->id, .dst = dp->id, .box = bid,
@@ -819,26 +852,59 @@ static int emit(builder *b, const dpiece *dp, const cand *c, const rf_box *box, 
     b->nx++;
     pl->sent[c->ep] += bytes;
     pl->recv[dp->ep] += bytes;
-    if (direct) {
+    pl->path[(uint64_t)kind * pl->nendpoints + c->ep] += bytes;
+    pl->path[(uint64_t)kind * pl->nendpoints + dp->ep] += bytes;
+    if (kind == RF_PLAN_DIRECT) {
         pl->st.direct_bytes += bytes;
         pl->st.direct_transfers++;
-    } else {
+    } else if (kind == RF_PLAN_PACKED) {
         pl->st.packed_bytes += bytes;
         pl->st.packed_transfers++;
+    } else {
+        pl->st.local_bytes += bytes;
+        pl->st.local_transfers++;
     }
     pl->st.runs += sruns + druns;
     return 0;
 }
 
-/* The holder that keeps the largest of its sender's and its link's load lowest; ties go to
- * the lower sender load, then to the lower piece id (candidates are in piece-id order of
- * the index, so the scan order decides the rest deterministically). */
+/* Of the holders hs, those on the destination's host: the one that has given the fewest local
+ * bytes so far, ties to the lower piece id; -1 when none is local. A local copy runs at the
+ * memory or NVLink bandwidth of one host, several times any network link, so a same-host
+ * holder is taken even when it is the busier one; among several, spreading the reads keeps
+ * any one source GPU's memory from being the bottleneck. */
+static int pick_local(const builder *b, const int32_t *hs, int nh)
+{
+    int best = -1;
+    uint64_t bload = 0;
+    uint32_t bid = 0;
+
+    for (int i = 0; i < nh; i++) {
+        const cand *c = &b->cands[hs[i]];
+        uint64_t l = b->lload[c->ep];
+        if (!c->local)
+            continue;
+        if (best < 0 || l < bload || (l == bload && c->id < bid)) {
+            best = hs[i];
+            bload = l;
+            bid = c->id;
+        }
+    }
+    return best;
+}
+
+/* The holder of a cell. A same-host one if any (pick_local); else the one that keeps the
+ * largest of its sender's and its link's network load lowest; ties go to the lower sender
+ * load, then to the lower piece id (candidates are in piece-id order of the index, so the
+ * scan order decides the rest deterministically). */
 static int pick(builder *b, const int32_t *hs, int nh, uint64_t bytes)
 {
     int best = -1;
     uint64_t bcost = 0, bsend = 0;
     uint32_t bid = 0;
 
+    if (b->any_local && (best = pick_local(b, hs, nh)) >= 0)
+        return best;
     for (int i = 0; i < nh; i++) {
         const cand *c = &b->cands[hs[i]];
         uint64_t s = b->load[c->ep] + bytes;
@@ -858,6 +924,10 @@ static int pick(builder *b, const int32_t *hs, int nh, uint64_t bytes)
 static int charge(builder *b, const cand *c, uint64_t bytes, rf_err *err)
 {
     (void)err;
+    if (c->local) {
+        b->lload[c->ep] += bytes;
+        return 0;
+    }
     *c->linkp += bytes;
     b->load[c->ep] += bytes;
     return 0;
@@ -936,14 +1006,15 @@ static void key_range(const builder *b, const dpiece *dp, const tinfo *ti, uint6
 }
 
 /* Phase 2: of the sources in [lo, hi), the candidates are those that overlap the box; those
- * that hold all of it go to b->hs, *nfull of them, for the fast path. Each candidate's link
- * load pointer is taken once every link exists, since the hash table may grow. */
+ * that hold all of it go to b->hs, *nfull of them, for the fast path (only the same-host ones
+ * when some candidate is on the destination's host). Each candidate's link load pointer is
+ * taken once every link exists, since the hash table may grow. */
 static int find_cands(builder *b, const dpiece *dp, uint64_t lo, uint64_t hi, int *nfull,
                       rf_err *err)
 {
     const sent *se = b->se;
     const rf_box *dbox = dp->box;
-    int ndim = dp->ndim, nf = 0;
+    int ndim = dp->ndim, nf = 0, nlocal = 0;
 
     if (grow((void **)&b->cands, &b->capcand, hi - lo + 1, sizeof(cand)) ||
         grow((void **)&b->hs, &b->caphs, hi - lo + 1, sizeof(int32_t)))
@@ -968,9 +1039,21 @@ static int find_cands(builder *b, const dpiece *dp, uint64_t lo, uint64_t hi, in
         c->g = sg;
         c->id = se[i].id;
         c->ep = se[i].ep;
+        c->local = b->any_local && b->host[c->ep] != RF_HOST_NONE &&
+                   b->host[c->ep] == b->host[dp->ep];
+        nlocal += c->local;
         if (full)
             b->hs[nf++] = (int32_t)b->ncand;
         b->ncand++;
+    }
+    /* With a same-host candidate, the fast path may take only same-host holders of the whole
+     * box: a remote one would send cells that a local one holds over the network. */
+    if (nlocal > 0) {
+        int w = 0;
+        for (int i = 0; i < nf; i++)
+            if (b->cands[b->hs[i]].local)
+                b->hs[w++] = b->hs[i];
+        nf = w;
     }
     *nfull = nf;
     if (b->linkmat) {
@@ -1458,6 +1541,7 @@ static void builder_free(builder *b)
     free(b->ti);
     free(b->se);
     free(b->load);
+    free(b->lload);
     free(b->links.keys);
     free(b->links.vals);
     free(b->boxes.slots);
@@ -1466,6 +1550,10 @@ static void builder_free(builder *b)
     free(b->open);
     free(b->opentab.keys);
     free(b->opentab.vals);
+    free(b->open_local);
+    free(b->opentab_local.keys);
+    free(b->opentab_local.vals);
+    free(b->host);
     free(b->epidx);
     free(b->node);
     free(b->nodeidx);
@@ -1507,6 +1595,36 @@ void rf_plan__set_limits(uint64_t geom_cache_bytes, uint64_t link_matrix_entries
     geom_cache_max = geom_cache_bytes;
     linkmat_max = link_matrix_entries;
 }
+/* Each endpoint's host, and whether any source endpoint shares a host with a destination
+ * endpoint (else nothing is local and planning takes none of the same-host steps). */
+static int setup_hosts(builder *b)
+{
+    uint32_t ne = rf_inv_nendpoints(b->inv), n = 0;
+    uint32_t *scratch = malloc(((uint64_t)ne + 1) * sizeof(uint32_t));
+
+    b->host = malloc(((uint64_t)ne + 1) * sizeof(uint32_t));
+    b->lload = calloc((uint64_t)ne + 1, sizeof(uint64_t));
+    if (scratch == NULL || b->host == NULL || b->lload == NULL) {
+        free(scratch);
+        return -ENOMEM;
+    }
+    for (uint32_t e = 0; e < ne; e++) {
+        const rf_endpoint *ep = rf_inv_endpoint(b->inv, e);
+        b->host[e] = ep->host;
+        if (ep->side == RF_SRC && ep->host != RF_HOST_NONE)
+            scratch[n++] = ep->host;
+    }
+    qsort(scratch, n, sizeof(uint32_t), cmp_u32);
+    for (uint32_t e = 0; e < ne && !b->any_local && n > 0; e++) {
+        const rf_endpoint *ep = rf_inv_endpoint(b->inv, e);
+        if (ep->side == RF_DST && ep->host != RF_HOST_NONE &&
+            bsearch(&ep->host, scratch, n, sizeof(uint32_t), cmp_u32))
+            b->any_local = true;
+    }
+    free(scratch);
+    return 0;
+}
+
 static int setup(builder *b, rf_err *err)
 {
     const rf_inv *inv = b->inv;
@@ -1567,6 +1685,14 @@ static int setup(builder *b, rf_err *err)
     if ((uint64_t)b->nsrc_ep * b->ndst_ep <= linkmat_max) {
         b->open = calloc((uint64_t)b->nsrc_ep * b->ndst_ep + 1, sizeof(uint32_t));
         if (b->open == NULL)
+            goto nomem;
+    }
+    rc = setup_hosts(b);
+    if (rc)
+        goto nomem;
+    if (b->any_local && (uint64_t)b->nsrc_ep * b->ndst_ep <= linkmat_max) {
+        b->open_local = calloc((uint64_t)b->nsrc_ep * b->ndst_ep + 1, sizeof(uint32_t));
+        if (b->open_local == NULL)
             goto nomem;
     }
     for (uint32_t r = 0; r < nr; r++)
@@ -1631,13 +1757,14 @@ int rf_plan_build(const rf_inv *inv, const rf_plan_opts *opts, rf_plan **out, rf
     pl->nendpoints = ne;
     pl->sent = calloc((uint64_t)ne + 1, sizeof(uint64_t));
     pl->recv = calloc((uint64_t)ne + 1, sizeof(uint64_t));
+    pl->path = calloc(3 * (uint64_t)ne + 1, sizeof(uint64_t));
     b.inv = inv;
     b.plan = pl;
     b.half = opts->staging_bytes / 2;
     b.load = calloc((uint64_t)ne + 1, sizeof(uint64_t));
     b.epidx = calloc((uint64_t)ne + 1, sizeof(uint32_t));
     b.node = calloc((uint64_t)ne + 1, sizeof(uint32_t));
-    if (!pl->sent || !pl->recv || !b.load || !b.epidx || !b.node)
+    if (!pl->sent || !pl->recv || !pl->path || !b.load || !b.epidx || !b.node)
         goto nomem;
     rc = setup(&b, err);
     if (rc)
@@ -1713,6 +1840,7 @@ void rf_plan_free(rf_plan *plan)
     free(plan->boxes);
     free(plan->sent);
     free(plan->recv);
+    free(plan->path);
     free(plan);
 }
 
@@ -1774,7 +1902,7 @@ const rf_plan_stats *rf_plan_stats_get(const rf_plan *plan)
 size_t rf_plan_memory(const rf_plan *plan)
 {
     return sizeof(*plan) + plan->nxfers * (sizeof(rf_plan_xfer) + sizeof(uint32_t)) + plan->nmsgs * sizeof(rf_plan_msg) +
-           plan->nboxes * sizeof(rf_box) + 2 * (size_t)plan->nendpoints * sizeof(uint64_t);
+           plan->nboxes * sizeof(rf_box) + 5 * (size_t)plan->nendpoints * sizeof(uint64_t);
 }
 
 uint64_t rf_plan_sent_bytes(const rf_plan *plan, uint32_t ep)
@@ -1785,4 +1913,11 @@ uint64_t rf_plan_sent_bytes(const rf_plan *plan, uint32_t ep)
 uint64_t rf_plan_recv_bytes(const rf_plan *plan, uint32_t ep)
 {
     return ep < plan->nendpoints ? plan->recv[ep] : 0;
+}
+
+uint64_t rf_plan_path_bytes(const rf_plan *plan, uint32_t ep, uint32_t kind)
+{
+    if (ep >= plan->nendpoints || kind > RF_PLAN_LOCAL)
+        return 0;
+    return plan->path[(uint64_t)kind * plan->nendpoints + ep];
 }

@@ -41,7 +41,11 @@ typedef struct rf_plan_xfer {
 
 /* One message: one NCCL send/recv pair (or one tcp frame) between two endpoints in a round.
  * A direct message carries exactly one transfer; a packed one the transfers
- * [first, first + count) of the plan's transfer array, which is sorted by message. */
+ * [first, first + count) of the plan's transfer array, which is sorted by message. A local
+ * message (RF_PLAN_LOCAL) likewise carries [first, first + count): the transfers of one
+ * (src_ep, dst_ep) pair on one host, at most half the staging budget of them (a single larger
+ * transfer is a message of its own), always in round 0: it uses no staging and no network,
+ * so the rounds and max_staging_bytes are those of the packed messages alone. */
 typedef struct rf_plan_msg {
     uint32_t src_ep, dst_ep;
     uint32_t round;
@@ -60,6 +64,10 @@ typedef struct rf_plan_stats {
     uint64_t max_sender_bytes, max_receiver_bytes, max_link_bytes;
     double mean_sender_bytes, mean_receiver_bytes;
     uint64_t max_staging_bytes; /* largest staging use of any endpoint in any round */
+    /* Same-host transfers (RF_PLAN_LOCAL). Network bytes are direct_bytes + packed_bytes;
+     * dst_bytes is all three. The per-endpoint loads above (sender, receiver) count every
+     * path; max_link_bytes counts the network alone. */
+    uint64_t local_bytes, local_transfers, local_messages;
 } rf_plan_stats;
 
 typedef struct rf_plan rf_plan;
@@ -67,12 +75,19 @@ typedef struct rf_plan rf_plan;
 /* Builds the plan for every destination piece of inv. Deterministic: the same inventory and
  * options give the same plan, byte for byte, and the same plan_id. Fails closed (-EINVAL)
  * when a destination byte has no source, naming the tensor and the uncovered box. The
- * inventory must outlive the plan. */
+ * inventory must outlive the plan.
+ * Replica choice: a destination cell that some source on the destination's host holds is
+ * copied locally from one of those (the one that has given the fewest local bytes so far,
+ * then the lowest piece id); only cells no same-host source holds go over the network, to
+ * the holder minimising max(sender network bytes, link bytes). Local bytes load no link and
+ * no sender's network share. Without hosts (RF_HOST_NONE everywhere) nothing is local and
+ * the plan is what it was before hosts existed. */
 int rf_plan_build(const rf_inv *inv, const rf_plan_opts *opts, rf_plan **out, rf_err *err);
 void rf_plan_free(rf_plan *plan);
 
 /* A digest (BLAKE2b, 32 bytes) of the inventory and the options: two daemons holding plans
- * with the same id hold the same plan. */
+ * with the same id hold the same plan. Endpoints' hosts are in it when any endpoint has one
+ * (an inventory without hosts keeps the id it had before hosts existed). */
 #define RF_PLAN_ID_BYTES 32                        /* BLAKE2b-256 */
 #define RF_PLAN_ID_HEX (2 * RF_PLAN_ID_BYTES + 1)  /* with its NUL */
 const uint8_t *rf_plan_id(const rf_plan *plan);
@@ -94,5 +109,8 @@ size_t rf_plan_memory(const rf_plan *plan); /* bytes held by the plan */
 /* Bytes sent by source endpoint ep / received by destination endpoint ep. */
 uint64_t rf_plan_sent_bytes(const rf_plan *plan, uint32_t ep);
 uint64_t rf_plan_recv_bytes(const rf_plan *plan, uint32_t ep);
+/* Of those, the bytes endpoint ep sends (a source) or receives (a destination) on one path
+ * (kind: RF_PLAN_DIRECT, RF_PLAN_PACKED or RF_PLAN_LOCAL); 0 for a bad ep or kind. */
+uint64_t rf_plan_path_bytes(const rf_plan *plan, uint32_t ep, uint32_t kind);
 
 #endif

@@ -201,13 +201,16 @@ static void check_destinations(cluster *c)
 }
 
 /* Structure of the plan: each destination element written by exactly one transfer, every
- * box inside both pieces, messages and rounds well formed. */
+ * box inside both pieces, messages and rounds well formed; a message is local exactly when
+ * its endpoints share a host, and then lies in round 0 within half the budget (or is one
+ * transfer). */
 static void check_plan(const rf_plan *pl, const rf_plan_opts *o)
 {
     const rf_inv *inv = rf_plan_inv(pl);
     uint32_t nd = rf_inv_npieces(inv, RF_DST), ne = rf_inv_nendpoints(inv);
     uint8_t **cnt = calloc(nd + 1, sizeof(*cnt));
     uint64_t *sent = calloc(ne + 1, sizeof(uint64_t)), *recv = calloc(ne + 1, sizeof(uint64_t));
+    uint64_t *path = calloc(3 * (size_t)ne + 1, sizeof(uint64_t));
     uint64_t next = 0;
     rf_piece sp, dp;
 
@@ -224,15 +227,24 @@ static void check_plan(const rf_plan *pl, const rf_plan_opts *o)
                       (q->src_ep < m->src_ep || (q->src_ep == m->src_ep && q->dst_ep <= m->dst_ep))),
                       "messages out of order at %u", mi);
         }
+        uint32_t sh = rf_inv_endpoint(inv, m->src_ep)->host;
         cr_assert_eq(m->first, next);
         cr_assert(m->count >= 1);
         cr_assert(m->round < rf_plan_nrounds(pl));
         next += m->count;
+        cr_assert_eq(m->kind == RF_PLAN_LOCAL,
+                     sh != RF_HOST_NONE && sh == rf_inv_endpoint(inv, m->dst_ep)->host,
+                     "message %u of kind %u between endpoints %u and %u", mi, m->kind,
+                     m->src_ep, m->dst_ep);
         if (m->kind == RF_PLAN_DIRECT)
             cr_assert_eq(m->count, 1);
-        else
+        else if (m->kind == RF_PLAN_PACKED)
             cr_assert(m->bytes <= o->staging_bytes / 2, "packed message of %llu bytes",
                       (unsigned long long)m->bytes);
+        else
+            cr_assert(m->round == 0 && (m->bytes <= o->staging_bytes / 2 || m->count == 1),
+                      "local message %u: %llu bytes in %u transfers, round %u", mi,
+                      (unsigned long long)m->bytes, m->count, m->round);
         for (uint32_t k = 0; k < m->count; k++) {
             const rf_plan_xfer *x = rf_plan_xfer_at(pl, m->first + k);
             const rf_box *b = rf_plan_box(pl, x->box);
@@ -246,11 +258,13 @@ static void check_plan(const rf_plan *pl, const rf_plan_opts *o)
             cr_assert(rf_box_contains(&sp.box, b, t->ndim), "source read outside its piece");
             cr_assert(rf_box_contains(&dp.box, b, t->ndim), "write outside its piece");
             cr_assert_eq(x->bytes, (uint64_t)rf_box_numel(b, t->ndim) * rf_dtype_size(t->dtype));
-            if (m->kind == RF_PLAN_PACKED)
+            if (m->kind != RF_PLAN_DIRECT)
                 cr_assert_eq(x->msg_off, off);
             off += x->bytes;
             sent[m->src_ep] += x->bytes;
             recv[m->dst_ep] += x->bytes;
+            path[(size_t)m->kind * ne + m->src_ep] += x->bytes;
+            path[(size_t)m->kind * ne + m->dst_ep] += x->bytes;
             FOR_EACH_INDEX(b, t->ndim, idx) {
                 uint64_t l = 0;
                 for (int d = 0; d < t->ndim; d++)
@@ -272,6 +286,9 @@ static void check_plan(const rf_plan *pl, const rf_plan_opts *o)
     for (uint32_t e = 0; e < ne; e++) {
         cr_assert_eq(sent[e], rf_plan_sent_bytes(pl, e));
         cr_assert_eq(recv[e], rf_plan_recv_bytes(pl, e));
+        for (uint32_t k = RF_PLAN_DIRECT; k <= RF_PLAN_LOCAL; k++)
+            cr_assert_eq(path[(size_t)k * ne + e], rf_plan_path_bytes(pl, e, k),
+                         "endpoint %u path %u", e, k);
     }
     /* Staging per endpoint and round stays within half the budget. */
     {
@@ -291,11 +308,12 @@ static void check_plan(const rf_plan *pl, const rf_plan_opts *o)
     free(cnt);
     free(sent);
     free(recv);
+    free(path);
 }
 
-static void check_same(const rf_plan *a, const rf_plan *b)
+/* The same transfers, boxes and messages (the ids may differ). */
+static void check_same_moves(const rf_plan *a, const rf_plan *b)
 {
-    cr_assert_eq(memcmp(rf_plan_id(a), rf_plan_id(b), 32), 0);
     cr_assert_eq(rf_plan_nxfers(a), rf_plan_nxfers(b));
     cr_assert_eq(rf_plan_nmsgs(a), rf_plan_nmsgs(b));
     cr_assert_eq(rf_plan_nrounds(a), rf_plan_nrounds(b));
@@ -306,6 +324,12 @@ static void check_same(const rf_plan *a, const rf_plan *b)
     }
     for (uint32_t i = 0; i < rf_plan_nmsgs(a); i++)
         cr_assert_eq(memcmp(rf_plan_msg_at(a, i), rf_plan_msg_at(b, i), sizeof(rf_plan_msg)), 0);
+}
+
+static void check_same(const rf_plan *a, const rf_plan *b)
+{
+    cr_assert_eq(memcmp(rf_plan_id(a), rf_plan_id(b), 32), 0);
+    check_same_moves(a, b);
 }
 
 static void cluster_free(cluster *c)
@@ -610,9 +634,11 @@ static rf_inv *copy_inv(const rf_inv *inv, rf_side side, uint32_t bump)
         cr_assert_eq(rf_inv_add_tensor(c, tt->name, tt->dtype, tt->ndim, tt->shape, NULL, &err),
                      0, "%s", err.msg);
     }
-    for (uint32_t e = 0; e < rf_inv_nendpoints(inv); e++)
+    for (uint32_t e = 0; e < rf_inv_nendpoints(inv); e++) {
         cr_assert_eq(rf_inv_add_endpoint(c, rf_inv_endpoint(inv, e)->side,
                                          rf_inv_endpoint(inv, e)->node, NULL, &err), 0);
+        cr_assert_eq(rf_inv_set_endpoint_host(c, e, rf_inv_endpoint(inv, e)->host, &err), 0);
+    }
     for (uint32_t r = 0; r < rf_inv_nregions(inv); r++)
         cr_assert_eq(rf_inv_add_region(c, rf_inv_region(inv, r)->endpoint,
                                        rf_inv_region(inv, r)->size + 4096, NULL, &err), 0);
@@ -720,6 +746,423 @@ Test(plan, replica_dedup_random)
               (unsigned long long)lo, (unsigned long long)hi, (unsigned long long)maxx);
     rf_plan_free(pl);
     rf_inv_free(inv);
+}
+
+/* ---- same-host transfers (RF_PLAN_LOCAL) --------------------------------------------------- */
+
+/* A small fixed cluster: dp trainer replicas, replica i sharded tps[i] ways along dim 0,
+ * every trainer rank its own endpoint (replica by replica) on node 0, 1, ...; ndst engine
+ * ranks sharded along the last dim (so strided on the trainer side), on nodes 100 + rank.
+ * shost/dhost (NULL: none) put the endpoints on hosts. Tensors of several dtypes and sizes,
+ * one of them large. */
+static void host_cluster(cluster *c, int dp, const int *tps, int ndst, const uint32_t *shost,
+                         const uint32_t *dhost)
+{
+    static const struct {
+        const char *name;
+        rf_dtype dt;
+        int ndim;
+        int64_t shape[2];
+    } ts[] = {
+        {"model.embed_tokens.weight", RF_DT_BF16, 2, {96, 64}},
+        {"model.layers.0.mlp.up_proj.weight", RF_DT_FP32, 2, {48, 40}},
+        {"model.layers.0.input_layernorm.weight", RF_DT_FP32, 1, {24}},
+        {"model.layers.1.mlp.down_proj.weight", RF_DT_BF16, 2, {256, 128}},
+    };
+    uint32_t seps[16], deps[16];
+    hpiece *sp = NULL, *dpcs = NULL;
+    size_t ns = 0, nd = 0;
+    int nsrc = 0;
+    rf_err err;
+
+    for (int i = 0; i < dp; i++)
+        nsrc += tps[i];
+    cr_assert(nsrc <= 16 && ndst <= 16);
+    memset(c, 0, sizeof(*c));
+    c->inv = rf_inv_new();
+    cr_assert_not_null(c->inv);
+    for (int i = 0; i < nsrc; i++) {
+        cr_assert_eq(rf_inv_add_endpoint(c->inv, RF_SRC, (uint32_t)i, &seps[i], &err), 0);
+        if (shost)
+            cr_assert_eq(rf_inv_set_endpoint_host(c->inv, seps[i], shost[i], &err), 0);
+    }
+    for (int i = 0; i < ndst; i++) {
+        cr_assert_eq(rf_inv_add_endpoint(c->inv, RF_DST, 100 + (uint32_t)i, &deps[i], &err), 0);
+        if (dhost)
+            cr_assert_eq(rf_inv_set_endpoint_host(c->inv, deps[i], dhost[i], &err), 0);
+    }
+    for (size_t t = 0; t < sizeof(ts) / sizeof(ts[0]); t++) {
+        uint32_t tid;
+        size_t es = rf_dtype_size(ts[t].dt);
+        rf_box b;
+        cr_assert_eq(rf_inv_add_tensor(c->inv, ts[t].name, ts[t].dt, ts[t].ndim, ts[t].shape,
+                                       &tid, &err), 0, "%s", err.msg);
+        for (int i = 0, r = 0; i < dp; i++) {
+            for (int k = 0; k < tps[i]; k++, r++) {
+                int64_t s, l;
+                rf_box_full(&b, ts[t].ndim, ts[t].shape);
+                rf_chunk(ts[t].shape[0], tps[i], k, &s, &l);
+                b.start[0] = s;
+                b.extent[0] = l;
+                add_hpiece(&sp, &ns, tid, (uint32_t)r, ts[t].ndim, &b, 0, es);
+            }
+        }
+        for (int r = 0; r < ndst; r++) {
+            int64_t s, l;
+            int d = ts[t].ndim - 1;
+            rf_box_full(&b, ts[t].ndim, ts[t].shape);
+            rf_chunk(ts[t].shape[d], ndst, r, &s, &l);
+            if (l == 0)
+                continue;
+            b.start[d] = s;
+            b.extent[d] = l;
+            add_hpiece(&dpcs, &nd, tid, (uint32_t)r, ts[t].ndim, &b, 0, es);
+        }
+    }
+    place(c, sp, ns, seps, (uint32_t)nsrc, RF_SRC);
+    place(c, dpcs, nd, deps, (uint32_t)ndst, RF_DST);
+    cr_assert_eq(rf_inv_check_dst_overlap(c->inv, &err), 0, "%s", err.msg);
+    free(sp);
+    free(dpcs);
+}
+
+/* Inventories without hosts plan as they did before the planner knew hosts: the id of this
+ * fixed cluster was recorded from the planner before same-host transfers existed. */
+Test(plan_local, no_host_plan_id_unchanged)
+{
+    cluster c;
+    rf_plan_opts o = {.staging_bytes = 8192, .direct_min_bytes = 1024};
+    rf_plan *pl = NULL;
+    rf_err err;
+    char hex[RF_PLAN_ID_HEX];
+
+    host_cluster(&c, 2, (const int[]){2, 2}, 3, NULL, NULL);
+    cr_assert_eq(rf_plan_build(c.inv, &o, &pl, &err), 0, "%s", err.msg);
+    rf_plan_id_hex(pl, hex);
+    cr_assert_str_eq(hex, "937d3fbc93387ac7fb140e38803622ae699ec61f7b200c30fcdf7f4a66ff665a");
+    rf_plan_free(pl);
+    cluster_free(&c);
+}
+
+
+/* Runs pl on c's memory with the reference executor (which copies a local message through a
+ * buffer at its transfers' msg_off, as it does a packed one) and checks every destination
+ * byte. */
+static void execute_check(cluster *c, const rf_plan *pl)
+{
+    rf_err err;
+
+    fill_sources(c);
+    cr_assert_eq(rf_copy_exec_plan_host(pl, (void *const *)c->bases, (void *const *)c->bases,
+                                        &err), 0, "%s", err.msg);
+    check_destinations(c);
+}
+
+static uint64_t max_xfer_bytes(const rf_plan *pl)
+{
+    uint64_t m = 0;
+
+    for (uint64_t i = 0; i < rf_plan_nxfers(pl); i++)
+        if (rf_plan_xfer_at(pl, i)->bytes > m)
+            m = rf_plan_xfer_at(pl, i)->bytes;
+    return m;
+}
+
+/* Trainer and engine on one host (colocated RL): every byte is copied locally, in round 0,
+ * no staging, no link; messages of one pair hold at most half the budget, and a transfer
+ * larger than that is a message of its own; the copies put every byte where it belongs. */
+Test(plan_local, colocated_every_byte_local)
+{
+    static const uint32_t sh[2] = {5, 5}, dh[3] = {5, 5, 5};
+    rf_plan_opts o = {.staging_bytes = 8192, .direct_min_bytes = 1024};
+    cluster c;
+    rf_plan *pl = NULL, *big = NULL;
+    rf_err err;
+    const rf_plan_stats *st;
+    int large = 0, grouped = 0;
+
+    host_cluster(&c, 1, (const int[]){2}, 3, sh, dh);
+    cr_assert_eq(rf_plan_build(c.inv, &o, &pl, &err), 0, "%s", err.msg);
+    check_plan(pl, &o);
+    st = rf_plan_stats_get(pl);
+    cr_assert(st->dst_bytes > 0);
+    cr_assert_eq(st->local_bytes, st->dst_bytes);
+    cr_assert_eq(st->direct_bytes + st->packed_bytes, 0);
+    cr_assert_eq(st->local_transfers, st->transfers);
+    cr_assert_eq(st->local_messages, st->messages);
+    cr_assert_eq(st->messages, rf_plan_nmsgs(pl));
+    cr_assert_eq(rf_plan_nrounds(pl), 1);
+    cr_assert_eq(st->max_staging_bytes, 0);
+    cr_assert_eq(st->max_link_bytes, 0);
+    for (uint32_t mi = 0; mi < rf_plan_nmsgs(pl); mi++) {
+        const rf_plan_msg *m = rf_plan_msg_at(pl, mi);
+        cr_assert_eq(m->kind, RF_PLAN_LOCAL);
+        cr_assert_eq(m->round, 0);
+        large += m->count == 1 && m->bytes > o.staging_bytes / 2;
+        grouped += m->count > 1;
+    }
+    cr_assert(large > 0, "the 64 KiB tensor's transfers exceed half the budget: own messages");
+    cr_assert(grouped > 0, "small transfers of one pair share a message");
+    for (uint32_t e = 0; e < rf_inv_nendpoints(c.inv); e++)
+        cr_assert_eq(rf_plan_path_bytes(pl, e, RF_PLAN_DIRECT) +
+                     rf_plan_path_bytes(pl, e, RF_PLAN_PACKED), 0);
+    cr_assert_eq(rf_plan_path_bytes(pl, 99, RF_PLAN_LOCAL), 0);
+    cr_assert_eq(rf_plan_path_bytes(pl, 0, 3), 0);
+    execute_check(&c, pl);
+    /* With a budget that holds everything, one message per endpoint pair (2 x 3). */
+    rf_plan_opts_default(&o);
+    cr_assert_eq(rf_plan_build(c.inv, &o, &big, &err), 0, "%s", err.msg);
+    check_plan(big, &o);
+    cr_assert_eq(rf_plan_nmsgs(big), 6);
+    cr_assert_eq(rf_plan_stats_get(big)->local_messages, 6);
+    execute_check(&c, big);
+    rf_plan_free(big);
+    rf_plan_free(pl);
+    cluster_free(&c);
+}
+
+/* Engines 0 and 1 on the trainers' host, 2 on another, 3 on none: transfers to 0 and 1 are
+ * local, the others go over the network, and only those load the links and staging. */
+Test(plan_local, mixed_local_and_network)
+{
+    static const uint32_t sh[2] = {3, 3}, dh[4] = {3, 3, 4, RF_HOST_NONE};
+    rf_plan_opts o = {.staging_bytes = 8192, .direct_min_bytes = 1024};
+    cluster c;
+    rf_plan *pl = NULL;
+    rf_err err;
+    const rf_plan_stats *st;
+    const rf_inv *inv;
+    uint64_t local = 0, link[2][2] = {{0}}, maxlink = 0;
+
+    host_cluster(&c, 1, (const int[]){2}, 4, sh, dh);
+    inv = c.inv;
+    cr_assert_eq(rf_plan_build(inv, &o, &pl, &err), 0, "%s", err.msg);
+    check_plan(pl, &o);
+    st = rf_plan_stats_get(pl);
+    for (uint32_t d = 2; d < 6; d++) { /* endpoints 0, 1 are the trainers */
+        uint64_t r = rf_plan_recv_bytes(pl, d), l = rf_plan_path_bytes(pl, d, RF_PLAN_LOCAL);
+        cr_assert(r > 0);
+        cr_assert_eq(l, d < 4 ? r : 0, "engine endpoint %u: %llu of %llu bytes local", d,
+                     (unsigned long long)l, (unsigned long long)r);
+        local += l;
+    }
+    cr_assert_eq(st->local_bytes, local);
+    cr_assert_eq(st->direct_bytes + st->packed_bytes + st->local_bytes, st->dst_bytes);
+    cr_assert(st->direct_bytes + st->packed_bytes > 0);
+    cr_assert_eq(st->direct_transfers + st->packed_transfers + st->local_transfers,
+                 st->transfers);
+    for (uint32_t mi = 0; mi < rf_plan_nmsgs(pl); mi++) {
+        const rf_plan_msg *m = rf_plan_msg_at(pl, mi);
+        if (m->kind != RF_PLAN_LOCAL)
+            link[rf_inv_endpoint(inv, m->src_ep)->node][rf_inv_endpoint(inv, m->dst_ep)->node -
+                                                        102] += m->bytes;
+    }
+    for (int i = 0; i < 2; i++)
+        for (int j = 0; j < 2; j++)
+            maxlink = link[i][j] > maxlink ? link[i][j] : maxlink;
+    cr_assert_eq(st->max_link_bytes, maxlink, "links carry the network bytes alone");
+    execute_check(&c, pl);
+    rf_plan_free(pl);
+    cluster_free(&c);
+}
+
+/* Trainer DP 2 with one replica on the engines' host: every byte comes from that replica. */
+Test(plan_local, replica_on_the_engines_host_sends_everything)
+{
+    static const uint32_t sh[4] = {7, 7, 9, 9}, dh[2] = {9, 9};
+    rf_plan_opts o = {.staging_bytes = 8192, .direct_min_bytes = 1024};
+    cluster c;
+    rf_plan *pl = NULL;
+    rf_err err;
+    const rf_plan_stats *st;
+
+    host_cluster(&c, 2, (const int[]){2, 2}, 2, sh, dh);
+    cr_assert_eq(rf_plan_build(c.inv, &o, &pl, &err), 0, "%s", err.msg);
+    check_plan(pl, &o);
+    st = rf_plan_stats_get(pl);
+    cr_assert_eq(rf_plan_sent_bytes(pl, 0) + rf_plan_sent_bytes(pl, 1), 0,
+                 "the replica on host 7 sent %llu + %llu bytes",
+                 (unsigned long long)rf_plan_sent_bytes(pl, 0),
+                 (unsigned long long)rf_plan_sent_bytes(pl, 1));
+    cr_assert_eq(rf_plan_sent_bytes(pl, 2) + rf_plan_sent_bytes(pl, 3), st->dst_bytes);
+    cr_assert_eq(st->local_bytes, st->dst_bytes);
+    execute_check(&c, pl);
+    rf_plan_free(pl);
+    cluster_free(&c);
+}
+
+/* A remote trainer holds each engine piece whole, the local replica only in shards: the
+ * local shards still send every byte (the whole-piece shortcut takes same-host holders
+ * only). */
+Test(plan_local, local_shards_beat_a_remote_whole_copy)
+{
+    static const uint32_t sh[3] = {7, 9, 9}, dh[2] = {9, 9};
+    rf_plan_opts o = {.staging_bytes = 8192, .direct_min_bytes = 1024};
+    cluster c;
+    rf_plan *pl = NULL;
+    rf_err err;
+
+    host_cluster(&c, 2, (const int[]){1, 2}, 2, sh, dh);
+    cr_assert_eq(rf_plan_build(c.inv, &o, &pl, &err), 0, "%s", err.msg);
+    check_plan(pl, &o);
+    cr_assert_eq(rf_plan_sent_bytes(pl, 0), 0, "the whole copy on host 7 sent %llu bytes",
+                 (unsigned long long)rf_plan_sent_bytes(pl, 0));
+    cr_assert_eq(rf_plan_stats_get(pl)->local_bytes, rf_plan_stats_get(pl)->dst_bytes);
+    cr_assert(rf_plan_sent_bytes(pl, 1) > 0 && rf_plan_sent_bytes(pl, 2) > 0);
+    execute_check(&c, pl);
+    rf_plan_free(pl);
+    cluster_free(&c);
+}
+
+/* Only shard 0 of replica 0 is on the engines' host: shard 0 comes from it, locally; shard 1
+ * over the network, spread over both replicas' shard 1 by their network loads. */
+Test(plan_local, partial_local_holder)
+{
+    static const uint32_t sh[4] = {9, 7, 7, 7}, dh[2] = {9, 9};
+    rf_plan_opts o = {.staging_bytes = 8192, .direct_min_bytes = 1024};
+    cluster c;
+    rf_plan *pl = NULL;
+    rf_err err;
+    const rf_plan_stats *st;
+    uint64_t s1, s3, mx;
+
+    host_cluster(&c, 2, (const int[]){2, 2}, 2, sh, dh);
+    cr_assert_eq(rf_plan_build(c.inv, &o, &pl, &err), 0, "%s", err.msg);
+    check_plan(pl, &o);
+    st = rf_plan_stats_get(pl);
+    cr_assert(st->local_bytes > 0);
+    cr_assert_eq(rf_plan_sent_bytes(pl, 0), st->local_bytes);
+    cr_assert_eq(rf_plan_path_bytes(pl, 0, RF_PLAN_LOCAL), st->local_bytes);
+    cr_assert_eq(rf_plan_sent_bytes(pl, 2), 0, "shard 0 of the remote replica sent %llu",
+                 (unsigned long long)rf_plan_sent_bytes(pl, 2));
+    s1 = rf_plan_sent_bytes(pl, 1);
+    s3 = rf_plan_sent_bytes(pl, 3);
+    mx = max_xfer_bytes(pl);
+    cr_assert_eq(s1 + s3 + st->local_bytes, st->dst_bytes);
+    cr_assert(s1 > 0 && s3 > 0 && (s1 > s3 ? s1 - s3 : s3 - s1) <= mx,
+              "network senders %llu and %llu, largest transfer %llu", (unsigned long long)s1,
+              (unsigned long long)s3, (unsigned long long)mx);
+    execute_check(&c, pl);
+    rf_plan_free(pl);
+    cluster_free(&c);
+}
+
+/* Two replicas on the engines' host share the local reads: their loads differ by at most
+ * one transfer. */
+Test(plan_local, local_reads_spread_over_local_replicas)
+{
+    static const uint32_t sh[2] = {9, 9}, dh[3] = {9, 9, 9};
+    rf_plan_opts o = {.staging_bytes = 8192, .direct_min_bytes = 1024};
+    cluster c;
+    rf_plan *pl = NULL;
+    rf_err err;
+    uint64_t s0, s1, mx;
+
+    host_cluster(&c, 2, (const int[]){1, 1}, 3, sh, dh);
+    cr_assert_eq(rf_plan_build(c.inv, &o, &pl, &err), 0, "%s", err.msg);
+    check_plan(pl, &o);
+    s0 = rf_plan_sent_bytes(pl, 0);
+    s1 = rf_plan_sent_bytes(pl, 1);
+    mx = max_xfer_bytes(pl);
+    cr_assert_eq(s0 + s1, rf_plan_stats_get(pl)->local_bytes);
+    cr_assert(s0 > 0 && s1 > 0 && (s0 > s1 ? s0 - s1 : s1 - s0) <= mx,
+              "local senders %llu and %llu, largest transfer %llu", (unsigned long long)s0,
+              (unsigned long long)s1, (unsigned long long)mx);
+    execute_check(&c, pl);
+    rf_plan_free(pl);
+    cluster_free(&c);
+}
+
+/* Hosts are in the id: explicit RF_HOST_NONE changes nothing; hosts that join no pair change
+ * the id but not the moves; hosts that do, or a different placement, give other ids. */
+Test(plan_local, id_covers_hosts)
+{
+    static const uint32_t none4[4] = {RF_HOST_NONE, RF_HOST_NONE, RF_HOST_NONE, RF_HOST_NONE};
+    static const uint32_t none3[3] = {RF_HOST_NONE, RF_HOST_NONE, RF_HOST_NONE};
+    static const uint32_t s1111[4] = {1, 1, 1, 1}, d222[3] = {2, 2, 2}, d111[3] = {1, 1, 1};
+    static const uint32_t d112[3] = {1, 1, 2}, d211[3] = {2, 1, 1};
+    const uint32_t *dsts[5] = {NULL, none3, d222, d111, d112};
+    rf_plan_opts o = {.staging_bytes = 8192, .direct_min_bytes = 1024};
+    rf_plan *pl[6] = {NULL};
+    cluster c[6];
+    uint8_t dig[32];
+    rf_err err;
+
+    for (int i = 0; i < 6; i++) {
+        host_cluster(&c[i], 2, (const int[]){2, 2}, 3, i == 0 ? NULL : i == 1 ? none4 : s1111,
+                     i == 5 ? d211 : dsts[i]);
+        cr_assert_eq(rf_plan_build(c[i].inv, &o, &pl[i], &err), 0, "%s", err.msg);
+        check_plan(pl[i], &o);
+        rf_plan_digest(c[i].inv, &o, dig);
+        cr_assert_eq(memcmp(dig, rf_plan_id(pl[i]), 32), 0);
+    }
+    check_same(pl[0], pl[1]);
+    cr_assert_neq(memcmp(rf_plan_id(pl[0]), rf_plan_id(pl[2]), 32), 0);
+    check_same_moves(pl[0], pl[2]);
+    for (int i = 2; i < 6; i++)
+        for (int j = i + 1; j < 6; j++)
+            cr_assert_neq(memcmp(rf_plan_id(pl[i]), rf_plan_id(pl[j]), 32), 0,
+                          "placements %d and %d give one id", i, j);
+    cr_assert_eq(rf_plan_stats_get(pl[2])->local_bytes, 0);
+    cr_assert(rf_plan_stats_get(pl[3])->local_bytes > 0);
+    for (int i = 0; i < 6; i++) {
+        rf_plan_free(pl[i]);
+        cluster_free(&c[i]);
+    }
+}
+
+/* Random layouts with endpoints on random hosts (or none): every plan covers each byte once,
+ * keeps its local messages in round 0 under the limit, executes exactly, is deterministic,
+ * and the large-inventory paths (open local messages in a hash table) give the same plan. */
+Test(plan_local, random_hosts_execute_exactly)
+{
+    static const rf_plan_opts optsets[] = {
+        {.staging_bytes = 256ull << 20, .direct_min_bytes = 4ull << 20},
+        {.staging_bytes = 4096, .direct_min_bytes = 64},
+        {.staging_bytes = 8192, .direct_min_bytes = 1},
+    };
+    uint64_t any_local = 0, any_net = 0;
+
+    for (uint64_t seed = 1; seed <= 90; seed++) {
+        const rf_plan_opts *o = &optsets[seed % 3];
+        cluster c;
+        rf_plan *a = NULL, *b = NULL;
+        rf_err err;
+        const rf_plan_stats *st;
+        uint64_t lm = 0;
+        random_cluster(&c, seed);
+        for (uint32_t e = 0; e < rf_inv_nendpoints(c.inv); e++) {
+            uint64_t r = rnd() % 3;
+            cr_assert_eq(rf_inv_set_endpoint_host(c.inv, e, r == 2 ? RF_HOST_NONE : (uint32_t)r,
+                                                  &err), 0);
+        }
+        cr_assert_eq(rf_plan_build(c.inv, o, &a, &err), 0, "seed %llu: %s",
+                     (unsigned long long)seed, err.msg);
+        check_plan(a, o);
+        execute_check(&c, a);
+        st = rf_plan_stats_get(a);
+        cr_assert_eq(st->direct_bytes + st->packed_bytes + st->local_bytes, st->dst_bytes);
+        cr_assert_eq(st->direct_transfers + st->packed_transfers + st->local_transfers,
+                     st->transfers);
+        for (uint32_t mi = 0; mi < rf_plan_nmsgs(a); mi++)
+            lm += rf_plan_msg_at(a, mi)->kind == RF_PLAN_LOCAL;
+        cr_assert_eq(st->local_messages, lm);
+        cr_assert(st->max_staging_bytes <= o->staging_bytes / 2);
+        any_local += st->local_bytes;
+        any_net += st->direct_bytes + st->packed_bytes;
+        cr_assert_eq(rf_plan_build(c.inv, o, &b, &err), 0, "%s", err.msg);
+        check_same(a, b);
+        rf_plan_free(b);
+        b = NULL;
+        rf_plan__set_limits(0, 0);
+        cr_assert_eq(rf_plan_build(c.inv, o, &b, &err), 0, "%s", err.msg);
+        rf_plan__set_limits(256ull << 20, 1ull << 22);
+        check_same(a, b);
+        rf_plan_free(a);
+        rf_plan_free(b);
+        cluster_free(&c);
+    }
+    cr_assert(any_local > 0 && any_net > 0);
 }
 
 /* ---- real layouts through model.h ------------------------------------------------------ */
