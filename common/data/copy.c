@@ -1,5 +1,5 @@
-/* common/data/copy.c - host implementation of batched box gather/scatter, with the semantics the
- * CUDA kernels share. */
+/* common/data/copy.c - host implementation of batched box gather/scatter and of pair copies
+ * between two strided pieces, with the semantics the CUDA kernels share. */
 #include "copy.h"
 
 #include <string.h>
@@ -161,4 +161,214 @@ int rf_copy_scatter(const rf_copy_desc *d, size_t n, const void *staging, rf_err
     for (size_t i = 0; i < n; i++)
         rf_copy_run(&d[i], (void *)(uintptr_t)staging, false);
     return 0;
+}
+
+/* ---- pairs: piece memory -> piece memory ---- */
+
+int rf_copy_pair_check(const rf_copy_pair *p, size_t i, rf_err *err)
+{
+    const rf_copy_desc *s = &p->src, *d = &p->dst;
+    char bs[256], bd[256];
+    int rc;
+
+    if ((rc = check(s, i, err)) != 0) {
+        rf_err_wrap(err, "source side of pair %zu: ", i);
+        return rc;
+    }
+    if ((rc = check(d, i, err)) != 0) {
+        rf_err_wrap(err, "destination side of pair %zu: ", i);
+        return rc;
+    }
+    if (s->ndim != d->ndim || s->esize != d->esize)
+        return rf_err_set(err, -EINVAL, "copy: pair %zu copies %u dims of %u-byte elements "
+                          "into %u dims of %u-byte elements; both sides must agree", i,
+                          s->ndim, s->esize, d->ndim, d->esize);
+    for (uint32_t k = 0; k < s->ndim; k++) {
+        if (s->sub.extent[k] != d->sub.extent[k]) {
+            rf_box_format(&s->sub, (int)s->ndim, bs, sizeof(bs));
+            rf_box_format(&d->sub, (int)d->ndim, bd, sizeof(bd));
+            return rf_err_set(err, -EINVAL, "copy: pair %zu copies box %s into box %s of "
+                              "another shape (dim %u)", i, bs, bd, k);
+        }
+    }
+    return 0;
+}
+
+void rf_copy_pair_flatten(const rf_copy_pair *p, rf_copy_pair_flat *f)
+{
+    const rf_copy_desc *s = &p->src, *d = &p->dst;
+    int64_t es = (int64_t)s->esize, so = 0, dof = 0;
+    int n = 0;
+
+    memset(f, 0, sizeof(*f));
+    for (uint32_t k = 0; k < s->ndim; k++) {
+        so += (s->sub.start[k] - s->piece.start[k]) * s->strides[k];
+        dof += (d->sub.start[k] - d->piece.start[k]) * d->strides[k];
+        if (s->sub.extent[k] == 1)
+            continue;
+        f->ext[n] = s->sub.extent[k];
+        f->sstr[n] = s->strides[k] * es;
+        f->dstr[n] = d->strides[k] * es;
+        n++;
+    }
+    f->src = s->base + s->offset + (uint64_t)(so * es);
+    f->dst = d->base + d->offset + (uint64_t)(dof * es);
+    f->bytes = rf_copy_desc_bytes(s);
+    /* A dim joins the one inside it only when both memories hold them back to back. */
+    for (int k = n - 1; k > 0; k--) {
+        if (f->sstr[k - 1] == f->sstr[k] * f->ext[k] && f->dstr[k - 1] == f->dstr[k] * f->ext[k]) {
+            f->ext[k - 1] *= f->ext[k];
+            f->sstr[k - 1] = f->sstr[k];
+            f->dstr[k - 1] = f->dstr[k];
+            memmove(&f->ext[k], &f->ext[k + 1], (size_t)(n - k - 1) * sizeof(f->ext[0]));
+            memmove(&f->sstr[k], &f->sstr[k + 1], (size_t)(n - k - 1) * sizeof(f->sstr[0]));
+            memmove(&f->dstr[k], &f->dstr[k + 1], (size_t)(n - k - 1) * sizeof(f->dstr[0]));
+            n--;
+        }
+    }
+    /* The innermost dim is the run when it is dense on both sides; else runs are elements. */
+    if (n > 0 && f->sstr[n - 1] == es && f->dstr[n - 1] == es) {
+        f->run = (uint64_t)f->ext[n - 1] * (uint64_t)es;
+        n--;
+    } else {
+        f->run = (uint64_t)es;
+    }
+    f->n = n;
+    for (int k = n; k < RF_MAX_DIMS; k++) {
+        f->ext[k] = 1;
+        f->sstr[k] = f->dstr[k] = 0;
+    }
+}
+
+/* Walks runs of bytes [lo, hi) of the packing: fn gets both sides' pointers of each piece. */
+static void pair_walk(const rf_copy_pair_flat *f, uint64_t lo, uint64_t hi,
+                      void (*fn)(void *ctx, const uint8_t *s, uint8_t *d, uint64_t n), void *ctx)
+{
+    int64_t idx[RF_MAX_DIMS];
+    uint64_t r, off, pos = lo;
+    const uint8_t *s;
+    uint8_t *d;
+    int k;
+
+    if (hi > f->bytes)
+        hi = f->bytes;
+    if (lo >= hi)
+        return;
+    r = lo / f->run;
+    off = lo - r * f->run;
+    s = f->src + off;
+    d = f->dst + off;
+    for (k = f->n - 1; k >= 0; k--) {
+        idx[k] = (int64_t)(r % (uint64_t)f->ext[k]);
+        r /= (uint64_t)f->ext[k];
+        s += idx[k] * f->sstr[k];
+        d += idx[k] * f->dstr[k];
+    }
+    for (;;) {
+        uint64_t len = f->run - off < hi - pos ? f->run - off : hi - pos;
+
+        fn(ctx, s, d, len);
+        pos += len;
+        if (pos >= hi)
+            return;
+        s -= off;
+        d -= off;
+        off = 0;
+        for (k = f->n - 1; k >= 0; k--) {
+            if (++idx[k] < f->ext[k]) {
+                s += f->sstr[k];
+                d += f->dstr[k];
+                break;
+            }
+            s -= (f->ext[k] - 1) * f->sstr[k];
+            d -= (f->ext[k] - 1) * f->dstr[k];
+            idx[k] = 0;
+        }
+        /* Runs past the last one do not exist: pos < hi <= bytes keeps k >= 0 here. */
+    }
+}
+
+static void copy_fn(void *ctx, const uint8_t *s, uint8_t *d, uint64_t n)
+{
+    (void)ctx;
+    memcpy(d, s, n);
+}
+
+void rf_copy_pair_range(const rf_copy_pair_flat *f, uint64_t lo, uint64_t hi)
+{
+    pair_walk(f, lo, hi, copy_fn, NULL);
+}
+
+typedef struct visit_ctx {
+    bool dst_side;
+    void (*fn)(void *ctx, const uint8_t *p, uint64_t n);
+    void *ctx;
+} visit_ctx;
+
+static void visit_fn(void *ctx, const uint8_t *s, uint8_t *d, uint64_t n)
+{
+    visit_ctx *v = ctx;
+
+    v->fn(v->ctx, v->dst_side ? d : s, n);
+}
+
+void rf_copy_pair_visit(const rf_copy_pair_flat *f, bool dst_side, uint64_t lo, uint64_t hi,
+                        void (*fn)(void *ctx, const uint8_t *p, uint64_t n), void *ctx)
+{
+    visit_ctx v = {dst_side, fn, ctx};
+
+    pair_walk(f, lo, hi, visit_fn, &v);
+}
+
+int rf_copy_pairs(const rf_copy_pair *p, size_t n, rf_err *err)
+{
+    rf_copy_pair_flat f;
+    int rc;
+
+    for (size_t i = 0; i < n; i++)
+        if ((rc = rf_copy_pair_check(&p[i], i, err)) != 0)
+            return rc;
+    for (size_t i = 0; i < n; i++) {
+        rf_copy_pair_flatten(&p[i], &f);
+        rf_copy_pair_range(&f, 0, f.bytes);
+    }
+    return 0;
+}
+
+int rf_copy_box_span(const rf_box *b, int ndim, uint64_t lo, uint64_t hi, rf_box *out)
+{
+    uint64_t inner[RF_MAX_DIMS], numel = 1;
+    int n = 0;
+
+    for (int k = ndim - 1; k >= 0; k--) {
+        inner[k] = numel;
+        numel *= (uint64_t)b->extent[k];
+    }
+    if (hi > numel)
+        hi = numel;
+    while (lo < hi) {
+        /* The outermost dim at whose step lo lies, and that still fits before hi. */
+        for (int k = 0; k < ndim; k++) {
+            uint64_t dig = (lo / inner[k]) % (uint64_t)b->extent[k], cnt;
+
+            if (lo % inner[k] != 0)
+                continue;
+            cnt = (hi - lo) / inner[k];
+            if (cnt > (uint64_t)b->extent[k] - dig)
+                cnt = (uint64_t)b->extent[k] - dig;
+            if (cnt == 0)
+                continue;
+            out[n] = *b;
+            for (int j = 0; j < k; j++) {
+                out[n].start[j] = b->start[j] + (int64_t)((lo / inner[j]) % (uint64_t)b->extent[j]);
+                out[n].extent[j] = 1;
+            }
+            out[n].start[k] = b->start[k] + (int64_t)dig;
+            out[n].extent[k] = (int64_t)cnt;
+            n++;
+            lo += cnt * inner[k];
+            break;
+        }
+    }
+    return n;
 }

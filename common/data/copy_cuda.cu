@@ -1,6 +1,7 @@
-/* common/data/copy_cuda.cu - the gather/scatter kernels: descriptors reduced on the host with the
- * host copy's own merging (rf_copy_flatten), split into chunks of staging bytes, one block per
- * chunk, each thread moving 16, 8, 4, 2 or 1 bytes at a time as alignment allows. */
+/* common/data/copy_cuda.cu - the gather/scatter kernels and the pair kernel (piece memory to piece
+ * memory): descriptors reduced on the host with the host copy's own merging (rf_copy_flatten,
+ * rf_copy_pair_flatten), split into chunks of packed bytes, one block per chunk, each thread
+ * moving 16, 8, 4, 2 or 1 bytes at a time as alignment allows. */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -29,13 +30,27 @@ typedef struct dev_desc {
     uint32_t vec;
 } dev_desc;
 
+/* One pair as the kernel walks it: runs of `run` bytes at src/dst + sum(idx[k] * str[k]) for
+ * idx over ext (row-major), contiguous in both memories. */
+typedef struct dev_pair {
+    uint64_t src, dst;
+    uint64_t bytes;
+    uint64_t chunk0;  /* index of this pair's first chunk among all pairs of its array */
+    uint64_t run;
+    int64_t ext[RF_MAX_DIMS];
+    int64_t sstr[RF_MAX_DIMS];
+    int64_t dstr[RF_MAX_DIMS];
+    uint32_t n;
+    uint32_t vec;
+} dev_pair;
+
 struct rf_copy_cuda_buf {
     int dev;
     int sms;
     unsigned max_blocks; /* 0: every SM, 16 blocks each */
-    dev_desc *host;   /* pinned */
-    dev_desc *devp;
-    size_t cap;
+    void *host;       /* pinned; descriptors of either kind */
+    void *devp;
+    size_t cap;       /* bytes */
     cudaEvent_t done; /* recorded after the last batch's launch */
     bool pending;
 };
@@ -109,6 +124,63 @@ __global__ void copy_kernel(const dev_desc *d, uint32_t n, uint64_t chunks, uint
     }
 }
 
+template <typename T>
+__device__ __forceinline__ void move_pair(const dev_pair &x, uint64_t lo, uint64_t hi)
+{
+    const uint64_t v = sizeof(T);
+
+    for (uint64_t o = lo + threadIdx.x * v; o < hi; o += (uint64_t)blockDim.x * v) {
+        uint64_t r = udiv(o, x.run);
+        uint64_t within = o - r * x.run;
+        uint64_t sa = x.src + within, da = x.dst + within;
+
+        for (int k = (int)x.n - 1; k >= 0; k--) {
+            uint64_t e = (uint64_t)x.ext[k];
+            uint64_t q = udiv(r, e);
+            uint64_t i = r - q * e;
+
+            sa += i * (uint64_t)x.sstr[k];
+            da += i * (uint64_t)x.dstr[k];
+            r = q;
+        }
+        *reinterpret_cast<T *>(da) = *reinterpret_cast<const T *>(sa);
+    }
+}
+
+/* Chunks [chunk_lo, chunk_lo + chunks) of the pairs d[0..n), whose chunk0 count from the start
+ * of the array they were cut from (a launch may take any run of a kept array). */
+__global__ void pair_kernel(const dev_pair *d, uint32_t n, uint64_t chunk_lo, uint64_t chunks)
+{
+    __shared__ dev_pair x;
+
+    for (uint64_t c = chunk_lo + blockIdx.x; c < chunk_lo + chunks; c += gridDim.x) {
+        if (threadIdx.x == 0) {
+            uint32_t lo = 0, hi = n - 1;
+
+            while (lo < hi) {
+                uint32_t mid = lo + (hi - lo + 1) / 2;
+
+                if (d[mid].chunk0 <= c)
+                    lo = mid;
+                else
+                    hi = mid - 1;
+            }
+            x = d[lo];
+        }
+        __syncthreads();
+        uint64_t lo = (c - x.chunk0) * CHUNK;
+        uint64_t hi = lo + CHUNK < x.bytes ? lo + CHUNK : x.bytes;
+        switch (x.vec) {
+        case 16: move_pair<uint4>(x, lo, hi); break;
+        case 8: move_pair<uint2>(x, lo, hi); break;
+        case 4: move_pair<uint32_t>(x, lo, hi); break;
+        case 2: move_pair<uint16_t>(x, lo, hi); break;
+        default: move_pair<uint8_t>(x, lo, hi); break;
+        }
+        __syncthreads();
+    }
+}
+
 /* The widest access that every address of the descriptor allows. */
 static uint32_t vec_of(const dev_desc *x, uint64_t staging)
 {
@@ -144,6 +216,37 @@ static void to_dev(const rf_copy_desc *d, uint64_t staging, uint64_t chunk0, dev
     }
     x->run = f.run;
     x->vec = vec_of(x, staging);
+}
+
+/* A checked pair as the kernel walks it; the vector width is the widest access both memories
+ * allow at every address. */
+static void pair_to_dev(const rf_copy_pair *p, uint64_t chunk0, dev_pair *x)
+{
+    rf_copy_pair_flat f;
+    uint64_t a;
+
+    rf_copy_pair_flatten(p, &f);
+    memset(x, 0, sizeof(*x));
+    x->src = (uint64_t)(uintptr_t)f.src;
+    x->dst = (uint64_t)(uintptr_t)f.dst;
+    x->bytes = f.bytes;
+    x->chunk0 = chunk0;
+    x->run = f.run;
+    x->n = (uint32_t)f.n;
+    a = f.run | x->src | x->dst;
+    for (int k = 0; k < f.n; k++) {
+        x->ext[k] = f.ext[k];
+        x->sstr[k] = f.sstr[k];
+        x->dstr[k] = f.dstr[k];
+        a |= (uint64_t)f.sstr[k] | (uint64_t)f.dstr[k];
+    }
+    x->vec = 1;
+    for (uint32_t v = 16; v > 1; v >>= 1) {
+        if ((a & (v - 1)) == 0) {
+            x->vec = v;
+            break;
+        }
+    }
 }
 
 int rf_copy_cuda_buf_new(rf_copy_cuda_buf **out, rf_err *err)
@@ -187,6 +290,29 @@ void rf_copy_cuda_buf_free(rf_copy_cuda_buf *b)
     free(b);
 }
 
+/* The buffer's arrays hold at least bytes (they only grow; the caller waited for the last
+ * batch that read them). */
+static int buf_reserve(rf_copy_cuda_buf *b, size_t bytes, rf_err *err)
+{
+    size_t cap = b->cap ? b->cap : 64 * sizeof(dev_pair);
+    int rc = 0;
+
+    if (bytes <= b->cap)
+        return 0;
+    while (cap < bytes)
+        cap *= 2;
+    cudaFreeHost(b->host);
+    cudaFree(b->devp);
+    b->host = NULL;
+    b->devp = NULL;
+    b->cap = 0;
+    CUDA_TRY(err, cudaMallocHost(&b->host, cap));
+    CUDA_TRY(err, cudaMalloc(&b->devp, cap));
+    b->cap = cap;
+out:
+    return rc;
+}
+
 static int run(rf_copy_cuda_buf *b, const rf_copy_desc *d, size_t n, uint8_t *staging,
                cudaStream_t s, bool gather, rf_err *err)
 {
@@ -210,30 +336,21 @@ static int run(rf_copy_cuda_buf *b, const rf_copy_desc *d, size_t n, uint8_t *st
         CUDA_TRY(err, cudaEventSynchronize(b->done));
         b->pending = false;
     }
-    if (n > b->cap) {
-        size_t cap = b->cap ? b->cap : 64;
-
-        while (cap < n)
-            cap *= 2;
-        cudaFreeHost(b->host);
-        cudaFree(b->devp);
-        b->host = NULL;
-        b->devp = NULL;
-        b->cap = 0;
-        CUDA_TRY(err, cudaMallocHost((void **)&b->host, cap * sizeof(dev_desc)));
-        CUDA_TRY(err, cudaMalloc((void **)&b->devp, cap * sizeof(dev_desc)));
-        b->cap = cap;
-    }
+    if ((rc = buf_reserve(b, n * sizeof(dev_desc), err)) < 0)
+        goto out;
     for (size_t i = 0; i < n; i++) {
-        to_dev(&d[i], (uint64_t)(uintptr_t)staging, chunks, &b->host[i]);
-        chunks += (b->host[i].bytes + CHUNK - 1) / CHUNK;
+        dev_desc *x = (dev_desc *)b->host + i;
+
+        to_dev(&d[i], (uint64_t)(uintptr_t)staging, chunks, x);
+        chunks += (x->bytes + CHUNK - 1) / CHUNK;
     }
     grid = b->max_blocks ? b->max_blocks : (unsigned)b->sms * 16;
     if (chunks < grid)
         grid = (unsigned)chunks;
     CUDA_TRY(err, cudaMemcpyAsync(b->devp, b->host, n * sizeof(dev_desc),
                                   cudaMemcpyHostToDevice, s));
-    copy_kernel<<<grid, THREADS, 0, s>>>(b->devp, (uint32_t)n, chunks, staging, gather);
+    copy_kernel<<<grid, THREADS, 0, s>>>((const dev_desc *)b->devp, (uint32_t)n, chunks, staging,
+                                         gather);
     CUDA_TRY(err, cudaGetLastError());
     CUDA_TRY(err, cudaEventRecord(b->done, s));
     b->pending = true;
@@ -296,4 +413,158 @@ void rf_copy_cuda_thread_release(void)
         rf_copy_cuda_buf_free(tls_buf[i]);
         tls_buf[i] = NULL;
     }
+}
+
+/* ---- pairs ---- */
+
+static unsigned grid_of(int sms, unsigned max_blocks, uint64_t chunks)
+{
+    unsigned grid = max_blocks ? max_blocks : (unsigned)sms * 16;
+
+    return chunks < grid ? (unsigned)chunks : grid;
+}
+
+int rf_copy_cuda_pairs_buf(rf_copy_cuda_buf *b, const rf_copy_pair *p, size_t n,
+                           cudaStream_t s, rf_err *err)
+{
+    uint64_t chunks = 0;
+    int cur = -1, rc = 0;
+
+    for (size_t i = 0; i < n; i++)
+        if ((rc = rf_copy_pair_check(&p[i], i, err)) != 0)
+            return rc;
+    if (n == 0)
+        return 0;
+    if (n > UINT32_MAX)
+        return rf_err_set(err, -E2BIG, "copy_cuda: %zu pairs in one batch; split it below "
+                          "2^32", n);
+    CUDA_TRY(err, cudaGetDevice(&cur));
+    if (cur != b->dev)
+        CUDA_TRY(err, cudaSetDevice(b->dev));
+    if (b->pending) {
+        CUDA_TRY(err, cudaEventSynchronize(b->done));
+        b->pending = false;
+    }
+    if ((rc = buf_reserve(b, n * sizeof(dev_pair), err)) < 0)
+        goto out;
+    for (size_t i = 0; i < n; i++) {
+        dev_pair *x = (dev_pair *)b->host + i;
+
+        pair_to_dev(&p[i], chunks, x);
+        chunks += (x->bytes + CHUNK - 1) / CHUNK;
+    }
+    CUDA_TRY(err, cudaMemcpyAsync(b->devp, b->host, n * sizeof(dev_pair),
+                                  cudaMemcpyHostToDevice, s));
+    pair_kernel<<<grid_of(b->sms, b->max_blocks, chunks), THREADS, 0, s>>>(
+        (const dev_pair *)b->devp, (uint32_t)n, 0, chunks);
+    CUDA_TRY(err, cudaGetLastError());
+    CUDA_TRY(err, cudaEventRecord(b->done, s));
+    b->pending = true;
+out:
+    if (cur >= 0 && cur != b->dev)
+        cudaSetDevice(cur);
+    return rc;
+}
+
+int rf_copy_cuda_pairs(const rf_copy_pair *p, size_t n, cudaStream_t s, rf_err *err)
+{
+    rf_copy_cuda_buf *b = NULL;
+    int rc = thread_buf(&b, err);
+
+    return rc < 0 ? rc : rf_copy_cuda_pairs_buf(b, p, n, s, err);
+}
+
+struct rf_copy_cuda_plan {
+    int dev;
+    int sms;
+    size_t n;
+    dev_pair *devp;
+    uint64_t *chunk0; /* host: n + 1 prefix sums of chunks */
+};
+
+int rf_copy_cuda_plan_new(const rf_copy_pair *p, size_t n, rf_copy_cuda_plan **out,
+                          rf_err *err)
+{
+    rf_copy_cuda_plan *pl = NULL;
+    dev_pair *host = NULL;
+    uint64_t chunks = 0;
+    int rc = 0;
+
+    *out = NULL;
+    for (size_t i = 0; i < n; i++)
+        if ((rc = rf_copy_pair_check(&p[i], i, err)) != 0)
+            return rc;
+    if (n > UINT32_MAX)
+        return rf_err_set(err, -E2BIG, "copy_cuda: %zu pairs in one plan; at most 2^32 - 1", n);
+    pl = (rf_copy_cuda_plan *)calloc(1, sizeof(*pl));
+    host = (dev_pair *)malloc((n ? n : 1) * sizeof(*host));
+    if (pl)
+        pl->chunk0 = (uint64_t *)malloc((n + 1) * sizeof(uint64_t));
+    if (!pl || !host || !pl->chunk0) {
+        rc = rf_err_set(err, -ENOMEM, "copy_cuda: out of memory for a plan of %zu pairs", n);
+        goto out;
+    }
+    for (size_t i = 0; i < n; i++) {
+        pair_to_dev(&p[i], chunks, &host[i]);
+        pl->chunk0[i] = chunks;
+        chunks += (host[i].bytes + CHUNK - 1) / CHUNK;
+    }
+    pl->chunk0[n] = chunks;
+    pl->n = n;
+    CUDA_TRY(err, cudaGetDevice(&pl->dev));
+    CUDA_TRY(err, cudaDeviceGetAttribute(&pl->sms, cudaDevAttrMultiProcessorCount, pl->dev));
+    if (n > 0) {
+        CUDA_TRY(err, cudaMalloc((void **)&pl->devp, n * sizeof(dev_pair)));
+        CUDA_TRY(err, cudaMemcpy(pl->devp, host, n * sizeof(dev_pair), cudaMemcpyHostToDevice));
+    }
+    *out = pl;
+    pl = NULL;
+out:
+    free(host);
+    rf_copy_cuda_plan_free(pl);
+    return rc;
+}
+
+int rf_copy_cuda_plan_launch(const rf_copy_cuda_plan *pl, size_t first, size_t count,
+                             cudaStream_t s, unsigned max_blocks, rf_err *err)
+{
+    uint64_t lo, chunks;
+    int rc = 0;
+
+    if (first > pl->n || count > pl->n - first)
+        return rf_err_set(err, -EINVAL, "copy_cuda: pairs [%zu, %zu) of a plan of %zu", first,
+                          first + count, pl->n);
+    if (count == 0)
+        return 0;
+    lo = pl->chunk0[first];
+    chunks = pl->chunk0[first + count] - lo;
+    if (chunks == 0)
+        return 0;
+    pair_kernel<<<grid_of(pl->sms, max_blocks, chunks), THREADS, 0, s>>>(
+        pl->devp + first, (uint32_t)count, lo, chunks);
+    CUDA_TRY(err, cudaGetLastError());
+out:
+    return rc;
+}
+
+uint64_t rf_copy_cuda_plan_bytes(const rf_copy_cuda_plan *pl)
+{
+    return pl ? (uint64_t)pl->n * sizeof(dev_pair) : 0;
+}
+
+void rf_copy_cuda_plan_free(rf_copy_cuda_plan *pl)
+{
+    int cur = -1;
+
+    if (pl == NULL)
+        return;
+    if (pl->devp) {
+        cudaGetDevice(&cur);
+        cudaSetDevice(pl->dev);
+        cudaFree(pl->devp);
+        if (cur >= 0)
+            cudaSetDevice(cur);
+    }
+    free(pl->chunk0);
+    free(pl);
 }

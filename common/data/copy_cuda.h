@@ -1,7 +1,8 @@
-/* common/data/copy_cuda.h - batched box gather (piece memory -> dense staging) and scatter (staging
- * -> piece memory) on the GPU, with exactly the semantics of rf_copy_gather/rf_copy_scatter
- * (common/data/copy.h): the same descriptors, whose base pointers are device pointers here. One
- * kernel launch per batch; the descriptors travel in one array. */
+/* common/data/copy_cuda.h - batched box gather (piece memory -> dense staging), scatter (staging
+ * -> piece memory) and pair copies (piece memory -> piece memory) on the GPU, with exactly the
+ * semantics of rf_copy_gather/rf_copy_scatter/rf_copy_pairs (common/data/copy.h): the same
+ * descriptors, whose base pointers are device pointers here. One kernel launch per batch; the
+ * descriptors travel in one array. */
 #ifndef RF_COPY_CUDA_H
 #define RF_COPY_CUDA_H
 
@@ -45,6 +46,29 @@ int rf_copy_cuda_gather(const rf_copy_desc *d, size_t n, void *staging_dev, cuda
 int rf_copy_cuda_scatter(const rf_copy_desc *d, size_t n, const void *staging_dev,
                          cudaStream_t s, rf_err *err);
 void rf_copy_cuda_thread_release(void);
+
+/* Pair copies (rf_copy_pairs) enqueued on stream s of the buffer's GPU, one launch: the same
+ * checks (-EINVAL, nothing enqueued), the same waiting for the buffer's previous batch. Both
+ * memories must be readable/writable from that GPU (its own, or a peer's with access on). */
+int rf_copy_cuda_pairs_buf(rf_copy_cuda_buf *b, const rf_copy_pair *p, size_t n,
+                           cudaStream_t s, rf_err *err);
+int rf_copy_cuda_pairs(const rf_copy_pair *p, size_t n, cudaStream_t s, rf_err *err);
+
+/* Pair copies whose descriptors stay on the GPU (a transport's kept plan): checked, reduced and
+ * uploaded once to the current device (synchronously), then launched any number of times, any
+ * run of them per launch, with no host work beyond the launch. */
+typedef struct rf_copy_cuda_plan rf_copy_cuda_plan;
+
+int rf_copy_cuda_plan_new(const rf_copy_pair *p, size_t n, rf_copy_cuda_plan **out,
+                          rf_err *err);
+/* Enqueues pairs [first, first + count) on s (a stream of the plan's GPU); max_blocks as for
+ * rf_copy_cuda_buf_set_blocks. */
+int rf_copy_cuda_plan_launch(const rf_copy_cuda_plan *pl, size_t first, size_t count,
+                             cudaStream_t s, unsigned max_blocks, rf_err *err);
+/* Device memory the plan holds. */
+uint64_t rf_copy_cuda_plan_bytes(const rf_copy_cuda_plan *pl);
+/* Frees the plan; the caller waited for its launches. */
+void rf_copy_cuda_plan_free(rf_copy_cuda_plan *pl);
 
 #ifdef __cplusplus
 }

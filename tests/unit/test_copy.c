@@ -264,3 +264,244 @@ Test(copy, exec_plan_direct)
     rf_plan_free(pl);
     rf_inv_free(inv);
 }
+
+/* ---- pair copies: piece memory -> piece memory, both strided ---------------------------- */
+
+/* A random piece holding a box of extents ext somewhere inside it (sub), with row-major,
+ * permuted and/or padded strides. Returns the bytes its memory needs. */
+static uint64_t random_piece_around(int ndim, const int64_t *ext, size_t es, rf_piece *p,
+                                    rf_box *sub)
+{
+    int order[RF_MAX_DIMS];
+    int64_t acc = 1, foot = 0;
+
+    memset(p, 0, sizeof(*p));
+    rf_box_full(&p->box, ndim, (int64_t[RF_MAX_DIMS]){1, 1, 1, 1, 1, 1, 1, 1});
+    *sub = p->box;
+    for (int d = 0; d < ndim; d++) {
+        int64_t margin = rndi(0, 2);
+
+        p->box.start[d] = rndi(0, 7);
+        p->box.extent[d] = ext[d] + margin;
+        sub->start[d] = p->box.start[d] + rndi(0, margin);
+        sub->extent[d] = ext[d];
+        order[d] = d;
+    }
+    for (int d = ndim - 1; d > 0 && rndi(0, 2) == 0; d--) {
+        int j = (int)rndi(0, d), t = order[d];
+        order[d] = order[j];
+        order[j] = t;
+    }
+    for (int d = 0; d < RF_MAX_DIMS; d++)
+        p->strides[d] = 1;
+    for (int k = ndim - 1; k >= 0; k--) {
+        p->strides[order[k]] = acc;
+        acc *= p->box.extent[order[k]] + (rndi(0, 3) == 0 ? rndi(1, 3) : 0);
+    }
+    for (int d = 0; d < ndim; d++)
+        foot += (p->box.extent[d] - 1) * p->strides[d];
+    p->offset = (uint64_t)rndi(0, 5) * es + (uint64_t)rndi(0, 1);
+    return ((uint64_t)foot + 1) * es + p->offset;
+}
+
+static void pack_cb(void *ctx, const uint8_t *p, uint64_t n)
+{
+    uint8_t **w = ctx;
+
+    memcpy(*w, p, n);
+    *w += n;
+}
+
+/* Against an element loop: random shapes of 1..8 dims, odd element sizes, padded and permuted
+ * strides on each side independently, unaligned offsets; every byte of the destination checked
+ * (the box's and the others, which must keep their fill); the same copy cut into random
+ * ranges, and each side's packing read through the visitor. */
+Test(copy, pairs_match_element_loop)
+{
+    static const size_t sizes[] = {1, 2, 3, 4, 6, 8, 12, 16};
+
+    for (int iter = 0; iter < 400; iter++) {
+        int ndim = (int)rndi(1, RF_MAX_DIMS);
+        size_t es = sizes[rndi(0, 7)];
+        int64_t ext[RF_MAX_DIMS];
+        rf_piece ps, pd;
+        rf_box ss, ds;
+        rf_copy_pair pr;
+        rf_copy_pair_flat f;
+        uint64_t fs, fd, bytes;
+        uint8_t *src, *dst, *want, *pieces, *pack, *vis, *w;
+        int64_t idx[RF_MAX_DIMS];
+        rf_err err;
+
+        for (int d = 0; d < ndim; d++)
+            ext[d] = rndi(1, ndim > 4 ? 3 : ndim > 2 ? 6 : 40);
+        fs = random_piece_around(ndim, ext, es, &ps, &ss);
+        fd = random_piece_around(ndim, ext, es, &pd, &ds);
+        src = malloc(fs);
+        dst = malloc(fd);
+        want = malloc(fd);
+        pieces = malloc(fd);
+        for (uint64_t b = 0; b < fs; b++)
+            src[b] = (uint8_t)rnd();
+        memset(dst, 0x5a, fd);
+        memset(want, 0x5a, fd);
+        memset(pieces, 0x5a, fd);
+        bytes = (uint64_t)rf_box_numel(&ss, ndim) * es;
+        pack = malloc(bytes);
+        vis = malloc(bytes);
+        memcpy(idx, ss.start, sizeof(idx));
+        w = pack;
+        do {
+            int64_t di[RF_MAX_DIMS];
+
+            for (int d = 0; d < ndim; d++)
+                di[d] = ds.start[d] + (idx[d] - ss.start[d]);
+            memcpy(want + rf_piece_byte_offset(&pd, ndim, es, di),
+                   src + rf_piece_byte_offset(&ps, ndim, es, idx), es);
+            memcpy(w, src + rf_piece_byte_offset(&ps, ndim, es, idx), es);
+            w += es;
+        } while (next_idx(&ss, ndim, idx));
+
+        rf_copy_desc_set(&pr.src, src, &ps, ndim, es, &ss, 0);
+        rf_copy_desc_set(&pr.dst, dst, &pd, ndim, es, &ds, 0);
+        cr_assert_eq(rf_copy_pairs(&pr, 1, &err), 0, "%s", err.msg);
+        cr_assert_eq(memcmp(dst, want, fd), 0, "pair copy differs at iteration %d (%d dims, "
+                     "%zu-byte elements)", iter, ndim, es);
+
+        rf_copy_pair_flatten(&pr, &f);
+        cr_assert_eq(f.bytes, bytes);
+        cr_assert_eq(f.bytes % f.run, 0);
+        pr.dst.base = pieces;
+        rf_copy_pair_flatten(&pr, &f);
+        for (uint64_t lo = 0; lo < bytes;) {
+            uint64_t hi = lo + (uint64_t)rndi(1, (int64_t)bytes / 3 + 1);
+
+            rf_copy_pair_range(&f, lo, hi);
+            lo = hi;
+        }
+        cr_assert_eq(memcmp(pieces, want, fd), 0, "ranged pair copy differs at iteration %d",
+                     iter);
+        w = vis;
+        rf_copy_pair_visit(&f, false, 0, bytes, pack_cb, &w);
+        cr_assert_eq(memcmp(vis, pack, bytes), 0, "source packing differs at iteration %d", iter);
+        w = vis;
+        rf_copy_pair_visit(&f, true, 0, bytes / 2, pack_cb, &w);
+        rf_copy_pair_visit(&f, true, bytes / 2, bytes, pack_cb, &w);
+        cr_assert_eq(w - vis, (ptrdiff_t)bytes);
+        cr_assert_eq(memcmp(vis, pack, bytes), 0, "destination packing differs at iteration %d",
+                     iter);
+        free(src);
+        free(dst);
+        free(want);
+        free(pieces);
+        free(pack);
+        free(vis);
+    }
+}
+
+/* Dims merge only when contiguous on both sides: a box dense in the source but row-padded in
+ * the destination keeps its rows as runs. */
+Test(copy, pair_merges_only_dims_dense_on_both_sides)
+{
+    rf_piece ps, pd;
+    rf_box b;
+    rf_copy_pair pr;
+    rf_copy_pair_flat f;
+    uint8_t s[4096], d[8192];
+    int64_t shape[3] = {4, 8, 16};
+
+    memset(&ps, 0, sizeof(ps));
+    rf_box_full(&ps.box, 3, shape);
+    ps.strides[0] = 128;
+    ps.strides[1] = 16;
+    ps.strides[2] = 1;
+    pd = ps;
+    pd.strides[0] = 256;
+    pd.strides[1] = 32; /* each row padded to 32 elements */
+    b = ps.box;
+    rf_copy_desc_set(&pr.src, s, &ps, 3, 2, &b, 0);
+    rf_copy_desc_set(&pr.dst, d, &pd, 3, 2, &b, 0);
+    rf_copy_pair_flatten(&pr, &f);
+    cr_assert_eq(f.run, 32, "a run is one row of 16 bf16");
+    cr_assert_eq(f.n, 1, "rows and planes merge on both sides");
+    cr_assert_eq(f.ext[0], 32);
+    cr_assert_eq(f.sstr[0], 32);
+    cr_assert_eq(f.dstr[0], 64);
+    pd = ps;
+    rf_copy_desc_set(&pr.dst, d, &pd, 3, 2, &b, 0);
+    rf_copy_pair_flatten(&pr, &f);
+    cr_assert_eq(f.n, 0);
+    cr_assert_eq(f.run, 4 * 8 * 16 * 2, "dense on both sides: one run");
+}
+
+Test(copy, malformed_pairs_are_refused)
+{
+    uint8_t a[64], b[64];
+    rf_copy_pair p[2];
+    rf_err err;
+
+    for (int i = 0; i < 2; i++) {
+        one_desc(&p[i].src, a);
+        one_desc(&p[i].dst, b);
+    }
+    memset(b, 0, sizeof(b));
+    cr_assert_eq(rf_copy_pairs(p, 2, &err), 0, "%s", err.msg);
+    p[1].src.sub.start[0] = 3;
+    memset(b, 0x11, sizeof(b));
+    cr_assert_eq(rf_copy_pairs(p, 2, &err), -EINVAL);
+    cr_assert(strstr(err.msg, "source side of pair 1") != NULL, "%s", err.msg);
+    for (size_t i = 0; i < sizeof(b); i++)
+        cr_assert_eq(b[i], 0x11, "nothing is copied when a pair is refused");
+    one_desc(&p[1].src, a);
+    p[1].dst.strides[0] = -4;
+    cr_assert_eq(rf_copy_pairs(p, 2, &err), -EINVAL);
+    cr_assert(strstr(err.msg, "destination side of pair 1") != NULL, "%s", err.msg);
+    one_desc(&p[1].dst, b);
+    p[1].dst.esize = 2;
+    cr_assert_eq(rf_copy_pairs(p, 2, &err), -EINVAL);
+    cr_assert(strstr(err.msg, "4-byte elements into 2 dims of 2-byte") != NULL, "%s", err.msg);
+    one_desc(&p[1].dst, b);
+    p[1].dst.sub.extent[0] = 1;
+    cr_assert_eq(rf_copy_pairs(p, 2, &err), -EINVAL);
+    cr_assert(strstr(err.msg, "another shape (dim 0)") != NULL, "%s", err.msg);
+}
+
+/* A range of a box's elements as boxes: in row-major order, exactly the range, few boxes. */
+Test(copy, box_span_covers_exactly_the_range)
+{
+    for (int iter = 0; iter < 2000; iter++) {
+        int ndim = (int)rndi(1, RF_MAX_DIMS);
+        rf_box b, out[RF_COPY_SPAN_MAX];
+        uint64_t numel, lo, hi, next;
+        int n;
+
+        rf_box_full(&b, ndim, (int64_t[RF_MAX_DIMS]){1, 1, 1, 1, 1, 1, 1, 1});
+        for (int d = 0; d < ndim; d++) {
+            b.start[d] = rndi(0, 9);
+            b.extent[d] = rndi(1, ndim > 4 ? 3 : 7);
+        }
+        numel = (uint64_t)rf_box_numel(&b, ndim);
+        lo = (uint64_t)rndi(0, (int64_t)numel);
+        hi = (uint64_t)rndi((int64_t)lo, (int64_t)numel);
+        n = rf_copy_box_span(&b, ndim, lo, hi, out);
+        cr_assert_leq(n, 2 * ndim, "%d boxes for %d dims", n, ndim);
+        next = lo;
+        for (int i = 0; i < n; i++) {
+            int64_t idx[RF_MAX_DIMS];
+
+            cr_assert(rf_box_contains(&b, &out[i], ndim));
+            memcpy(idx, out[i].start, sizeof(idx));
+            do {
+                uint64_t lin = 0;
+
+                for (int d = 0; d < ndim; d++)
+                    lin = lin * (uint64_t)b.extent[d] + (uint64_t)(idx[d] - b.start[d]);
+                cr_assert_eq(lin, next, "iteration %d: element %llu where %llu comes", iter,
+                             (unsigned long long)lin, (unsigned long long)next);
+                next++;
+            } while (next_idx(&out[i], ndim, idx));
+        }
+        cr_assert_eq(next, hi, "iteration %d: the boxes end at %llu, the range at %llu", iter,
+                     (unsigned long long)next, (unsigned long long)hi);
+    }
+}
