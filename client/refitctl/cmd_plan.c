@@ -33,14 +33,26 @@ static void plan_usage(FILE *f)
             "  --direct-min-mib N  smallest contiguous transfer sent direct, MiB (default 4)\n"
             "  --link-gbps X       bandwidth of each GPU's link in Gbit/s (default 400)\n"
             "  --gpus-per-node N   GPUs per node on both sides, for link loads (default 8)\n"
-            "  --explain           add per-tensor-class, top sender, receiver and link tables\n"
+            "  --colocate[=N]      what-if: trainers and engines share machines of --gpus-per-node\n"
+            "                      GPUs (colocated RL): trainer rank r and engine rank r are on\n"
+            "                      machine r / gpus-per-node, and transfers between one machine's\n"
+            "                      GPUs are local copies. =N: only engine ranks 0..N-1 share the\n"
+            "                      trainers' machines, the others are elsewhere\n"
+            "  --local-gbps X      bandwidth of local copies out of or into one GPU in Gbit/s\n"
+            "                      (default 3200: the ~400 GB/s copy engines measured between\n"
+            "                      two H200s)\n"
+            "  --explain           add per-path, per-tensor-class, top sender, receiver and link\n"
+            "                      tables\n"
             "  --json              print one JSON object instead of text\n"
             "\n"
             "Predicted time: every GPU sends and receives at once over its own link of\n"
             "--link-gbps, so a refit takes as long as the busiest GPU needs for its bytes:\n"
             "  predicted = max over GPUs of max(bytes sent, bytes received) / (link_gbps*1e9/8).\n"
-            "It ignores latency, staging copies and node-level (NIC, switch) limits; max link\n"
-            "bytes shows how much one node pair carries.\n"
+            "Local copies (--colocate) run beside the network and take\n"
+            "  max over GPUs of local bytes read or written / (local_gbps*1e9/8);\n"
+            "the prediction is the larger of the two. It ignores latency, staging copies and\n"
+            "node-level (NIC, switch) limits; max link bytes shows how much one node pair\n"
+            "carries.\n"
             "\n"
             "Exit status: 0 planned, 1 the plan failed (uncovered bytes), 2 bad arguments,\n"
             "model or layout.\n");
@@ -48,8 +60,9 @@ static void plan_usage(FILE *f)
 
 typedef struct plan_args {
     const char *model, *src, *dst;
-    double staging_mib, direct_min_mib, link_gbps;
+    double staging_mib, direct_min_mib, link_gbps, local_gbps;
     int gpus_per_node;
+    int colocate;  /* engine ranks on the trainers' machines: 0 none, -1 all, else that many */
     int explain, json;
 } plan_args;
 
@@ -94,18 +107,21 @@ static int parse_args(int argc, char **argv, plan_args *a)
         {"direct-min-mib", required_argument, NULL, 'D'},
         {"link-gbps", required_argument, NULL, 'l'},
         {"gpus-per-node", required_argument, NULL, 'g'},
+        {"colocate", optional_argument, NULL, 'c'},
+        {"local-gbps", required_argument, NULL, 'L'},
         {"explain", no_argument, NULL, 'e'},
         {"json", no_argument, NULL, 'j'},
         {"help", no_argument, NULL, 'h'},
         {NULL, 0, NULL, 0},
     };
-    double g = 8;
+    double g = 8, n;
     int c;
 
     memset(a, 0, sizeof(*a));
     a->staging_mib = 256;
     a->direct_min_mib = 4;
     a->link_gbps = 400;
+    a->local_gbps = 3200;
     optind = 1;
     opterr = 0;
     while ((c = getopt_long(argc, argv, "", opts, NULL)) != -1) {
@@ -127,6 +143,23 @@ static int parse_args(int argc, char **argv, plan_args *a)
             break;
         case 'g':
             if (parse_num("--gpus-per-node", optarg, 1, 1 << 16, &g))
+                return 2;
+            break;
+        case 'c':
+            a->colocate = -1;
+            if (optarg) {
+                if (parse_num("--colocate", optarg, 1, 1 << 20, &n))
+                    return 2;
+                if (n != (int)n) {
+                    fprintf(stderr, "refitctl plan: --colocate=%s: give a whole number of engine "
+                            "ranks\n", optarg);
+                    return 2;
+                }
+                a->colocate = (int)n;
+            }
+            break;
+        case 'L':
+            if (parse_num("--local-gbps", optarg, 1e-3, 1e7, &a->local_gbps))
                 return 2;
             break;
         case 'e': a->explain = 1; break;
@@ -202,10 +235,56 @@ static int cmp_key(const void *a, const void *b)
 
 typedef struct tclass {
     char name[RF_NAME_MAX];
-    uint64_t tensors, transfers, bytes, direct_bytes;
+    uint64_t tensors, transfers, bytes, direct_bytes, local_bytes;
 } tclass;
 
-static int explain(const rf_plan *pl, double bps, json_t *jo)
+static const char *const path_names[3] = {"direct", "packed", "local"};
+
+/* The time endpoint e needs for its bytes: network bytes over its link, local copies over
+ * the local bandwidth, the two at once. */
+static double ep_seconds(const rf_plan *pl, uint32_t e, double bps, double lbps)
+{
+    uint64_t tot = rf_inv_endpoint(rf_plan_inv(pl), e)->side == RF_SRC ? rf_plan_sent_bytes(pl, e)
+                                                                       : rf_plan_recv_bytes(pl, e);
+    uint64_t loc = rf_plan_path_bytes(pl, e, RF_PLAN_LOCAL);
+    double net = (double)(tot - loc) / bps, l = (double)loc / lbps;
+
+    return net > l ? net : l;
+}
+
+/* Messages, transfers and bytes per path (direct, packed, local), as a table or into jo. */
+static void explain_paths(const rf_plan *pl, json_t *jo)
+{
+    uint64_t msgs[3] = {0}, xfers[3] = {0}, bytes[3] = {0}, all = 0;
+    char b1[32];
+
+    for (uint32_t mi = 0; mi < rf_plan_nmsgs(pl); mi++) {
+        const rf_plan_msg *m = rf_plan_msg_at(pl, mi);
+        msgs[m->kind]++;
+        xfers[m->kind] += m->count;
+        bytes[m->kind] += m->bytes;
+        all += m->bytes;
+    }
+    if (jo) {
+        json_t *ja = json_array();
+        for (int k = 0; k < 3; k++)
+            json_array_append_new(ja, json_pack("{s:s, s:I, s:I, s:I}", "path", path_names[k],
+                                                "messages", (json_int_t)msgs[k], "transfers",
+                                                (json_int_t)xfers[k], "bytes",
+                                                (json_int_t)bytes[k]));
+        json_object_set_new(jo, "paths", ja);
+        return;
+    }
+    printf("\nper path:\n  %-8s %10s %10s %12s %8s\n", "path", "messages", "transfers", "bytes",
+           "share");
+    for (int k = 0; k < 3; k++) {
+        fmt_bytes((double)bytes[k], b1, sizeof(b1));
+        printf("  %-8s %10llu %10llu %12s %7.1f%%\n", path_names[k], (unsigned long long)msgs[k],
+               (unsigned long long)xfers[k], b1, all ? 100.0 * (double)bytes[k] / (double)all : 0.0);
+    }
+}
+
+static int explain(const rf_plan *pl, double bps, double lbps, json_t *jo)
 {
     const rf_inv *inv = rf_plan_inv(pl);
     uint32_t nt = rf_inv_ntensors(inv), ne = rf_inv_nendpoints(inv), nm = rf_plan_nmsgs(pl);
@@ -250,7 +329,12 @@ static int explain(const rf_plan *pl, double bps, json_t *jo)
             q->bytes += x->bytes;
             if (m->kind == RF_PLAN_DIRECT)
                 q->direct_bytes += x->bytes;
+            else if (m->kind == RF_PLAN_LOCAL)
+                q->local_bytes += x->bytes;
         }
+        /* Local copies use no link between nodes. */
+        if (m->kind == RF_PLAN_LOCAL)
+            continue;
         links[nlinks].key = ((uint64_t)rf_inv_endpoint(inv, m->src_ep)->node << 32) |
                             rf_inv_endpoint(inv, m->dst_ep)->node;
         links[nlinks++].val = m->bytes;
@@ -269,23 +353,27 @@ static int explain(const rf_plan *pl, double bps, json_t *jo)
     }
     qsort(links, nlinks, sizeof(*links), cmp_val_desc);
 
+    explain_paths(pl, jo);
     if (jo) {
         ja = json_array();
         for (size_t k = 0; k < ncl; k++)
-            json_array_append_new(ja, json_pack("{s:s, s:I, s:I, s:I, s:I}", "class", cl[k].name,
-                                                "tensors", (json_int_t)cl[k].tensors,
+            json_array_append_new(ja, json_pack("{s:s, s:I, s:I, s:I, s:I, s:I}", "class",
+                                                cl[k].name, "tensors", (json_int_t)cl[k].tensors,
                                                 "transfers", (json_int_t)cl[k].transfers,
                                                 "bytes", (json_int_t)cl[k].bytes,
-                                                "direct_bytes", (json_int_t)cl[k].direct_bytes));
+                                                "direct_bytes", (json_int_t)cl[k].direct_bytes,
+                                                "local_bytes", (json_int_t)cl[k].local_bytes));
         json_object_set_new(jo, "classes", ja);
     } else {
-        printf("\nper tensor class:\n  %-48s %8s %10s %12s %8s\n", "class", "tensors",
-               "transfers", "bytes", "direct");
+        printf("\nper tensor class:\n  %-48s %8s %10s %12s %8s %8s\n", "class", "tensors",
+               "transfers", "bytes", "direct", "local");
         for (size_t k = 0; k < ncl; k++) {
+            double tot = cl[k].bytes ? (double)cl[k].bytes : 1.0;
             fmt_bytes((double)cl[k].bytes, b1, sizeof(b1));
-            printf("  %-48s %8llu %10llu %12s %7.1f%%\n", cl[k].name,
+            printf("  %-48s %8llu %10llu %12s %7.1f%% %7.1f%%\n", cl[k].name,
                    (unsigned long long)cl[k].tensors, (unsigned long long)cl[k].transfers, b1,
-                   cl[k].bytes ? 100.0 * (double)cl[k].direct_bytes / (double)cl[k].bytes : 0.0);
+                   100.0 * (double)cl[k].direct_bytes / tot,
+                   100.0 * (double)cl[k].local_bytes / tot);
         }
     }
     for (int side = 0; side < 2; side++) {
@@ -301,17 +389,25 @@ static int explain(const rf_plan *pl, double bps, json_t *jo)
         if (jo) {
             ja = json_array();
             for (size_t i = 0; i < n && i < TOP_N; i++)
-                json_array_append_new(ja, json_pack("{s:I, s:I, s:I}", "endpoint",
+                json_array_append_new(ja, json_pack("{s:I, s:I, s:I, s:I}", "endpoint",
                                                     (json_int_t)ep[i].key, "node",
                                                     (json_int_t)rf_inv_endpoint(inv, (uint32_t)ep[i].key)->node,
-                                                    "bytes", (json_int_t)ep[i].val));
+                                                    "bytes", (json_int_t)ep[i].val,
+                                                    "local_bytes",
+                                                    (json_int_t)rf_plan_path_bytes(pl, (uint32_t)ep[i].key,
+                                                                                   RF_PLAN_LOCAL)));
             json_object_set_new(jo, side ? "top_receivers" : "top_senders", ja);
         } else {
             printf("\ntop %s:\n", what);
             for (size_t i = 0; i < n && i < TOP_N; i++) {
+                uint32_t e = (uint32_t)ep[i].key;
                 fmt_bytes((double)ep[i].val, b1, sizeof(b1));
-                printf("  endpoint %-6llu node %-5u %12s  %.3f s\n", (unsigned long long)ep[i].key,
-                       rf_inv_endpoint(inv, (uint32_t)ep[i].key)->node, b1, (double)ep[i].val / bps);
+                fmt_bytes((double)rf_plan_path_bytes(pl, e, RF_PLAN_LOCAL), b2, sizeof(b2));
+                printf("  endpoint %-6u node %-5u %12s  %.3f s", e, rf_inv_endpoint(inv, e)->node,
+                       b1, ep_seconds(pl, e, bps, lbps));
+                if (rf_plan_stats_get(pl)->local_bytes)
+                    printf("  (local %s)", b2);
+                printf("\n");
             }
         }
     }
@@ -339,6 +435,24 @@ out:
     return rc;
 }
 
+/* --colocate: trainer rank r and engine rank r (of the first `colocate` engine ranks, -1 all)
+ * on machine r / gpus_per_node. The inventory holds each side's ranks in order. */
+static int place_hosts(rf_inv *inv, const plan_args *a, rf_err *err)
+{
+    uint32_t rank[2] = {0, 0};
+    int rc = 0;
+
+    for (uint32_t e = 0; e < rf_inv_nendpoints(inv) && rc == 0; e++) {
+        rf_side side = rf_inv_endpoint(inv, e)->side;
+        uint32_t r = rank[side]++;
+        bool on = side == RF_SRC || a->colocate < 0 || r < (uint32_t)a->colocate;
+
+        rc = rf_inv_set_endpoint_host(inv, e, on ? r / (uint32_t)a->gpus_per_node : RF_HOST_NONE,
+                                      err);
+    }
+    return rc;
+}
+
 int rf_ctl_plan(int argc, char **argv)
 {
     plan_args a;
@@ -349,8 +463,8 @@ int rf_ctl_plan(int argc, char **argv)
     rf_plan_opts o;
     rf_err err;
     json_t *jo = NULL;
-    double t0, t1, bps, pred = 0;
-    uint64_t maxep = 0;
+    double t0, t1, bps, lbps, pred = 0, pred_net = 0, pred_local = 0;
+    uint64_t maxep = 0, maxloc = 0;
     char id[RF_PLAN_ID_HEX] = "", b1[32], b2[32], b3[32];
     int rc;
 
@@ -374,6 +488,11 @@ int rf_ctl_plan(int argc, char **argv)
         rc = 1;
         goto out;
     }
+    if (a.colocate && place_hosts(inv, &a, &err) < 0) {
+        fprintf(stderr, "refitctl plan: placing endpoints on machines: %s\n", err.msg);
+        rc = 1;
+        goto out;
+    }
     o.staging_bytes = (uint64_t)(a.staging_mib * 1024 * 1024);
     o.direct_min_bytes = (uint64_t)(a.direct_min_mib * 1024 * 1024);
     t0 = now();
@@ -389,14 +508,21 @@ int rf_ctl_plan(int argc, char **argv)
     }
     t1 = now();
     bps = a.link_gbps * 1e9 / 8;
+    lbps = a.local_gbps * 1e9 / 8;
+    /* Network bytes per GPU over its link; local copies at the local bandwidth out of each
+     * trainer GPU and into each engine GPU, beside the network. */
     for (uint32_t e = 0; e < rf_inv_nendpoints(inv); e++) {
+        uint64_t loc = rf_plan_path_bytes(pl, e, RF_PLAN_LOCAL);
         uint64_t s = rf_plan_sent_bytes(pl, e), r = rf_plan_recv_bytes(pl, e);
-        if (s > maxep)
-            maxep = s;
-        if (r > maxep)
-            maxep = r;
+        uint64_t net = (rf_inv_endpoint(inv, e)->side == RF_SRC ? s : r) - loc;
+        if (net > maxep)
+            maxep = net;
+        if (loc > maxloc)
+            maxloc = loc;
     }
-    pred = (double)maxep / bps;
+    pred_net = (double)maxep / bps;
+    pred_local = (double)maxloc / lbps;
+    pred = pred_net > pred_local ? pred_net : pred_local;
     rf_plan_id_hex(pl, id);
     const rf_plan_stats *st = rf_plan_stats_get(pl);
     double simb = st->mean_sender_bytes > 0 ? (double)st->max_sender_bytes / st->mean_sender_bytes : 0;
@@ -421,6 +547,12 @@ int rf_ctl_plan(int argc, char **argv)
         JI("dst_bytes", st->dst_bytes);
         JI("direct_bytes", st->direct_bytes);
         JI("packed_bytes", st->packed_bytes);
+        JI("local_transfers", st->local_transfers);
+        JI("local_bytes", st->local_bytes);
+        JI("local_messages", st->local_messages);
+        JI("colocated_engines", a.colocate < 0 ? rf_par_world(&pd, RF_DST)
+                                : a.colocate < rf_par_world(&pd, RF_DST) ? a.colocate
+                                : rf_par_world(&pd, RF_DST));
         JI("runs", st->runs);
         JI("max_sender_bytes", st->max_sender_bytes);
         JR("mean_sender_bytes", st->mean_sender_bytes);
@@ -432,14 +564,17 @@ int rf_ctl_plan(int argc, char **argv)
         JR("receiver_imbalance", rimb);
         JR("link_gbps", a.link_gbps);
         JI("staging_bytes", o.staging_bytes);
+        JR("local_gbps", a.local_gbps);
         JR("predicted_seconds", pred);
+        JR("predicted_network_seconds", pred_net);
+        JR("predicted_local_seconds", pred_local);
         JR("plan_seconds", t1 - t0);
         JI("plan_memory_bytes", rf_plan_memory(pl));
         JI("inventory_memory_bytes", rf_inv_memory(inv));
         JI("peak_rss_bytes", (uint64_t)peak_rss_bytes());
 #undef JI
 #undef JR
-        if (a.explain && explain(pl, bps, jo) < 0) {
+        if (a.explain && explain(pl, bps, lbps, jo) < 0) {
             rc = 1;
             goto out;
         }
@@ -453,16 +588,29 @@ int rf_ctl_plan(int argc, char **argv)
     printf("%s)\n", b1);
     printf("layouts      trainer %s (%d GPUs) -> engine %s (%d GPUs), %d GPUs per node\n", a.src,
            rf_par_world(&ps, RF_SRC), a.dst, rf_par_world(&pd, RF_DST), a.gpus_per_node);
+    if (a.colocate < 0)
+        printf("colocated    every engine rank on its trainer rank's machine\n");
+    else if (a.colocate > 0)
+        printf("colocated    engine ranks 0..%d on their trainer ranks' machines, the rest "
+               "elsewhere\n", a.colocate - 1);
     printf("pieces       %llu source, %llu destination\n", (unsigned long long)st->src_pieces,
            (unsigned long long)st->dst_pieces);
     fmt_bytes((double)st->direct_bytes, b1, sizeof(b1));
     fmt_bytes((double)st->packed_bytes, b2, sizeof(b2));
     fmt_bytes((double)st->dst_bytes, b3, sizeof(b3));
-    printf("transfers    %llu (%llu direct, %s; %llu packed, %s), %s in all\n",
-           (unsigned long long)st->transfers, (unsigned long long)st->direct_transfers, b1,
-           (unsigned long long)st->packed_transfers, b2, b3);
-    printf("messages     %llu in %llu rounds; memory runs %llu\n", (unsigned long long)st->messages,
-           (unsigned long long)st->rounds, (unsigned long long)st->runs);
+    printf("transfers    %llu (%llu direct, %s; %llu packed, %s", (unsigned long long)st->transfers,
+           (unsigned long long)st->direct_transfers, b1, (unsigned long long)st->packed_transfers,
+           b2);
+    if (st->local_transfers) {
+        fmt_bytes((double)st->local_bytes, b1, sizeof(b1));
+        printf("; %llu local, %s", (unsigned long long)st->local_transfers, b1);
+    }
+    printf("), %s in all\n", b3);
+    printf("messages     %llu in %llu rounds", (unsigned long long)st->messages,
+           (unsigned long long)st->rounds);
+    if (st->local_messages)
+        printf(" (%llu local, all in round 0)", (unsigned long long)st->local_messages);
+    printf("; memory runs %llu\n", (unsigned long long)st->runs);
     fmt_bytes((double)st->max_sender_bytes, b1, sizeof(b1));
     fmt_bytes(st->mean_sender_bytes, b2, sizeof(b2));
     printf("per sender   max %s, mean %s, imbalance %.3f\n", b1, b2, simb);
@@ -475,9 +623,13 @@ int rf_ctl_plan(int argc, char **argv)
            a.staging_mib);
     fmt_bytes(peak_rss_bytes(), b1, sizeof(b1));
     printf("plan build   %.3f s, peak memory %s\n", t1 - t0, b1);
-    printf("predicted    %.3f s at %g Gbit/s per GPU\n", pred, a.link_gbps);
+    if (st->local_bytes)
+        printf("predicted    %.3f s: network %.3f s at %g Gbit/s per GPU, local copies %.3f s "
+               "at %g Gbit/s\n", pred, pred_net, a.link_gbps, pred_local, a.local_gbps);
+    else
+        printf("predicted    %.3f s at %g Gbit/s per GPU\n", pred, a.link_gbps);
     printf("plan id      %s\n", id);
-    if (a.explain && explain(pl, bps, NULL) < 0) {
+    if (a.explain && explain(pl, bps, lbps, NULL) < 0) {
         rc = 1;
         goto out;
     }

@@ -1312,6 +1312,40 @@ Test(plan_model, qwen3_30b_a3b_vllm_ep_shrunk_executes, .timeout = 60)
     }
 }
 
+/* Colocated RL on one machine (issue #12's case: Megatron tp=2,ep=2 trainers and a vLLM tp=4
+ * engine on the same GPUs), shrunk: every byte is a local copy and lands right; then trainers
+ * tp=2,dp=2 (ranks 0-1 one replica, 2-3 the other) where only the second replica shares the
+ * engines' machine, which then sends everything. */
+Test(plan_model, qwen3_30b_a3b_colocated_executes, .timeout = 60)
+{
+    rf_model *m = NULL;
+    rf_inv *inv = model_inv("qwen3-30b-a3b", 64, "tp=2,ep=2", "tp=4", &m);
+    rf_plan *pl = NULL;
+    rf_err err;
+
+    for (uint32_t e = 0; e < rf_inv_nendpoints(inv); e++)
+        cr_assert_eq(rf_inv_set_endpoint_host(inv, e, 0, &err), 0);
+    cr_assert_eq(rf_plan_build(inv, NULL, &pl, &err), 0, "%s", err.msg);
+    cr_assert_eq(rf_plan_stats_get(pl)->local_bytes, rf_plan_stats_get(pl)->dst_bytes);
+    rf_plan_free(pl);
+    execute_inv(inv);
+    rf_model_free(m);
+
+    inv = model_inv("qwen3-30b-a3b", 64, "tp=2,dp=2", "tp=4", &m);
+    cr_assert_eq(rf_inv_endpoint(inv, 3)->side, RF_SRC);
+    cr_assert_eq(rf_inv_endpoint(inv, 4)->side, RF_DST);
+    for (uint32_t e = 0; e < rf_inv_nendpoints(inv); e++)
+        cr_assert_eq(rf_inv_set_endpoint_host(inv, e, e < 2 ? 1 : 2, &err), 0);
+    cr_assert_eq(rf_plan_build(inv, NULL, &pl, &err), 0, "%s", err.msg);
+    for (uint32_t e = 0; e < 2; e++)
+        cr_assert_eq(rf_plan_sent_bytes(pl, e), 0, "trainer %u on another machine sent %llu", e,
+                     (unsigned long long)rf_plan_sent_bytes(pl, e));
+    cr_assert_eq(rf_plan_stats_get(pl)->local_bytes, rf_plan_stats_get(pl)->dst_bytes);
+    rf_plan_free(pl);
+    execute_inv(inv);
+    rf_model_free(m);
+}
+
 /* What engine rank r of a tp=1 layout with experts over all ranks must hold of tensor t,
  * counted from its name alone: a non-expert tensor whole, an expert whole when it lies in
  * [r*E/ep, (r+1)*E/ep), else nothing. */
@@ -1447,6 +1481,77 @@ Test(refitctl, plan_text_explain_and_help)
     cr_assert_eq(run_ctl("plan --help", out, sizeof(out)), 0);
     cr_assert(strstr(out, "--link-gbps") != NULL, "%s", out);
     cr_assert_eq(run_ctl("nosuchcommand", out, sizeof(out)), 2);
+}
+
+/* --colocate: every byte of a colocated refit is local (no link, no staging, one round);
+ * --colocate=N puts only engine ranks 0..N-1 on the trainers' machines; --explain shows bytes
+ * and messages per path. */
+Test(refitctl, plan_colocate_and_paths)
+{
+    static char out[1 << 16];
+    json_t *j, *paths;
+    json_error_t je;
+    int64_t dst, local = -1, local_msgs = -1;
+
+    cr_assert_eq(run_ctl("plan --model qwen3-30b-a3b --src tp=2,ep=2 --dst tp=4 --colocate "
+                         "--json --explain", out, sizeof(out)), 0, "%s", out);
+    j = json_loads(out, 0, &je);
+    cr_assert_not_null(j, "not JSON: %s (%s)", out, je.text);
+    dst = json_integer_value(json_object_get(j, "dst_bytes"));
+    cr_assert(dst > 0);
+    cr_assert_eq(json_integer_value(json_object_get(j, "local_bytes")), dst);
+    cr_assert_eq(json_integer_value(json_object_get(j, "direct_bytes")) +
+                 json_integer_value(json_object_get(j, "packed_bytes")), 0);
+    cr_assert_eq(json_integer_value(json_object_get(j, "max_link_bytes")), 0);
+    cr_assert_eq(json_integer_value(json_object_get(j, "max_staging_bytes")), 0);
+    cr_assert_eq(json_integer_value(json_object_get(j, "rounds")), 1);
+    cr_assert_eq(json_integer_value(json_object_get(j, "colocated_engines")), 4);
+    cr_assert_eq(json_number_value(json_object_get(j, "predicted_network_seconds")), 0.0);
+    cr_assert(json_number_value(json_object_get(j, "predicted_local_seconds")) > 0);
+    paths = json_object_get(j, "paths");
+    cr_assert_eq(json_array_size(paths), 3);
+    for (size_t i = 0; i < 3; i++) {
+        json_t *p = json_array_get(paths, i);
+        if (strcmp(json_string_value(json_object_get(p, "path")), "local") == 0) {
+            local = json_integer_value(json_object_get(p, "bytes"));
+            local_msgs = json_integer_value(json_object_get(p, "messages"));
+        } else {
+            cr_assert_eq(json_integer_value(json_object_get(p, "bytes")), 0);
+        }
+    }
+    cr_assert_eq(local, dst);
+    cr_assert_eq(local_msgs, json_integer_value(json_object_get(j, "local_messages")));
+    cr_assert_eq(local_msgs, json_integer_value(json_object_get(j, "messages")));
+    json_decref(j);
+
+    /* Engine DP 4, only its first replica (ranks 0..3) on the trainers' machine. */
+    cr_assert_eq(run_ctl("plan --model qwen3-30b-a3b --src tp=2,ep=4,dp=2 --dst tp=4,dp=4 "
+                         "--colocate=4 --json", out, sizeof(out)), 0, "%s", out);
+    j = json_loads(out, 0, &je);
+    cr_assert_not_null(j, "not JSON: %s (%s)", out, je.text);
+    dst = json_integer_value(json_object_get(j, "dst_bytes"));
+    cr_assert_eq(json_integer_value(json_object_get(j, "local_bytes")) * 4, dst);
+    cr_assert_eq(json_integer_value(json_object_get(j, "direct_bytes")) +
+                 json_integer_value(json_object_get(j, "packed_bytes")), dst / 4 * 3);
+    cr_assert_eq(json_integer_value(json_object_get(j, "colocated_engines")), 4);
+    json_decref(j);
+
+    cr_assert_eq(run_ctl("plan --model qwen3-0.6b --src tp=2 --dst tp=2,dp=2 --colocate=2 "
+                         "--explain", out, sizeof(out)), 0, "%s", out);
+    cr_assert(strstr(out, "colocated    engine ranks 0..1 on their trainer ranks' machines") !=
+              NULL, "%s", out);
+    cr_assert(strstr(out, "per path:") != NULL, "%s", out);
+    cr_assert(strstr(out, "\n  local  ") != NULL, "%s", out);
+    cr_assert(strstr(out, "local copies") != NULL, "%s", out);
+    cr_assert_eq(run_ctl("plan --help", out, sizeof(out)), 0);
+    cr_assert(strstr(out, "--colocate[=N]") != NULL, "%s", out);
+    for (size_t i = 0; i < 3; i++) {
+        static const char *bad[] = {"--colocate=0", "--colocate=1.5", "--local-gbps 0"};
+        char args[256];
+        snprintf(args, sizeof(args), "plan --model qwen3-0.6b --src tp=2 --dst tp=2 %s", bad[i]);
+        cr_assert_eq(run_ctl(args, out, sizeof(out)), 2, "%s: %s", bad[i], out);
+        cr_assert(strchr(out, '\n') == strrchr(out, '\n'), "one line expected: %s", out);
+    }
 }
 
 Test(refitctl, bad_layout_exits_2)
