@@ -3,6 +3,7 @@
  * result, the peer table, close, the verification digest, and the choice of a daemon's
  * transport. */
 #include "xfer_core.h"
+#include "xfer_local_int.h"
 
 #include <assert.h>
 #include <stdarg.h>
@@ -26,16 +27,18 @@ static int span_cmp(const void *a, const void *b)
     return x->off < y->off ? -1 : x->off > y->off;
 }
 
-static int check_item(const rf_xfer_msg *m, uint32_t k, rf_err *err)
+/* side is "" for the items, "source " for a local message's source items. */
+static int check_item_of(const rf_xfer_msg *m, const rf_xfer_item *it, uint32_t k,
+                         const char *side, rf_err *err)
 {
-    const rf_xfer_item *it = &m->items[k];
     const char *what;
     char box[160];
     int64_t numel;
 
     if (it->ndim < 1 || it->ndim > RF_MAX_DIMS || it->esize == 0 || it->esize > 16)
-        return rf_err_set(err, -EINVAL, "message seq %u item %u has %d dims and elements of "
-                          "%zu bytes; the job was built wrong", m->seq, k, it->ndim, it->esize);
+        return rf_err_set(err, -EINVAL, "message seq %u %sitem %u has %d dims and elements of "
+                          "%zu bytes; the job was built wrong", m->seq, side, k, it->ndim,
+                          it->esize);
     numel = rf_box_numel(&it->box, it->ndim);
     if (it->base == NULL)
         what = "has no mapped memory; map the piece's region before running the job";
@@ -50,9 +53,38 @@ static int check_item(const rf_xfer_msg *m, uint32_t k, rf_err *err)
         return 0;
     /* Formatting only on the way out: a 100k-tensor job checks 100k items every refit. */
     rf_box_format(&it->box, it->ndim, box, sizeof(box));
-    return rf_err_set(err, -EINVAL, "message seq %u item %u (box %s, %llu bytes at offset %llu "
-                      "of %llu) %s", m->seq, k, box, (unsigned long long)it->bytes,
+    return rf_err_set(err, -EINVAL, "message seq %u %sitem %u (box %s, %llu bytes at offset "
+                      "%llu of %llu) %s", m->seq, side, k, box, (unsigned long long)it->bytes,
                       (unsigned long long)it->msg_off, (unsigned long long)m->bytes, what);
+}
+
+static int check_item(const rf_xfer_msg *m, uint32_t k, rf_err *err)
+{
+    return check_item_of(m, &m->items[k], k, "", err);
+}
+
+/* A local message's source item k moves the very elements of its destination item k: the
+ * same box, element size and place in the payload, from a piece of its own. */
+static int check_src_item(const rf_xfer_msg *m, uint32_t k, rf_err *err)
+{
+    const rf_xfer_item *s = &m->src_items[k], *d = &m->items[k];
+    char sb[160], db[160];
+    int rc;
+
+    if ((rc = check_item_of(m, s, k, "source ", err)) < 0)
+        return rc;
+    if (s->ndim == d->ndim && s->esize == d->esize && rf_box_equal(&s->box, &d->box, d->ndim) &&
+        s->msg_off == d->msg_off && s->bytes == d->bytes)
+        return 0;
+    rf_box_format(&s->box, s->ndim, sb, sizeof(sb));
+    rf_box_format(&d->box, d->ndim, db, sizeof(db));
+    return rf_err_set(err, -EINVAL, "local message seq %u item %u copies box %s (%d dims, "
+                      "%zu-byte elements, %llu bytes at offset %llu) into box %s (%d dims, "
+                      "%zu-byte elements, %llu bytes at offset %llu); a transfer's two sides "
+                      "must be the same box: the job was built wrong", m->seq, k, sb, s->ndim,
+                      s->esize, (unsigned long long)s->bytes, (unsigned long long)s->msg_off, db,
+                      d->ndim, d->esize, (unsigned long long)d->bytes,
+                      (unsigned long long)d->msg_off);
 }
 
 /* A packed payload must be tiled exactly by its items: a gap would send whatever the staging
@@ -144,7 +176,7 @@ int rf_xfer_job_check(const rf_xfer_job *job, uint32_t npeers, rf_err *err)
         if (m->peer >= npeers)
             return rf_err_set(err, -EINVAL, "message seq %u names peer %u, the peer table holds "
                               "%u; set the peers first", m->seq, m->peer, npeers);
-        if (m->kind != RF_PLAN_DIRECT && m->kind != RF_PLAN_PACKED)
+        if (m->kind != RF_PLAN_DIRECT && m->kind != RF_PLAN_PACKED && m->kind != RF_PLAN_LOCAL)
             return rf_err_set(err, -EINVAL, "message seq %u has unknown kind %u", m->seq,
                               m->kind);
         if (m->nitems > 0 && m->items == NULL)
@@ -153,6 +185,27 @@ int rf_xfer_job_check(const rf_xfer_job *job, uint32_t npeers, rf_err *err)
         for (k = 0; k < m->nitems; k++)
             if ((rc = check_item(m, k, err)) < 0)
                 return rc;
+        if (m->kind == RF_PLAN_LOCAL) {
+            /* The receiving daemon copies it from the source's memory mapped here. */
+            if (m->send)
+                return rf_err_set(err, -EINVAL, "local message seq %u is marked as sent; a "
+                                  "local copy belongs to the daemon of its destination only",
+                                  m->seq);
+            if (m->nitems > 0 && m->src_items == NULL)
+                return rf_err_set(err, -EINVAL, "local message seq %u has %u items and no "
+                                  "source items; map the sources' pieces into the job",
+                                  m->seq, m->nitems);
+            for (k = 0; k < m->nitems; k++)
+                if ((rc = check_src_item(m, k, err)) < 0)
+                    return rc;
+            if ((rc = check_packed_tiling(m, err)) < 0)
+                return rc;
+            continue;
+        }
+        if (m->src_items != NULL)
+            return rf_err_set(err, -EINVAL, "message seq %u (%s) has source items, which only "
+                              "a local message carries; the job was built wrong", m->seq,
+                              m->kind == RF_PLAN_DIRECT ? "direct" : "packed");
         if (m->kind == RF_PLAN_DIRECT) {
             const rf_xfer_item *it = &m->items[0];
 
@@ -528,6 +581,22 @@ out:
     return rc;
 }
 
+/* Local copies run only on the local transport (which refuses everything else itself): a
+ * network backend handed one would read memory it has no business with, or wait for a frame no
+ * daemon sends. Checked at every run, whether or not the job was checked. */
+static int check_kinds(const rf_xfer_core *t, const rf_xfer_job *job, rf_err *err)
+{
+    if (t->pub.ops == &rf_xfer__local_backend)
+        return 0;
+    for (uint32_t i = 0; i < job->nmsgs; i++)
+        if (job->msgs[i].kind == RF_PLAN_LOCAL)
+            return rf_err_set(err, -EINVAL, "xfer %s: message seq %u is a local copy "
+                              "(source and destination on this host), which only the local "
+                              "transport runs; hand local messages to it", t->pub.ops->name,
+                              job->msgs[i].seq);
+    return 0;
+}
+
 int rf_xfer_run(rf_xfer_transport *pub, const rf_xfer_job *job, rf_xfer_done_cb done, void *arg,
                 rf_err *err)
 {
@@ -549,7 +618,8 @@ int rf_xfer_run(rf_xfer_transport *pub, const rf_xfer_job *job, rf_xfer_done_cb 
                           (unsigned long long)job->version, job->timeout_s);
     if (!job->checked && (rc = rf_xfer_job_check(job, t->npeers, err)) < 0)
         return rc;
-    if (t->pub.ops->check && (rc = t->pub.ops->check(t, job, err)) < 0)
+    if ((rc = check_kinds(t, job, err)) < 0 ||
+        (t->pub.ops->check && (rc = t->pub.ops->check(t, job, err)) < 0))
         return rc;
     memset(&t->result, 0, sizeof(t->result));
     atomic_store_explicit(&t->progress, 0, memory_order_relaxed);

@@ -1,0 +1,838 @@
+/* common/data/xfer_local_cuda.c - the local transport's GPU part (built with CUDA only): local
+ * messages copied from trainer GPU memory mapped here into engine GPU memory on one stream per
+ * destination device, strided and small boxes through the pair kernel from descriptors kept on
+ * the device, large contiguous ones by the copy engines (cudaMemcpyAsync / cudaMemcpy2DAsync),
+ * in batches polled against the deadline; verification through a small device scratch. */
+#define RF_LOG_MODULE "xfer_local"
+#include "xfer_local_int.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include <cuda_runtime_api.h>
+
+#include "copy.h"
+#include "copy_cuda.h"
+#include "drv_cuda.h"
+#include "log.h"
+#include "macros.h"
+
+/* A pair contiguous on both sides and at least this large goes by cudaMemcpyAsync, and a pair
+ * of rows (one strided dim) whose rows are at least this large by cudaMemcpy2DAsync: the copy
+ * engines then match the kernel and leave the SMs alone; below it the kernel's one launch for
+ * many boxes wins over a call per box. Measured on an H200 (bench_gpu local, bench/RESULTS.md). */
+#define MEMCPY_MIN (8ull << 20)
+/* Bytes per batch: the unit of progress and of an abort's wait (a few batches in flight at
+ * about 2 TB/s is well under a millisecond each; between GPUs over PCIe, tens). */
+#define BATCH (1ull << 30)
+/* Batches enqueued at once: the events of each device form a ring of this size. */
+#define SLOTS 3
+/* Verification scratch per device: the digested bytes are gathered here and copied down. */
+#define VSCRATCH (16u << 20)
+/* Room before and after each gathered segment for elements that straddle its ends. */
+#define PAD 16u
+/* How long the worker sleeps between completion polls. */
+#define POLL_NS 20000L
+
+typedef struct gdev {
+    int dev;
+    bool ready;
+    cudaStream_t s, vs; /* copies; verification gathers */
+    cudaEvent_t ev[SLOTS];
+    uint8_t *scratch;   /* VSCRATCH, when a job verifies */
+    uint8_t *bounce;    /* pinned host, VSCRATCH */
+    rf_copy_cuda_buf *vbuf;
+} gdev;
+
+/* A copy by the copy engines: height rows of width bytes, pitches apart (height 1: 1D). */
+typedef struct ceop {
+    const uint8_t *src;
+    uint8_t *dst;
+    uint64_t width, height;
+    uint64_t spitch, dpitch;
+} ceop;
+
+/* A part of a verified message's digested bytes, [lo, hi), gathered to scratch + off + PAD. */
+typedef struct vseg {
+    uint32_t msg;
+    uint64_t lo, hi, off;
+} vseg;
+
+/* One gather of segments into a device's scratch: segments [sfirst, +scount), descriptors
+ * [dfirst, +dcount) (the same in vsrc and vdst), span bytes of scratch. */
+typedef struct vwin {
+    uint32_t dev;
+    uint32_t sfirst, scount;
+    uint64_t dfirst, dcount;
+    uint64_t span;
+} vwin;
+
+/* A base pointer's device, found once per pointer. */
+typedef struct pdev {
+    uintptr_t p;
+    int dev; /* -1: empty slot */
+} pdev;
+
+/* The plan of execution, kept for the next job with the same plan_key and verify. */
+typedef struct gplan {
+    uint64_t key;
+    int verify;
+    bool valid;
+    uint32_t nmsgs, ndev, nbatches;
+    uint32_t *mdev;             /* per message: device slot */
+    uint32_t *bmsg;             /* nbatches + 1: messages of each batch */
+    rf_copy_cuda_plan **kplan;  /* per device: kernel pairs in batch order */
+    uint64_t *kfirst, *kcount;  /* [b * ndev + d] */
+    ceop **ops;                 /* per device */
+    uint64_t *ofirst, *ocount;  /* [b * ndev + d] */
+    rf_copy_desc *vsrc, *vdst;  /* verification gathers */
+    vseg *segs;
+    vwin *wins;
+    uint32_t *bwin;             /* nbatches + 1: windows of each batch */
+    uint64_t bytes;
+} gplan;
+
+struct rf_xfer_lgpu {
+    gdev *devs;
+    uint32_t ndevs;
+    pdev *ptab;
+    uint32_t pcap, pcount;
+    gplan pl;
+    const rf_xfer_job *job;
+    uint32_t lo, hi; /* batches [lo, hi) enqueued and not retired */
+};
+
+#define fail(t, ...) rf_xfer__fail(&(t)->base, __VA_ARGS__)
+
+static void nap(void)
+{
+    struct timespec ts = {0, POLL_NS};
+
+    nanosleep(&ts, NULL);
+}
+
+/* ---- devices ---- */
+
+static int dev_slot(rf_xfer_local *t, int dev, uint32_t *slot)
+{
+    rf_xfer_lgpu *g = t->g;
+    gdev *nd;
+    rf_err err = {0};
+    int rc = 0;
+
+    for (uint32_t i = 0; i < g->ndevs; i++) {
+        if (g->devs[i].dev == dev) {
+            *slot = i;
+            return 0;
+        }
+    }
+    nd = realloc(g->devs, (g->ndevs + 1) * sizeof(*nd));
+    if (!nd)
+        return fail(t, -ENOMEM, "out of memory for GPU %d", dev);
+    rf_xfer__local_alloc(t, 0);
+    g->devs = nd;
+    memset(&nd[g->ndevs], 0, sizeof(nd[0]));
+    nd[g->ndevs].dev = dev;
+    *slot = g->ndevs++;
+    {
+        gdev *G = &nd[*slot];
+
+        CUDA_TRY(&err, cudaSetDevice(dev));
+        CUDA_TRY(&err, cudaStreamCreateWithFlags(&G->s, cudaStreamNonBlocking));
+        CUDA_TRY(&err, cudaStreamCreateWithFlags(&G->vs, cudaStreamNonBlocking));
+        for (int h = 0; h < SLOTS; h++)
+            CUDA_TRY(&err, cudaEventCreateWithFlags(&G->ev[h], cudaEventDisableTiming));
+        G->ready = true;
+    }
+out:
+    if (rc < 0)
+        fail(t, rc, "preparing GPU %d for local copies: %s", dev, err.msg);
+    return rc;
+}
+
+static int dev_verify_ready(rf_xfer_local *t, gdev *G)
+{
+    rf_err err = {0};
+    int rc = 0;
+
+    if (G->scratch)
+        return 0;
+    CUDA_TRY(&err, cudaSetDevice(G->dev));
+    CUDA_TRY(&err, cudaMalloc((void **)&G->scratch, VSCRATCH));
+    rf_xfer__local_alloc(t, VSCRATCH);
+    CUDA_TRY(&err, cudaMallocHost((void **)&G->bounce, VSCRATCH));
+    rf_xfer__local_alloc(t, 0);
+    if ((rc = rf_copy_cuda_buf_new(&G->vbuf, &err)) < 0)
+        goto out;
+    rf_xfer__local_alloc(t, 0);
+out:
+    if (rc < 0)
+        fail(t, rc, "preparing verification on GPU %d: %s", G->dev, err.msg);
+    return rc;
+}
+
+static void dev_release(rf_xfer_local *t, gdev *G)
+{
+    if (!G->ready)
+        return;
+    cudaSetDevice(G->dev);
+    cudaStreamSynchronize(G->s);
+    cudaStreamSynchronize(G->vs);
+    rf_copy_cuda_buf_free(G->vbuf);
+    if (G->scratch) {
+        cudaFree(G->scratch);
+        rf_xfer__local_alloc(t, -(int64_t)VSCRATCH);
+    }
+    cudaFreeHost(G->bounce);
+    for (int h = 0; h < SLOTS; h++)
+        cudaEventDestroy(G->ev[h]);
+    cudaStreamDestroy(G->s);
+    cudaStreamDestroy(G->vs);
+    memset(G, 0, sizeof(*G));
+}
+
+/* The CUDA device a base pointer lies on, asked once per pointer (the items of a job share a
+ * few hundred bases at most: one per mapped region). */
+static int device_of(rf_xfer_local *t, const void *p, const char *side, uint32_t seq, int *dev)
+{
+    rf_xfer_lgpu *g = t->g;
+    struct cudaPointerAttributes a;
+    uintptr_t key = (uintptr_t)p;
+    uint32_t h;
+    cudaError_t e;
+
+    if (g->pcount * 2 >= g->pcap) {
+        uint32_t ncap = g->pcap ? g->pcap * 2 : 64;
+        pdev *nt = malloc(ncap * sizeof(*nt));
+
+        if (!nt)
+            return fail(t, -ENOMEM, "out of memory for the device table");
+        rf_xfer__local_alloc(t, 0);
+        for (uint32_t i = 0; i < ncap; i++)
+            nt[i].dev = -1;
+        for (uint32_t i = 0; i < g->pcap; i++) {
+            if (g->ptab[i].dev < 0)
+                continue;
+            for (h = (uint32_t)((g->ptab[i].p >> 8) * 0x9e3779b1u) & (ncap - 1); nt[h].dev >= 0;
+                 h = (h + 1) & (ncap - 1))
+                ;
+            nt[h] = g->ptab[i];
+        }
+        free(g->ptab);
+        g->ptab = nt;
+        g->pcap = ncap;
+    }
+    for (h = (uint32_t)((key >> 8) * 0x9e3779b1u) & (g->pcap - 1); g->ptab[h].dev >= 0;
+         h = (h + 1) & (g->pcap - 1)) {
+        if (g->ptab[h].p == key) {
+            *dev = g->ptab[h].dev;
+            return 0;
+        }
+    }
+    e = cudaPointerGetAttributes(&a, p);
+    if (e != cudaSuccess || (a.type != cudaMemoryTypeDevice && a.type != cudaMemoryTypeManaged)) {
+        cudaGetLastError();
+        return fail(t, -EINVAL, "local message seq %u: the %s memory at %p is not GPU memory "
+                    "(%s); the GPU local transport copies device memory only, host memory "
+                    "goes to the host local transport", seq, side, p,
+                    e != cudaSuccess ? cudaGetErrorString(e) : "host or unregistered");
+    }
+    g->ptab[h] = (pdev){key, a.device};
+    g->pcount++;
+    *dev = a.device;
+    return 0;
+}
+
+/* The pair kernel on dst's device reads src's memory: a peer GPU's needs access enabled. */
+static int peer_access(rf_xfer_local *t, int dst, int src)
+{
+    rf_err err = {0};
+    int can = 0, rc = 0;
+    cudaError_t e;
+
+    if (dst == src)
+        return 0;
+    CUDA_TRY(&err, cudaDeviceCanAccessPeer(&can, dst, src));
+    if (!can)
+        return fail(t, -ENOTSUP, "GPU %d cannot read GPU %d's memory directly (no peer access "
+                    "between them); local copies between these GPUs are not possible, run the "
+                    "pair over nccl", dst, src);
+    CUDA_TRY(&err, cudaSetDevice(dst));
+    e = cudaDeviceEnablePeerAccess(src, 0);
+    if (e == cudaErrorPeerAccessAlreadyEnabled)
+        cudaGetLastError();
+    else
+        CUDA_TRY(&err, e);
+out:
+    if (rc < 0)
+        fail(t, rc, "enabling GPU %d's access to GPU %d: %s", dst, src, err.msg);
+    return rc;
+}
+
+/* ---- the plan of execution ---- */
+
+static void plan_free(rf_xfer_local *t)
+{
+    gplan *pl = &t->g->pl;
+
+    for (uint32_t d = 0; pl->kplan && d < pl->ndev; d++)
+        rf_copy_cuda_plan_free(pl->kplan[d]);
+    for (uint32_t d = 0; pl->ops && d < pl->ndev; d++)
+        free(pl->ops[d]);
+    if (pl->valid || pl->kplan)
+        atomic_fetch_sub(&t->mem_now, pl->bytes);
+    free(pl->mdev);
+    free(pl->bmsg);
+    free(pl->kplan);
+    free(pl->kfirst);
+    free(pl->kcount);
+    free(pl->ops);
+    free(pl->ofirst);
+    free(pl->ocount);
+    free(pl->vsrc);
+    free(pl->vdst);
+    free(pl->segs);
+    free(pl->wins);
+    free(pl->bwin);
+    memset(pl, 0, sizeof(*pl));
+}
+
+/* A growable array, counted as allocations (the warm job must make none). */
+static int grow(rf_xfer_local *t, void **p, uint64_t *cap, uint64_t need, size_t esz)
+{
+    uint64_t c = *cap ? *cap : 64;
+    void *np;
+
+    if (need <= *cap)
+        return 0;
+    while (c < need)
+        c *= 2;
+    np = realloc(*p, c * esz);
+    if (!np)
+        return fail(t, -ENOMEM, "out of memory planning local copies");
+    rf_xfer__local_alloc(t, 0);
+    *p = np;
+    *cap = c;
+    return 0;
+}
+
+typedef struct ord {
+    uint64_t off;
+    uint32_t k;
+} ord;
+
+static int ord_cmp(const void *a, const void *b)
+{
+    const ord *x = a, *y = b;
+
+    return x->off < y->off ? -1 : x->off > y->off;
+}
+
+/* The verification gathers, built message by message: segments of the digested bytes cut at
+ * the scratch's end, and for each the boxes of its items (source and destination side alike)
+ * gathered into scratch + off + PAD in payload order. */
+typedef struct vbuild {
+    uint64_t nseg, capseg, ndesc, capsrc, capdst, nwin, capwin;
+    uint64_t used;  /* scratch bytes of the open window */
+    bool open;
+    ord *o;
+    uint32_t capo;
+} vbuild;
+
+static int open_win(rf_xfer_local *t, gplan *pl, vbuild *vb, uint32_t dev)
+{
+    int rc;
+
+    if ((rc = grow(t, (void **)&pl->wins, &vb->capwin, vb->nwin + 1, sizeof(vwin))) < 0)
+        return rc;
+    pl->wins[vb->nwin++] = (vwin){.dev = dev, .sfirst = (uint32_t)vb->nseg, .dfirst = vb->ndesc};
+    vb->used = 0;
+    vb->open = true;
+    return 0;
+}
+
+static int verify_msg(rf_xfer_local *t, gplan *pl, vbuild *vb, uint32_t i, uint64_t digest)
+{
+    const rf_xfer_msg *m = &t->base.job->msgs[i];
+    uint32_t dev = pl->mdev[i];
+    uint64_t lo = 0;
+    int rc;
+
+    if (m->nitems > vb->capo) {
+        free(vb->o);
+        vb->capo = m->nitems;
+        if (!(vb->o = malloc(m->nitems * sizeof(*vb->o))))
+            return fail(t, -ENOMEM, "out of memory planning verification");
+        rf_xfer__local_alloc(t, 0);
+    }
+    for (uint32_t k = 0; k < m->nitems; k++)
+        vb->o[k] = (ord){m->items[k].msg_off, k};
+    qsort(vb->o, m->nitems, sizeof(*vb->o), ord_cmp);
+    while (lo < digest) {
+        uint64_t hi;
+        vseg *sg;
+        vwin *w;
+
+        if (!vb->open || pl->wins[vb->nwin - 1].dev != dev ||
+            vb->used + 2 * PAD + 16 > VSCRATCH)
+            if ((rc = open_win(t, pl, vb, dev)) < 0)
+                return rc;
+        hi = digest - lo < VSCRATCH - vb->used - 2 * PAD ? digest
+                                                         : lo + (VSCRATCH - vb->used - 2 * PAD);
+        if ((rc = grow(t, (void **)&pl->segs, &vb->capseg, vb->nseg + 1, sizeof(vseg))) < 0)
+            return rc;
+        sg = &pl->segs[vb->nseg++];
+        *sg = (vseg){.msg = i, .lo = lo, .hi = hi, .off = vb->used};
+        for (uint32_t k = 0; k < m->nitems; k++) {
+            const rf_xfer_item *d = &m->items[vb->o[k].k], *s = &m->src_items[vb->o[k].k];
+            rf_box bx[RF_COPY_SPAN_MAX];
+            uint64_t a, b, ea, eb;
+            int nb;
+
+            if (d->msg_off >= hi || d->msg_off + d->bytes <= lo)
+                continue;
+            a = lo > d->msg_off ? lo - d->msg_off : 0;
+            b = hi - d->msg_off < d->bytes ? hi - d->msg_off : d->bytes;
+            ea = a / d->esize;
+            eb = (b + d->esize - 1) / d->esize;
+            nb = rf_copy_box_span(&d->box, d->ndim, ea, eb, bx);
+            if ((rc = grow(t, (void **)&pl->vsrc, &vb->capsrc, vb->ndesc + (uint64_t)nb,
+                           sizeof(rf_copy_desc))) < 0 ||
+                (rc = grow(t, (void **)&pl->vdst, &vb->capdst, vb->ndesc + (uint64_t)nb,
+                           sizeof(rf_copy_desc))) < 0)
+                return rc;
+            for (int j = 0; j < nb; j++) {
+                /* Whole elements: one that straddles the segment's start lands in the PAD
+                 * before it, one that straddles its end in the PAD after. */
+                uint64_t soff = sg->off + PAD + d->msg_off + ea * d->esize - lo;
+
+                rf_copy_desc_set(&pl->vsrc[vb->ndesc], s->base, &s->piece, s->ndim, s->esize,
+                                 &bx[j], soff);
+                rf_copy_desc_set(&pl->vdst[vb->ndesc], d->base, &d->piece, d->ndim, d->esize,
+                                 &bx[j], soff);
+                vb->ndesc++;
+                ea += (uint64_t)rf_box_numel(&bx[j], d->ndim);
+            }
+        }
+        vb->used += (hi - lo + 2 * PAD + 15) & ~15ull;
+        w = &pl->wins[vb->nwin - 1];
+        w->scount = (uint32_t)(vb->nseg - w->sfirst);
+        w->dcount = vb->ndesc - w->dfirst;
+        w->span = vb->used;
+        lo = hi;
+    }
+    return 0;
+}
+
+/* Derives the plan of execution of the running job. */
+static int plan_build(rf_xfer_local *t)
+{
+    const rf_xfer_job *job = t->base.job;
+    gplan *pl = &t->g->pl;
+    rf_copy_pair **kp = NULL, p;
+    uint64_t *kn = NULL, *kcap = NULL, *on = NULL, *ocap = NULL, batch_bytes = 0;
+    vbuild vb = {0};
+    rf_err err;
+    uint32_t i, k, d, b;
+    int rc = 0;
+
+    plan_free(t);
+    pl->nmsgs = job->nmsgs;
+    pl->mdev = malloc((job->nmsgs ? job->nmsgs : 1) * sizeof(*pl->mdev));
+    pl->bmsg = malloc(((size_t)job->nmsgs + 2) * sizeof(*pl->bmsg));
+    rf_xfer__local_alloc(t, 0);
+    rf_xfer__local_alloc(t, 0);
+    if (!pl->mdev || !pl->bmsg) {
+        rc = fail(t, -ENOMEM, "out of memory planning %u local messages", job->nmsgs);
+        goto out;
+    }
+    /* Devices: every item's destination on its message's device, sources readable from it. */
+    for (i = 0; i < job->nmsgs; i++) {
+        const rf_xfer_msg *m = &job->msgs[i];
+        int md = -1;
+
+        for (k = 0; k < m->nitems; k++) {
+            int dd, sd;
+
+            if ((rc = device_of(t, m->items[k].base, "destination", m->seq, &dd)) < 0 ||
+                (rc = device_of(t, m->src_items[k].base, "source", m->seq, &sd)) < 0)
+                goto out;
+            if (md >= 0 && dd != md) {
+                rc = fail(t, -EINVAL, "local message seq %u writes to GPU %d and GPU %d; a "
+                          "message has one destination GPU: the job was built wrong", m->seq,
+                          md, dd);
+                goto out;
+            }
+            md = dd;
+            if ((rc = peer_access(t, dd, sd)) < 0)
+                goto out;
+        }
+        if (md < 0 && (rc = cudaGetDevice(&md)) != cudaSuccess) {
+            rc = fail(t, -EIO, "cudaGetDevice failed");
+            goto out;
+        }
+        if ((rc = dev_slot(t, md, &pl->mdev[i])) < 0)
+            goto out;
+    }
+    pl->ndev = t->g->ndevs;
+    /* Batches: messages in job order, cut after BATCH bytes. */
+    pl->nbatches = 0;
+    pl->bmsg[0] = 0;
+    for (i = 0; i < job->nmsgs; i++) {
+        batch_bytes += job->msgs[i].bytes;
+        if (batch_bytes >= BATCH || i + 1 == job->nmsgs) {
+            pl->bmsg[++pl->nbatches] = i + 1;
+            batch_bytes = 0;
+        }
+    }
+    pl->kplan = calloc(pl->ndev, sizeof(*pl->kplan));
+    pl->ops = calloc(pl->ndev, sizeof(*pl->ops));
+    pl->kfirst = calloc((size_t)pl->nbatches * pl->ndev + 1, sizeof(uint64_t));
+    pl->kcount = calloc((size_t)pl->nbatches * pl->ndev + 1, sizeof(uint64_t));
+    pl->ofirst = calloc((size_t)pl->nbatches * pl->ndev + 1, sizeof(uint64_t));
+    pl->ocount = calloc((size_t)pl->nbatches * pl->ndev + 1, sizeof(uint64_t));
+    pl->bwin = calloc((size_t)pl->nbatches + 1, sizeof(uint32_t));
+    kp = calloc(pl->ndev, sizeof(*kp));
+    kn = calloc(pl->ndev, sizeof(*kn));
+    kcap = calloc(pl->ndev, sizeof(*kcap));
+    on = calloc(pl->ndev, sizeof(*on));
+    ocap = calloc(pl->ndev, sizeof(*ocap));
+    for (int j = 0; j < 7; j++)
+        rf_xfer__local_alloc(t, 0);
+    if (!pl->kplan || !pl->ops || !pl->kfirst || !pl->kcount || !pl->ofirst || !pl->ocount ||
+        !pl->bwin || !kp || !kn || !kcap || !on || !ocap) {
+        rc = fail(t, -ENOMEM, "out of memory planning %u local messages", job->nmsgs);
+        goto out;
+    }
+    /* Each pair to the kernel or the copy engines, in batch order per device. */
+    for (b = 0; b < pl->nbatches; b++) {
+        for (d = 0; d < pl->ndev; d++) {
+            pl->kfirst[(size_t)b * pl->ndev + d] = kn[d];
+            pl->ofirst[(size_t)b * pl->ndev + d] = on[d];
+        }
+        for (i = pl->bmsg[b]; i < pl->bmsg[b + 1]; i++) {
+            const rf_xfer_msg *m = &job->msgs[i];
+
+            d = pl->mdev[i];
+            for (k = 0; k < m->nitems; k++) {
+                const rf_xfer_item *s = &m->src_items[k], *dd = &m->items[k];
+                rf_copy_pair_flat f;
+
+                rf_copy_desc_set(&p.src, s->base, &s->piece, s->ndim, s->esize, &s->box, 0);
+                rf_copy_desc_set(&p.dst, dd->base, &dd->piece, dd->ndim, dd->esize, &dd->box, 0);
+                rf_err_clear(&err);
+                if ((rc = rf_copy_pair_check(&p, k, &err)) < 0) {
+                    rc = fail(t, rc, "local message seq %u: %s", m->seq, err.msg);
+                    goto out;
+                }
+                rf_copy_pair_flatten(&p, &f);
+                if ((f.n == 0 && f.bytes >= MEMCPY_MIN) ||
+                    (f.n == 1 && f.run >= MEMCPY_MIN / 8 && f.bytes >= MEMCPY_MIN &&
+                     f.sstr[0] >= (int64_t)f.run && f.dstr[0] >= (int64_t)f.run)) {
+                    if ((rc = grow(t, (void **)&pl->ops[d], &ocap[d], on[d] + 1,
+                                   sizeof(ceop))) < 0)
+                        goto out;
+                    pl->ops[d][on[d]++] = (ceop){
+                        .src = f.src, .dst = f.dst, .width = f.run,
+                        .height = f.n == 0 ? 1 : (uint64_t)f.ext[0],
+                        .spitch = f.n == 0 ? f.run : (uint64_t)f.sstr[0],
+                        .dpitch = f.n == 0 ? f.run : (uint64_t)f.dstr[0]};
+                } else {
+                    if ((rc = grow(t, (void **)&kp[d], &kcap[d], kn[d] + 1, sizeof(p))) < 0)
+                        goto out;
+                    kp[d][kn[d]++] = p;
+                }
+            }
+        }
+        for (d = 0; d < pl->ndev; d++) {
+            pl->kcount[(size_t)b * pl->ndev + d] = kn[d] - pl->kfirst[(size_t)b * pl->ndev + d];
+            pl->ocount[(size_t)b * pl->ndev + d] = on[d] - pl->ofirst[(size_t)b * pl->ndev + d];
+        }
+    }
+    /* The kernel's descriptors go to their devices once. */
+    for (d = 0; d < pl->ndev; d++) {
+        rf_err_clear(&err);
+        if (cudaSetDevice(t->g->devs[d].dev) != cudaSuccess ||
+            (rc = rf_copy_cuda_plan_new(kp[d], kn[d], &pl->kplan[d], &err)) < 0) {
+            rc = fail(t, rc < 0 ? rc : -EIO, "uploading %llu copy descriptors to GPU %d: %s",
+                      (unsigned long long)kn[d], t->g->devs[d].dev, err.msg);
+            goto out;
+        }
+        rf_xfer__local_alloc(t, (int64_t)rf_copy_cuda_plan_bytes(pl->kplan[d]));
+        pl->bytes += rf_copy_cuda_plan_bytes(pl->kplan[d]);
+    }
+    /* Verification: which bytes, gathered how, window by window per batch. */
+    if (job->verify != RF_VERIFY_OFF) {
+        for (b = 0; b < pl->nbatches; b++) {
+            pl->bwin[b] = (uint32_t)vb.nwin;
+            for (i = pl->bmsg[b]; i < pl->bmsg[b + 1]; i++) {
+                const rf_xfer_msg *m = &job->msgs[i];
+
+                if (rf_xfer_msg_verified(job, m) && m->bytes > 0 &&
+                    (rc = verify_msg(t, pl, &vb, i, rf_xfer_msg_digest_bytes(job, m))) < 0)
+                    goto out;
+            }
+            /* A batch's windows are its own: they are digested when it is enqueued (source)
+             * and when it retires (destination). */
+            vb.open = false;
+        }
+        pl->bwin[pl->nbatches] = (uint32_t)vb.nwin;
+    }
+    pl->key = job->plan_key;
+    pl->verify = job->verify;
+    pl->valid = true;
+out:
+    for (d = 0; kp && d < pl->ndev; d++)
+        free(kp[d]);
+    free(kp);
+    free(kn);
+    free(kcap);
+    free(on);
+    free(ocap);
+    free(vb.o);
+    if (rc < 0)
+        plan_free(t);
+    return rc;
+}
+
+/* ---- the job ---- */
+
+/* Digests the segments of windows [wa, wb): each gathered into its device's scratch, copied
+ * down and handed to the message's digest, in payload order (a message's segments follow one
+ * another, so its digest stays open from its first to its last). */
+static int digest_wins(rf_xfer_local *t, uint32_t wa, uint32_t wb, bool dst_side)
+{
+    rf_xfer_lgpu *g = t->g;
+    gplan *pl = &g->pl;
+    const rf_xfer_job *job = g->job;
+    rf_xfer_digest d = {0};
+    rf_err err = {0};
+    uint32_t w = wa;
+    int rc = 0;
+
+    for (; w < wb; w++) {
+        const vwin *W = &pl->wins[w];
+        gdev *G = &g->devs[W->dev];
+
+        CUDA_TRY(&err, cudaSetDevice(G->dev));
+        if ((rc = rf_copy_cuda_gather_buf(G->vbuf, (dst_side ? pl->vdst : pl->vsrc) + W->dfirst,
+                                          W->dcount, G->scratch, G->vs, &err)) < 0)
+            goto out;
+        CUDA_TRY(&err, cudaMemcpyAsync(G->bounce, G->scratch, W->span, cudaMemcpyDeviceToHost,
+                                       G->vs));
+        CUDA_TRY(&err, cudaStreamSynchronize(G->vs));
+        for (uint32_t s = W->sfirst; s < W->sfirst + W->scount; s++) {
+            const vseg *sg = &pl->segs[s];
+
+            if (sg->lo == 0) {
+                if (!rf_xfer__digest_begin(&t->base, &job->msgs[sg->msg], &d))
+                    continue;
+                d.acc = dst_side ? t->base.result.digest_recv : t->base.result.digest_sent;
+            }
+            rf_xfer__digest_add(&d, G->bounce + sg->off + PAD, sg->hi - sg->lo);
+            if (d.left == 0)
+                rf_xfer__digest_end(&d);
+        }
+    }
+out:
+    if (rc < 0) {
+        const vwin *W = &pl->wins[w];
+
+        fail(t, rc, "verifying local message seq %u (%s side) on GPU %d: %s",
+             job->msgs[pl->segs[W->sfirst].msg].seq, dst_side ? "destination" : "source",
+             g->devs[W->dev].dev, err.msg);
+    }
+    return rc;
+}
+
+/* Enqueues batch b on every device: the sources it reads are digested first. */
+static int enqueue(rf_xfer_local *t, uint32_t b)
+{
+    rf_xfer_lgpu *g = t->g;
+    gplan *pl = &g->pl;
+    rf_err err = {0};
+    uint32_t d = 0;
+    int rc = 0;
+
+    if (pl->verify != RF_VERIFY_OFF &&
+        (rc = digest_wins(t, pl->bwin[b], pl->bwin[b + 1], false)) < 0)
+        return rc;
+    for (d = 0; d < pl->ndev; d++) {
+        gdev *G = &g->devs[d];
+        size_t x = (size_t)b * pl->ndev + d;
+
+        CUDA_TRY(&err, cudaSetDevice(G->dev));
+        if ((rc = rf_copy_cuda_plan_launch(pl->kplan[d], pl->kfirst[x], pl->kcount[x], G->s, 0,
+                                           &err)) < 0)
+            goto out;
+        for (uint64_t o = pl->ofirst[x]; o < pl->ofirst[x] + pl->ocount[x]; o++) {
+            const ceop *op = &pl->ops[d][o];
+
+            if (op->height == 1)
+                CUDA_TRY(&err, cudaMemcpyAsync(op->dst, op->src, op->width,
+                                               cudaMemcpyDeviceToDevice, G->s));
+            else
+                CUDA_TRY(&err, cudaMemcpy2DAsync(op->dst, op->dpitch, op->src, op->spitch,
+                                                 op->width, op->height,
+                                                 cudaMemcpyDeviceToDevice, G->s));
+        }
+        CUDA_TRY(&err, cudaEventRecord(G->ev[b % SLOTS], G->s));
+    }
+out:
+    if (rc < 0)
+        fail(t, rc, "enqueuing local copies of messages seq %u to %u on GPU %d: %s",
+             g->job->msgs[pl->bmsg[b]].seq, g->job->msgs[pl->bmsg[b + 1] - 1].seq,
+             g->devs[d < pl->ndev ? d : 0].dev, err.msg);
+    return rc;
+}
+
+/* 1 when batch b finished on every device, 0 when not yet, or the error. */
+static int batch_done(rf_xfer_local *t, uint32_t b)
+{
+    rf_xfer_lgpu *g = t->g;
+    rf_err err = {0};
+    uint32_t d;
+    int rc = 0;
+
+    for (d = 0; d < g->pl.ndev; d++) {
+        cudaError_t e = cudaEventQuery(g->devs[d].ev[b % SLOTS]);
+
+        if (e == cudaErrorNotReady)
+            return 0;
+        CUDA_TRY(&err, e);
+    }
+    return 1;
+out:
+    return fail(t, rc, "local copies of messages seq %u to %u on GPU %d: %s",
+                g->job->msgs[g->pl.bmsg[b]].seq, g->job->msgs[g->pl.bmsg[b + 1] - 1].seq,
+                g->devs[d].dev, err.msg);
+}
+
+int rf_xfer__lgpu_start(rf_xfer_local *t)
+{
+    const rf_xfer_job *job = t->base.job;
+    rf_xfer_lgpu *g = t->g;
+    int rc;
+
+    if (!g) {
+        if (!(g = t->g = calloc(1, sizeof(*g))))
+            return fail(t, -ENOMEM, "out of memory for the GPU local transport");
+        rf_xfer__local_alloc(t, 0);
+    }
+    g->job = job;
+    if (!g->pl.valid || job->plan_key == 0 || g->pl.key != job->plan_key ||
+        g->pl.verify != job->verify || g->pl.nmsgs != job->nmsgs) {
+        /* Pointers may have been unmapped and mapped again elsewhere since the last plan. */
+        for (uint32_t i = 0; i < g->pcap; i++)
+            g->ptab[i].dev = -1;
+        g->pcount = 0;
+        if ((rc = plan_build(t)) < 0)
+            return rc;
+    }
+    if (job->verify != RF_VERIFY_OFF)
+        for (uint32_t d = 0; d < g->pl.ndev; d++)
+            if ((rc = dev_verify_ready(t, &g->devs[d])) < 0)
+                return rc;
+    g->lo = g->hi = 0;
+    return 0;
+}
+
+/* Enqueues what the window of batches allows, then retires the oldest if it finished. */
+int rf_xfer__lgpu_progress(rf_xfer_local *t, double wait_s)
+{
+    rf_xfer_lgpu *g = t->g;
+    gplan *pl = &g->pl;
+    int rc;
+
+    (void)wait_s;
+    while (g->hi < pl->nbatches && g->hi < g->lo + SLOTS) {
+        if (rf_xfer__stop(&t->base) != 0)
+            return 0;
+        if ((rc = enqueue(t, g->hi)) < 0)
+            return rc;
+        g->hi++;
+    }
+    if (g->lo == pl->nbatches)
+        return 1;
+    if ((rc = batch_done(t, g->lo)) <= 0) {
+        if (rc == 0)
+            nap();
+        return rc;
+    }
+    if (pl->verify != RF_VERIFY_OFF &&
+        (rc = digest_wins(t, pl->bwin[g->lo], pl->bwin[g->lo + 1], true)) < 0)
+        return rc;
+    for (uint32_t i = pl->bmsg[g->lo]; i < pl->bmsg[g->lo + 1]; i++)
+        rf_xfer__moved(&t->base, &g->job->msgs[i]);
+    g->lo++;
+    return g->lo == pl->nbatches;
+}
+
+void rf_xfer__lgpu_describe(rf_xfer_local *t, char *buf, size_t len)
+{
+    rf_xfer_lgpu *g = t->g;
+    const gplan *pl = g ? &g->pl : NULL;
+
+    if (!pl || !pl->valid || g->lo >= pl->nbatches) {
+        snprintf(buf, len, "nothing");
+        return;
+    }
+    const rf_xfer_msg *m = &g->job->msgs[pl->bmsg[g->lo]];
+    snprintf(buf, len, "batch %u of %u of local GPU copies unfinished (messages seq %u to %u, "
+             "the first from peer %u (%s)), %llu bytes copied", g->lo, pl->nbatches, m->seq,
+             g->job->msgs[pl->bmsg[g->lo + 1] - 1].seq, m->peer,
+             rf_xfer__peer_addr(&t->base, m->peer),
+             (unsigned long long)t->base.result.bytes_recv);
+}
+
+/* Nothing of the job may still run once its done is called: a failed job waits for what was
+ * enqueued (copies cannot be recalled; a few batches at most). */
+void rf_xfer__lgpu_finish(rf_xfer_local *t, int rc)
+{
+    rf_xfer_lgpu *g = t->g;
+
+    if (!g)
+        return;
+    if (rc < 0) {
+        for (uint32_t d = 0; d < g->ndevs; d++) {
+            if (!g->devs[d].ready)
+                continue;
+            cudaSetDevice(g->devs[d].dev);
+            cudaStreamSynchronize(g->devs[d].s);
+            cudaStreamSynchronize(g->devs[d].vs);
+        }
+        /* A failed CUDA call leaves its error for the next call to report. */
+        cudaGetLastError();
+        RF_WARN("local job of version %llu failed: %s",
+                (unsigned long long)t->base.job->version, t->base.result.error);
+    }
+    if (rc < 0 || t->base.job->plan_key == 0)
+        plan_free(t);
+    g->job = NULL;
+}
+
+void rf_xfer__lgpu_teardown(rf_xfer_local *t)
+{
+    rf_xfer_lgpu *g = t->g;
+
+    if (!g)
+        return;
+    plan_free(t);
+    for (uint32_t d = 0; d < g->ndevs; d++)
+        dev_release(t, &g->devs[d]);
+}
+
+void rf_xfer__lgpu_release(rf_xfer_local *t)
+{
+    rf_xfer_lgpu *g = t->g;
+
+    if (!g)
+        return;
+    plan_free(t);
+    free(g->devs);
+    free(g->ptab);
+    free(g);
+    t->g = NULL;
+}
