@@ -1209,6 +1209,23 @@ bool rf_placement_box(int ndim, const int64_t *shape, int mesh_ndim, const int64
     return nonempty;
 }
 
+/* The host every endpoint of side shares, else RF_HOST_NONE (also for a side with none). */
+static uint32_t side_host(const rf_inv *in, rf_side side)
+{
+    uint32_t h = RF_HOST_NONE;
+    bool first = true;
+
+    for (uint32_t e = 0; e < in->nendpoints; e++) {
+        if (in->endpoints[e].side != side)
+            continue;
+        if (!first && in->endpoints[e].host != h)
+            return RF_HOST_NONE;
+        h = in->endpoints[e].host;
+        first = false;
+    }
+    return h;
+}
+
 int rf_inv_fold_sides(const rf_inv *in, rf_inv **out, rf_err *err)
 {
     rf_inv *f = rf_inv_new();
@@ -1223,10 +1240,16 @@ int rf_inv_fold_sides(const rf_inv *in, rf_inv **out, rf_err *err)
 
         rc = rf_inv_add_tensor(f, t->name, t->dtype, t->ndim, t->shape, &id, err);
     }
+    /* A side whose endpoints all share a host keeps it, so that a colocated inventory folds
+     * into a colocated pair (one GPU for trainers and engines: local copies). */
     if (rc == 0)
         rc = rf_inv_add_endpoint(f, RF_SRC, 0, &ep, err);
     if (rc == 0)
+        f->endpoints[ep].host = side_host(in, RF_SRC);
+    if (rc == 0)
         rc = rf_inv_add_endpoint(f, RF_DST, 1, &ep, err);
+    if (rc == 0)
+        f->endpoints[ep].host = side_host(in, RF_DST);
     for (uint32_t r = 0; r < rf_inv_nregions(in) && rc == 0; r++) {
         const rf_region *rg = rf_inv_region(in, r);
 

@@ -1073,6 +1073,42 @@ Test(plan_local, local_reads_spread_over_local_replicas)
     cluster_free(&c);
 }
 
+/* Folding each side into one endpoint (one GPU pair) keeps a side's host when all its
+ * endpoints share it: a colocated cluster folds into a colocated pair, planned all local and
+ * executed exactly; a side spread over hosts folds onto none. */
+Test(plan_local, fold_keeps_a_shared_host)
+{
+    static const uint32_t sh[2] = {5, 5}, dh[3] = {5, 5, 5}, dmix[3] = {5, 6, 5};
+    rf_plan_opts o = {.staging_bytes = 8192, .direct_min_bytes = 1024};
+    cluster c, m;
+    rf_inv *f = NULL, *g = NULL;
+    rf_plan *pl = NULL;
+    rf_err err;
+
+    host_cluster(&c, 1, (const int[]){2}, 3, sh, dh);
+    cr_assert_eq(rf_inv_fold_sides(c.inv, &f, &err), 0, "%s", err.msg);
+    cr_assert_eq(rf_inv_nendpoints(f), 2);
+    cr_assert_eq(rf_inv_endpoint(f, 0)->host, 5);
+    cr_assert_eq(rf_inv_endpoint(f, 1)->host, 5);
+    cr_assert_eq(rf_plan_build(f, &o, &pl, &err), 0, "%s", err.msg);
+    check_plan(pl, &o);
+    cr_assert_eq(rf_plan_stats_get(pl)->local_bytes, rf_plan_stats_get(pl)->dst_bytes);
+    {
+        cluster fc = c; /* same regions and pieces, folded endpoints */
+        fc.inv = f;
+        execute_check(&fc, pl);
+    }
+    rf_plan_free(pl);
+    host_cluster(&m, 1, (const int[]){2}, 3, sh, dmix);
+    cr_assert_eq(rf_inv_fold_sides(m.inv, &g, &err), 0, "%s", err.msg);
+    cr_assert_eq(rf_inv_endpoint(g, 0)->host, 5);
+    cr_assert_eq(rf_inv_endpoint(g, 1)->host, RF_HOST_NONE);
+    rf_inv_free(f);
+    rf_inv_free(g);
+    cluster_free(&c);
+    cluster_free(&m);
+}
+
 /* Hosts are in the id: explicit RF_HOST_NONE changes nothing; hosts that join no pair change
  * the id but not the moves; hosts that do, or a different placement, give other ids. */
 Test(plan_local, id_covers_hosts)
