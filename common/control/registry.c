@@ -1,14 +1,22 @@
 /* common/control/registry.c - the daemon side of the local RPC: clients, their regions and pieces,
- * the local inventory, and the version handshakes with trainers, engines and refitctl. */
+ * the local inventory, the version handshakes with trainers, engines and refitctl, and the
+ * export of the trainers' memory to a receiverd on the same host. */
 #include "registry.h"
 
+#include <assert.h>
 #include <inttypes.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
+#include <sodium.h>
+
+#include "export.h"
+#include "refit.pb-c.h"
 #include "rpc.h"
+#include "slice.h"
 #include "version.h"
 
 #define DEVICE_MAX 128
@@ -16,10 +24,18 @@
 
 typedef enum wait_kind { WAIT_RELEASED, WAIT_VERSION, WAIT_CTL } wait_kind;
 
+/* A region keeps what its client said about it (kind, offset, handle bytes) and, for the kinds
+ * that travel as a descriptor, the received fd itself: a same-host receiverd is handed the
+ * region exactly as the trainer registered it (rf_registry exports, the region owns the fd). */
 typedef struct reg_region {
     char device[DEVICE_MAX];
     rf_mem_ref *ref;
     uint64_t size;
+    rf_mem_kind kind;
+    uint64_t offset;
+    uint8_t *handle;     /* malloc'd copy of the handle bytes, NULL when none */
+    size_t handle_len;
+    int fd;              /* memfd, cuda_vmm_fd: the received descriptor; -1 for cuda_ipc */
     uint32_t inv_id;     /* in the live inventory */
     uint32_t scratch_id; /* in the seal check's scratch inventory */
 } reg_region;
@@ -59,6 +75,9 @@ typedef struct reg_client {
     uint64_t consumed; /* gated engines: last version they are done with */
     reg_waiter *waiters;
     size_t nwaiters, cap_waiters;
+    /* peers: the server nonce of the last ExportHello, good for one Export */
+    uint8_t nonce[RF_EXPORT_NONCE_BYTES];
+    bool has_nonce;
 } reg_client;
 
 struct rf_registry {
@@ -85,6 +104,8 @@ struct rf_registry {
     uint32_t ndeferred, cap_deferred;
     uint64_t consumed; /* last value reported through on_consumed */
     bool gpu_only;     /* the transport moves GPU memory (nccl), else host memory (tcp) */
+    uint8_t *export_key; /* the cluster key, NULL: same-host export off */
+    size_t export_key_len;
 };
 
 static const char *kind_name(int kind)
@@ -93,13 +114,16 @@ static const char *kind_name(int kind)
     case REFIT__RPC__CLIENT_KIND__CLIENT_TRAINER: return "trainer";
     case REFIT__RPC__CLIENT_KIND__CLIENT_ENGINE: return "engine";
     case REFIT__RPC__CLIENT_KIND__CLIENT_CTL: return "ctl";
+    case REFIT__RPC__CLIENT_KIND__CLIENT_PEER: return "peer";
     default: return "unknown";
     }
 }
 
+/* Trainers and engines: the clients that hold memory and count against expected_clients. */
 static bool is_data(const reg_client *c)
 {
-    return c->hello && c->kind != REFIT__RPC__CLIENT_KIND__CLIENT_CTL;
+    return c->hello && (c->kind == REFIT__RPC__CLIENT_KIND__CLIENT_TRAINER ||
+                        c->kind == REFIT__RPC__CLIENT_KIND__CLIENT_ENGINE);
 }
 
 static int grow(void **p, uint32_t *cap, uint32_t need, size_t elem)
@@ -344,8 +368,14 @@ static void client_free(reg_client *c)
 {
     uint32_t i;
 
-    for (i = 0; i < c->nregions; i++)
+    for (i = 0; i < c->nregions; i++) {
         release_ref(c->reg, c->regions[i].ref);
+        /* The mapping may stay (held), the descriptor need not: a receiverd that fetched it
+         * holds its own copy. */
+        if (c->regions[i].fd >= 0)
+            close(c->regions[i].fd);
+        free(c->regions[i].handle);
+    }
     for (i = 0; i < c->npieces; i++)
         free(c->pieces[i].tensor);
     free(c->regions);
@@ -427,12 +457,22 @@ static void do_hello(rf_registry *r, reg_client *c, uint64_t id, const Refit__Rp
     }
     if (h->kind != REFIT__RPC__CLIENT_KIND__CLIENT_TRAINER &&
         h->kind != REFIT__RPC__CLIENT_KIND__CLIENT_ENGINE &&
-        h->kind != REFIT__RPC__CLIENT_KIND__CLIENT_CTL) {
-        rf_rpc_conn_reply(c->conn, id, -EINVAL, "unknown client kind %d (trainer, engine or "
-                          "ctl)", (int)h->kind);
+        h->kind != REFIT__RPC__CLIENT_KIND__CLIENT_CTL &&
+        h->kind != REFIT__RPC__CLIENT_KIND__CLIENT_PEER) {
+        rf_rpc_conn_reply(c->conn, id, -EINVAL, "unknown client kind %d (trainer, engine, "
+                          "ctl or peer)", (int)h->kind);
         return;
     }
-    if (h->kind != REFIT__RPC__CLIENT_KIND__CLIENT_CTL) {
+    /* Only trainers' memory is exported: a receiverd asking another receiverd has the wrong
+     * socket, and hears so before it proves anything. */
+    if (h->kind == REFIT__RPC__CLIENT_KIND__CLIENT_PEER && r->side != RF_SRC) {
+        rf_rpc_conn_reply(c->conn, id, -EOPNOTSUPP, "peer client connected to the receiver "
+                          "daemon: exported trainer memory comes from refit-publisherd's "
+                          "socket (its local_sock)");
+        return;
+    }
+    if (h->kind == REFIT__RPC__CLIENT_KIND__CLIENT_TRAINER ||
+        h->kind == REFIT__RPC__CLIENT_KIND__CLIENT_ENGINE) {
         if ((h->kind == REFIT__RPC__CLIENT_KIND__CLIENT_TRAINER) != want_trainer) {
             rf_rpc_conn_reply(c->conn, id, -EINVAL, "%s client connected to the %s daemon: "
                               "trainers connect to refit-publisherd, engines to "
@@ -559,6 +599,7 @@ static void do_region(rf_registry *r, reg_client *c, uint64_t id,
     rf_mem_desc d = {0};
     rf_mem_ref *ref = NULL;
     reg_region *rg;
+    uint8_t *handle = NULL;
     rf_err err = {0};
     int rc;
 
@@ -595,12 +636,21 @@ static void do_region(rf_registry *r, reg_client *c, uint64_t id,
         rf_rpc_conn_reply(c->conn, id, rc, "region %u: %s", c->nregions, err.msg);
         goto out;
     }
+    /* Handle bytes are kept for the kinds whose import checked them (cuda_ipc, cuda_vmm_fd);
+     * a memfd's would be bytes nothing reads. */
+    if (d.kind == RF_MEM_MEMFD)
+        d.handle_len = 0;
+    if (d.handle_len > 0 && (handle = malloc(d.handle_len)) == NULL) {
+        rf_rpc_conn_reply(c->conn, id, -ENOMEM, "daemon out of memory registering a region");
+        goto out;
+    }
     if (grow((void **)&c->regions, &c->cap_regions, c->nregions + 1, sizeof(reg_region)) < 0) {
         rf_rpc_conn_reply(c->conn, id, -ENOMEM, "daemon out of memory registering a region");
         goto out;
     }
     rg = &c->regions[c->nregions];
     memset(rg, 0, sizeof(*rg));
+    rg->fd = -1;
     snprintf(rg->device, sizeof(rg->device), "%s", m->device);
     rg->size = m->size;
     rg->ref = ref;
@@ -612,6 +662,16 @@ static void do_region(rf_registry *r, reg_client *c, uint64_t id,
         rf_rpc_conn_reply(c->conn, id, rc, "region %u: %s", c->nregions, err.msg);
         goto out;
     }
+    rg->kind = d.kind;
+    rg->offset = d.offset;
+    if (handle)
+        memcpy(handle, d.handle, d.handle_len);
+    rg->handle = handle;
+    rg->handle_len = d.handle_len;
+    handle = NULL;
+    /* The region owns the received descriptor from here: kept to export it again. */
+    rg->fd = fd;
+    fd = -1;
     c->nregions++;
     ref = NULL;
     r->generation++;
@@ -623,6 +683,7 @@ static void do_region(rf_registry *r, reg_client *c, uint64_t id,
         rf_rpc_conn_send(c->conn, &resp);
     }
 out:
+    free(handle);
     if (ref)
         rf_mem_release(r->mem, ref);
     if (fd >= 0)
@@ -846,16 +907,237 @@ static void do_refit(rf_registry *r, reg_client *c, uint64_t id, uint64_t versio
         rf_rpc_conn_reply(c->conn, id, 0, "refit %" PRIu64 " triggered", version);
 }
 
+/* Same-host export (proto/rpc.proto has the protocol). A peer proves the cluster key on a
+ * nonce of ours, so a process that may connect to the socket (SO_PEERCRED) but lacks the key
+ * gets nothing, and a recorded proof fits no other Export. */
+static bool peer_only(reg_client *c, uint64_t id, const char *what)
+{
+    if (c->kind == REFIT__RPC__CLIENT_KIND__CLIENT_PEER)
+        return true;
+    rf_rpc_conn_reply(c->conn, id, -EPERM, "%s is for peer clients (a local refit-receiverd), "
+                      "not %s clients", what, kind_name(c->kind));
+    return false;
+}
+
+static bool export_key_set(const rf_registry *r, reg_client *c, uint64_t id)
+{
+    if (r->export_key)
+        return true;
+    rf_rpc_conn_reply(c->conn, id, -ENOKEY, "same-host export is off on this publisherd (no "
+                      "export key set): its node sets the cluster key when local_copy is on");
+    return false;
+}
+
+static void do_export_hello(rf_registry *r, reg_client *c, uint64_t id)
+{
+    Refit__Rpc__Response resp = REFIT__RPC__RESPONSE__INIT;
+
+    if (!peer_only(c, id, "ExportHello") || !export_key_set(r, c, id))
+        return;
+    randombytes_buf(c->nonce, sizeof(c->nonce));
+    c->has_nonce = true;
+    resp.id = id;
+    resp.nonce.data = c->nonce;
+    resp.nonce.len = sizeof(c->nonce);
+    rf_rpc_conn_send(c->conn, &resp);
+}
+
+/* Passes the fds of the regions in tab (in order, those that have one) on the peer's back
+ * channel, at most RF_EXPORT_FDS_PER_PACKET a packet. The channel is a socket the
+ * peer holds the other end of; it never blocks the loop: the packets are small and the
+ * kernel queues them whole or refuses them (-EAGAIN). */
+static int send_fds(int chan, reg_region *const *tab, uint32_t n, rf_err *err)
+{
+    int fds[RF_EXPORT_FDS_PER_PACKET];
+    uint32_t i = 0, k;
+
+    while (i < n) {
+        union {
+            struct cmsghdr h;
+            char space[CMSG_SPACE(sizeof(fds))];
+        } ctl;
+        uint8_t byte = 0;
+        struct iovec iov = {&byte, 1};
+        struct msghdr mh = {0};
+        struct cmsghdr *cm;
+
+        for (k = 0; i < n && k < RF_EXPORT_FDS_PER_PACKET; i++)
+            if (tab[i]->fd >= 0)
+                fds[k++] = tab[i]->fd;
+        if (k == 0)
+            break;
+        memset(&ctl, 0, sizeof(ctl));
+        mh.msg_iov = &iov;
+        mh.msg_iovlen = 1;
+        mh.msg_control = ctl.space;
+        mh.msg_controllen = CMSG_SPACE(k * sizeof(int));
+        cm = CMSG_FIRSTHDR(&mh);
+        cm->cmsg_level = SOL_SOCKET;
+        cm->cmsg_type = SCM_RIGHTS;
+        cm->cmsg_len = CMSG_LEN(k * sizeof(int));
+        memcpy(CMSG_DATA(cm), fds, k * sizeof(int));
+        byte = (uint8_t)k;
+        while (sendmsg(chan, &mh, MSG_DONTWAIT | MSG_NOSIGNAL) < 0) {
+            if (errno == EINTR)
+                continue;
+            return rf_err_set(err, -errno, "cannot pass the region fds on the Export's back "
+                              "channel: %s%s", strerror(errno), errno == EPIPE ? " (the "
+                              "receiverd closed its end)" : "");
+        }
+    }
+    return 0;
+}
+
+/* The answer to an authenticated Export: the local inventory, one ExportRegion per local
+ * region id, and their fds on the back channel before the answer. */
+static void export_reply(rf_registry *r, reg_client *c, uint64_t id, int chan)
+{
+    Refit__Rpc__Response resp = REFIT__RPC__RESPONSE__INIT;
+    Refit__Inventory inv = REFIT__INVENTORY__INIT;
+    Refit__Rpc__ExportRegion *er = NULL, **erp = NULL;
+    reg_region **tab = NULL;
+    uint32_t n = rf_inv_nregions(r->inv), i;
+    uint8_t *packed = NULL;
+    bool inv_built = false;
+    const reg_client *o;
+    size_t size;
+    rf_err err = {0};
+    int rc;
+
+    tab = calloc(n ? n : 1, sizeof(*tab));
+    er = calloc(n ? n : 1, sizeof(*er));
+    erp = calloc(n ? n : 1, sizeof(*erp));
+    rc = tab && er && erp ? rf_slice_inv_pack(r->inv, RF_SRC, r->generation, &inv) : -ENOMEM;
+    if (rc < 0) {
+        rf_rpc_conn_reply(c->conn, id, rc, "daemon out of memory answering Export");
+        goto out;
+    }
+    inv_built = true;
+    /* Every client's regions are in the live inventory (rebuilt after every change). */
+    for (o = r->clients; o != NULL; o = o->next)
+        for (i = 0; i < o->nregions; i++) {
+            assert(o->regions[i].inv_id < n && tab[o->regions[i].inv_id] == NULL);
+            tab[o->regions[i].inv_id] = &o->regions[i];
+        }
+    for (i = 0; i < n; i++) {
+        assert(tab[i] != NULL);
+        refit__rpc__export_region__init(&er[i]);
+        er[i].kind = (Refit__Rpc__MemKind)tab[i]->kind;
+        er[i].device = tab[i]->device;
+        er[i].size = tab[i]->size;
+        er[i].offset = tab[i]->offset;
+        er[i].handle.data = tab[i]->handle;
+        er[i].handle.len = tab[i]->handle_len;
+        er[i].has_fd = tab[i]->fd >= 0;
+        erp[i] = &er[i];
+    }
+    size = refit__inventory__get_packed_size(&inv);
+    packed = malloc(size ? size : 1);
+    if (packed == NULL) {
+        rf_rpc_conn_reply(c->conn, id, -ENOMEM, "daemon out of memory answering Export");
+        goto out;
+    }
+    refit__inventory__pack(&inv, packed);
+    resp.id = id;
+    resp.inventory.data = packed;
+    resp.inventory.len = size;
+    resp.generation = r->generation;
+    resp.n_regions = n;
+    resp.regions = erp;
+    /* Checked here so the peer hears why: past this the RPC layer would cut it silently. */
+    size = refit__rpc__response__get_packed_size(&resp) + 4;
+    if (size > RF_RPC_MAX_OUTPUT) {
+        rf_rpc_conn_reply(c->conn, id, -EMSGSIZE, "the export of %u regions and %u pieces "
+                          "takes %zu bytes, more than the %u bytes of an RPC answer: "
+                          "same-host export cannot serve this inventory", n,
+                          rf_inv_npieces(r->inv, RF_SRC), size, RF_RPC_MAX_OUTPUT);
+        goto out;
+    }
+    rc = send_fds(chan, tab, n, &err);
+    if (rc < 0) {
+        rf_rpc_conn_reply(c->conn, id, rc, "%s", err.msg);
+        goto out;
+    }
+    rf_rpc_conn_send(c->conn, &resp);
+out:
+    if (inv_built)
+        rf_slice_inv_msg_free(&inv);
+    free(packed);
+    free(erp);
+    free(er);
+    free(tab);
+}
+
+static void do_export(rf_registry *r, reg_client *c, uint64_t id, const Refit__Rpc__Export *m,
+                      int chan)
+{
+    uint8_t ns[RF_EXPORT_NONCE_BYTES], want[RF_EXPORT_MAC_BYTES];
+    bool had = c->has_nonce;
+    int type = 0;
+    socklen_t tlen = sizeof(type);
+
+    if (!peer_only(c, id, "Export") || !export_key_set(r, c, id))
+        goto out;
+    /* One attempt per nonce, right or wrong: a guess costs a round trip to a fresh nonce. */
+    memcpy(ns, c->nonce, sizeof(ns));
+    sodium_memzero(c->nonce, sizeof(c->nonce));
+    c->has_nonce = false;
+    if (!had) {
+        rf_rpc_conn_reply(c->conn, id, -EPROTO, "Export without a fresh nonce: send "
+                          "ExportHello first (each nonce serves one Export)");
+        goto out;
+    }
+    if (m->nonce.len != RF_EXPORT_NONCE_BYTES || m->mac.len != RF_EXPORT_MAC_BYTES) {
+        rf_rpc_conn_reply(c->conn, id, -EINVAL, "Export with a %zu-byte nonce and a %zu-byte "
+                          "mac (both must be %d bytes): closing the connection", m->nonce.len,
+                          m->mac.len, RF_EXPORT_NONCE_BYTES);
+        rf_rpc_conn_close(c->conn); /* frees c */
+        goto out;
+    }
+    rf_export_mac(r->export_key, r->export_key_len, ns, m->nonce.data, want);
+    if (crypto_verify_32(want, m->mac.data) != 0) {
+        pid_t pid;
+
+        rf_rpc_conn_cred(c->conn, &pid, NULL, NULL);
+        rf_rpc_conn_reply(c->conn, id, -EACCES, "Export refused: wrong MAC from pid %d, whose "
+                          "cluster key differs from this publisherd's: give both daemons the "
+                          "same key file; closing the connection", (int)pid);
+        rf_rpc_conn_close(c->conn);
+        goto out;
+    }
+    if (chan < 0 || getsockopt(chan, SOL_SOCKET, SO_TYPE, &type, &tlen) < 0 ||
+        type != SOCK_SEQPACKET) {
+        rf_rpc_conn_reply(c->conn, id, -EINVAL, "Export without its back channel: send one end "
+                          "of an AF_UNIX SOCK_SEQPACKET socketpair with the request (the "
+                          "region fds come on it); closing the connection");
+        rf_rpc_conn_close(c->conn);
+        goto out;
+    }
+    if (!r->complete) {
+        rf_rpc_conn_reply(c->conn, id, -EAGAIN, "inventory incomplete (%u of %u trainers "
+                          "sealed): retry after the next plan", count_data(r, true),
+                          r->expected);
+        goto out;
+    }
+    export_reply(r, c, id, chan);
+out:
+    sodium_memzero(ns, sizeof(ns));
+    if (chan >= 0)
+        close(chan);
+}
+
 static void on_request(rf_rpc_conn *conn, const Refit__Rpc__Request *q, void *ud)
 {
     rf_registry *r = ud;
     reg_client *c = rf_rpc_conn_data(conn);
     int fd = -1;
 
-    /* Only kinds that travel as a descriptor claim one, so fds stay matched to requests. */
-    if (q->body_case == REFIT__RPC__REQUEST__BODY_REGISTER_REGION &&
-        (q->register_region->kind == REFIT__RPC__MEM_KIND__MEM_MEMFD ||
-         q->register_region->kind == REFIT__RPC__MEM_KIND__MEM_CUDA_VMM_FD))
+    /* Only requests that travel with a descriptor claim one, so fds stay matched to requests:
+     * regions of the kinds that are fds, and Export (its back channel). */
+    if ((q->body_case == REFIT__RPC__REQUEST__BODY_REGISTER_REGION &&
+         (q->register_region->kind == REFIT__RPC__MEM_KIND__MEM_MEMFD ||
+          q->register_region->kind == REFIT__RPC__MEM_KIND__MEM_CUDA_VMM_FD)) ||
+        q->body_case == REFIT__RPC__REQUEST__BODY_EXPORT_REQUEST)
         fd = rf_rpc_conn_take_fd(conn);
     if (q->body_case != REFIT__RPC__REQUEST__BODY_HELLO && !c->hello) {
         rf_rpc_conn_reply(conn, q->id, -EPROTO, "request before Hello: say Hello first");
@@ -899,6 +1181,12 @@ static void on_request(rf_rpc_conn *conn, const Refit__Rpc__Request *q, void *ud
         break;
     case REFIT__RPC__REQUEST__BODY_WAIT:
         do_wait(r, c, q->id, q->wait->version, WAIT_CTL);
+        break;
+    case REFIT__RPC__REQUEST__BODY_EXPORT_HELLO:
+        do_export_hello(r, c, q->id);
+        break;
+    case REFIT__RPC__REQUEST__BODY_EXPORT_REQUEST:
+        do_export(r, c, q->id, q->export_request, fd);
         break;
     default:
         rf_rpc_conn_reply(conn, q->id, -EOPNOTSUPP, "unknown request %d", (int)q->body_case);
@@ -969,7 +1257,29 @@ void rf_registry_close(rf_registry *r)
     rf_mem_cache_free(r->mem);
     free(r->ep_device);
     free(r->region_ref);
+    rf_registry_set_export_key(r, NULL, 0);
     free(r);
+}
+
+int rf_registry_set_export_key(rf_registry *r, const uint8_t *key, size_t len)
+{
+    uint8_t *k = NULL;
+
+    if (key != NULL && (len < RF_EXPORT_KEY_MIN || len > RF_EXPORT_KEY_MAX))
+        return -EINVAL;
+    if (key != NULL && sodium_init() < 0)
+        return -EIO;
+    if (key != NULL && (k = malloc(len)) == NULL)
+        return -ENOMEM;
+    if (k)
+        memcpy(k, key, len);
+    if (r->export_key) {
+        sodium_memzero(r->export_key, r->export_key_len);
+        free(r->export_key);
+    }
+    r->export_key = k;
+    r->export_key_len = k ? len : 0;
+    return 0;
 }
 
 const rf_inv *rf_registry_inv(const rf_registry *r) { return r->inv; }

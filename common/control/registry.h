@@ -1,7 +1,9 @@
 /* common/control/registry.h - what a daemon embeds to serve its local clients: the RPC server, the
  * clients, their imported regions and validated pieces (a local rf_inv), publish/release for
- * trainers, version events for engines and the refitctl requests. Runs on the daemon's loop;
- * every function here is called on that loop's thread. */
+ * trainers, version events for engines, the refitctl requests, and (publisherd) the export of
+ * the trainers' memory to an authenticated refit-receiverd on the same host (ExportHello and
+ * Export in proto/rpc.proto; the receiverd's side is common/control/export.h). Runs on the
+ * daemon's loop; every function here is called on that loop's thread. */
 #ifndef RF_REGISTRY_H
 #define RF_REGISTRY_H
 
@@ -67,6 +69,14 @@ int rf_registry_open(uv_loop_t *loop, const rf_registry_opts *opts, const rf_reg
 /* Closes the socket and every client (no callbacks are called from here on) and frees the
  * registry; libuv handles finish closing when the loop runs next. */
 void rf_registry_close(rf_registry *r);
+
+/* Turns same-host export on with the cluster key (copied; RF_EXPORT_KEY_MIN..MAX bytes, the
+ * node passes rf_peer_key's bytes and len), or off with key NULL. A peer client (a local
+ * refit-receiverd) proves the key on a fresh nonce of the registry and gets the local
+ * inventory, every region as its trainer registered it, and the regions' fds. Only a trainers'
+ * registry (RF_SRC) serves it, and only while its inventory is complete. -EINVAL for a key
+ * length outside the bounds, -ENOMEM, -EIO when libsodium cannot start. */
+int rf_registry_set_export_key(rf_registry *r, const uint8_t *key, size_t len);
 
 /* The local inventory: valid until the next return to the loop that may change it (a client
  * request or disconnect); region ids index rf_registry_region_base. */

@@ -1,7 +1,9 @@
 /* tests/unit/test_registry.c - the daemon-side registry driven on a loop thread while librefit
  * calls it from the test's thread: real sockets, real memfds, every refusal checked. */
 #include <criterion/criterion.h>
+#include <dirent.h>
 #include <fcntl.h>
+#include <poll.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -900,4 +902,47 @@ Test(registry, gated_engines_hold_installs_until_consumed)
     FAILS(refit_gate(t), t, -EPERM, "Gate is for engines");
     refit_close(t);
     refit_close(e1);
+}
+
+static int count_fds(void)
+{
+    DIR *d = opendir("/proc/self/fd");
+    struct dirent *de;
+    int n = 0;
+
+    cr_assert_not_null(d);
+    while ((de = readdir(d)) != NULL)
+        if (de->d_name[0] != '.')
+            n++;
+    closedir(d);
+    return n - 1; /* the directory's own fd */
+}
+
+/* The registry keeps each memfd it is given (a same-host receiverd is handed it again) for as
+ * long as the region lives, closes one it refuses at once, and closes them all when the
+ * client goes. */
+Test(registry, region_fds_live_with_their_regions)
+{
+    int base, fd, i, now;
+    refit_client *t;
+    uint32_t r;
+    void *m;
+
+    open_registry(RF_SRC, 1);
+    base = count_fds();
+    t = conn("t0", 0, REFIT_TRAINER);
+    for (i = 0; i < 3; i++)
+        OK(refit_alloc_host(t, 4096, &m, &r), t);
+    /* The client's socket, the daemon's end of it, and one fd per region. */
+    cr_assert_eq(count_fds(), base + 2 + 3);
+    fd = memfd_create("short", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+    cr_assert_eq(ftruncate(fd, 100), 0);
+    FAILS(refit_region_memfd(t, fd, 4096, &r), t, -EINVAL, "register a size that fits");
+    close(fd);
+    cr_assert_eq(count_fds(), base + 2 + 3, "a refused region's fd is not kept");
+    refit_close(t);
+    /* The daemon closes its end when it reads the client's close, on the loop thread. */
+    for (i = 0, now = count_fds(); i < 500 && now != base; i++, now = count_fds())
+        poll(NULL, 0, 10);
+    cr_assert_eq(now, base, "%d fds open after the client left, %d before", now, base);
 }

@@ -1,0 +1,485 @@
+/* common/control/export.c - the receiverd's blocking client of same-host export: Hello as a peer,
+ * ExportHello for the publisherd's nonce, Export with the proof and a back channel for the
+ * region fds, then the answer turned into an rf_inv and one rf_mem_desc per region. */
+#include "export.h"
+
+#include <poll.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <sodium.h>
+
+#include "refit.pb-c.h"
+#include "rpc.h"
+#include "slice.h"
+
+/* One fetch: the connection and the deadline every wait of it is bounded by. */
+typedef struct xchg {
+    const char *path;
+    int fd;
+    double timeout_s;
+    struct timespec deadline; /* CLOCK_MONOTONIC */
+    uint64_t next_id;
+} xchg;
+
+void rf_export_mac(const uint8_t *key, size_t key_len, const uint8_t *server_nonce,
+                   const uint8_t *client_nonce, uint8_t *mac)
+{
+    static const char label[] = RF_EXPORT_LABEL;
+    crypto_auth_hmacsha256_state st;
+
+    crypto_auth_hmacsha256_init(&st, key, key_len);
+    crypto_auth_hmacsha256_update(&st, (const uint8_t *)label, sizeof(label)); /* with NUL */
+    crypto_auth_hmacsha256_update(&st, server_nonce, RF_EXPORT_NONCE_BYTES);
+    crypto_auth_hmacsha256_update(&st, client_nonce, RF_EXPORT_NONCE_BYTES);
+    crypto_auth_hmacsha256_final(&st, mac);
+    sodium_memzero(&st, sizeof(st));
+}
+
+/* Milliseconds left before the deadline, rounded up so a wait never ends early; 0 past it. */
+static int left_ms(const xchg *x)
+{
+    struct timespec now;
+    int64_t ns;
+
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    ns = (int64_t)(x->deadline.tv_sec - now.tv_sec) * 1000000000 +
+         (x->deadline.tv_nsec - now.tv_nsec);
+    if (ns <= 0)
+        return 0;
+    return ns / 1000000 >= INT32_MAX ? INT32_MAX : (int)((ns + 999999) / 1000000);
+}
+
+static int wait_readable(const xchg *x, int fd, const char *what, rf_err *err)
+{
+    for (;;) {
+        struct pollfd p = {fd, POLLIN, 0};
+        int rc = poll(&p, 1, left_ms(x));
+
+        if (rc > 0)
+            return 0;
+        if (rc == 0)
+            return rf_err_set(err, -ETIMEDOUT, "same-host export from %s: no answer to %s "
+                              "within %.3g s: is refit-publisherd there hung or overloaded?",
+                              x->path, what, x->timeout_s);
+        if (errno != EINTR)
+            return rf_err_set(err, -errno, "same-host export from %s: poll: %s", x->path,
+                              strerror(errno));
+    }
+}
+
+static int read_full(const xchg *x, uint8_t *buf, size_t len, const char *what, rf_err *err)
+{
+    size_t off = 0;
+    int rc;
+
+    while (off < len) {
+        ssize_t n;
+
+        rc = wait_readable(x, x->fd, what, err);
+        if (rc < 0)
+            return rc;
+        n = recv(x->fd, buf + off, len - off, MSG_DONTWAIT);
+        if (n == 0)
+            return rf_err_set(err, -ECONNRESET, "same-host export from %s: refit-publisherd "
+                              "closed the connection before answering %s", x->path, what);
+        if (n < 0) {
+            if (errno == EINTR || errno == EAGAIN)
+                continue;
+            return rf_err_set(err, -errno, "same-host export from %s: reading the answer to "
+                              "%s: %s", x->path, what, strerror(errno));
+        }
+        off += (size_t)n;
+    }
+    return 0;
+}
+
+/* Sends q (with passfd as SCM_RIGHTS when >= 0) and reads its answer into *out. A refusal
+ * (a negative code) fails with the publisherd's own message. */
+static int call(xchg *x, Refit__Rpc__Request *q, int passfd, const char *what,
+                Refit__Rpc__Response **out, rf_err *err)
+{
+    Refit__Rpc__Response *r = NULL;
+    uint8_t hdr[4], *body = NULL;
+    uint32_t len;
+    int rc;
+
+    *out = NULL;
+    q->id = ++x->next_id;
+    rc = rf_rpc_send(x->fd, q, passfd, err);
+    if (rc < 0) {
+        rf_err_wrap(err, "same-host export from %s, sending %s: ", x->path, what);
+        goto out;
+    }
+    rc = read_full(x, hdr, sizeof(hdr), what, err);
+    if (rc < 0)
+        goto out;
+    len = (uint32_t)hdr[0] << 24 | (uint32_t)hdr[1] << 16 | (uint32_t)hdr[2] << 8 | hdr[3];
+    /* The daemon never queues more than RF_RPC_MAX_OUTPUT for a client. */
+    if (len > RF_RPC_MAX_OUTPUT) {
+        rc = rf_err_set(err, -EBADMSG, "same-host export from %s: the answer to %s announces "
+                        "%u bytes, more than a daemon sends (%u): is the socket a refit "
+                        "daemon of this release?", x->path, what, len, RF_RPC_MAX_OUTPUT);
+        goto out;
+    }
+    body = malloc(len ? len : 1);
+    if (body == NULL) {
+        rc = rf_err_set(err, -ENOMEM, "same-host export from %s: out of memory for the "
+                        "answer to %s (%u bytes)", x->path, what, len);
+        goto out;
+    }
+    rc = read_full(x, body, len, what, err);
+    if (rc < 0)
+        goto out;
+    r = refit__rpc__response__unpack(NULL, len, body);
+    if (r == NULL) {
+        rc = rf_err_set(err, -EBADMSG, "same-host export from %s: malformed answer to %s "
+                        "(%u bytes that do not decode as refit.rpc.Response): is the socket "
+                        "a refit daemon of this release?", x->path, what, len);
+        goto out;
+    }
+    if (r->code < 0) {
+        rc = rf_err_set(err, r->code, "refit-publisherd at %s refused %s: %s", x->path, what,
+                        r->message ? r->message : "(no message)");
+        goto out;
+    }
+    if (r->id != q->id) {
+        rc = rf_err_set(err, -EBADMSG, "same-host export from %s: the answer to %s (id %llu) "
+                        "carries id %llu", x->path, what, (unsigned long long)q->id,
+                        (unsigned long long)r->id);
+        goto out;
+    }
+    *out = r;
+    r = NULL;
+    rc = 0;
+out:
+    if (r)
+        refit__rpc__response__free_unpacked(r, NULL);
+    free(body);
+    return rc;
+}
+
+/* A connect that cannot hang: SO_SNDTIMEO bounds it (a listener with a full backlog) and every
+ * later send. */
+static int dial(xchg *x, rf_err *err)
+{
+    struct sockaddr_un sa = {0};
+    struct timeval tv;
+    int rc;
+
+    if (x->path == NULL || x->path[0] == '\0' || strlen(x->path) >= sizeof(sa.sun_path))
+        return rf_err_set(err, -EINVAL, "same-host export: socket path '%s' is empty or longer "
+                          "than %zu bytes", x->path ? x->path : "", sizeof(sa.sun_path) - 1);
+    sa.sun_family = AF_UNIX;
+    memcpy(sa.sun_path, x->path, strlen(x->path) + 1);
+    x->fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (x->fd < 0)
+        return rf_err_set(err, -errno, "same-host export: socket(): %s", strerror(errno));
+    tv.tv_sec = (time_t)x->timeout_s;
+    tv.tv_usec = (suseconds_t)((x->timeout_s - (double)tv.tv_sec) * 1e6);
+    if (tv.tv_sec == 0 && tv.tv_usec == 0)
+        tv.tv_usec = 1; /* 0 would mean no limit */
+    setsockopt(x->fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
+    if (connect(x->fd, (struct sockaddr *)&sa, sizeof(sa)) < 0) {
+        rc = -errno;
+        return rf_err_set(err, rc, "same-host export: cannot connect to refit-publisherd's "
+                          "socket %s (%s): is refit-publisherd running there, and may this "
+                          "user connect?", x->path, strerror(-rc));
+    }
+    return 0;
+}
+
+/* Receives exactly need fds from the back channel into fds. */
+static int recv_fds(const xchg *x, int chan, int *fds, uint32_t need, rf_err *err)
+{
+    uint32_t have = 0;
+    int rc;
+
+    while (have < need) {
+        union {
+            struct cmsghdr h;
+            char space[CMSG_SPACE(sizeof(int) * RF_EXPORT_FDS_PER_PACKET)];
+        } ctl;
+        uint8_t byte;
+        struct iovec iov = {&byte, 1};
+        struct msghdr mh = {0};
+        struct cmsghdr *cm;
+        bool extra = false;
+        ssize_t n;
+
+        rc = wait_readable(x, chan, "Export (its region fds)", err);
+        if (rc < 0)
+            return rc;
+        mh.msg_iov = &iov;
+        mh.msg_iovlen = 1;
+        mh.msg_control = ctl.space;
+        mh.msg_controllen = sizeof(ctl.space);
+        n = recvmsg(chan, &mh, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
+        if (n < 0) {
+            if (errno == EINTR || errno == EAGAIN)
+                continue;
+            return rf_err_set(err, -errno, "same-host export from %s: reading the region fds: "
+                              "%s", x->path, strerror(errno));
+        }
+        for (cm = CMSG_FIRSTHDR(&mh); cm != NULL; cm = CMSG_NXTHDR(&mh, cm)) {
+            size_t i, nf;
+
+            if (cm->cmsg_level != SOL_SOCKET || cm->cmsg_type != SCM_RIGHTS)
+                continue;
+            nf = (cm->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+            for (i = 0; i < nf; i++) {
+                int fd;
+
+                memcpy(&fd, CMSG_DATA(cm) + i * sizeof(int), sizeof(int));
+                if (have < need) {
+                    fds[have++] = fd;
+                } else {
+                    close(fd);
+                    extra = true;
+                }
+            }
+        }
+        if (extra || (mh.msg_flags & MSG_CTRUNC))
+            return rf_err_set(err, -EBADMSG, "same-host export from %s: refit-publisherd "
+                              "passed more fds than the %u regions with has_fd", x->path,
+                              need);
+        if (n == 0)
+            return rf_err_set(err, -EPROTO, "same-host export from %s: refit-publisherd "
+                              "passed %u fds, fewer than the %u regions with has_fd", x->path,
+                              have, need);
+    }
+    return 0;
+}
+
+/* The regions of the answer agree with the inventory and with their kinds. */
+static int check_regions(const xchg *x, const Refit__Rpc__Response *r,
+                         const Refit__Inventory *inv, uint32_t *nfds, rf_err *err)
+{
+    size_t i;
+
+    *nfds = 0;
+    if (r->n_regions != inv->n_regions)
+        return rf_err_set(err, -EBADMSG, "same-host export from %s: the answer lists %zu "
+                          "regions, its inventory %zu", x->path, r->n_regions, inv->n_regions);
+    for (i = 0; i < r->n_regions; i++) {
+        const Refit__Rpc__ExportRegion *g = r->regions[i];
+        bool fd_kind = g->kind == REFIT__RPC__MEM_KIND__MEM_MEMFD ||
+                       g->kind == REFIT__RPC__MEM_KIND__MEM_CUDA_VMM_FD;
+
+        if ((!fd_kind && g->kind != REFIT__RPC__MEM_KIND__MEM_CUDA_IPC) ||
+            g->device == NULL || g->device[0] == '\0' || g->has_fd != fd_kind)
+            return rf_err_set(err, -EBADMSG, "same-host export from %s: region %zu has "
+                              "memory kind %d on device '%s' with has_fd %d, which do not go "
+                              "together", x->path, i, (int)g->kind,
+                              g->device ? g->device : "", (int)g->has_fd);
+        *nfds += g->has_fd;
+    }
+    return 0;
+}
+
+/* Builds the export from the checked answer; the fds move into it. */
+static int build(const xchg *x, const Refit__Rpc__Response *r, Refit__Inventory *inv,
+                 int *fds, rf_export **out, rf_err *err)
+{
+    const rf_side sides[1] = {RF_SRC};
+    rf_slice_map map;
+    rf_export *e;
+    uint32_t i, k = 0;
+    rf_err merr = {0};
+    int rc;
+
+    e = calloc(1, sizeof(*e));
+    if (e == NULL)
+        return rf_err_set(err, -ENOMEM, "same-host export from %s: out of memory", x->path);
+    e->regions = calloc(r->n_regions ? r->n_regions : 1, sizeof(*e->regions));
+    if (e->regions == NULL) {
+        rc = rf_err_set(err, -ENOMEM, "same-host export from %s: out of memory", x->path);
+        goto out;
+    }
+    e->nregions = (uint32_t)r->n_regions;
+    for (i = 0; i < e->nregions; i++)
+        e->regions[i].fd = -1;
+    e->generation = r->generation;
+    /* One member merged alone keeps its ids: tensors, regions and pieces stay the publisher's
+     * local ones, which the plan slices name. */
+    rc = rf_slice_merge(&inv, sides, 1, &e->inv, &map, &merr);
+    if (rc < 0) {
+        rf_err_set(err, rc, "same-host export from %s: the exported inventory is not valid: %s",
+                   x->path, merr.msg);
+        goto out;
+    }
+    rf_slice_map_free(&map);
+    for (i = 0; i < e->nregions; i++) {
+        const Refit__Rpc__ExportRegion *g = r->regions[i];
+        rf_mem_desc *d = &e->regions[i];
+        uint8_t *h = NULL;
+
+        d->kind = (rf_mem_kind)g->kind;
+        d->size = g->size;
+        d->offset = g->offset;
+        d->device = strdup(g->device);
+        if (g->handle.len > 0 && (h = malloc(g->handle.len)) != NULL)
+            memcpy(h, g->handle.data, g->handle.len);
+        d->handle = h;
+        d->handle_len = h ? g->handle.len : 0;
+        if (g->has_fd) {
+            d->fd = fds[k];
+            fds[k++] = -1;
+        }
+        if (d->device == NULL || (g->handle.len > 0 && h == NULL)) {
+            rc = rf_err_set(err, -ENOMEM, "same-host export from %s: out of memory", x->path);
+            goto out;
+        }
+    }
+    *out = e;
+    e = NULL;
+    rc = 0;
+out:
+    rf_export_free(e);
+    return rc;
+}
+
+int rf_export_fetch(const char *socket_path, const uint8_t *key, size_t key_len,
+                    double timeout_s, rf_export **out, rf_err *err)
+{
+    Refit__Rpc__Request q = REFIT__RPC__REQUEST__INIT;
+    Refit__Rpc__Hello hello = REFIT__RPC__HELLO__INIT;
+    Refit__Rpc__ExportHello ehello = REFIT__RPC__EXPORT_HELLO__INIT;
+    Refit__Rpc__Export ex = REFIT__RPC__EXPORT__INIT;
+    Refit__Rpc__Response *r = NULL;
+    Refit__Inventory *inv = NULL;
+    uint8_t ns[RF_EXPORT_NONCE_BYTES], nc[RF_EXPORT_NONCE_BYTES], mac[RF_EXPORT_MAC_BYTES];
+    xchg x = {socket_path, -1, timeout_s, {0, 0}, 0};
+    int sv[2] = {-1, -1}, *fds = NULL;
+    uint32_t nfds = 0, i;
+    int rc;
+
+    *out = NULL;
+    if (key == NULL || key_len < RF_EXPORT_KEY_MIN || key_len > RF_EXPORT_KEY_MAX)
+        return rf_err_set(err, -EINVAL, "same-host export: a cluster key of %d to %d bytes is "
+                          "needed, got %zu", RF_EXPORT_KEY_MIN, RF_EXPORT_KEY_MAX,
+                          key ? key_len : 0);
+    if (!(timeout_s > 0 && timeout_s < 1e6))
+        return rf_err_set(err, -EINVAL, "same-host export: timeout %g s: give 0 < timeout < "
+                          "1e6 s", timeout_s);
+    if (sodium_init() < 0)
+        return rf_err_set(err, -EIO, "libsodium failed to initialise (no entropy source?)");
+    clock_gettime(CLOCK_MONOTONIC, &x.deadline);
+    x.deadline.tv_sec += (time_t)timeout_s;
+    x.deadline.tv_nsec += (long)((timeout_s - (double)(time_t)timeout_s) * 1e9);
+    if (x.deadline.tv_nsec >= 1000000000) {
+        x.deadline.tv_sec++;
+        x.deadline.tv_nsec -= 1000000000;
+    }
+    rc = dial(&x, err);
+    if (rc < 0)
+        goto out;
+
+    hello.protocol_version = RF_RPC_PROTOCOL_VERSION;
+    hello.name = "refit-receiverd";
+    hello.kind = REFIT__RPC__CLIENT_KIND__CLIENT_PEER;
+    hello.pid = (int32_t)getpid();
+    q.body_case = REFIT__RPC__REQUEST__BODY_HELLO;
+    q.hello = &hello;
+    rc = call(&x, &q, -1, "Hello", &r, err);
+    if (rc < 0)
+        goto out;
+    refit__rpc__response__free_unpacked(r, NULL);
+    r = NULL;
+
+    q.body_case = REFIT__RPC__REQUEST__BODY_EXPORT_HELLO;
+    q.export_hello = &ehello;
+    rc = call(&x, &q, -1, "ExportHello", &r, err);
+    if (rc < 0)
+        goto out;
+    if (r->nonce.len != RF_EXPORT_NONCE_BYTES) {
+        rc = rf_err_set(err, -EBADMSG, "same-host export from %s: ExportHello answered with a "
+                        "%zu-byte nonce, not %d", socket_path, r->nonce.len,
+                        RF_EXPORT_NONCE_BYTES);
+        goto out;
+    }
+    memcpy(ns, r->nonce.data, sizeof(ns));
+    refit__rpc__response__free_unpacked(r, NULL);
+    r = NULL;
+
+    randombytes_buf(nc, sizeof(nc));
+    rf_export_mac(key, key_len, ns, nc, mac);
+    if (socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, sv) < 0) {
+        rc = rf_err_set(err, -errno, "same-host export from %s: socketpair for the region fds: "
+                        "%s", socket_path, strerror(errno));
+        goto out;
+    }
+    ex.nonce.data = nc;
+    ex.nonce.len = sizeof(nc);
+    ex.mac.data = mac;
+    ex.mac.len = sizeof(mac);
+    q.body_case = REFIT__RPC__REQUEST__BODY_EXPORT_REQUEST;
+    q.export_request = &ex;
+    rc = call(&x, &q, sv[1], "Export", &r, err);
+    /* Only the publisherd's copy of our end may stay open: its close ends the fds. */
+    close(sv[1]);
+    sv[1] = -1;
+    if (rc < 0)
+        goto out;
+    inv = refit__inventory__unpack(NULL, r->inventory.len, r->inventory.data);
+    if (inv == NULL) {
+        rc = rf_err_set(err, -EBADMSG, "same-host export from %s: the exported inventory (%zu "
+                        "bytes) does not decode as refit.Inventory", socket_path,
+                        r->inventory.len);
+        goto out;
+    }
+    rc = check_regions(&x, r, inv, &nfds, err);
+    if (rc < 0)
+        goto out;
+    fds = malloc((nfds ? nfds : 1) * sizeof(*fds));
+    if (fds == NULL) {
+        rc = rf_err_set(err, -ENOMEM, "same-host export from %s: out of memory", socket_path);
+        goto out;
+    }
+    for (i = 0; i < nfds; i++)
+        fds[i] = -1;
+    rc = recv_fds(&x, sv[0], fds, nfds, err);
+    if (rc < 0)
+        goto out;
+    rc = build(&x, r, inv, fds, out, err);
+out:
+    for (i = 0; fds && i < nfds; i++)
+        if (fds[i] >= 0)
+            close(fds[i]);
+    free(fds);
+    if (inv)
+        refit__inventory__free_unpacked(inv, NULL);
+    if (r)
+        refit__rpc__response__free_unpacked(r, NULL);
+    if (sv[0] >= 0)
+        close(sv[0]);
+    if (sv[1] >= 0)
+        close(sv[1]);
+    if (x.fd >= 0)
+        close(x.fd);
+    sodium_memzero(mac, sizeof(mac));
+    return rc;
+}
+
+void rf_export_free(rf_export *e)
+{
+    uint32_t i;
+
+    if (e == NULL)
+        return;
+    for (i = 0; e->regions && i < e->nregions; i++) {
+        if (e->regions[i].fd >= 0)
+            close(e->regions[i].fd);
+        free((char *)e->regions[i].device);
+        free((uint8_t *)e->regions[i].handle);
+    }
+    free(e->regions);
+    rf_inv_free(e->inv);
+    free(e);
+}
