@@ -20,8 +20,9 @@
 /* The cluster key's bounds (rf_peer_load_key's RF_PEER_KEY_MIN and RF_PEER_KEY_MAX). */
 #define RF_EXPORT_KEY_MIN 32
 #define RF_EXPORT_KEY_MAX 1024
-/* Region fds per packet on the back channel (the kernel takes at most 253 a message). */
-#define RF_EXPORT_FDS_PER_PACKET 64
+/* Region fds per packet on the back channel: near the kernel's 253 a message, because the
+ * channel's send buffer holds about 280 packets whatever they carry (some 70k fds). */
+#define RF_EXPORT_FDS_PER_PACKET 250
 
 /* What a publisherd exported: its trainers' memory as they registered it. */
 typedef struct rf_export {

@@ -9,6 +9,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <sodium.h>
@@ -36,6 +37,7 @@ typedef struct reg_region {
     uint8_t *handle;     /* malloc'd copy of the handle bytes, NULL when none */
     size_t handle_len;
     int fd;              /* memfd, cuda_vmm_fd: the received descriptor; -1 for cuda_ipc */
+    bool fd_shared;      /* fd is an earlier region's of the same client (one memfd) */
     uint32_t inv_id;     /* in the live inventory */
     uint32_t scratch_id; /* in the seal check's scratch inventory */
 } reg_region;
@@ -75,6 +77,13 @@ typedef struct reg_client {
     uint64_t consumed; /* gated engines: last version they are done with */
     reg_waiter *waiters;
     size_t nwaiters, cap_waiters;
+    /* The memfd of the client's last memfd region: the regions of one memfd (a trainer's one
+     * allocation holding every tensor) share one kept fd, so the daemon holds one fd per
+     * object, not per region. VMM fds cannot be told apart (every exported fd reports the
+     * same inode): each keeps its own. */
+    dev_t memfd_dev;
+    ino_t memfd_ino;
+    int memfd_fd;       /* -1: none yet */
     /* peers: the server nonce of the last ExportHello, good for one Export */
     uint8_t nonce[RF_EXPORT_NONCE_BYTES];
     bool has_nonce;
@@ -372,7 +381,7 @@ static void client_free(reg_client *c)
         release_ref(c->reg, c->regions[i].ref);
         /* The mapping may stay (held), the descriptor need not: a receiverd that fetched it
          * holds its own copy. */
-        if (c->regions[i].fd >= 0)
+        if (c->regions[i].fd >= 0 && !c->regions[i].fd_shared)
             close(c->regions[i].fd);
         free(c->regions[i].handle);
     }
@@ -405,6 +414,7 @@ static void on_connect(rf_rpc_conn *conn, void *ud)
     }
     c->reg = r;
     c->conn = conn;
+    c->memfd_fd = -1;
     c->next = r->clients;
     if (r->clients)
         r->clients->prev = c;
@@ -600,6 +610,7 @@ static void do_region(rf_registry *r, reg_client *c, uint64_t id,
     rf_mem_ref *ref = NULL;
     reg_region *rg;
     uint8_t *handle = NULL;
+    struct stat st;
     rf_err err = {0};
     int rc;
 
@@ -669,9 +680,22 @@ static void do_region(rf_registry *r, reg_client *c, uint64_t id,
     rg->handle = handle;
     rg->handle_len = d.handle_len;
     handle = NULL;
-    /* The region owns the received descriptor from here: kept to export it again. */
-    rg->fd = fd;
-    fd = -1;
+    /* The region owns the received descriptor from here: kept to export it again. A region
+     * of the same memfd as the client's last one shares that one's (regions of a client go
+     * together, in client_free). */
+    if (d.kind == RF_MEM_MEMFD && c->memfd_fd >= 0 && fstat(fd, &st) == 0 &&
+        st.st_dev == c->memfd_dev && st.st_ino == c->memfd_ino) {
+        rg->fd = c->memfd_fd;
+        rg->fd_shared = true;
+    } else {
+        rg->fd = fd;
+        fd = -1;
+        if (d.kind == RF_MEM_MEMFD && fstat(rg->fd, &st) == 0) {
+            c->memfd_fd = rg->fd;
+            c->memfd_dev = st.st_dev;
+            c->memfd_ino = st.st_ino;
+        }
+    }
     c->nregions++;
     ref = NULL;
     r->generation++;

@@ -186,9 +186,10 @@ static refit_client *trainer(const char *name, int rank)
     return c;
 }
 
-/* The registered trainers: t0 holds rows 0-1 of "w" [4, 8] fp32 in a region of its own and a
- * region at offset 4096 of a larger memfd holding "b" [3]; t1 rows 2-3 of "w". Every region's
- * bytes are one value, distinct per region. */
+/* The registered trainers: t0 holds rows 0-1 of "w" [4, 8] fp32 in a region of its own, and
+ * "b" [3] at offset 4096 and "c" [4] at offset 0 of a larger memfd (two regions of one object:
+ * the registry keeps one fd for both); t1 rows 2-3 of "w". Every region's bytes are one value,
+ * distinct per region. */
 typedef struct trainers {
     refit_client *t0, *t1;
     int big_fd;            /* t0's memfd of 8192 bytes */
@@ -199,7 +200,7 @@ typedef struct trainers {
 static void start_trainers(trainers *T, bool seal_t1)
 {
     const int64_t shw[2] = {4, 8}, s0[2] = {0, 0}, s2[2] = {2, 0}, ext[2] = {2, 8};
-    const int64_t shb[1] = {3}, sb[1] = {0}, eb[1] = {3};
+    const int64_t shb[1] = {3}, sb[1] = {0}, eb[1] = {3}, shc[1] = {4}, ec[1] = {4};
     uint32_t r;
 
     T->t0 = trainer("t0", 0);
@@ -216,6 +217,9 @@ static void start_trainers(trainers *T, bool seal_t1)
     memset(T->big + 4096, 0xb2, 12);
     OK(refit_region_memfd_at(T->t0, T->big_fd, 4096, 12, &r), T->t0);
     OK(refit_add_piece(T->t0, "b", REFIT_FP32, 1, shb, r, 0, sb, eb, NULL), T->t0);
+    memset(T->big, 0xd4, 16);
+    OK(refit_region_memfd_at(T->t0, T->big_fd, 0, 16, &r), T->t0);
+    OK(refit_add_piece(T->t0, "c", REFIT_FP32, 1, shc, r, 0, sb, ec, NULL), T->t0);
     OK(refit_alloc_host(T->t1, 64, &T->w1, &r), T->t1);
     memset(T->w1, 0xc3, 64);
     OK(refit_add_piece(T->t1, "w", REFIT_FP32, 2, shw, r, 0, s2, ext, NULL), T->t1);
@@ -343,8 +347,8 @@ static rf_export *fetch_ok(void)
 
 Test(export, fetch_gives_the_inventory_regions_and_trainer_memory)
 {
-    uint8_t *maps[3] = {0}, *mapped[3];
-    uint64_t lens[3];
+    uint8_t *maps[4] = {0}, *mapped[4];
+    uint64_t lens[4];
     rf_mem_cache *cache = rf_mem_cache_new();
     trainers T;
     check k = {0};
@@ -354,7 +358,7 @@ Test(export, fetch_gives_the_inventory_regions_and_trainer_memory)
     open_registry(RF_SRC, 2, true);
     start_trainers(&T, true);
     e = fetch_ok();
-    cr_assert_eq(e->nregions, 3);
+    cr_assert_eq(e->nregions, 4);
     for (i = 0; i < e->nregions; i++) {
         const rf_mem_desc *d = &e->regions[i];
         rf_mem_ref *ref = NULL;
@@ -378,27 +382,29 @@ Test(export, fetch_gives_the_inventory_regions_and_trainer_memory)
             seen |= 2;
         if (mapped[i][0] == 0xc3 && d->size == 64 && d->offset == 0)
             seen |= 4;
+        if (mapped[i][0] == 0xd4 && d->size == 16 && d->offset == 0)
+            seen |= 16;
         /* A receiverd imports the description as it stands. */
         cr_assert_eq(rf_mem_import(cache, d, &ref, &err), 0, "%s", err.msg);
         cr_assert_eq(memcmp(rf_mem_ref_base(ref), mapped[i], d->size), 0);
         rf_mem_release(cache, ref);
     }
-    cr_assert_eq(seen, 7, "the three trainer regions, each once");
+    cr_assert_eq(seen, 7 | 16, "the four trainer regions, each once");
     /* Ids are the publisher's: the inventory equals the registry's, piece for piece. */
     k.e = e;
     k.mapped = mapped;
     on_loop(compare_on_loop, &k);
     cr_assert_str_eq(k.why, "");
     cr_assert_eq(e->generation, k.generation);
-    cr_assert_eq(rf_inv_ntensors(e->inv), 2);
-    cr_assert_eq(rf_inv_npieces(e->inv, RF_SRC), 3);
+    cr_assert_eq(rf_inv_ntensors(e->inv), 3);
+    cr_assert_eq(rf_inv_npieces(e->inv, RF_SRC), 4);
     /* The mapping is the trainer's memory, live. */
     memset(T.w1, 0x5e, 64);
-    for (i = 0; i < 3; i++)
+    for (i = 0; i < 4; i++)
         if (e->regions[i].size == 64 && mapped[i][0] == 0x5e)
             seen |= 8;
-    cr_assert_eq(seen, 15);
-    for (i = 0; i < 3; i++)
+    cr_assert_eq(seen, 31);
+    for (i = 0; i < 4; i++)
         munmap(maps[i], lens[i]);
     rf_export_free(e);
     rf_mem_cache_free(cache);
@@ -520,7 +526,7 @@ Test(export, no_fd_leaks_in_the_client_or_the_registry)
     for (i = 0; i < 3; i++) {
         e = fetch_ok();
         /* While held: one fd per region, nothing else of the fetch. */
-        wait_fds(base + 3);
+        wait_fds(base + 4);
         rf_export_free(e);
         wait_fds(base);
     }
@@ -654,7 +660,7 @@ Test(export, raw_protocol_refusals)
     r = raw_export(fd, ns, KEY, 32, 32, sv[1]);
     cr_assert_not_null(r);
     cr_assert_eq(r->code, 0, "%s", r->message);
-    cr_assert_eq(r->n_regions, 3);
+    cr_assert_eq(r->n_regions, 4);
     refit__rpc__response__free_unpacked(r, NULL);
     expect(raw_export(fd, ns, KEY, 32, 32, sv[1]), -EPROTO, "each nonce serves one Export");
     close(sv[0]);
@@ -1041,5 +1047,47 @@ Test(export, an_inventory_too_large_for_one_answer_is_refused_by_name, .timeout 
     wait_inventory(1);
     FETCH_FAILS(H.path, KEY, sizeof(KEY), 30, -EMSGSIZE,
                 "more than the 16777216 bytes of an RPC answer");
+    refit_close(t);
+}
+
+/* More fds than one packet carries: they come in region order over several packets. */
+Test(export, many_regions_come_in_order)
+{
+    const int64_t sh[1] = {16}, st[1] = {0}, ex[1] = {16};
+    const uint32_t n = 3 * RF_EXPORT_FDS_PER_PACKET + 7;
+    refit_client *t;
+    uint8_t *mem;
+    uint32_t i, r;
+    rf_export *e;
+    char name[32];
+    int fd;
+
+    open_registry(RF_SRC, 1, true);
+    t = trainer("t0", 0);
+    fd = memfd_create("many", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+    cr_assert_eq(ftruncate(fd, (off_t)n * 64), 0);
+    mem = mmap(NULL, (size_t)n * 64, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    cr_assert_neq(mem, MAP_FAILED);
+    for (i = 0; i < n; i++) {
+        memset(mem + (size_t)i * 64, (int)(i * 37 % 251), 64);
+        OK(refit_region_memfd_at(t, fd, (uint64_t)i * 64, 64, &r), t);
+        snprintf(name, sizeof(name), "t%u", i);
+        OK(refit_add_piece(t, name, REFIT_UINT8, 1, sh, r, 0, st, ex, NULL), t);
+    }
+    OK(refit_seal(t), t);
+    wait_inventory(1);
+    e = fetch_ok();
+    cr_assert_eq(e->nregions, n);
+    for (i = 0; i < n; i++) {
+        const rf_mem_desc *d = &e->regions[i];
+        uint8_t b;
+
+        cr_assert_eq(d->offset, (uint64_t)i * 64);
+        cr_assert_eq(pread(d->fd, &b, 1, (off_t)d->offset + 63), 1);
+        cr_assert_eq(b, i * 37 % 251, "region %u reads %u", i, b);
+    }
+    rf_export_free(e);
+    munmap(mem, (size_t)n * 64);
+    close(fd);
     refit_close(t);
 }
