@@ -8,6 +8,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/un.h>
 #include <time.h>
@@ -245,7 +246,19 @@ static int recv_fds(const xchg *x, int chan, int *fds, uint32_t need, rf_err *er
                 }
             }
         }
-        if (extra || (mh.msg_flags & MSG_CTRUNC))
+        /* The kernel truncates what this process may not open (RLIMIT_NOFILE): say so, it
+         * reads like a short count otherwise. */
+        if (mh.msg_flags & MSG_CTRUNC) {
+            struct rlimit rl = {0};
+
+            getrlimit(RLIMIT_NOFILE, &rl);
+            return rf_err_set(err, -EMFILE, "same-host export from %s: the region fds did not "
+                              "all fit in this process (%u of %u received; its open-file limit "
+                              "is %llu): raise LimitNOFILE (ulimit -n) of refit-receiverd above "
+                              "the trainers' region count", x->path, have, need,
+                              (unsigned long long)rl.rlim_cur);
+        }
+        if (extra)
             return rf_err_set(err, -EBADMSG, "same-host export from %s: refit-publisherd "
                               "passed more fds than the %u regions with has_fd", x->path,
                               need);

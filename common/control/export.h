@@ -42,7 +42,9 @@ typedef struct rf_export {
  * (-EACCES: a different cluster key; -EAGAIN: its inventory is incomplete, retry after the
  * next plan; -ENOKEY: export is off there; -EOPNOTSUPP: the socket is a receiverd's),
  * -ETIMEDOUT, -EBADMSG for an answer that does not parse or agree with itself, -EPROTO for
- * fewer fds than regions with has_fd. Nothing is left open on failure. */
+ * fewer fds than regions with has_fd, -EMFILE when this process may not open them all (one fd
+ * per exported memfd or VMM region: RLIMIT_NOFILE must exceed the trainers' region count).
+ * Nothing is left open on failure. */
 int rf_export_fetch(const char *socket_path, const uint8_t *key, size_t key_len,
                     double timeout_s, rf_export **out, rf_err *err);
 /* Frees the export and closes its fds (mappings made from them stay valid). NULL is fine. */

@@ -11,6 +11,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/un.h>
 #include <time.h>
@@ -1060,7 +1061,7 @@ Test(export, many_regions_come_in_order)
     uint32_t i, r;
     rf_export *e;
     char name[32];
-    int fd;
+    int fd, base;
 
     open_registry(RF_SRC, 1, true);
     t = trainer("t0", 0);
@@ -1076,6 +1077,7 @@ Test(export, many_regions_come_in_order)
     }
     OK(refit_seal(t), t);
     wait_inventory(1);
+    base = count_fds();
     e = fetch_ok();
     cr_assert_eq(e->nregions, n);
     for (i = 0; i < n; i++) {
@@ -1087,6 +1089,20 @@ Test(export, many_regions_come_in_order)
         cr_assert_eq(b, i * 37 % 251, "region %u reads %u", i, b);
     }
     rf_export_free(e);
+    wait_fds(base);
+    /* A receiverd whose open-file limit is below the region count hears what to raise, and
+     * holds nothing afterwards. */
+    {
+        struct rlimit old, low;
+
+        cr_assert_eq(getrlimit(RLIMIT_NOFILE, &old), 0);
+        low = old;
+        low.rlim_cur = (rlim_t)base + 100;
+        cr_assert_eq(setrlimit(RLIMIT_NOFILE, &low), 0);
+        FETCH_FAILS(H.path, KEY, sizeof(KEY), 5, -EMFILE, "raise LimitNOFILE");
+        cr_assert_eq(setrlimit(RLIMIT_NOFILE, &old), 0);
+        wait_fds(base);
+    }
     munmap(mem, (size_t)n * 64);
     close(fd);
     refit_close(t);
