@@ -650,6 +650,20 @@ int rf_xfer_local_set_threads(rf_xfer_transport *pub, unsigned threads, rf_err *
     return 0;
 }
 
+int rf_xfer_local_tune_gpu(rf_xfer_transport *pub, uint64_t batch, uint64_t memcpy_min,
+                           rf_err *err)
+{
+    rf_xfer_local *t = container_of(pub, rf_xfer_local, base.pub);
+
+    if (pub->ops != &rf_xfer__local_backend)
+        return rf_err_set(err, -EINVAL, "xfer %s: not the local transport", pub->ops->name);
+    if (t->base.running)
+        return rf_err_set(err, -EBUSY, "xfer local: tuning changes while a job runs");
+    t->gpu_batch = batch;
+    t->gpu_memcpy_min = memcpy_min;
+    return 0;
+}
+
 void rf_xfer_local_stats(const rf_xfer_transport *pub, uint64_t *allocs, uint64_t *dev_now,
                          uint64_t *dev_peak)
 {

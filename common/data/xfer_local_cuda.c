@@ -19,14 +19,16 @@
 #include "log.h"
 #include "macros.h"
 
-/* A pair contiguous on both sides and at least this large goes by cudaMemcpyAsync, and a pair
- * of rows (one strided dim) whose rows are at least this large by cudaMemcpy2DAsync: the copy
- * engines then match the kernel and leave the SMs alone; below it the kernel's one launch for
- * many boxes wins over a call per box. Measured on an H200 (bench_gpu local, bench/RESULTS.md). */
-#define MEMCPY_MIN (8ull << 20)
-/* Bytes per batch: the unit of progress and of an abort's wait (a few batches in flight at
- * about 2 TB/s is well under a millisecond each; between GPUs over PCIe, tens). */
-#define BATCH (1ull << 30)
+/* A pair contiguous on both sides and at least this large goes by cudaMemcpyAsync (a pair of
+ * rows, one strided dim, of at least this many bytes with rows of an eighth of it by
+ * cudaMemcpy2DAsync): from there the copy engines match the kernel; below it the kernel's one
+ * launch for many boxes wins over a call per box (on an H200, copies of 8 MiB: kernel 1850 GB/s,
+ * cudaMemcpyAsync 1200; of 64 MiB: 1904 and 1932; bench_gpu local, bench/RESULTS.md). */
+#define MEMCPY_MIN (64ull << 20)
+/* Bytes per batch: the unit of progress and of an abort's wait (about 2 ms each at 2 TB/s on
+ * one GPU; between GPUs over PCIe, tens). 4 GiB measured best on an H200 for qwen3-30b-a3b
+ * (45.0 ms against 47.6 with 1 GiB: fewer kernel tails); bench/RESULTS.md. */
+#define BATCH (4ull << 30)
 /* Batches enqueued at once: the events of each device form a ring of this size. */
 #define SLOTS 3
 /* Verification scratch per device: the digested bytes are gathered here and copied down. */
@@ -79,6 +81,7 @@ typedef struct pdev {
 typedef struct gplan {
     uint64_t key;
     int verify;
+    uint64_t batch, memcpy_min; /* the tuning it was cut with */
     bool valid;
     uint32_t nmsgs, ndev, nbatches;
     uint32_t *mdev;             /* per message: device slot */
@@ -433,6 +436,8 @@ static int plan_build(rf_xfer_local *t)
     gplan *pl = &t->g->pl;
     rf_copy_pair **kp = NULL, p;
     uint64_t *kn = NULL, *kcap = NULL, *on = NULL, *ocap = NULL, batch_bytes = 0;
+    uint64_t batch = t->gpu_batch ? t->gpu_batch : BATCH;
+    uint64_t mmin = t->gpu_memcpy_min ? t->gpu_memcpy_min : MEMCPY_MIN;
     vbuild vb = {0};
     rf_err err;
     uint32_t i, k, d, b;
@@ -482,7 +487,7 @@ static int plan_build(rf_xfer_local *t)
     pl->bmsg[0] = 0;
     for (i = 0; i < job->nmsgs; i++) {
         batch_bytes += job->msgs[i].bytes;
-        if (batch_bytes >= BATCH || i + 1 == job->nmsgs) {
+        if (batch_bytes >= batch || i + 1 == job->nmsgs) {
             pl->bmsg[++pl->nbatches] = i + 1;
             batch_bytes = 0;
         }
@@ -528,8 +533,8 @@ static int plan_build(rf_xfer_local *t)
                     goto out;
                 }
                 rf_copy_pair_flatten(&p, &f);
-                if ((f.n == 0 && f.bytes >= MEMCPY_MIN) ||
-                    (f.n == 1 && f.run >= MEMCPY_MIN / 8 && f.bytes >= MEMCPY_MIN &&
+                if ((f.n == 0 && f.bytes >= mmin) ||
+                    (f.n == 1 && f.run >= mmin / 8 && f.bytes >= mmin &&
                      f.sstr[0] >= (int64_t)f.run && f.dstr[0] >= (int64_t)f.run)) {
                     if ((rc = grow(t, (void **)&pl->ops[d], &ocap[d], on[d] + 1,
                                    sizeof(ceop))) < 0)
@@ -582,6 +587,8 @@ static int plan_build(rf_xfer_local *t)
     }
     pl->key = job->plan_key;
     pl->verify = job->verify;
+    pl->batch = batch;
+    pl->memcpy_min = mmin;
     pl->valid = true;
 out:
     for (d = 0; kp && d < pl->ndev; d++)
@@ -723,7 +730,9 @@ int rf_xfer__lgpu_start(rf_xfer_local *t)
     }
     g->job = job;
     if (!g->pl.valid || job->plan_key == 0 || g->pl.key != job->plan_key ||
-        g->pl.verify != job->verify || g->pl.nmsgs != job->nmsgs) {
+        g->pl.verify != job->verify || g->pl.nmsgs != job->nmsgs ||
+        g->pl.batch != (t->gpu_batch ? t->gpu_batch : BATCH) ||
+        g->pl.memcpy_min != (t->gpu_memcpy_min ? t->gpu_memcpy_min : MEMCPY_MIN)) {
         /* Pointers may have been unmapped and mapped again elsewhere since the last plan. */
         for (uint32_t i = 0; i < g->pcap; i++)
             g->ptab[i].dev = -1;

@@ -17,6 +17,8 @@ typedef struct rf_xfer_local {
     rf_xfer_core base;
     bool gpu;
     unsigned threads;            /* host copies: threads per job, the worker included (0: auto) */
+    uint64_t gpu_batch;          /* GPU: bytes per batch (0: the default) */
+    uint64_t gpu_memcpy_min;     /* GPU: smallest box for the copy engines (0: the default) */
     _Atomic uint64_t allocs;     /* allocations the transport made, host and device, ever */
     _Atomic uint64_t mem_now, mem_peak; /* device memory it holds (gpu) */
     struct rf_xfer_lhost *host;  /* host part's kept state */
@@ -42,6 +44,10 @@ void rf_xfer__lgpu_release(rf_xfer_local *t);
  * 1: the worker alone). */
 #define RF_XFER_LOCAL_MAX_THREADS 16
 int rf_xfer_local_set_threads(rf_xfer_transport *t, unsigned threads, rf_err *err);
+/* GPU copies, for benchmarks: bytes per batch and the smallest box that goes to the copy
+ * engines instead of the pair kernel (UINT64_MAX: none); 0 keeps each default. */
+int rf_xfer_local_tune_gpu(rf_xfer_transport *t, uint64_t batch, uint64_t memcpy_min,
+                           rf_err *err);
 /* Allocations (host and device) the transport made since creation: a warm job with the same
  * plan_key makes none. Device memory held now and at most (gpu). Any thread. */
 void rf_xfer_local_stats(const rf_xfer_transport *t, uint64_t *allocs, uint64_t *dev_now,
