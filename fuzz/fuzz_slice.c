@@ -166,7 +166,7 @@ static void check_member(const input *in, const rf_plan *plan, const rf_slice_ma
             fprintf(stderr, "fuzz_slice: frame %zu of member %u's slice does not unpack\n", i, m);
             abort();
         }
-        rc = rf_slice_job_add(&job, back->plan_slice, local, side_of(in, m), bases, &err);
+        rc = rf_slice_job_add(&job, back->plan_slice, local, side_of(in, m), bases, NULL, &err);
         refit__envelope__free_unpacked(back, NULL);
         if (rc == -ENOMEM)
             goto out;
@@ -249,7 +249,7 @@ static void receive_slices(const input *in)
     for (i = 0; bases != NULL && i < in->nslices; i++) {
         rf_err err = {0};
 
-        if (rf_slice_job_add(&job, in->slices[i], local, side_of(in, 0), bases, &err) < 0) {
+        if (rf_slice_job_add(&job, in->slices[i], local, side_of(in, 0), bases, NULL, &err) < 0) {
             rf_slice_job_reset(&job);
             continue;
         }

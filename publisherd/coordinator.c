@@ -30,6 +30,8 @@ typedef struct member {
     uint64_t daemon_id;
     char node[64];
     char data_addr[128];
+    char host_id[RF_PEER_HELLO_STR_MAX + 1]; /* Hello.host_id: "" never local */
+    char local_sock[RF_PEER_HELLO_STR_MAX + 1];
     uint8_t *inv;      /* the member's Inventory, packed */
     size_t inv_len;
     bool inv_complete;
@@ -56,6 +58,7 @@ typedef struct build_job {
     uint64_t *gens;
     rf_slice_peer *peers;
     rf_side *sides;
+    uint32_t *hosts;   /* per member: index of the first member on its host, or RF_HOST_NONE */
     rf_plan_opts opts;
     bool nccl;
     uint8_t nccl_id[RF_XFER_NCCL_ID_BYTES];
@@ -398,6 +401,7 @@ static void build_free(build_job *b)
     for (i = 0; i < b->nmembers; i++) {
         free(b->invs[i]);
         free((char *)b->peers[i].data_addr);
+        free((char *)b->peers[i].local_sock);
         if (b->slices && b->slices[i]) {
             for (k = 0; k < b->nslices[i]; k++)
                 rf_slice_msg_free(b->slices[i][k]);
@@ -409,6 +413,7 @@ static void build_free(build_job *b)
     free(b->gens);
     free(b->peers);
     free(b->sides);
+    free(b->hosts);
     free(b->slices);
     free(b->nslices);
     free(b);
@@ -440,6 +445,9 @@ static void build_work(uv_work_t *w)
     b->rc = rf_slice_merge(invs, b->sides, b->nmembers, &inv, &map, &b->err);
     if (b->rc < 0)
         goto out;
+    /* Same-host copies: every endpoint of a member on a known host gets that host. */
+    for (i = 0; i < rf_inv_nendpoints(inv); i++)
+        rf_inv_set_endpoint_host(inv, i, b->hosts[map.ep_member[i]], NULL);
     b->rc = rf_plan_build(inv, &b->opts, &plan, &b->err);
     if (b->rc < 0)
         goto out;
@@ -533,7 +541,7 @@ static void build_after(uv_work_t *w, int status)
 static void schedule_build(rf_coord *c)
 {
     build_job *b;
-    uint32_t i;
+    uint32_t i, k;
 
     if (c->building || c->closer.closing)
         return;
@@ -551,13 +559,22 @@ static void schedule_build(rf_coord *c)
     b->gens = calloc(c->nmembers, sizeof(*b->gens));
     b->peers = calloc(c->nmembers, sizeof(*b->peers));
     b->sides = calloc(c->nmembers, sizeof(*b->sides));
-    if (!b->invs || !b->inv_lens || !b->gens || !b->peers || !b->sides)
+    b->hosts = calloc(c->nmembers, sizeof(*b->hosts));
+    if (!b->invs || !b->inv_lens || !b->gens || !b->peers || !b->sides || !b->hosts)
         goto nomem;
     for (i = 0; i < c->nmembers; i++) {
         b->invs[i] = malloc(c->m[i].inv_len ? c->m[i].inv_len : 1);
         b->peers[i].data_addr = strdup(c->m[i].data_addr);
-        if (!b->invs[i] || !b->peers[i].data_addr)
+        b->peers[i].local_sock = strdup(c->m[i].local_sock);
+        if (!b->invs[i] || !b->peers[i].data_addr || !b->peers[i].local_sock)
             goto nomem;
+        b->peers[i].generation = c->m[i].inv_gen;
+        b->hosts[i] = RF_HOST_NONE;
+        for (k = 0; c->m[i].host_id[0] && k <= i; k++)
+            if (strcmp(c->m[k].host_id, c->m[i].host_id) == 0) {
+                b->hosts[i] = k;
+                break;
+            }
         memcpy(b->invs[i], c->m[i].inv, c->m[i].inv_len);
         b->inv_lens[i] = c->m[i].inv_len;
         b->gens[i] = c->m[i].inv_gen;
@@ -655,6 +672,8 @@ int rf_coord__member_up(rf_coord *c, const Refit__Hello *h, void *peer, const ch
     }
     m->daemon_id = h->daemon_id;
     snprintf(m->node, sizeof(m->node), "%s", h->node);
+    snprintf(m->host_id, sizeof(m->host_id), "%s", h->host_id);
+    snprintf(m->local_sock, sizeof(m->local_sock), "%s", h->local_sock);
     member_data_addr(m, h->data_addr, from);
     RF_INFO("%s %u (%s) joined from %s", what, h->index, h->node, from);
     rf_metric_add(c->m_members, 1);

@@ -4,17 +4,23 @@
 #include "node.h"
 
 #include <assert.h>
+#include <limits.h>
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "closer.h"
 #include "log.h"
 #include "macros.h"
 #include "registry.h"
 #include "slice.h"
+#include "srcmap.h"
 #include "version.h"
 #include "xfer.h"
+
+enum { PATH_NET = 0, PATH_LOCAL = 1 };
+static const char *const path_names[] = { "network", "local" };
 
 /* How late the status endpoint's snapshot may be after a change (snapshot_soon). */
 #define SNAPSHOT_DELAY_MS 2
@@ -25,7 +31,10 @@ struct rf_node {
     rf_side side;
     uint64_t daemon_id;
     rf_registry *reg;
-    rf_xfer_transport *xfer;
+    rf_xfer_transport *xfer;  /* the network: tcp or nccl */
+    rf_xfer_transport *lxfer; /* same-host copies (receivers with local_copy = auto), or NULL */
+    rf_srcmap *srcs;          /* the local trainers' memory lxfer copies from */
+    unsigned xfers_open;      /* transports not closed yet (rf_node_close) */
     rf_peer_connector *conn;
     void *coord;            /* the coordinator's rf_peer while up, or a test's fake */
     rf_node__send_fn send; /* rf_peer_send, or a test's recorder (rf_node__set_send) */
@@ -40,6 +49,9 @@ struct rf_node {
 
     /* The refit in flight (running) and the last one that ended. */
     bool running;
+    unsigned pending;   /* transports of the running refit still moving */
+    rf_xfer_result res; /* their results merged */
+    struct path_stat { uint64_t bytes; double seconds; } run_path[2];
     uint64_t version;
     uint64_t aborted; /* the last version the coordinator aborted: its Done, sent after, keeps
                          "aborted" and the abort's reason in the status */
@@ -51,6 +63,7 @@ struct rf_node {
         uint64_t bytes;
         double wait_s, transfer_s, total_s;
         uint64_t peak_staging;
+        struct path_stat path[2]; /* PATH_NET, PATH_LOCAL */
     } last;
     char last_error[256];
 
@@ -59,7 +72,7 @@ struct rf_node {
 
     rf_metrics *metrics;
     rf_metric *m_refits, *m_stage, *m_bytes, *m_committed, *m_peers, *m_clients, *m_error;
-    rf_metric *m_slice_msgs;
+    rf_metric *m_slice_msgs, *m_path_bytes, *m_path_seconds;
 
     pthread_mutex_t snap_lock;
     char *snapshot;
@@ -338,15 +351,45 @@ static void account_bytes(rf_node *n, const rf_xfer_job *job)
     }
 }
 
-static void on_xfer_done(rf_xfer_transport *t, const rf_xfer_result *res, void *arg)
+/* Stops every path of the running refit (a transport not running ignores it). */
+static void abort_paths(rf_node *n)
 {
-    rf_node *n = arg;
-    char msg[320];
+    rf_xfer_abort(n->xfer);
+    if (n->lxfer)
+        rf_xfer_abort(n->lxfer);
+}
 
-    (void)t;
+/* The refit's result over both paths: the first error, bytes and digests summed. */
+static void merge_result(rf_node *n, int path, const rf_xfer_result *r)
+{
+    size_t i;
+
+    if (r->code < 0 && n->res.code == 0) {
+        n->res.code = r->code;
+        snprintf(n->res.error, sizeof(n->res.error), "%s%s", path == PATH_LOCAL ?
+                 "local copy: " : "", r->error);
+    }
+    n->res.bytes_sent += r->bytes_sent;
+    n->res.bytes_recv += r->bytes_recv;
+    if (r->seconds > n->res.seconds)
+        n->res.seconds = r->seconds;
+    for (i = 0; i < RF_XFER_DIGEST_BYTES; i++) {
+        n->res.digest_sent[i] ^= r->digest_sent[i];
+        n->res.digest_recv[i] ^= r->digest_recv[i];
+    }
+    n->res.peak_staging += r->peak_staging;
+    n->run_path[path].bytes = r->bytes_sent + r->bytes_recv;
+    n->run_path[path].seconds = r->seconds;
+}
+
+/* Every path of the running refit ended (or none had anything to move). */
+static void refit_ended(rf_node *n)
+{
+    const rf_xfer_result *res = &n->res;
+    char msg[320];
+    int p;
+
     n->running = false;
-    if (n->closer.closing)
-        return;
     rf_registry_hold(n->reg, false);
     if (res->code < 0) {
         snprintf(msg, sizeof(msg), "data path of version %llu failed: %s",
@@ -357,12 +400,19 @@ static void on_xfer_done(rf_xfer_transport *t, const rf_xfer_result *res, void *
         /* Done first: the coordinator waits for it; the bookkeeping does not. */
         send_done(n, n->version, res, NULL);
         account_bytes(n, &n->slice.job);
-        RF_INFO("version %llu: moved %llu bytes in %.3f s (%.2f GB/s)",
+        account_bytes(n, &n->slice.ljob);
+        for (p = PATH_NET; p <= PATH_LOCAL; p++) {
+            rf_metric_add(n->m_path_bytes, (double)n->run_path[p].bytes, path_names[p]);
+            rf_metric_add(n->m_path_seconds, n->run_path[p].seconds, path_names[p]);
+        }
+        RF_INFO("version %llu: moved %llu bytes in %.3f s (%.2f GB/s)%s",
                 (unsigned long long)n->version,
                 (unsigned long long)(res->bytes_sent + res->bytes_recv), res->seconds,
                 res->seconds > 0 ? (double)(res->bytes_sent + res->bytes_recv) / res->seconds / 1e9
-                                 : 0.0);
+                                 : 0.0, n->run_path[PATH_LOCAL].bytes ? ", local copies "
+                                                                        "included" : "");
     }
+    memcpy(n->last.path, n->run_path, sizeof(n->last.path));
     rf_metric_observe(n->m_stage, n->last.transfer_s, "transfer");
     if (n->slice_stale) {
         n->slice_stale = false;
@@ -371,6 +421,68 @@ static void on_xfer_done(rf_xfer_transport *t, const rf_xfer_result *res, void *
     if (n->next.complete)
         install_slice(n);
     snapshot_soon(n);
+}
+
+static void on_xfer_done(rf_xfer_transport *t, const rf_xfer_result *res, void *arg)
+{
+    rf_node *n = arg;
+
+    merge_result(n, t == n->lxfer ? PATH_LOCAL : PATH_NET, res);
+    assert(n->pending > 0);
+    if (--n->pending > 0) {
+        /* One path failed: the other need not finish what the refit cannot commit. */
+        if (res->code < 0)
+            abort_paths(n);
+        return;
+    }
+    if (n->closer.closing) {
+        n->running = false;
+        return;
+    }
+    refit_ended(n);
+}
+
+/* A path that could not start while the other runs: the refit fails when that one ends. */
+static void fail_path(rf_node *n, int path, int code, const char *msg)
+{
+    rf_xfer_result r;
+
+    memset(&r, 0, sizeof(r));
+    r.code = code;
+    snprintf(r.error, sizeof(r.error), "%s", msg);
+    merge_result(n, path, &r);
+}
+
+/* Starts the refit's jobs: the network one and the local copies, each when it has messages. */
+static int run_paths(rf_node *n, rf_err *err)
+{
+    int rc;
+
+    memset(&n->res, 0, sizeof(n->res));
+    memset(n->run_path, 0, sizeof(n->run_path));
+    n->pending = 0;
+    n->slice.ljob.version = n->version;
+    if (n->slice.job.nmsgs > 0) {
+        rc = rf_xfer_run(n->xfer, &n->slice.job, on_xfer_done, n, err);
+        if (rc < 0)
+            return rc;
+        n->pending++;
+    }
+    if (n->slice.ljob.nmsgs > 0) {
+        rc = n->lxfer ? rf_xfer_run(n->lxfer, &n->slice.ljob, on_xfer_done, n, err)
+                      : rf_err_set(err, -EPROTO, "the plan has local copies for this daemon, "
+                                   "which runs with local_copy = off");
+        if (rc < 0 && n->pending) {
+            /* The network job runs: its done ends the refit, failed. */
+            fail_path(n, PATH_LOCAL, rc, err->msg);
+            rf_xfer_abort(n->xfer);
+            return 0;
+        }
+        if (rc < 0)
+            return rc;
+        n->pending++;
+    }
+    return 0;
 }
 
 static void on_start(rf_node *n, const Refit__Start *s)
@@ -407,7 +519,7 @@ static void on_start(rf_node *n, const Refit__Start *s)
     n->slice.job.version = s->version;
     n->t_begin = now_s();
     rf_registry_hold(n->reg, true);
-    rc = rf_xfer_run(n->xfer, &n->slice.job, on_xfer_done, n, &err);
+    rc = run_paths(n, &err);
     if (rc < 0) {
         rf_registry_hold(n->reg, false);
         snprintf(msg, sizeof(msg), "data path of version %llu could not start: %s",
@@ -424,33 +536,42 @@ static void on_start(rf_node *n, const Refit__Start *s)
      * back by a write to every engine. */
     if (n->side == RF_DST)
         rf_registry_notify(n->reg, RF_REG_INSTALLING, s->version, NULL);
-    snapshot_soon(n);
+    if (n->pending == 0)
+        refit_ended(n); /* nothing of this plan moves through this daemon */
+    else
+        snapshot_soon(n);
 }
 
-/* transport = nccl: joins the world of the slice, one rank per local GPU endpoint. */
+/* transport = nccl: joins the world of the slice, one rank per local GPU endpoint that has
+ * network messages (none: this daemon stays out of the world). */
 static int join_world(rf_node *n, const rf_inv *inv, rf_err *err)
 {
-    uint32_t nlocal = rf_inv_nendpoints(inv), i;
+    uint32_t nep = rf_inv_nendpoints(inv), nlocal = 0, i;
     uint32_t *ranks = NULL;
     const char **uuids = NULL;
     int rc = 0;
     rf_xfer_world w;
 
-    if (!rf_xfer_has_world(n->xfer))
+    if (!rf_xfer_has_world(n->xfer) || n->slice.job.nmsgs == 0)
         return 0;
     if (!n->slice.has_nccl_id)
         return rf_err_set(err, -EPROTO, "transport nccl, but the plan slice carries no NCCL "
                           "id: is the coordinator configured with transport = nccl too?");
-    ranks = calloc(nlocal ? nlocal : 1, sizeof(*ranks));
-    uuids = calloc(nlocal ? nlocal : 1, sizeof(*uuids));
+    if (n->slice.nlocal_eps != nep)
+        return rf_err_set(err, -EPROTO, "the plan slice ranks %u endpoints, this daemon holds "
+                          "%u: the plan is stale", n->slice.nlocal_eps, nep);
+    ranks = calloc(nep ? nep : 1, sizeof(*ranks));
+    uuids = calloc(nep ? nep : 1, sizeof(*uuids));
     if (!ranks || !uuids) {
         rc = rf_err_set(err, -ENOMEM, "out of memory joining the NCCL world");
         goto out;
     }
     /* The transport maps each endpoint's CUDA UUID to its device. */
-    for (i = 0; i < nlocal; i++) {
-        ranks[i] = n->slice.ep_base + i;
-        uuids[i] = rf_registry_endpoint_device(n->reg, i);
+    for (i = 0; i < nep; i++) {
+        if (n->slice.ranks[i] >= n->slice.nranks)
+            continue; /* only local copies touch this endpoint */
+        ranks[nlocal] = n->slice.ranks[i];
+        uuids[nlocal++] = rf_registry_endpoint_device(n->reg, i);
     }
     memset(&w, 0, sizeof(w));
     w.nranks = n->slice.nranks;
@@ -499,6 +620,18 @@ static void install_slice(rf_node *n)
         RF_ERROR("data path peers: %s", err.msg);
         goto fail;
     }
+    if (n->lxfer) {
+        /* Local copies name their source daemon as the peer; they need no address. */
+        for (i = 0; i < n->slice.npeers; i++)
+            addrs[i] = NULL;
+        rc = rf_xfer_set_peers(n->lxfer, self, n->slice.npeers, addrs, &err);
+        if (rc < 0) {
+            RF_ERROR("local copy peers: %s", err.msg);
+            goto fail;
+        }
+        /* Trainer memory that no plan names any more is unmapped (no job runs now). */
+        rf_srcmap_prune(n->srcs, &n->slice);
+    }
     rc = join_world(n, inv, &err);
     if (rc < 0) {
         RF_ERROR("%s", err.msg);
@@ -510,17 +643,20 @@ static void install_slice(rf_node *n)
                                  (rf_inv_nendpoints(inv) ? rf_inv_nendpoints(inv) : 1);
     n->slice.job.timeout_s = n->cfg->refit_timeout_s;
     n->slice.job.verify = n->cfg->verify;
-    rc = rf_xfer_job_check(&n->slice.job, n->slice.npeers, &err);
-    if (rc < 0) {
+    n->slice.ljob.timeout_s = n->cfg->refit_timeout_s;
+    n->slice.ljob.verify = n->cfg->verify;
+    if ((rc = rf_xfer_job_check(&n->slice.job, n->slice.npeers, &err)) < 0 ||
+        (rc = rf_xfer_job_check(&n->slice.ljob, n->slice.npeers, &err)) < 0) {
         RF_ERROR("plan slice is inconsistent: %s", err.msg);
         set_error(n, err.msg);
         goto fail;
     }
-    n->slice.job.checked = true;
-    n->slice.job.plan_key = ++n->slice_keys;
+    n->slice.job.checked = n->slice.ljob.checked = true;
+    n->slice.job.plan_key = n->slice.ljob.plan_key = ++n->slice_keys;
     rf_metric_set(n->m_slice_msgs, n->slice.job.nmsgs);
-    RF_INFO("plan slice complete: %u messages, %llu bytes, %u rounds", n->slice.job.nmsgs,
-            (unsigned long long)n->slice.bytes, n->slice.job.nrounds);
+    RF_INFO("plan slice complete: %u messages, %llu bytes, %u rounds; %u local copies, %llu "
+            "bytes", n->slice.job.nmsgs, (unsigned long long)n->slice.bytes,
+            n->slice.job.nrounds, n->slice.ljob.nmsgs, (unsigned long long)n->slice.lbytes);
     free(addrs);
     snapshot_soon(n);
     return;
@@ -536,10 +672,44 @@ static void drop_slice(rf_node *n)
     rf_slice_job_reset(&n->next);
     if (n->running) {
         n->slice_stale = true;
-        rf_xfer_abort(n->xfer);
+        abort_paths(n);
     } else {
         rf_slice_job_reset(&n->slice);
     }
+}
+
+/* The trainers' memory that the local copies of frame ps read: *out gets one entry per peer
+ * (NULL when the frame has no local copy), mapped through the srcmap, fetched from a
+ * publisherd only the first time its generation appears. */
+static int local_sources(rf_node *n, const Refit__PlanSlice *ps, rf_slice_src **out, rf_err *err)
+{
+    size_t i;
+    int rc;
+
+    *out = NULL;
+    for (i = 0; i < ps->n_msgs; i++) {
+        const Refit__SliceMsg *sm = ps->msgs[i];
+        const Refit__PeerAddr *p;
+
+        if (sm->kind != RF_PLAN_LOCAL)
+            continue;
+        if (!n->srcs)
+            return rf_err_set(err, -EPROTO, "the plan has local copies for this daemon, which "
+                              "runs with local_copy = off (is the coordinator's build older?)");
+        if (sm->peer >= ps->n_peers)
+            return rf_err_set(err, -EPROTO, "plan slice message %u names peer %u of %zu",
+                              sm->seq, sm->peer, ps->n_peers);
+        if (!*out && !(*out = calloc(ps->n_peers, sizeof(**out))))
+            return rf_err_set(err, -ENOMEM, "out of memory for the plan slice");
+        if ((*out)[sm->peer].inv)
+            continue;
+        p = ps->peers[sm->peer];
+        rc = rf_srcmap_get(n->srcs, p->daemon_id, p->generation, p->local_sock,
+                           &(*out)[sm->peer], err);
+        if (rc < 0)
+            return rc;
+    }
+    return 0;
 }
 
 /* Frames collect in n->next; a complete slice replaces n->slice once no data path runs. */
@@ -548,6 +718,7 @@ static void on_slice(rf_node *n, const Refit__PlanSlice *ps)
     const rf_inv *inv = rf_registry_inv(n->reg);
     uint32_t nreg = rf_inv_nregions(inv), i;
     uint8_t **bases = NULL;
+    rf_slice_src *srcs = NULL;
     rf_err err = {0};
     int rc;
 
@@ -565,8 +736,11 @@ static void on_slice(rf_node *n, const Refit__PlanSlice *ps)
     }
     for (i = 0; i < nreg; i++)
         bases[i] = rf_registry_region_base(n->reg, i);
-    rc = rf_slice_job_add(&n->next, ps, inv, n->side, bases, &err);
+    rc = local_sources(n, ps, &srcs, &err);
+    if (rc == 0)
+        rc = rf_slice_job_add(&n->next, ps, inv, n->side, bases, srcs, &err);
     free(bases);
+    free(srcs);
     if (rc < 0) {
         RF_ERROR("plan slice refused: %s", err.msg);
         set_error(n, err.msg);
@@ -605,7 +779,7 @@ static void on_abort(rf_node *n, uint64_t version, const char *reason)
     set_error(n, msg);
     n->aborted = version;
     if (n->running && n->version == version)
-        rf_xfer_abort(n->xfer);
+        abort_paths(n);
     if (n->side == RF_SRC) {
         rf_registry_abort(n->reg, version, reason);
         /* The coordinator forgot every publisher's readiness at the abort. */
@@ -721,19 +895,28 @@ json_t *rf_node_status(rf_node *n)
     json_object_set_new(st, "plan_id", json_string(plan));
     json_object_set_new(st, "plan_messages", json_integer(n->slice.complete ? n->slice.job.nmsgs : 0));
     json_object_set_new(st, "plan_bytes", json_integer((json_int_t)(n->slice.complete ? n->slice.bytes : 0)));
+    json_object_set_new(st, "plan_local_copies", json_integer(n->slice.complete ? n->slice.ljob.nmsgs : 0));
+    json_object_set_new(st, "plan_local_bytes", json_integer((json_int_t)(n->slice.complete ? n->slice.lbytes : 0)));
+    json_object_set_new(st, "local_copy", json_string(n->cfg->local_copy == RF_LOCAL_COPY_AUTO ? "auto" : "off"));
     json_object_set_new(st, "committed", json_integer((json_int_t)n->committed));
     json_object_set_new(st, "refit_in_flight", n->running ? json_integer((json_int_t)n->version)
                                                           : json_null());
     if (n->running)
         json_object_set_new(st, "progress", json_pack(
             "{s:I, s:I, s:I, s:f}", "version", (json_int_t)n->version, "bytes_done",
-            (json_int_t)rf_xfer_progress(n->xfer), "bytes_total", (json_int_t)n->slice.bytes,
+            (json_int_t)(rf_xfer_progress(n->xfer) + (n->lxfer ? rf_xfer_progress(n->lxfer) : 0)),
+            "bytes_total", (json_int_t)(n->slice.bytes + n->slice.lbytes),
             "elapsed_s", now_s() - n->t_start));
     last = json_pack("{s:I, s:s, s:I, s:f, s:f, s:f, s:I}", "version",
                      (json_int_t)n->last.version, "result", n->last.result, "bytes",
                      (json_int_t)n->last.bytes, "wait_s", n->last.wait_s, "transfer_s",
                      n->last.transfer_s, "total_s", n->last.total_s, "peak_staging",
                      (json_int_t)n->last.peak_staging);
+    json_object_set_new(last, "paths", json_pack("{s:{s:I, s:f}, s:{s:I, s:f}}",
+                        path_names[PATH_NET], "bytes", (json_int_t)n->last.path[PATH_NET].bytes,
+                        "seconds", n->last.path[PATH_NET].seconds, path_names[PATH_LOCAL],
+                        "bytes", (json_int_t)n->last.path[PATH_LOCAL].bytes, "seconds",
+                        n->last.path[PATH_LOCAL].seconds));
     json_object_set_new(st, "last_refit", last);
     json_object_set_new(st, "last_error", json_string(n->last_error));
     json_object_set_new(st, "clients", reg ? reg : json_null());
@@ -812,6 +995,11 @@ static int add_metrics(rf_node *n)
                            "Messages in this daemon's plan slice", NULL);
     rc |= rf_metrics_info(m, &n->m_error, "refit_last_error", "The last error this daemon saw",
                           "message");
+    rc |= rf_metrics_counter(m, &n->m_path_bytes, "refit_path_bytes_total",
+                             "Payload bytes of committed-or-not refits that moved, by path "
+                             "(network: tcp or nccl; local: same-host copies)", "path");
+    rc |= rf_metrics_counter(m, &n->m_path_seconds, "refit_path_seconds_total",
+                             "Seconds the data path of each path ran", "path");
     if (rc < 0)
         return -EINVAL;
     /* Gauges scraped before the first event read 0, not absent. */
@@ -819,6 +1007,33 @@ static int add_metrics(rf_node *n)
     rf_metric_set(n->m_peers, 0);
     rf_metric_set(n->m_clients, 0);
     rf_metric_set(n->m_slice_msgs, 0);
+    for (int p = PATH_NET; p <= PATH_LOCAL; p++) {
+        rf_metric_add(n->m_path_bytes, 0, path_names[p]);
+        rf_metric_add(n->m_path_seconds, 0, path_names[p]);
+    }
+    return 0;
+}
+
+/* local_copy = auto: this machine's identity and, for a publisherd, its socket as a path the
+ * receiverd can open from anywhere (Hello.host_id, Hello.local_sock). */
+static int local_identity(const rf_daemon_cfg *cfg, char *host, size_t hlen, char *sock,
+                          size_t slen, rf_err *err)
+{
+    char cwd[PATH_MAX];
+    int rc;
+
+    host[0] = sock[0] = '\0';
+    if (cfg->local_copy != RF_LOCAL_COPY_AUTO)
+        return 0;
+    if ((rc = rf_daemon_host_id(cfg, host, hlen, err)) < 0)
+        return rc;
+    if (cfg->socket[0] == '/')
+        snprintf(sock, slen, "%s", cfg->socket);
+    else if (getcwd(cwd, sizeof(cwd)))
+        snprintf(sock, slen, "%s/%s", cwd, cfg->socket);
+    else
+        return rf_err_set(err, -errno, "local_copy: the socket path %s is relative and the "
+                          "working directory unknown; give an absolute path", cfg->socket);
     return 0;
 }
 
@@ -830,6 +1045,7 @@ int rf_node_start(uv_loop_t *loop, const rf_node_opts *opts, rf_node **out, rf_e
     rf_peer_config pc = {0};
     rf_xfer_open_opts xo = {0};
     rf_node *n = calloc(1, sizeof(*n));
+    char host_id[256], local_sock[PATH_MAX];
     int rc;
 
     if (!n)
@@ -856,6 +1072,20 @@ int rf_node_start(uv_loop_t *loop, const rf_node_opts *opts, rf_node **out, rf_e
     rc = rf_xfer_open(loop, &xo, &n->xfer, err);
     if (rc < 0)
         goto fail;
+    n->xfers_open++;
+    rc = local_identity(cfg, host_id, sizeof(host_id), local_sock, sizeof(local_sock), err);
+    if (rc < 0)
+        goto fail;
+    if (cfg->local_copy == RF_LOCAL_COPY_AUTO && n->side == RF_DST) {
+        rc = rf_xfer_local_new(loop, xo.nccl, &n->lxfer, err);
+        if (rc < 0)
+            goto fail;
+        n->xfers_open++;
+        rc = rf_srcmap_new(opts->key->bytes, opts->key->len, cfg->peer_timeout_ms / 1000.0,
+                           &n->srcs, err);
+        if (rc < 0)
+            goto fail;
+    }
 
     ro.socket_path = cfg->socket;
     ro.side = n->side;
@@ -873,12 +1103,22 @@ int rf_node_start(uv_loop_t *loop, const rf_node_opts *opts, rf_node **out, rf_e
     rc = rf_registry_open(loop, &ro, &cb, n, &n->reg, err);
     if (rc < 0)
         goto fail;
+    if (cfg->local_copy == RF_LOCAL_COPY_AUTO && n->side == RF_SRC) {
+        /* Receiverds on this host fetch the trainers' memory here, proving the cluster key. */
+        rc = rf_registry_set_export_key(n->reg, opts->key->bytes, opts->key->len);
+        if (rc < 0) {
+            rf_err_set(err, rc, "out of memory setting up local copies");
+            goto fail;
+        }
+    }
 
     pc.key = opts->key;
     pc.role = n->side == RF_SRC ? REFIT__ROLE__ROLE_PUBLISHER : REFIT__ROLE__ROLE_RECEIVER;
     pc.node = cfg->node;
     pc.daemon_id = n->daemon_id;
     pc.data_addr = rf_xfer_data_addr(n->xfer);
+    pc.host_id = host_id;
+    pc.local_sock = n->side == RF_SRC ? local_sock : "";
     pc.index = (uint32_t)cfg->index;
     pc.max_frame = (uint32_t)cfg->max_frame_mib << 20;
     pc.heartbeat_ms = (uint64_t)cfg->heartbeat_ms;
@@ -905,6 +1145,10 @@ fail:
         rf_registry_close(n->reg);
     if (n->xfer)
         rf_xfer_close(n->xfer, NULL, NULL);
+    if (n->lxfer)
+        rf_xfer_close(n->lxfer, NULL, NULL);
+    /* What the local transport may still hold goes with its close, on the loop. */
+    rf_srcmap_free(n->srcs);
     pthread_mutex_destroy(&n->snap_lock);
     free(n);
     return rc;
@@ -931,12 +1175,17 @@ static void snap_timer_closed(uv_handle_t *h)
     node_free(container_of((uv_timer_t *)h, rf_node, snap_timer));
 }
 
-/* The registry (and the client memory it maps) goes only after the data path stopped. */
+/* The registry and the local trainers' mappings (the client memory the data paths read and
+ * write) go only after every data path stopped. */
 static void xfer_closed(void *arg)
 {
     rf_node *n = arg;
 
-    rf_registry_close(n->reg);
+    if (--n->xfers_open == 0) {
+        rf_registry_close(n->reg);
+        rf_srcmap_free(n->srcs);
+        n->srcs = NULL;
+    }
     node_free(n);
 }
 
@@ -951,6 +1200,10 @@ void rf_node_close(rf_node *n)
     rf_peer_connector_close(n->conn);
     rf_closer_add(&n->closer);
     rf_xfer_close(n->xfer, xfer_closed, n);
+    if (n->lxfer) {
+        rf_closer_add(&n->closer);
+        rf_xfer_close(n->lxfer, xfer_closed, n);
+    }
     rf_closer_add(&n->closer);
     uv_close((uv_handle_t *)&n->tick, tick_closed);
     rf_closer_add(&n->closer);

@@ -32,6 +32,7 @@ struct peer_settings {
     char *node;
     uint64_t daemon_id;
     char *data_addr;
+    char *host_id, *local_sock;
     uint32_t index;
     uint32_t version;
     uint32_t max_frame;
@@ -111,17 +112,24 @@ static int settings_init(struct peer_settings *s, uv_loop_t *loop, const rf_peer
         return rf_err_set(err, -EIO, "libsodium failed to initialise (no entropy source?)");
     /* Our Hello must fit the small frames a peer accepts before authentication. */
     if ((cfg->node && strlen(cfg->node) > RF_PEER_HELLO_STR_MAX) ||
-        (cfg->data_addr && strlen(cfg->data_addr) > RF_PEER_HELLO_STR_MAX))
-        return rf_err_set(err, -EINVAL, "peer config: node name or data address longer than %d "
-                          "bytes; choose a shorter node name", RF_PEER_HELLO_STR_MAX);
+        (cfg->data_addr && strlen(cfg->data_addr) > RF_PEER_HELLO_STR_MAX) ||
+        (cfg->host_id && strlen(cfg->host_id) > RF_PEER_HELLO_STR_MAX) ||
+        (cfg->local_sock && strlen(cfg->local_sock) > RF_PEER_HELLO_STR_MAX))
+        return rf_err_set(err, -EINVAL, "peer config: node name, data address, host id or "
+                          "socket path longer than %d bytes; choose a shorter one",
+                          RF_PEER_HELLO_STR_MAX);
     s->loop = loop;
     s->key = *cfg->key;
     s->role = cfg->role;
     s->node = strdup(cfg->node ? cfg->node : "");
     s->data_addr = strdup(cfg->data_addr ? cfg->data_addr : "");
-    if (s->node == NULL || s->data_addr == NULL) {
+    s->host_id = strdup(cfg->host_id ? cfg->host_id : "");
+    s->local_sock = strdup(cfg->local_sock ? cfg->local_sock : "");
+    if (s->node == NULL || s->data_addr == NULL || s->host_id == NULL || s->local_sock == NULL) {
         free(s->node);
         free(s->data_addr);
+        free(s->host_id);
+        free(s->local_sock);
         sodium_memzero(&s->key, sizeof(s->key));
         return rf_err_set(err, -ENOMEM, "peer config: out of memory");
     }
@@ -145,6 +153,8 @@ static void settings_free(struct peer_settings *s)
 {
     free(s->node);
     free(s->data_addr);
+    free(s->host_id);
+    free(s->local_sock);
     sodium_memzero(&s->key, sizeof(s->key));
 }
 
@@ -817,6 +827,8 @@ static void peer_start(rf_peer *p)
     hello.node = s->node;
     hello.daemon_id = s->daemon_id;
     hello.data_addr = s->data_addr;
+    hello.host_id = s->host_id;
+    hello.local_sock = s->local_sock;
     hello.index = s->index;
     env.body_case = REFIT__ENVELOPE__BODY_HELLO;
     env.hello = &hello;

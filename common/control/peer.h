@@ -23,8 +23,9 @@
 /* Until a connection is authenticated its frames may be at most this long (Hello, Challenge,
  * Auth and Error are small), so a stranger cannot make the daemon allocate max_frame. */
 #define RF_PEER_PREAUTH_FRAME_MAX 4096
-/* Longest node name and data address a Hello may carry, so that it fits the limit above. */
-#define RF_PEER_HELLO_STR_MAX 1024
+/* Longest node name, data address, host id and socket path a Hello may carry: four of them
+ * fit the limit above. */
+#define RF_PEER_HELLO_STR_MAX 960
 #define RF_PEER_MAX_PENDING_DEFAULT 64
 #define RF_PEER_KEY_MIN 32
 #define RF_PEER_KEY_MAX 1024
@@ -66,6 +67,8 @@ typedef struct rf_peer_config {
     const char *node;            /* may be NULL: "" */
     uint64_t daemon_id;
     const char *data_addr;       /* may be NULL: "" */
+    const char *host_id;         /* may be NULL: "" (Hello.host_id) */
+    const char *local_sock;      /* may be NULL: "" (Hello.local_sock) */
     uint32_t index;
     uint32_t protocol_version;   /* 0: RF_PEER_PROTOCOL_VERSION */
     uint32_t max_frame;          /* 0: RF_WIRE_MAX_DEFAULT */
@@ -89,7 +92,7 @@ int rf_peer_load_key(const char *path, rf_peer_key *key, rf_err *err);
 
 /* Listens on addr ("host:port", "[v6]:port", "*:port" or ":port" for all interfaces; port 0
  * picks one, see rf_peer_listener_port). Accepted connections run the handshake and then the
- * callbacks in cfg. -EINVAL also for a node name or data address longer than
+ * callbacks in cfg. -EINVAL also for a node name, data address, host id or socket path longer than
  * RF_PEER_HELLO_STR_MAX (same for rf_peer_connect). */
 int rf_peer_listen(uv_loop_t *loop, const char *addr, const rf_peer_config *cfg,
                    rf_peer_listener **out, rf_err *err);

@@ -291,19 +291,43 @@ void rf_slice_msg_free(Refit__PlanSlice *s)
     }
     for (i = 0; i < s->n_peers; i++) {
         free(s->peers[i]->data_addr);
+        free(s->peers[i]->local_sock);
         free(s->peers[i]);
     }
     free(s->msgs);
     free(s->peers);
+    free(s->ranks);
     free(s->plan_id.data);
     free(s->nccl_id.data);
     free(s);
 }
 
+/* The NCCL world: endpoints with a network (not local) message, ranked in endpoint order.
+ * rank[ep] = its rank or UINT32_MAX; returns the world's size. */
+static uint32_t world_ranks(const rf_plan *plan, uint32_t *rank)
+{
+    uint32_t ne = rf_inv_nendpoints(rf_plan_inv(plan)), i, n = 0;
+
+    for (i = 0; i < ne; i++)
+        rank[i] = UINT32_MAX;
+    for (i = 0; i < rf_plan_nmsgs(plan); i++) {
+        const rf_plan_msg *pm = rf_plan_msg_at(plan, i);
+
+        if (pm->kind == RF_PLAN_LOCAL)
+            continue;
+        rank[pm->src_ep] = rank[pm->dst_ep] = 0;
+    }
+    for (i = 0; i < ne; i++)
+        if (rank[i] == 0)
+            rank[i] = n++;
+    return n;
+}
+
 static Refit__PlanSlice *new_frame(const rf_plan *plan, const rf_slice_map *map,
                                    const rf_slice_peer *peers, uint64_t generation, uint32_t m,
-                                   const uint8_t *nccl_id)
+                                   const uint8_t *nccl_id, const uint32_t *rank, uint32_t nranks)
 {
+    const rf_slice_member *me = &map->members[m];
     Refit__PlanSlice *s = malloc(sizeof(*s));
     uint32_t i;
 
@@ -312,8 +336,14 @@ static Refit__PlanSlice *new_frame(const rf_plan *plan, const rf_slice_map *map,
     refit__plan_slice__init(s);
     s->rounds = rf_plan_nrounds(plan);
     s->generation = generation;
-    s->global_ep_base = map->members[m].ep_base;
-    s->nranks = rf_inv_nendpoints(rf_plan_inv(plan));
+    s->global_ep_base = me->ep_base;
+    s->nranks = nranks;
+    s->ranks = malloc((me->nep ? me->nep : 1) * sizeof(*s->ranks));
+    if (!s->ranks)
+        goto fail;
+    for (i = 0; i < me->nep; i++)
+        s->ranks[i] = rank[me->ep_base + i] == UINT32_MAX ? nranks : rank[me->ep_base + i];
+    s->n_ranks = me->nep;
     if (nccl_id) {
         s->nccl_id.data = malloc(RF_XFER_NCCL_ID_BYTES);
         if (!s->nccl_id.data)
@@ -337,7 +367,9 @@ static Refit__PlanSlice *new_frame(const rf_plan *plan, const rf_slice_map *map,
         p->daemon_id = peers[i].daemon_id;
         p->role = peers[i].role;
         p->data_addr = strdup(peers[i].data_addr ? peers[i].data_addr : "");
-        if (!p->data_addr)
+        p->local_sock = strdup(peers[i].local_sock ? peers[i].local_sock : "");
+        p->generation = peers[i].generation;
+        if (!p->data_addr || !p->local_sock)
             goto fail;
     }
     return s;
@@ -362,7 +394,7 @@ static int push_frame(Refit__PlanSlice ***out, size_t *nout, size_t *cap, Refit_
 }
 
 static Refit__SliceMsg *slice_msg_new(const rf_plan *plan, const rf_slice_map *map, uint32_t m,
-                                      uint32_t seq)
+                                      uint32_t seq, const uint32_t *rank)
 {
     const rf_plan_msg *pm = rf_plan_msg_at(plan, seq);
     const rf_slice_member *me = &map->members[m];
@@ -380,6 +412,8 @@ static Refit__SliceMsg *slice_msg_new(const rf_plan *plan, const rf_slice_map *m
     sm->local_ep = (send ? pm->src_ep : pm->dst_ep) - me->ep_base;
     sm->peer_ep = send ? pm->dst_ep : pm->src_ep;
     sm->peer = map->ep_member[sm->peer_ep];
+    if (pm->kind != RF_PLAN_LOCAL)
+        sm->peer_ep = rank[sm->peer_ep]; /* the other end's NCCL rank */
     sm->bytes = pm->bytes;
     sm->seq = seq;
     sm->xfers = calloc(pm->count ? pm->count : 1, sizeof(*sm->xfers));
@@ -397,6 +431,8 @@ static Refit__SliceMsg *slice_msg_new(const rf_plan *plan, const rf_slice_map *m
         refit__slice_xfer__init(sx);
         sm->xfers[sm->n_xfers++] = sx;
         sx->piece = piece - me->piece_base;
+        if (pm->kind == RF_PLAN_LOCAL)
+            sx->src_piece = x->src - map->members[sm->peer].piece_base;
         sx->msg_off = x->msg_off;
         sx->bytes = x->bytes;
         sx->n_start = sx->n_extent = (size_t)nd;
@@ -422,16 +458,22 @@ int rf_slice_build(const rf_plan *plan, const rf_slice_map *map, uint32_t m,
                    const uint8_t *nccl_id, Refit__PlanSlice ***out, size_t *nout)
 {
     const rf_slice_member *me = &map->members[m];
-    uint32_t nmsgs = rf_plan_nmsgs(plan), i;
+    uint32_t nmsgs = rf_plan_nmsgs(plan), i, nranks;
+    uint32_t *rank = malloc((rf_inv_nendpoints(rf_plan_inv(plan)) + 1) * sizeof(*rank));
     Refit__PlanSlice *cur = NULL;
     size_t cap = 0, cur_msgs_cap = 0, cur_xfers = 0;
     int rc = 0;
 
     *out = NULL;
     *nout = 0;
-    cur = new_frame(plan, map, peers, generation, m, nccl_id);
-    if (!cur)
+    if (!rank)
         return -ENOMEM;
+    nranks = world_ranks(plan, rank);
+    cur = new_frame(plan, map, peers, generation, m, nccl_id, rank, nranks);
+    if (!cur) {
+        free(rank);
+        return -ENOMEM;
+    }
     for (i = 0; i < nmsgs; i++) {
         const rf_plan_msg *pm = rf_plan_msg_at(plan, i);
         uint32_t ep = me->side == RF_SRC ? pm->src_ep : pm->dst_ep;
@@ -439,11 +481,13 @@ int rf_slice_build(const rf_plan *plan, const rf_slice_map *map, uint32_t m,
 
         if (ep < me->ep_base || ep >= me->ep_base + me->nep)
             continue;
+        if (pm->kind == RF_PLAN_LOCAL && me->side == RF_SRC)
+            continue; /* the receiver's daemon copies it */
         if (cur->n_msgs > 0 && cur_xfers + pm->count > max_xfers) {
             rc = push_frame(out, nout, &cap, cur);
             if (rc < 0)
                 goto fail;
-            cur = new_frame(plan, map, peers, generation, m, nccl_id);
+            cur = new_frame(plan, map, peers, generation, m, nccl_id, rank, nranks);
             cur_msgs_cap = 0;
             cur_xfers = 0;
             if (!cur) {
@@ -462,7 +506,7 @@ int rf_slice_build(const rf_plan *plan, const rf_slice_map *map, uint32_t m,
             cur->msgs = n;
             cur_msgs_cap = ncap;
         }
-        sm = slice_msg_new(plan, map, m, i);
+        sm = slice_msg_new(plan, map, m, i, rank);
         if (!sm) {
             rc = -ENOMEM;
             goto fail;
@@ -474,8 +518,10 @@ int rf_slice_build(const rf_plan *plan, const rf_slice_map *map, uint32_t m,
     rc = push_frame(out, nout, &cap, cur);
     if (rc < 0)
         goto fail;
+    free(rank);
     return 0;
 fail:
+    free(rank);
     rf_slice_msg_free(cur);
     while (*nout > 0)
         rf_slice_msg_free((*out)[--(*nout)]);
@@ -489,115 +535,200 @@ void rf_slice_job_init(rf_slice_job *j)
     memset(j, 0, sizeof(*j));
 }
 
+static void free_msgs(rf_xfer_job *job)
+{
+    uint32_t i;
+
+    for (i = 0; i < job->nmsgs; i++) {
+        free(job->msgs[i].items);
+        free(job->msgs[i].src_items);
+    }
+    free(job->msgs);
+}
+
 void rf_slice_job_reset(rf_slice_job *j)
 {
     uint32_t i;
 
-    for (i = 0; i < j->job.nmsgs; i++)
-        free(j->job.msgs[i].items);
-    free(j->job.msgs);
-    for (i = 0; i < j->npeers; i++)
+    free_msgs(&j->job);
+    free_msgs(&j->ljob);
+    for (i = 0; i < j->npeers; i++) {
         free((char *)j->peers[i].data_addr);
+        free((char *)j->peers[i].local_sock);
+    }
     free(j->peers);
+    free(j->ranks);
     rf_slice_job_init(j);
 }
 
+/* One transfer's side of local memory: piece of inv (side), box from the slice. */
+static int resolve_item(const Refit__SliceMsg *sm, const Refit__SliceXfer *sx, uint32_t piece,
+                        const rf_inv *inv, rf_side side, uint8_t *const *bases,
+                        rf_xfer_item *it, rf_err *err)
+{
+    const rf_tensor *t;
+    int d;
+
+    if (piece >= rf_inv_npieces(inv, side))
+        return rf_err_set(err, -EPROTO, "plan slice message %u names %s piece %u, the %s "
+                          "holds %u: the plan is stale", sm->seq,
+                          side == RF_SRC ? "source" : "local", piece,
+                          side == RF_SRC ? "publisher" : "daemon", rf_inv_npieces(inv, side));
+    rf_inv_piece(inv, side, piece, &it->piece);
+    t = rf_inv_tensor(inv, it->piece.tensor);
+    if (sx->n_start != (size_t)t->ndim || sx->n_extent != (size_t)t->ndim)
+        return rf_err_set(err, -EPROTO, "plan slice box for %s has %zu dims, the tensor %d",
+                          t->name, sx->n_start, t->ndim);
+    it->ndim = t->ndim;
+    it->esize = rf_dtype_size(t->dtype);
+    for (d = 0; d < RF_MAX_DIMS; d++) {
+        it->box.start[d] = d < t->ndim ? sx->start[d] : 0;
+        it->box.extent[d] = d < t->ndim ? sx->extent[d] : 1;
+    }
+    if (!rf_box_contains(&it->piece.box, &it->box, t->ndim))
+        return rf_err_set(err, -EPROTO, "plan slice moves a box of %s outside the %s piece: "
+                          "the plan is stale", t->name, side == RF_SRC ? "source" : "local");
+    it->base = bases[it->piece.region];
+    it->msg_off = sx->msg_off;
+    it->bytes = sx->bytes;
+    return 0;
+}
+
+static int grow_msgs(rf_xfer_job *job, uint32_t *cap, size_t more, rf_err *err)
+{
+    uint32_t ncap = *cap ? *cap : 64;
+    rf_xfer_msg *n;
+
+    if (job->nmsgs + more <= *cap)
+        return 0;
+    while (ncap < job->nmsgs + more)
+        ncap *= 2;
+    n = realloc(job->msgs, ncap * sizeof(*n));
+    if (!n)
+        return rf_err_set(err, -ENOMEM, "out of memory for the plan slice");
+    job->msgs = n;
+    *cap = ncap;
+    return 0;
+}
+
+static int first_frame(rf_slice_job *j, const Refit__PlanSlice *frame, rf_err *err)
+{
+    size_t i;
+
+    memcpy(j->plan_id, frame->plan_id.data, RF_PLAN_ID_BYTES);
+    j->generation = frame->generation;
+    j->job.nrounds = frame->rounds;
+    j->ljob.nrounds = 1;
+    j->ep_base = frame->global_ep_base;
+    j->nranks = frame->nranks;
+    j->has_nccl_id = frame->nccl_id.len == RF_XFER_NCCL_ID_BYTES;
+    if (j->has_nccl_id)
+        memcpy(j->nccl_id, frame->nccl_id.data, RF_XFER_NCCL_ID_BYTES);
+    j->ranks = malloc((frame->n_ranks ? frame->n_ranks : 1) * sizeof(*j->ranks));
+    j->peers = calloc(frame->n_peers ? frame->n_peers : 1, sizeof(*j->peers));
+    if (!j->peers || !j->ranks)
+        return rf_err_set(err, -ENOMEM, "out of memory for the plan slice");
+    for (i = 0; i < frame->n_ranks; i++) {
+        if (frame->ranks[i] > frame->nranks)
+            return rf_err_set(err, -EPROTO, "plan slice gives local endpoint %zu rank %u of %u",
+                              i, frame->ranks[i], frame->nranks);
+        j->ranks[i] = frame->ranks[i];
+    }
+    j->nlocal_eps = (uint32_t)frame->n_ranks;
+    for (i = 0; i < frame->n_peers; i++) {
+        j->peers[i].daemon_id = frame->peers[i]->daemon_id;
+        j->peers[i].role = frame->peers[i]->role;
+        j->peers[i].generation = frame->peers[i]->generation;
+        j->peers[i].data_addr = strdup(frame->peers[i]->data_addr);
+        j->peers[i].local_sock = strdup(frame->peers[i]->local_sock);
+        j->npeers++;
+        if (!j->peers[i].data_addr || !j->peers[i].local_sock)
+            return rf_err_set(err, -ENOMEM, "out of memory for the plan slice");
+    }
+    return 0;
+}
+
 int rf_slice_job_add(rf_slice_job *j, const Refit__PlanSlice *frame, const rf_inv *local,
-                     rf_side side, uint8_t *const *bases, rf_err *err)
+                     rf_side side, uint8_t *const *bases, const rf_slice_src *srcs,
+                     rf_err *err)
 {
     size_t i, k;
+    int rc;
 
     if (j->complete)
         rf_slice_job_reset(j);
     if (frame->plan_id.len != RF_PLAN_ID_BYTES)
         return rf_err_set(err, -EPROTO, "plan slice carries a plan id of %zu bytes, not %d",
                           frame->plan_id.len, RF_PLAN_ID_BYTES);
-    if (j->job.nmsgs == 0 && j->npeers == 0) {
-        memcpy(j->plan_id, frame->plan_id.data, RF_PLAN_ID_BYTES);
-        j->generation = frame->generation;
-        j->job.nrounds = frame->rounds;
-        j->ep_base = frame->global_ep_base;
-        j->nranks = frame->nranks;
-        j->has_nccl_id = frame->nccl_id.len == RF_XFER_NCCL_ID_BYTES;
-        if (j->has_nccl_id)
-            memcpy(j->nccl_id, frame->nccl_id.data, RF_XFER_NCCL_ID_BYTES);
-        j->peers = calloc(frame->n_peers ? frame->n_peers : 1, sizeof(*j->peers));
-        if (!j->peers)
-            return rf_err_set(err, -ENOMEM, "out of memory for the plan slice");
-        for (i = 0; i < frame->n_peers; i++) {
-            j->peers[i].daemon_id = frame->peers[i]->daemon_id;
-            j->peers[i].role = frame->peers[i]->role;
-            j->peers[i].data_addr = strdup(frame->peers[i]->data_addr);
-            if (!j->peers[i].data_addr)
-                return rf_err_set(err, -ENOMEM, "out of memory for the plan slice");
-            j->npeers++;
-        }
+    if (j->job.nmsgs == 0 && j->ljob.nmsgs == 0 && j->npeers == 0) {
+        if ((rc = first_frame(j, frame, err)) < 0)
+            return rc;
     } else if (memcmp(j->plan_id, frame->plan_id.data, RF_PLAN_ID_BYTES) != 0) {
         return rf_err_set(err, -EPROTO, "plan slice frame belongs to another plan than the "
                           "frames before it");
     }
-    if (j->job.nmsgs + frame->n_msgs > j->cap_msgs) {
-        uint32_t ncap = j->cap_msgs ? j->cap_msgs : 64;
-        rf_xfer_msg *n;
-
-        while (ncap < j->job.nmsgs + frame->n_msgs)
-            ncap *= 2;
-        n = realloc(j->job.msgs, ncap * sizeof(*n));
-        if (!n)
-            return rf_err_set(err, -ENOMEM, "out of memory for the plan slice");
-        j->job.msgs = n;
-        j->cap_msgs = ncap;
-    }
+    if ((rc = grow_msgs(&j->job, &j->cap_msgs, frame->n_msgs, err)) < 0 ||
+        (rc = grow_msgs(&j->ljob, &j->cap_lmsgs, frame->n_msgs, err)) < 0)
+        return rc;
     for (i = 0; i < frame->n_msgs; i++) {
         const Refit__SliceMsg *sm = frame->msgs[i];
-        rf_xfer_msg *xm = &j->job.msgs[j->job.nmsgs];
+        bool is_local = sm->kind == RF_PLAN_LOCAL;
+        rf_xfer_job *job = is_local ? &j->ljob : &j->job;
+        rf_xfer_msg *xm = &job->msgs[job->nmsgs];
 
         memset(xm, 0, sizeof(*xm));
         if (sm->peer >= j->npeers)
             return rf_err_set(err, -EPROTO, "plan slice message %u names peer %u of %u",
                               sm->seq, sm->peer, j->npeers);
+        if (sm->local_ep >= j->nlocal_eps)
+            return rf_err_set(err, -EPROTO, "plan slice message %u names local endpoint %u of "
+                              "%u", sm->seq, sm->local_ep, j->nlocal_eps);
+        if (is_local && (side != RF_DST || sm->send))
+            return rf_err_set(err, -EPROTO, "plan slice message %u is a local copy, which only "
+                              "the receiving daemon runs", sm->seq);
+        if (is_local && (!srcs || !srcs[sm->peer].inv))
+            return rf_err_set(err, -EPROTO, "plan slice message %u copies from publisher %u, "
+                              "whose memory this daemon has not mapped", sm->seq, sm->peer);
         xm->seq = sm->seq;
         xm->round = sm->round;
         xm->kind = sm->kind;
         xm->send = sm->send;
         xm->peer = sm->peer;
-        xm->ep = frame->global_ep_base + sm->local_ep;
+        /* NCCL ranks; a local message keeps global endpoint ids (only logs read them). */
+        xm->ep = is_local ? frame->global_ep_base + sm->local_ep : j->ranks[sm->local_ep];
         xm->peer_ep = sm->peer_ep;
         xm->bytes = sm->bytes;
         xm->items = calloc(sm->n_xfers ? sm->n_xfers : 1, sizeof(*xm->items));
-        if (!xm->items)
+        if (is_local)
+            xm->src_items = calloc(sm->n_xfers ? sm->n_xfers : 1, sizeof(*xm->src_items));
+        job->nmsgs++;
+        if (!xm->items || (is_local && !xm->src_items))
             return rf_err_set(err, -ENOMEM, "out of memory for the plan slice");
-        j->job.nmsgs++;
         for (k = 0; k < sm->n_xfers; k++) {
             const Refit__SliceXfer *sx = sm->xfers[k];
-            rf_xfer_item *it = &xm->items[k];
-            const rf_tensor *t;
-            int d;
 
-            if (sx->piece >= rf_inv_npieces(local, side))
-                return rf_err_set(err, -EPROTO, "plan slice message %u names local piece %u, "
-                                  "this daemon holds %u: the plan is stale", sm->seq,
-                                  sx->piece, rf_inv_npieces(local, side));
-            rf_inv_piece(local, side, sx->piece, &it->piece);
-            t = rf_inv_tensor(local, it->piece.tensor);
-            if (sx->n_start != (size_t)t->ndim || sx->n_extent != (size_t)t->ndim)
-                return rf_err_set(err, -EPROTO, "plan slice box for %s has %zu dims, the "
-                                  "tensor %d", t->name, sx->n_start, t->ndim);
-            it->ndim = t->ndim;
-            it->esize = rf_dtype_size(t->dtype);
-            for (d = 0; d < RF_MAX_DIMS; d++) {
-                it->box.start[d] = d < t->ndim ? sx->start[d] : 0;
-                it->box.extent[d] = d < t->ndim ? sx->extent[d] : 1;
+            rc = resolve_item(sm, sx, sx->piece, local, side, bases, &xm->items[k], err);
+            if (rc == 0 && is_local) {
+                const rf_slice_src *src = &srcs[sm->peer];
+
+                rc = resolve_item(sm, sx, sx->src_piece, src->inv, RF_SRC, src->bases,
+                                  &xm->src_items[k], err);
+                if (rc == 0 &&
+                    strcmp(rf_inv_tensor(src->inv, xm->src_items[k].piece.tensor)->name,
+                           rf_inv_tensor(local, xm->items[k].piece.tensor)->name) != 0)
+                    rc = rf_err_set(err, -EPROTO, "plan slice message %u copies %s into %s: "
+                                    "the plan is stale", sm->seq,
+                                    rf_inv_tensor(src->inv, xm->src_items[k].piece.tensor)->name,
+                                    rf_inv_tensor(local, xm->items[k].piece.tensor)->name);
             }
-            if (!rf_box_contains(&it->piece.box, &it->box, t->ndim))
-                return rf_err_set(err, -EPROTO, "plan slice moves a box of %s outside the "
-                                  "local piece: the plan is stale", t->name);
-            it->base = bases[it->piece.region];
-            it->msg_off = sx->msg_off;
-            it->bytes = sx->bytes;
+            if (rc < 0)
+                return rc;
             xm->nitems++;
         }
-        j->bytes += sm->bytes;
+        if (is_local)
+            j->lbytes += sm->bytes;
+        else
+            j->bytes += sm->bytes;
     }
     if (frame->last)
         j->complete = true;

@@ -49,8 +49,14 @@ typedef struct rf_slice_peer {
     uint64_t daemon_id;
     const char *data_addr;
     Refit__Role role;
+    const char *local_sock; /* a publisher's trainer socket, NULL or "" when not shared */
+    uint64_t generation;    /* the member's inventory generation the plan is built on */
 } rf_slice_peer;
 
+/* A publisher's messages of kind RF_PLAN_LOCAL are left out of its slice (the receiver's
+ * daemon copies them); a receiver's carry each transfer's source piece in the publisher's
+ * local ids. ranks: every member's endpoints that have network messages, numbered in global
+ * endpoint order, form the NCCL world. */
 int rf_slice_build(const rf_plan *plan, const rf_slice_map *map, uint32_t m,
                    const rf_slice_peer *peers, uint64_t generation, uint32_t max_xfers,
                    const uint8_t *nccl_id, Refit__PlanSlice ***out, size_t *nout);
@@ -60,7 +66,9 @@ void rf_slice_msg_free(Refit__PlanSlice *s);
  * complete after the frame with last = true. Pieces are resolved against the local inventory
  * and each region's mapped base (bases indexed by local region id). */
 typedef struct rf_slice_job {
-    rf_xfer_job job;         /* version set per refit by the caller */
+    rf_xfer_job job;         /* version set per refit by the caller: the network messages */
+    rf_xfer_job ljob;        /* the local messages (RF_PLAN_LOCAL), for the local transport */
+    uint64_t lbytes;         /* bytes of ljob */
     uint8_t plan_id[RF_PLAN_ID_BYTES];
     bool complete;
     uint64_t generation;
@@ -68,15 +76,27 @@ typedef struct rf_slice_job {
     rf_slice_peer *peers;    /* data_addr strings owned by the job */
     uint64_t bytes;          /* bytes this daemon sends or receives */
     uint32_t ep_base;        /* global endpoint id of local endpoint 0 */
-    uint32_t nranks;         /* global endpoints: the NCCL world's size */
+    uint32_t nranks;         /* endpoints with network messages: the NCCL world's size */
+    uint32_t nlocal_eps;
+    uint32_t *ranks;         /* NCCL rank of each local endpoint, nranks for none */
     bool has_nccl_id;
     uint8_t nccl_id[RF_XFER_NCCL_ID_BYTES];
-    uint32_t cap_msgs;
+    uint32_t cap_msgs, cap_lmsgs;
 } rf_slice_job;
 
+/* Where the source pieces of local messages are: the local inventory of the publisher at peer
+ * index p and the base of each of its regions as mapped in this process (see rf_export). */
+typedef struct rf_slice_src {
+    const rf_inv *inv;
+    uint8_t *const *bases;
+} rf_slice_src;
+
 void rf_slice_job_init(rf_slice_job *j);
+/* srcs: one entry per peer of the slice (frame->n_peers), or NULL for a slice without local
+ * messages; a local message whose peer has no source (inv NULL) is an error. */
 int rf_slice_job_add(rf_slice_job *j, const Refit__PlanSlice *frame, const rf_inv *local,
-                     rf_side side, uint8_t *const *bases, rf_err *err);
+                     rf_side side, uint8_t *const *bases, const rf_slice_src *srcs,
+                     rf_err *err);
 void rf_slice_job_reset(rf_slice_job *j);
 
 /* Without daemons (a process that drives a plan's transports itself: benchmarks, tests): one

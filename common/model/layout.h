@@ -136,8 +136,9 @@ int rf_inv_check_dst_overlap(const rf_inv *inv, rf_err *err);
 
 /* A copy of in in which every source endpoint is folded into one (node 0) and every
  * destination endpoint into another (node 1), tensor, region and piece ids kept: what a single
- * GPU pair sees when each side's ranks share a GPU (one NCCL rank per GPU). -ENOMEM, or the
- * error of a piece that does not validate. */
+ * GPU pair sees when each side's ranks share a GPU (one NCCL rank per GPU). A side whose
+ * endpoints all share a host keeps that host (else RF_HOST_NONE). -ENOMEM, or the error of a
+ * piece that does not validate. */
 int rf_inv_fold_sides(const rf_inv *in, rf_inv **out, rf_err *err);
 
 uint32_t rf_inv_ntensors(const rf_inv *inv);

@@ -18,6 +18,7 @@
 static const char *const transport_names[] = { "tcp", "nccl", NULL };
 static const char *const verify_names[] = { "off", "sample", "full", NULL };
 static const char *const level_names[] = { "error", "warn", "info", "debug", NULL };
+static const char *const local_copy_names[] = { "off", "auto", NULL };
 
 #define OFF(f) offsetof(rf_daemon_cfg, f)
 #define KSTR(n, def, fl, help) { #n, RF_CFG_STRING, OFF(n), def, 0, 0, 0, 0, NULL, fl, help }
@@ -65,6 +66,14 @@ static const char *const level_names[] = { "error", "warn", "info", "debug", NUL
     KINT(direct_min_kib, "1024", 0, 1048576,                                                   \
          "Runs contiguous on both sides and at least this large (KiB) are sent directly "      \
          "between client buffers instead of through staging."),                               \
+    KENUM(local_copy, "auto", local_copy_names,                                                \
+          "Same-host refits: auto copies straight from the memory of trainers on this host "   \
+          "into engine memory (no NCCL, no sockets), fetching the trainers' memory from the "  \
+          "local publisherd's socket; off sends every byte over the transport."),             \
+    KSTR(host_id, "", RF_CFG_EMPTY_OK,                                                         \
+         "Identity of this machine for local_copy: daemons with the same host_id share "       \
+         "memory. Empty means /etc/machine-id and the boot id; set it when daemons run in "     \
+         "containers that see different machine ids."),                                        \
     KENUM(verify, "sample", verify_names,                                                      \
           "Digest check of transferred bytes before commit: off, sample (a sample of each "    \
           "transfer) or full."),                                                               \
@@ -308,4 +317,43 @@ const char *rf_transport_name(int transport)
 const char *rf_verify_name(int verify)
 {
     return verify >= RF_VERIFY_OFF && verify <= RF_VERIFY_FULL ? verify_names[verify] : "?";
+}
+
+/* The first line of path, trimmed, appended to out. */
+static int read_id(const char *path, char *out, size_t len)
+{
+    char line[128];
+    size_t n, used = strlen(out);
+    FILE *f = fopen(path, "r");
+
+    if (!f)
+        return -errno;
+    if (!fgets(line, sizeof(line), f)) {
+        fclose(f);
+        return -EIO;
+    }
+    fclose(f);
+    n = strcspn(line, " \t\r\n");
+    line[n] = '\0';
+    if (n == 0)
+        return -EIO;
+    snprintf(out + used, len - used, "%s%s", used ? "/" : "", line);
+    return 0;
+}
+
+int rf_daemon_host_id(const rf_daemon_cfg *c, char *out, size_t len, rf_err *err)
+{
+    int rc;
+
+    out[0] = '\0';
+    if (c->host_id && c->host_id[0]) {
+        snprintf(out, len, "%s", c->host_id);
+        return 0;
+    }
+    if ((rc = read_id("/etc/machine-id", out, len)) < 0 ||
+        (rc = read_id("/proc/sys/kernel/random/boot_id", out, len)) < 0)
+        return rf_err_set(err, rc, "local_copy = auto needs this machine's identity, but "
+                          "/etc/machine-id or the boot id cannot be read (%s); set host_id, or "
+                          "local_copy = off", strerror(-rc));
+    return 0;
 }

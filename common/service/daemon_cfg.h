@@ -14,6 +14,7 @@
 
 enum rf_daemon_role { RF_DAEMON_PUBLISHER = 0, RF_DAEMON_RECEIVER = 1 };
 enum rf_transport { RF_TRANSPORT_TCP = 0, RF_TRANSPORT_NCCL = 1 };
+enum rf_local_copy { RF_LOCAL_COPY_OFF = 0, RF_LOCAL_COPY_AUTO = 1 };
 
 typedef struct rf_daemon_cfg {
     int role;                 /* enum rf_daemon_role, set by rf_daemon_cfg_load */
@@ -33,6 +34,8 @@ typedef struct rf_daemon_cfg {
     int transport;            /* enum rf_transport */
     int staging_mib;          /* staging budget per GPU per round, MiB */
     int direct_min_kib;       /* contiguous runs at least this large go zero-copy, KiB */
+    int local_copy;           /* RF_LOCAL_COPY_*: same-host copies on (auto) or off */
+    char *host_id;            /* this machine, for local_copy; "" means machine-id + boot id */
     int verify;               /* enum rf_verify */
     int heartbeat_ms;
     int peer_timeout_ms;      /* a peer silent this long is dead; > heartbeat_ms */
@@ -62,6 +65,10 @@ void rf_daemon_cfg_free(rf_daemon_cfg *c);
 int rf_daemon_cfg_check(const rf_daemon_cfg *c, rf_peer_key *key, rf_err *err);
 
 const char *rf_transport_name(int transport);
+/* This machine's identity for same-host refits: c->host_id, or else the contents of
+ * /etc/machine-id and /proc/sys/kernel/random/boot_id (a reboot is another host: nothing
+ * mapped survives it). 0, or -errno with err when neither is readable (set host_id). */
+int rf_daemon_host_id(const rf_daemon_cfg *c, char *out, size_t len, rf_err *err);
 const char *rf_verify_name(int verify);
 
 #endif

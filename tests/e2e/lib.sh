@@ -58,12 +58,18 @@ E2E_COMMON="--cluster-key-file $E2E_ROOT/cluster.key --coordinator-addr 127.0.0.
  --status-listen 127.0.0.1:0 --heartbeat-ms 200 --peer-timeout-ms 2000 --refit-timeout-s 30
  --log-level info"
 
+# Every daemon of these tests runs on this one machine, so with local_copy = auto (the
+# default) every byte would be a same-host copy: the tests of the network path turn it off,
+# the tests of the local path set E2E_LOCAL_COPY=auto.
+E2E_LOCAL_COPY=${E2E_LOCAL_COPY:-off}
+
 # start_publisher INDEX CLIENTS [extra flags...]: index 0 is the coordinator.
 start_publisher() {
     local idx=$1 clients=$2; shift 2
     local coord=""
     [ "$idx" = 0 ] && coord="--coordinator"
-    ${E2E_WRAP_PUB:-} "$BIN/refit-publisherd" $E2E_COMMON $coord --index "$idx" --clients "$clients" \
+    ${E2E_WRAP_PUB:-} "$BIN/refit-publisherd" $E2E_COMMON --local-copy "$E2E_LOCAL_COPY" $coord \
+        --index "$idx" --clients "$clients" \
         --publishers "$E2E_PUBLISHERS" --receivers "$E2E_RECEIVERS" \
         --socket "$E2E_DIR/pub$idx.sock" "$@" >> "$E2E_DIR/pub$idx.log" 2>&1 &
     E2E_PIDS="$E2E_PIDS $!"
@@ -72,7 +78,8 @@ start_publisher() {
 
 start_receiver() {
     local idx=$1 clients=$2; shift 2
-    "$BIN/refit-receiverd" $E2E_COMMON --index "$idx" --clients "$clients" \
+    "$BIN/refit-receiverd" $E2E_COMMON --local-copy "$E2E_LOCAL_COPY" --index "$idx" \
+        --clients "$clients" \
         --publishers "$E2E_PUBLISHERS" --receivers "$E2E_RECEIVERS" \
         --socket "$E2E_DIR/recv$idx.sock" "$@" >> "$E2E_DIR/recv$idx.log" 2>&1 &
     E2E_PIDS="$E2E_PIDS $!"

@@ -6,7 +6,11 @@ commit compares them with torch.equal against the expected values.
 
     python3 torch_check.py trainer SOCKET VERSIONS
     python3 torch_check.py engine SOCKET VERSIONS
+
+The trainer runs on $REFIT_TRAINER_GPU (default cuda:0), the engine on $REFIT_ENGINE_GPU
+(default cuda:1): the same GPU for a colocated run.
 """
+import os
 import sys
 
 import torch
@@ -25,7 +29,7 @@ def weights(version, device):
 
 
 def trainer(sock, versions):
-    dev = torch.device("cuda:0")
+    dev = torch.device(os.environ.get("REFIT_TRAINER_GPU", "cuda:0"))
     torch.cuda.set_device(dev)
     pad = torch.empty(12345, dtype=torch.uint8, device=dev)  # so blocks do not start at offset 0
     qk = torch.empty(Q + K, H, dtype=torch.bfloat16, device=dev)   # fused [q; k]
@@ -50,7 +54,7 @@ def trainer(sock, versions):
 
 
 def engine(sock, versions):
-    dev = torch.device("cuda:1")
+    dev = torch.device(os.environ.get("REFIT_ENGINE_GPU", "cuda:1"))
     torch.cuda.set_device(dev)
     clients, bufs = [], []
     for rank in range(2):

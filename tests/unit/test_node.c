@@ -436,8 +436,8 @@ static void build_slices(const Refit__Inventory *mine, slices *out)
     cr_assert_eq(rf_plan_build(global, &opts, &plan, &err), 0, "%s", err.msg);
     memcpy(out->plan_id, rf_plan_id(plan), 32);
     snprintf(addr, sizeof(addr), "127.0.0.1:%d", H.closed_port);
-    peers[0] = (rf_slice_peer){DAEMON_ID, "127.0.0.1:1", REFIT__ROLE__ROLE_PUBLISHER};
-    peers[1] = (rf_slice_peer){7, addr, REFIT__ROLE__ROLE_RECEIVER};
+    peers[0] = (rf_slice_peer){.daemon_id = DAEMON_ID, .data_addr = "127.0.0.1:1", .role = REFIT__ROLE__ROLE_PUBLISHER};
+    peers[1] = (rf_slice_peer){.daemon_id = 7, .data_addr = addr, .role = REFIT__ROLE__ROLE_RECEIVER};
     cr_assert_eq(rf_slice_build(plan, &map, 0, peers, mine->generation, 100000, NULL,
                                 &out->frames, &out->n), 0);
     rf_plan_free(plan);

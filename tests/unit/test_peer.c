@@ -1109,12 +1109,20 @@ Test(peer, listen_errors)
         memset(longname, 'n', RF_PEER_HELLO_STR_MAX + 1);
         cfg.node = longname;
         cr_assert_eq(rf_peer_listen(&loop, "127.0.0.1:0", &cfg, &l, &err), -EINVAL);
-        cr_assert(strstr(err.msg, "longer than 1024 bytes"), "%s", err.msg);
+        cr_assert(strstr(err.msg, "longer than 960 bytes"), "%s", err.msg);
         cfg.node = "coord";
         cfg.data_addr = longname;
         cr_assert_eq(rf_peer_connect(&loop, "127.0.0.1:1", &cfg, &c, &err), -EINVAL);
-        cr_assert(strstr(err.msg, "node name or data address"), "%s", err.msg);
-        /* The longest allowed still comes up: its Hello fits. */
+        cr_assert(strstr(err.msg, "data address, host id"), "%s", err.msg);
+        cfg.data_addr = NULL;
+        cfg.host_id = longname;
+        cr_assert_eq(rf_peer_connect(&loop, "127.0.0.1:1", &cfg, &c, &err), -EINVAL);
+        cfg.host_id = NULL;
+        cfg.local_sock = longname;
+        cr_assert_eq(rf_peer_connect(&loop, "127.0.0.1:1", &cfg, &c, &err), -EINVAL);
+        cr_assert(strstr(err.msg, "socket path"), "%s", err.msg);
+        cfg.local_sock = NULL;
+        /* The longest allowed, all four at once, still comes up: its Hello fits. */
         longname[RF_PEER_HELLO_STR_MAX] = '\0';
         cfg.node = longname;
         {
@@ -1124,6 +1132,8 @@ Test(peer, listen_errors)
             rf_peer_connector *cn;
 
             cc.data_addr = longname;
+            cc.host_id = longname;
+            cc.local_sock = longname;
             cn = connect_to(&C, rf_peer_listener_port(ll), &cc);
             cr_assert(run_until(&C.up, 1, 3000), "%s", C.down_reason);
             cr_assert(run_until(&L.up, 1, 3000));

@@ -245,8 +245,9 @@ Test(slice, every_members_slice_becomes_the_plans_messages_on_its_side)
     cr_assert_gt(rf_plan_nrounds(plan), 1);
     gbases = calloc(rf_inv_nregions(g), sizeof(*gbases));
     for (uint32_t m = 0; m < NMEM; m++) {
-        peers[m] = (rf_slice_peer){100 + m, addrs[m], sides[m] == RF_SRC
-                                   ? REFIT__ROLE__ROLE_PUBLISHER : REFIT__ROLE__ROLE_RECEIVER};
+        peers[m] = (rf_slice_peer){.daemon_id = 100 + m, .data_addr = addrs[m],
+                                   .role = sides[m] == RF_SRC ? REFIT__ROLE__ROLE_PUBLISHER
+                                                              : REFIT__ROLE__ROLE_RECEIVER};
         bases[m] = calloc(rf_inv_nregions(local[m]), sizeof(*bases[m]));
         for (uint32_t r = 0; r < rf_inv_nregions(local[m]); r++) {
             bases[m][r] = malloc(rf_inv_region(local[m], r)->size);
@@ -268,7 +269,7 @@ Test(slice, every_members_slice_becomes_the_plans_messages_on_its_side)
 
             cr_assert_eq(back->last, f + 1 == n);
             cr_assert(!job.complete);
-            cr_assert_eq(rf_slice_job_add(&job, back, local[m], sides[m], bases[m], &err), 0,
+            cr_assert_eq(rf_slice_job_add(&job, back, local[m], sides[m], bases[m], NULL, &err), 0,
                          "member %u frame %zu: %s", m, f, err.msg);
             refit__plan_slice__free_unpacked(back, NULL);
             rf_slice_msg_free(frames[f]);
@@ -360,25 +361,26 @@ Test(slice, a_frame_of_another_plan_or_a_stale_piece_is_refused)
     rf_plan_opts_default(&opts);
     cr_assert_eq(rf_plan_build(g, &opts, &plan, &err), 0, "%s", err.msg);
     for (uint32_t m = 0; m < NMEM; m++)
-        peers[m] = (rf_slice_peer){100 + m, "", REFIT__ROLE__ROLE_PUBLISHER};
+        peers[m] = (rf_slice_peer){.daemon_id = 100 + m, .data_addr = "",
+                                   .role = REFIT__ROLE__ROLE_PUBLISHER};
     cr_assert_eq(rf_slice_build(plan, &map, 2, peers, 1, 100, NULL, &frames, &n), 0);
     cr_assert_gt(n, 1);
     bases = calloc(rf_inv_nregions(local[2]), sizeof(*bases));
     for (uint32_t r = 0; r < rf_inv_nregions(local[2]); r++)
         bases[r] = (uint8_t *)(uintptr_t)(4096 * (r + 1)); /* never dereferenced here */
     rf_slice_job_init(&job);
-    cr_assert_eq(rf_slice_job_add(&job, frames[0], local[2], RF_DST, bases, &err), 0, "%s",
+    cr_assert_eq(rf_slice_job_add(&job, frames[0], local[2], RF_DST, bases, NULL, &err), 0, "%s",
                  err.msg);
     /* The second frame claims another plan. */
     frames[1]->plan_id.data[0] ^= 0xff;
-    cr_assert_eq(rf_slice_job_add(&job, frames[1], local[2], RF_DST, bases, &err), -EPROTO);
+    cr_assert_eq(rf_slice_job_add(&job, frames[1], local[2], RF_DST, bases, NULL, &err), -EPROTO);
     cr_assert(strstr(err.msg, "belongs to another plan"), "%s", err.msg);
     frames[1]->plan_id.data[0] ^= 0xff;
     /* A piece this daemon does not hold (its inventory changed under the plan). */
     rf_slice_job_reset(&job);
     saved = frames[0]->msgs[0]->xfers[0]->piece;
     frames[0]->msgs[0]->xfers[0]->piece = rf_inv_npieces(local[2], RF_DST);
-    cr_assert_eq(rf_slice_job_add(&job, frames[0], local[2], RF_DST, bases, &err), -EPROTO);
+    cr_assert_eq(rf_slice_job_add(&job, frames[0], local[2], RF_DST, bases, NULL, &err), -EPROTO);
     cr_assert(strstr(err.msg, "the plan is stale"), "%s", err.msg);
     frames[0]->msgs[0]->xfers[0]->piece = saved;
     rf_slice_job_reset(&job);
