@@ -264,7 +264,9 @@ static void commit_refit(rf_coord *c)
         if (c->m[i].has_digest)
             for (k = 0; k < RF_XFER_DIGEST_BYTES; k++)
                 x[k] ^= c->m[i].digest[k];
-        if (i < c->npub)
+        /* What the receivers installed: received over the network or copied on their host
+         * (a publisher whose bytes all went by local copy sent nothing). */
+        if (i >= c->npub)
             bytes += c->m[i].done_bytes;
         if (c->m[i].done_transfer_s > transfer)
             transfer = c->m[i].done_transfer_s;

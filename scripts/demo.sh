@@ -28,7 +28,7 @@ head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n' > "$DIR/cluster.key"
 chmod 600 "$DIR/cluster.key"
 COORD=127.0.0.1:$(port)
 COMMON="--cluster-key-file $DIR/cluster.key --coordinator-addr $COORD --publishers 1
- --receivers 1 --status-listen 127.0.0.1:0 --verify full"
+ --receivers 1 --status-listen 127.0.0.1:0"
 DEVICE=${DEMO_DEVICE:-}
 if [ -z "$DEVICE" ]; then
     DEVICE=host

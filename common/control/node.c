@@ -1037,6 +1037,30 @@ static int local_identity(const rf_daemon_cfg *cfg, char *host, size_t hlen, cha
     return 0;
 }
 
+static void start_closed(void *arg)
+{
+    (*(unsigned *)arg)--;
+}
+
+/* A start that failed closes the transports it opened and waits for them here: a transport
+ * closes on the loop (nccl tears its world down on a worker first), and the daemon's exit path
+ * would otherwise close their handles under them. */
+static void start_failed_close(uv_loop_t *loop, rf_node *n)
+{
+    unsigned left = 0;
+
+    if (n->xfer) {
+        left++;
+        rf_xfer_close(n->xfer, start_closed, &left);
+    }
+    if (n->lxfer) {
+        left++;
+        rf_xfer_close(n->lxfer, start_closed, &left);
+    }
+    while (left > 0 && uv_run(loop, UV_RUN_ONCE))
+        ;
+}
+
 int rf_node_start(uv_loop_t *loop, const rf_node_opts *opts, rf_node **out, rf_err *err)
 {
     const rf_daemon_cfg *cfg = opts->cfg;
@@ -1065,6 +1089,9 @@ int rf_node_start(uv_loop_t *loop, const rf_node_opts *opts, rf_node **out, rf_e
         goto fail;
     }
 
+    rc = local_identity(cfg, host_id, sizeof(host_id), local_sock, sizeof(local_sock), err);
+    if (rc < 0)
+        goto fail;
     xo.nccl = cfg->transport == RF_TRANSPORT_NCCL;
     xo.listen_addr = cfg->data_listen;
     xo.key = opts->key->bytes;
@@ -1073,9 +1100,6 @@ int rf_node_start(uv_loop_t *loop, const rf_node_opts *opts, rf_node **out, rf_e
     if (rc < 0)
         goto fail;
     n->xfers_open++;
-    rc = local_identity(cfg, host_id, sizeof(host_id), local_sock, sizeof(local_sock), err);
-    if (rc < 0)
-        goto fail;
     if (cfg->local_copy == RF_LOCAL_COPY_AUTO && n->side == RF_DST) {
         rc = rf_xfer_local_new(loop, xo.nccl, &n->lxfer, err);
         if (rc < 0)
@@ -1143,11 +1167,7 @@ int rf_node_start(uv_loop_t *loop, const rf_node_opts *opts, rf_node **out, rf_e
 fail:
     if (n->reg)
         rf_registry_close(n->reg);
-    if (n->xfer)
-        rf_xfer_close(n->xfer, NULL, NULL);
-    if (n->lxfer)
-        rf_xfer_close(n->lxfer, NULL, NULL);
-    /* What the local transport may still hold goes with its close, on the loop. */
+    start_failed_close(loop, n);
     rf_srcmap_free(n->srcs);
     pthread_mutex_destroy(&n->snap_lock);
     free(n);

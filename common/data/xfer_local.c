@@ -465,10 +465,9 @@ static void host_describe(rf_xfer_local *t, char *buf, size_t len)
         return;
     }
     const rf_xfer_msg *m = &job->msgs[h->reaped];
-    snprintf(buf, len, "local copy of message seq %u (%llu bytes in %u items from peer %u (%s)) "
-             "unfinished, %u of %u messages and %llu of %llu bytes copied", m->seq,
-             (unsigned long long)m->bytes, m->nitems, m->peer,
-             rf_xfer__peer_addr(&t->base, m->peer), h->reaped, job->nmsgs,
+    snprintf(buf, len, "local copy of message seq %u (%llu bytes in %u items from the trainers "
+             "of peer %u) unfinished, %u of %u messages and %llu of %llu bytes copied", m->seq,
+             (unsigned long long)m->bytes, m->nitems, m->peer, h->reaped, job->nmsgs,
              (unsigned long long)t->base.result.bytes_recv, (unsigned long long)h->total);
 }
 

@@ -790,9 +790,8 @@ void rf_xfer__lgpu_describe(rf_xfer_local *t, char *buf, size_t len)
     }
     const rf_xfer_msg *m = &g->job->msgs[pl->bmsg[g->lo]];
     snprintf(buf, len, "batch %u of %u of local GPU copies unfinished (messages seq %u to %u, "
-             "the first from peer %u (%s)), %llu bytes copied", g->lo, pl->nbatches, m->seq,
-             g->job->msgs[pl->bmsg[g->lo + 1] - 1].seq, m->peer,
-             rf_xfer__peer_addr(&t->base, m->peer),
+             "the first from the trainers of peer %u), %llu bytes copied", g->lo, pl->nbatches,
+             m->seq, g->job->msgs[pl->bmsg[g->lo + 1] - 1].seq, m->peer,
              (unsigned long long)t->base.result.bytes_recv);
 }
 

@@ -72,8 +72,8 @@ static const char *const local_copy_names[] = { "off", "auto", NULL };
           "local publisherd's socket; off sends every byte over the transport."),             \
     KSTR(host_id, "", RF_CFG_EMPTY_OK,                                                         \
          "Identity of this machine for local_copy: daemons with the same host_id share "       \
-         "memory. Empty means /etc/machine-id and the boot id; set it when daemons run in "     \
-         "containers that see different machine ids."),                                        \
+         "memory. Empty means the kernel's boot id (else /etc/machine-id); set it when "      \
+         "daemons that cannot share memory run on one kernel (separate IPC namespaces)."),   \
     KENUM(verify, "sample", verify_names,                                                      \
           "Digest check of transferred bytes before commit: off, sample (a sample of each "    \
           "transfer) or full."),                                                               \
@@ -350,10 +350,13 @@ int rf_daemon_host_id(const rf_daemon_cfg *c, char *out, size_t len, rf_err *err
         snprintf(out, len, "%s", c->host_id);
         return 0;
     }
-    if ((rc = read_id("/etc/machine-id", out, len)) < 0 ||
-        (rc = read_id("/proc/sys/kernel/random/boot_id", out, len)) < 0)
-        return rf_err_set(err, rc, "local_copy = auto needs this machine's identity, but "
-                          "/etc/machine-id or the boot id cannot be read (%s); set host_id, or "
-                          "local_copy = off", strerror(-rc));
-    return 0;
+    /* The running kernel: containers of one machine share it (and may not share a
+     * machine-id, or have an empty one); a reboot is another host, nothing mapped survives. */
+    if ((rc = read_id("/proc/sys/kernel/random/boot_id", out, len)) == 0)
+        return 0;
+    if ((rc = read_id("/etc/machine-id", out, len)) == 0)
+        return 0;
+    return rf_err_set(err, rc, "local_copy = auto needs this machine's identity, but neither "
+                      "/proc/sys/kernel/random/boot_id nor /etc/machine-id can be read (%s); "
+                      "set host_id, or local_copy = off", strerror(-rc));
 }

@@ -65,9 +65,10 @@ void rf_daemon_cfg_free(rf_daemon_cfg *c);
 int rf_daemon_cfg_check(const rf_daemon_cfg *c, rf_peer_key *key, rf_err *err);
 
 const char *rf_transport_name(int transport);
-/* This machine's identity for same-host refits: c->host_id, or else the contents of
- * /etc/machine-id and /proc/sys/kernel/random/boot_id (a reboot is another host: nothing
- * mapped survives it). 0, or -errno with err when neither is readable (set host_id). */
+/* This machine's identity for same-host refits: c->host_id, or else the kernel's boot id
+ * (/proc/sys/kernel/random/boot_id: one per running kernel, so containers of one machine
+ * agree and a reboot is another host), or else /etc/machine-id. 0, or -errno with err when
+ * none is readable (set host_id). */
 int rf_daemon_host_id(const rf_daemon_cfg *c, char *out, size_t len, rf_err *err);
 const char *rf_verify_name(int verify);
 

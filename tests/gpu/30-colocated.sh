@@ -45,7 +45,7 @@ s["last_refit"]["paths"]["local"]["bytes"] == s["last_refit"]["bytes"] > 0'
 
 want() { case " ${GPU_CASES:-q4b q30b vmm kill} " in *" $1 "*) return 0 ;; esac; return 1; }
 want q4b && run_case q4b qwen3-4b tp=2 tp=4 5 2 4
-want q30b && run_case q30b qwen3-30b-a3b tp=2,ep=2 tp=4 5 4 4
+want q30b && run_case q30b qwen3-30b-a3b tp=2,ep=2 tp=4 3 2 4
 want vmm && run_case vmm qwen3-4b tp=2 tp=4 3 2 4 --cuda-vmm
 want kill || exit 0
 

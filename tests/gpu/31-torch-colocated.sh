@@ -2,9 +2,10 @@
 # tests/gpu/31-torch-colocated.sh - real PyTorch processes colocated on ONE GPU (issue #12):
 # tests/gpu/torch_check.py's trainer and engine both on cuda:0, daemons with transport = nccl and
 # local_copy = auto, so every byte is a same-host copy from the trainer's tensors into the
-# engine's; torch.equal after every commit. Once with the caching allocator's cudaMalloc blocks
-# (CUDA IPC handles), once with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (VMM memory,
-# shared as POSIX fds).
+# engine's; torch.equal after every commit, with the caching allocator's cudaMalloc blocks (CUDA
+# IPC handles). PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True is not covered yet: its tensors
+# may span several 2 MiB VMM allocations, and a region is one allocation today (librefit says
+# so at registration).
 . "$(dirname "$0")/../e2e/lib.sh"
 if ! python3 -c 'import torch, sys; sys.exit(0 if torch.cuda.device_count() >= 1 else 1)' 2>/dev/null; then
     echo "skipped: no CUDA device (needs PyTorch and a GPU)"
@@ -39,4 +40,3 @@ run_case() { # NAME [PYTORCH_CUDA_ALLOC_CONF]
 }
 
 run_case caching
-run_case expandable expandable_segments:True
