@@ -392,3 +392,139 @@ Test(slice, a_frame_of_another_plan_or_a_stale_piece_is_refused)
     rf_inv_free(g);
     rf_slice_map_free(&map);
 }
+
+/* Same-host copies: publisher 0 and receiverd 2 on one host, publisher 1 and receiverd 3 each on
+ * a host of its own. Receiverd 2's slice holds its local copies (source pieces in publisher 0's
+ * ids, resolved against publisher 0's memory as the daemon maps it), nobody else's; publishers
+ * never see local messages; the NCCL world holds only endpoints with network messages. */
+Test(slice, local_copies_go_to_the_receivers_slice_with_their_source_pieces)
+{
+    static const uint32_t host[NMEM] = {0, 1, 0, 2};
+    rf_slice_peer peers[NMEM];
+    uint8_t **bases[NMEM], **gbases;
+    rf_slice_map map = {0};
+    rf_plan_opts opts;
+    rf_plan *plan = NULL;
+    rf_inv *g = NULL;
+    rf_err err = {0};
+    uint64_t local_bytes = 0, net_recv = 0;
+    uint32_t e, with_net = 0;
+
+    cr_assert_eq(rf_slice_merge(wire, sides, NMEM, &g, &map, &err), 0, "%s", err.msg);
+    for (e = 0; e < rf_inv_nendpoints(g); e++)
+        cr_assert_eq(rf_inv_set_endpoint_host(g, e, host[map.ep_member[e]], &err), 0);
+    cr_assert_eq(rf_inv_set_endpoint_host(g, e, 0, &err), -EINVAL);
+    rf_plan_opts_default(&opts);
+    cr_assert_eq(rf_plan_build(g, &opts, &plan, &err), 0, "%s", err.msg);
+    cr_assert_gt(rf_plan_stats_get(plan)->local_bytes, 0);
+    cr_assert_lt(rf_plan_stats_get(plan)->local_bytes, rf_plan_stats_get(plan)->dst_bytes);
+    /* Endpoints with a network message: the world. */
+    for (e = 0; e < rf_inv_nendpoints(g); e++) {
+        bool net = false;
+
+        for (uint32_t i = 0; i < rf_plan_nmsgs(plan); i++) {
+            const rf_plan_msg *pm = rf_plan_msg_at(plan, i);
+
+            net |= pm->kind != RF_PLAN_LOCAL && (pm->src_ep == e || pm->dst_ep == e);
+        }
+        with_net += net;
+    }
+    gbases = calloc(rf_inv_nregions(g), sizeof(*gbases));
+    for (uint32_t m = 0; m < NMEM; m++) {
+        peers[m] = (rf_slice_peer){.daemon_id = 100 + m, .data_addr = "",
+                                   .role = sides[m] == RF_SRC ? REFIT__ROLE__ROLE_PUBLISHER
+                                                              : REFIT__ROLE__ROLE_RECEIVER,
+                                   .local_sock = m == 0 ? "/run/pub0.sock" : "",
+                                   .generation = 7 + m};
+        bases[m] = calloc(rf_inv_nregions(local[m]), sizeof(*bases[m]));
+        for (uint32_t r = 0; r < rf_inv_nregions(local[m]); r++) {
+            bases[m][r] = (uint8_t *)(uintptr_t)(((uint64_t)m << 32) + 4096 * (r + 1));
+            gbases[map.members[m].region_base + r] = bases[m][r];
+        }
+    }
+    for (uint32_t m = 0; m < NMEM; m++) {
+        Refit__PlanSlice **frames = NULL;
+        rf_slice_src srcs[NMEM] = {{0}};
+        rf_slice_job job;
+        size_t n = 0;
+
+        srcs[0] = (rf_slice_src){.inv = local[0], .bases = bases[0]};
+        cr_assert_eq(rf_slice_build(plan, &map, m, peers, 1, 100000, NULL, &frames, &n), 0);
+        rf_slice_job_init(&job);
+        for (size_t f = 0; f < n; f++) {
+            Refit__PlanSlice *back = frame_through_wire(frames[f]);
+            bool has_local = false;
+
+            for (size_t i = 0; i < back->n_msgs; i++)
+                has_local |= back->msgs[i]->kind == RF_PLAN_LOCAL;
+            if (has_local) {
+                rf_slice_job scratch;
+
+                /* Without the publisher's memory mapped, or on the trainers' side: refused. */
+                rf_slice_job_init(&scratch);
+                cr_assert_eq(rf_slice_job_add(&scratch, back, local[m], sides[m], bases[m], NULL,
+                                              &err), -EPROTO);
+                cr_assert(strstr(err.msg, "has not mapped"), "%s", err.msg);
+                rf_slice_job_reset(&scratch);
+                cr_assert_eq(rf_slice_job_add(&scratch, back, local[m], RF_SRC, bases[m], srcs,
+                                              &err), -EPROTO);
+                cr_assert(strstr(err.msg, "only the receiving daemon"), "%s", err.msg);
+                rf_slice_job_reset(&scratch);
+            }
+            cr_assert_eq(rf_slice_job_add(&job, back, local[m], sides[m], bases[m], srcs, &err),
+                         0, "member %u: %s", m, err.msg);
+            refit__plan_slice__free_unpacked(back, NULL);
+            rf_slice_msg_free(frames[f]);
+        }
+        free(frames);
+        cr_assert(job.complete);
+        cr_assert_eq(job.nranks, with_net);
+        cr_assert_eq(job.nlocal_eps, map.members[m].nep);
+        cr_assert_str_eq(job.peers[0].local_sock, "/run/pub0.sock");
+        cr_assert_eq(job.peers[0].generation, 7);
+        if (m != 2)
+            cr_assert_eq(job.ljob.nmsgs, 0, "member %u got local copies", m);
+        else
+            cr_assert_gt(job.ljob.nmsgs, 0);
+        cr_assert_eq(rf_xfer_job_check(&job.job, NMEM, &err), 0, "%s", err.msg);
+        for (uint32_t i = 0; i < job.ljob.nmsgs; i++) {
+            const rf_xfer_msg *xm = &job.ljob.msgs[i];
+            rf_xfer_msg want_dst, want_src;
+
+            cr_assert_eq(xm->kind, RF_PLAN_LOCAL);
+            cr_assert(!xm->send);
+            cr_assert_eq(xm->peer, 0);
+            cr_assert_eq(rf_slice_msg_from_plan(plan, xm->seq, RF_DST, gbases, 0, &want_dst,
+                                                &err), 0);
+            cr_assert_eq(rf_slice_msg_from_plan(plan, xm->seq, RF_SRC, gbases, 0, &want_src,
+                                                &err), 0);
+            cr_assert_eq(xm->nitems, want_dst.nitems);
+            for (uint32_t k = 0; k < xm->nitems; k++) {
+                cr_assert_eq(xm->items[k].base, want_dst.items[k].base);
+                cr_assert_eq(xm->src_items[k].base, want_src.items[k].base,
+                             "seq %u item %u reads another region", xm->seq, k);
+                cr_assert_eq(xm->src_items[k].piece.offset, want_src.items[k].piece.offset);
+                cr_assert(rf_box_equal(&xm->src_items[k].box, &xm->items[k].box,
+                                       xm->items[k].ndim));
+            }
+            free(want_dst.items);
+            free(want_src.items);
+            local_bytes += xm->bytes;
+        }
+        for (uint32_t i = 0; i < job.job.nmsgs; i++) {
+            cr_assert_neq(job.job.msgs[i].kind, RF_PLAN_LOCAL);
+            cr_assert_lt(job.job.msgs[i].ep, with_net, "a network message outside the world");
+            if (!job.job.msgs[i].send)
+                net_recv += job.job.msgs[i].bytes;
+        }
+        rf_slice_job_reset(&job);
+    }
+    cr_assert_eq(local_bytes, rf_plan_stats_get(plan)->local_bytes);
+    cr_assert_eq(local_bytes + net_recv, rf_plan_stats_get(plan)->dst_bytes);
+    for (uint32_t m = 0; m < NMEM; m++)
+        free(bases[m]);
+    free(gbases);
+    rf_plan_free(plan);
+    rf_inv_free(g);
+    rf_slice_map_free(&map);
+}
