@@ -1,0 +1,188 @@
+/* tests/unit/test_srcmap.c - a receiverd's map of the trainers' memory on its host, against a real
+ * refit-publisherd with a real simulated trainer (processes of this build, host memory): one
+ * fetch per publisher generation however often a plan asks, another generation refused as stale,
+ * the wrong key or no socket refused with a message, prune releasing what no plan names. */
+#include <criterion/criterion.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <signal.h>
+#include <spawn.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <netinet/in.h>
+#include <sys/socket.h>
+
+#include "export.h"
+#include "srcmap.h"
+
+extern char **environ;
+
+static char dir[] = "/tmp/refit-srcmap.XXXXXX";
+static char sock[PATH_MAX], keyfile[PATH_MAX];
+static uint8_t key[64]; /* the key file's bytes: 64 hex digits, as daemons read it */
+static pid_t pub = -1, trainer = -1;
+
+static void bin_path(const char *name, char *out, size_t len)
+{
+    char self[PATH_MAX];
+    ssize_t n = readlink("/proc/self/exe", self, sizeof(self) - 1);
+
+    cr_assert_gt(n, 0);
+    self[n] = '\0';
+    *strrchr(self, '/') = '\0'; /* build/tests */
+    *strrchr(self, '/') = '\0'; /* build */
+    snprintf(out, len, "%s/%s", self, name);
+}
+
+static pid_t spawn(char *const argv[], const char *log)
+{
+    posix_spawn_file_actions_t fa;
+    pid_t pid;
+
+    posix_spawn_file_actions_init(&fa);
+    posix_spawn_file_actions_addopen(&fa, 1, log, O_WRONLY | O_CREAT | O_APPEND, 0600);
+    posix_spawn_file_actions_adddup2(&fa, 1, 2);
+    cr_assert_eq(posix_spawn(&pid, argv[0], &fa, NULL, argv, environ), 0, "%s", argv[0]);
+    posix_spawn_file_actions_destroy(&fa);
+    return pid;
+}
+
+/* The publisherd's export once its trainer sealed (-EAGAIN until then: a state, not a delay). */
+static rf_export *export_when_sealed(void)
+{
+    rf_export *e = NULL;
+    rf_err err = {0};
+
+    for (int i = 0; i < 3000; i++) {
+        int rc = rf_export_fetch(sock, key, sizeof(key), 5.0, &e, &err);
+
+        if (rc == 0)
+            return e;
+        cr_assert(rc == -EAGAIN || rc == -ENOENT || rc == -ECONNREFUSED, "%s", err.msg);
+        nanosleep(&(struct timespec){0, 10 * 1000 * 1000}, NULL);
+    }
+    cr_assert_fail("the trainer never sealed with the publisherd at %s", sock);
+    return NULL;
+}
+
+/* A port free on loopback now, for the coordinator the publisherd's own node connects to. */
+static int free_port(void)
+{
+    struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+    socklen_t len = sizeof(a);
+    int fd = socket(AF_INET, SOCK_STREAM, 0), port;
+
+    cr_assert_geq(fd, 0);
+    cr_assert_eq(bind(fd, (struct sockaddr *)&a, sizeof(a)), 0);
+    cr_assert_eq(getsockname(fd, (struct sockaddr *)&a, &len), 0);
+    port = ntohs(a.sin_port);
+    close(fd);
+    return port;
+}
+
+static void setup(void)
+{
+    char pubbin[PATH_MAX], trbin[PATH_MAX], log[PATH_MAX + 16], hex[65], coord[32];
+    FILE *f;
+
+    cr_assert_not_null(mkdtemp(dir));
+    snprintf(sock, sizeof(sock), "%s/pub.sock", dir);
+    snprintf(keyfile, sizeof(keyfile), "%s/cluster.key", dir);
+    for (size_t i = 0; i < 32; i++)
+        snprintf(hex + 2 * i, 3, "%02x", (unsigned)(0x30 + i));
+    memcpy(key, hex, sizeof(key));
+    f = fopen(keyfile, "w");
+    cr_assert_not_null(f);
+    fputs(hex, f);
+    fclose(f);
+    chmod(keyfile, 0600);
+    bin_path("refit-publisherd", pubbin, sizeof(pubbin));
+    bin_path("refit-sim-trainer", trbin, sizeof(trbin));
+    snprintf(log, sizeof(log), "%s/pub.log", dir);
+    snprintf(coord, sizeof(coord), "127.0.0.1:%d", free_port());
+    pub = spawn((char *[]){pubbin, "--coordinator", "--coordinator-addr", coord,
+                           "--cluster-key-file", keyfile, "--socket", sock, "--status-listen", "",
+                           "--clients", "1", NULL}, log);
+    snprintf(log, sizeof(log), "%s/trainer.log", dir);
+    trainer = spawn((char *[]){trbin, "--socket", sock, "--model", "qwen3-0.6b", "--shrink", "16",
+                               "--layout", "tp=1", "--hold", "1", NULL}, log);
+}
+
+static void teardown(void)
+{
+    if (trainer > 0)
+        kill(trainer, SIGKILL), waitpid(trainer, NULL, 0);
+    if (pub > 0)
+        kill(pub, SIGTERM), waitpid(pub, NULL, 0);
+    for (const char *const *n = (const char *const[]){"pub.log", "trainer.log", "cluster.key",
+                                                       "pub.sock", NULL}; *n; n++) {
+        char p[PATH_MAX + 32];
+
+        snprintf(p, sizeof(p), "%s/%s", dir, *n);
+        unlink(p);
+    }
+    rmdir(dir);
+}
+
+TestSuite(srcmap, .init = setup, .fini = teardown, .timeout = 120);
+
+Test(srcmap, one_fetch_per_generation_stale_and_refusals)
+{
+    rf_export *e = export_when_sealed();
+    uint64_t gen = e->generation;
+    rf_srcmap *m = NULL, *bad = NULL;
+    rf_slice_src a = {0}, b = {0};
+    rf_slice_job keep;
+    rf_err err = {0};
+
+    cr_assert_gt(e->nregions, 0);
+    rf_export_free(e);
+    cr_assert_eq(rf_srcmap_new(key, 0, 5.0, &m, &err), -EINVAL);
+    cr_assert_eq(rf_srcmap_new(key, sizeof(key), 5.0, &m, &err), 0, "%s", err.msg);
+
+    /* Mapped once; the same generation again is the same mapping, without a fetch. */
+    cr_assert_eq(rf_srcmap_get(m, 42, gen, sock, &a, &err), 0, "%s", err.msg);
+    cr_assert_eq(rf_srcmap_get(m, 42, gen, sock, &b, &err), 0, "%s", err.msg);
+    cr_assert_eq(a.inv, b.inv);
+    cr_assert_eq(a.bases, b.bases);
+    cr_assert_eq(rf_srcmap_fetches(m), 1);
+    cr_assert_eq(rf_srcmap_count(m), 1);
+    cr_assert_gt(rf_inv_npieces(a.inv, RF_SRC), 0);
+    cr_assert_not_null(a.bases[0]);
+
+    /* A plan built on another generation of the trainers: stale, nothing kept. */
+    cr_assert_eq(rf_srcmap_get(m, 42, gen + 1, sock, &b, &err), -ESTALE);
+    cr_assert(strstr(err.msg, "its trainers changed"), "%s", err.msg);
+    cr_assert_eq(rf_srcmap_count(m), 1);
+    cr_assert_eq(rf_srcmap_fetches(m), 2);
+
+    /* No socket announced, nobody listening, the wrong key. */
+    cr_assert_eq(rf_srcmap_get(m, 43, gen, "", &b, &err), -EPROTO);
+    cr_assert(strstr(err.msg, "announced no socket"), "%s", err.msg);
+    cr_assert_lt(rf_srcmap_get(m, 43, gen, "/nonexistent/pub.sock", &b, &err), 0);
+    cr_assert(strstr(err.msg, "/nonexistent/pub.sock"), "%s", err.msg);
+    cr_assert_eq(rf_srcmap_new((const uint8_t *)"another key of at least 32 bytes!", 33, 5.0, &bad,
+                               &err), 0);
+    cr_assert_eq(rf_srcmap_get(bad, 42, gen, sock, &b, &err), -EACCES, "%s", err.msg);
+    rf_srcmap_free(bad);
+
+    /* A plan that names the publisher at that generation keeps it; one that does not, not. */
+    rf_slice_job_init(&keep);
+    keep.npeers = 1;
+    keep.peers = &(rf_slice_peer){.daemon_id = 42, .generation = gen};
+    rf_srcmap_prune(m, &keep);
+    cr_assert_eq(rf_srcmap_count(m), 1);
+    keep.peers = &(rf_slice_peer){.daemon_id = 42, .generation = gen + 1};
+    rf_srcmap_prune(m, &keep);
+    cr_assert_eq(rf_srcmap_count(m), 0);
+    cr_assert_eq(rf_srcmap_get(m, 42, gen, sock, &a, &err), 0, "%s", err.msg);
+    cr_assert_eq(rf_srcmap_fetches(m), 3);
+    rf_srcmap_free(m);
+}
