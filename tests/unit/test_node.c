@@ -402,9 +402,11 @@ typedef struct slices {
     uint8_t plan_id[32];
 } slices;
 
-/* The node (a publisher whose inventory is mine) and a receiver at a closed port holding all of
- * "w": the real merge, planner and slice builder, as the coordinator runs them. */
-static void build_slices(const Refit__Inventory *mine, slices *out)
+/* The node (whose inventory is mine, of side) and its counterpart at a closed port holding all
+ * of "w": the real merge, planner and slice builder, as the coordinator runs them. With
+ * same_host both daemons are on one host, so a receiver node's slice holds local copies. */
+static void build_slices_for(const Refit__Inventory *mine, rf_side side, bool same_host,
+                             slices *out)
 {
     const int64_t strides[2] = {8, 1};
     Refit__Inventory recv_msg, *invs[2];
@@ -421,30 +423,41 @@ static void build_slices(const Refit__Inventory *mine, slices *out)
 
     cr_assert_eq(rf_inv_add_tensor(local, "w", RF_DT_FP32, 2, shape_w, &t, &err), 0, "%s",
                  err.msg);
-    cr_assert_eq(rf_inv_add_endpoint(local, RF_DST, 0, &ep, &err), 0);
+    cr_assert_eq(rf_inv_add_endpoint(local, side == RF_SRC ? RF_DST : RF_SRC, 0, &ep, &err), 0);
     cr_assert_eq(rf_inv_add_region(local, ep, 128, &rg, &err), 0);
     p.tensor = t;
     p.region = rg;
     rf_box_full(&p.box, 2, shape_w);
     memcpy(p.strides, strides, sizeof(strides));
     cr_assert_eq(rf_inv_add_piece(local, &p, NULL, &err), 0, "%s", err.msg);
-    cr_assert_eq(rf_slice_inv_pack(local, RF_DST, 1, &recv_msg), 0);
-    invs[0] = (Refit__Inventory *)mine;
-    invs[1] = &recv_msg;
+    cr_assert_eq(rf_slice_inv_pack(local, side == RF_SRC ? RF_DST : RF_SRC, 1, &recv_msg), 0);
+    invs[side == RF_SRC ? 0 : 1] = (Refit__Inventory *)mine;
+    invs[side == RF_SRC ? 1 : 0] = &recv_msg;
     cr_assert_eq(rf_slice_merge(invs, sides, 2, &global, &map, &err), 0, "%s", err.msg);
+    for (uint32_t e = 0; same_host && e < rf_inv_nendpoints(global); e++)
+        cr_assert_eq(rf_inv_set_endpoint_host(global, e, 0, &err), 0);
     rf_plan_opts_default(&opts);
     cr_assert_eq(rf_plan_build(global, &opts, &plan, &err), 0, "%s", err.msg);
     memcpy(out->plan_id, rf_plan_id(plan), 32);
     snprintf(addr, sizeof(addr), "127.0.0.1:%d", H.closed_port);
-    peers[0] = (rf_slice_peer){.daemon_id = DAEMON_ID, .data_addr = "127.0.0.1:1", .role = REFIT__ROLE__ROLE_PUBLISHER};
-    peers[1] = (rf_slice_peer){.daemon_id = 7, .data_addr = addr, .role = REFIT__ROLE__ROLE_RECEIVER};
-    cr_assert_eq(rf_slice_build(plan, &map, 0, peers, mine->generation, 100000, NULL,
-                                &out->frames, &out->n), 0);
+    peers[0] = (rf_slice_peer){.daemon_id = side == RF_SRC ? DAEMON_ID : 7,
+                               .data_addr = side == RF_SRC ? "127.0.0.1:1" : addr,
+                               .role = REFIT__ROLE__ROLE_PUBLISHER, .local_sock = "/nowhere"};
+    peers[1] = (rf_slice_peer){.daemon_id = side == RF_SRC ? 7 : DAEMON_ID,
+                               .data_addr = side == RF_SRC ? addr : "127.0.0.1:1",
+                               .role = REFIT__ROLE__ROLE_RECEIVER};
+    cr_assert_eq(rf_slice_build(plan, &map, side == RF_SRC ? 0 : 1, peers, mine->generation,
+                                100000, NULL, &out->frames, &out->n), 0);
     rf_plan_free(plan);
     rf_inv_free(global);
     rf_inv_free(local);
     rf_slice_map_free(&map);
     rf_slice_inv_msg_free(&recv_msg);
+}
+
+static void build_slices(const Refit__Inventory *mine, slices *out)
+{
+    build_slices_for(mine, RF_SRC, false, out);
 }
 
 static void give_slices(slices *s)
@@ -680,6 +693,46 @@ Test(node, a_receiver_says_idle_and_tells_its_engines)
     cr_assert_eq(wait_sent_ms(m, REFIT__ENVELOPE__BODY_READY, 0), NULL,
                  "a receiver sent Ready");
     refit_close(eng);
+}
+
+/* A receiver with local_copy = off handed local copies (a coordinator that thinks otherwise),
+ * and one with local_copy = auto whose publisher's socket is gone: the slice is refused with
+ * the reason, and the status says it. */
+static void local_slice_refused(const char *local_copy, const char *want)
+{
+    refit_client *eng;
+    slices s;
+    size_t m;
+    json_t *st;
+
+    start_node("receiver", "--local-copy", local_copy, NULL);
+    m = mark();
+    on_loop(do_coord_up, NULL);
+    eng = client(REFIT_ENGINE, "e0");
+    build_slices_for(wait_complete_inventory(m), RF_DST, true, &s);
+    give_slices(&s);
+    for (int i = 0; i < 500; i++) {
+        st = node_status();
+        if (strstr(json_string_value(json_object_get(st, "last_error")), want))
+            break;
+        json_decref(st);
+        st = NULL;
+        usleep(10000);
+    }
+    cr_assert_not_null(st, "no '%s' in the node's last_error", want);
+    cr_assert_eq(json_integer_value(json_object_get(st, "plan_local_copies")), 0);
+    json_decref(st);
+    refit_close(eng);
+}
+
+Test(node, local_copies_for_a_receiver_with_local_copy_off_are_refused)
+{
+    local_slice_refused("off", "runs with local_copy = off");
+}
+
+Test(node, local_copies_from_a_publisher_that_cannot_be_reached_are_refused)
+{
+    local_slice_refused("auto", "/nowhere");
 }
 
 Test(node, a_cluster_key_too_short_for_the_data_path_stops_start_up)
