@@ -9,6 +9,7 @@
 # the replica on its own host and nothing crosses the network.
 . "$(dirname "$0")/lib.sh"
 E2E_LOCAL_COPY=auto
+
 E2E_PUBLISHERS=1 E2E_RECEIVERS=1
 start_publisher 0 2
 start_receiver 0 4
@@ -32,13 +33,7 @@ grep -q "mapped [0-9]* trainer regions" "$E2E_DIR/recv0.log" || fail "the receiv
 echo "ok: 3 refits as same-host copies, every byte verified"
 
 # ---- part 2: one refit over both paths --------------------------------------------------------
-e2e_stop $E2E_PIDS
-E2E_PIDS=""
-E2E_DIR=$E2E_ROOT/mixed
-mkdir -p "$E2E_DIR"
-old_port=$E2E_COORD_PORT
-E2E_COORD_PORT=$(free_port)
-E2E_COMMON=${E2E_COMMON/127.0.0.1:$old_port/127.0.0.1:$E2E_COORD_PORT}
+e2e_new_cluster mixed
 E2E_PUBLISHERS=1 E2E_RECEIVERS=2
 start_publisher 0 2
 start_receiver 0 4
@@ -60,13 +55,7 @@ st_wait "$R1" 10 "receiverd 1 (another host): the network only" \
 echo "ok: a mixed refit: local copies on the trainers' host, TCP to the other, every byte verified"
 
 # ---- part 3: the same-host replica is chosen ---------------------------------------------------
-e2e_stop $E2E_PIDS
-E2E_PIDS=""
-E2E_DIR=$E2E_ROOT/replicas
-mkdir -p "$E2E_DIR"
-old_port=$E2E_COORD_PORT
-E2E_COORD_PORT=$(free_port)
-E2E_COMMON=${E2E_COMMON/127.0.0.1:$old_port/127.0.0.1:$E2E_COORD_PORT}
+e2e_new_cluster replicas
 E2E_PUBLISHERS=2 E2E_RECEIVERS=2
 M="--model qwen3-0.6b --shrink 8"
 start_publisher 0 2

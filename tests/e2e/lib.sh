@@ -58,6 +58,19 @@ E2E_COMMON="--cluster-key-file $E2E_ROOT/cluster.key --coordinator-addr 127.0.0.
  --status-listen 127.0.0.1:0 --heartbeat-ms 200 --peer-timeout-ms 2000 --refit-timeout-s 30
  --log-level info"
 
+# e2e_new_cluster NAME: a test with several clusters in turn stops the processes of the last
+# one; the next one's logs go in a directory of their own and its coordinator gets a port of
+# its own.
+e2e_new_cluster() {
+    local old_port=$E2E_COORD_PORT
+    e2e_stop $E2E_PIDS
+    E2E_PIDS=""
+    E2E_DIR=$E2E_ROOT/$1
+    mkdir -p "$E2E_DIR"
+    E2E_COORD_PORT=$(free_port)
+    E2E_COMMON=${E2E_COMMON/127.0.0.1:$old_port/127.0.0.1:$E2E_COORD_PORT}
+}
+
 # Every daemon of these tests runs on this one machine, so with local_copy = auto (the
 # default) every byte would be a same-host copy: the tests of the network path turn it off,
 # the tests of the local path set E2E_LOCAL_COPY=auto.
