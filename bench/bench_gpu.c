@@ -29,6 +29,7 @@
 #include "layout.h"
 #include "model.h"
 #include "plan.h"
+#include "slice.h"
 #include "xfer.h"
 #include "xfer_local_int.h"
 
@@ -50,50 +51,17 @@ static void ldie(const char *what, const rf_err *e)
  * plan order (what the planner's RF_PLAN_LOCAL messages become in the engines' daemon). */
 static void lbench_job(const rf_plan *pl, uint8_t *const *bases, rf_xfer_job *job)
 {
-    const rf_inv *inv = rf_plan_inv(pl);
+    rf_err err = {0};
 
     memset(job, 0, sizeof(*job));
-    job->nrounds = rf_plan_nrounds(pl);
+    if (rf_slice_local_job_from_plan(pl, bases, job, &err) < 0)
+        ldie("local job", &err);
     job->timeout_s = 300;
-    job->nmsgs = rf_plan_nmsgs(pl);
-    job->msgs = calloc(job->nmsgs, sizeof(*job->msgs));
-    for (uint32_t mi = 0; mi < job->nmsgs; mi++) {
-        const rf_plan_msg *pm = rf_plan_msg_at(pl, mi);
-        rf_xfer_msg *m = &job->msgs[mi];
-        uint64_t off = 0;
-
-        *m = (rf_xfer_msg){.seq = mi, .round = pm->round, .kind = RF_PLAN_LOCAL,
-                           .ep = pm->dst_ep, .peer_ep = pm->src_ep, .nitems = pm->count};
-        m->items = calloc(pm->count, sizeof(*m->items));
-        m->src_items = calloc(pm->count, sizeof(*m->src_items));
-        for (uint32_t k = 0; k < pm->count; k++) {
-            const rf_plan_xfer *x = rf_plan_xfer_at(pl, (uint64_t)pm->first + k);
-            rf_xfer_item *d = &m->items[k], *sr = &m->src_items[k];
-            const rf_tensor *t;
-
-            rf_inv_piece(inv, RF_DST, x->dst, &d->piece);
-            rf_inv_piece(inv, RF_SRC, x->src, &sr->piece);
-            t = rf_inv_tensor(inv, d->piece.tensor);
-            d->base = bases[d->piece.region];
-            sr->base = bases[sr->piece.region];
-            d->ndim = sr->ndim = t->ndim;
-            d->esize = sr->esize = rf_dtype_size(t->dtype);
-            d->box = sr->box = *rf_plan_box(pl, x->box);
-            d->msg_off = sr->msg_off = off;
-            d->bytes = sr->bytes = x->bytes;
-            off += x->bytes;
-        }
-        m->bytes = off;
-    }
 }
 
 static void lbench_job_free(rf_xfer_job *j)
 {
-    for (uint32_t i = 0; i < j->nmsgs; i++) {
-        free(j->msgs[i].items);
-        free(j->msgs[i].src_items);
-    }
-    free(j->msgs);
+    rf_slice_local_job_free(j);
 }
 
 typedef struct lrun {
@@ -288,7 +256,6 @@ static int local_host(const char *threads)
 #include "layout.h"
 #include "model.h"
 #include "plan.h"
-#include "slice.h"
 #include "xfer.h"
 
 #define CK(call)                                                                        \

@@ -765,3 +765,57 @@ int rf_slice_msg_from_plan(const rf_plan *plan, uint32_t mi, rf_side side,
     }
     return 0;
 }
+
+void rf_slice_local_job_free(rf_xfer_job *job)
+{
+    free_msgs(job);
+    job->msgs = NULL;
+    job->nmsgs = 0;
+}
+
+int rf_slice_local_job_from_plan(const rf_plan *plan, uint8_t *const *bases, rf_xfer_job *job,
+                                 rf_err *err)
+{
+    const rf_inv *inv = rf_plan_inv(plan);
+    uint32_t mi, k;
+
+    job->nrounds = rf_plan_nrounds(plan);
+    job->nmsgs = 0;
+    job->msgs = calloc(rf_plan_nmsgs(plan) ? rf_plan_nmsgs(plan) : 1, sizeof(*job->msgs));
+    if (!job->msgs)
+        return rf_err_set(err, -ENOMEM, "out of memory for a local job of %u messages",
+                          rf_plan_nmsgs(plan));
+    for (mi = 0; mi < rf_plan_nmsgs(plan); mi++) {
+        const rf_plan_msg *pm = rf_plan_msg_at(plan, mi);
+        rf_xfer_msg *m = &job->msgs[job->nmsgs++];
+        uint64_t off = 0;
+
+        *m = (rf_xfer_msg){.seq = mi, .round = pm->round, .kind = RF_PLAN_LOCAL,
+                           .ep = pm->dst_ep, .peer_ep = pm->src_ep, .nitems = pm->count};
+        m->items = calloc(pm->count ? pm->count : 1, sizeof(*m->items));
+        m->src_items = calloc(pm->count ? pm->count : 1, sizeof(*m->src_items));
+        if (!m->items || !m->src_items) {
+            rf_slice_local_job_free(job);
+            return rf_err_set(err, -ENOMEM, "out of memory for a local job");
+        }
+        for (k = 0; k < pm->count; k++) {
+            const rf_plan_xfer *x = rf_plan_xfer_at(plan, (uint64_t)pm->first + k);
+            rf_xfer_item *d = &m->items[k], *sr = &m->src_items[k];
+            const rf_tensor *t;
+
+            rf_inv_piece(inv, RF_DST, x->dst, &d->piece);
+            rf_inv_piece(inv, RF_SRC, x->src, &sr->piece);
+            t = rf_inv_tensor(inv, d->piece.tensor);
+            d->base = bases[d->piece.region];
+            sr->base = bases[sr->piece.region];
+            d->ndim = sr->ndim = t->ndim;
+            d->esize = sr->esize = rf_dtype_size(t->dtype);
+            d->box = sr->box = *rf_plan_box(plan, x->box);
+            d->msg_off = sr->msg_off = off;
+            d->bytes = sr->bytes = x->bytes;
+            off += x->bytes;
+        }
+        m->bytes = off;
+    }
+    return 0;
+}

@@ -105,5 +105,12 @@ void rf_slice_job_reset(rf_slice_job *j);
  * the plan's endpoint ids. out->items is malloc'd (free it). -ENOMEM. */
 int rf_slice_msg_from_plan(const rf_plan *plan, uint32_t mi, rf_side side,
                            uint8_t *const *bases, uint32_t peer, rf_xfer_msg *out, rf_err *err);
+/* Without daemons, for the local transport: every message of the plan, whatever its kind, as a
+ * local copy (RF_PLAN_LOCAL, peer 0): destination items and their source twins in
+ * bases[region of the piece], transfers tiled in plan order. Fills job's messages and rounds;
+ * version, timeout and verify are the caller's. -ENOMEM (job empty). */
+int rf_slice_local_job_from_plan(const rf_plan *plan, uint8_t *const *bases, rf_xfer_job *job,
+                                 rf_err *err);
+void rf_slice_local_job_free(rf_xfer_job *job);
 
 #endif

@@ -21,6 +21,7 @@
 #include "plan.h"
 #include "xfer.h"
 #include "xfer_data.h"
+#include "slice.h"
 #include "xfer_local_int.h"
 
 #ifdef RF_HAVE_CUDA
@@ -182,52 +183,18 @@ static void check_destinations(cluster *c, uint64_t version)
 static void local_job(const rf_plan *pl, uint8_t *const *bases, uint64_t version, int verify,
                       rf_xfer_job *job)
 {
-    const rf_inv *inv = rf_plan_inv(pl);
+    rf_err err = {0};
 
     memset(job, 0, sizeof(*job));
+    cr_assert_eq(rf_slice_local_job_from_plan(pl, bases, job, &err), 0, "%s", err.msg);
     job->version = version;
-    job->nrounds = rf_plan_nrounds(pl);
     job->timeout_s = 30;
     job->verify = verify;
-    job->nmsgs = rf_plan_nmsgs(pl);
-    job->msgs = calloc(job->nmsgs, sizeof(*job->msgs));
-    for (uint32_t mi = 0; mi < job->nmsgs; mi++) {
-        const rf_plan_msg *pm = rf_plan_msg_at(pl, mi);
-        rf_xfer_msg *m = &job->msgs[mi];
-        uint64_t off = 0;
-
-        *m = (rf_xfer_msg){.seq = mi, .round = pm->round, .kind = RF_PLAN_LOCAL, .peer = 0,
-                           .ep = pm->dst_ep, .peer_ep = pm->src_ep, .nitems = pm->count};
-        m->items = calloc(pm->count, sizeof(*m->items));
-        m->src_items = calloc(pm->count, sizeof(*m->src_items));
-        for (uint32_t k = 0; k < pm->count; k++) {
-            const rf_plan_xfer *x = rf_plan_xfer_at(pl, (uint64_t)pm->first + k);
-            rf_xfer_item *d = &m->items[k], *s = &m->src_items[k];
-            const rf_tensor *t;
-
-            rf_inv_piece(inv, RF_DST, x->dst, &d->piece);
-            rf_inv_piece(inv, RF_SRC, x->src, &s->piece);
-            t = rf_inv_tensor(inv, d->piece.tensor);
-            d->base = bases[d->piece.region];
-            s->base = bases[s->piece.region];
-            d->ndim = s->ndim = t->ndim;
-            d->esize = s->esize = rf_dtype_size(t->dtype);
-            d->box = s->box = *rf_plan_box(pl, x->box);
-            d->msg_off = s->msg_off = off;
-            d->bytes = s->bytes = x->bytes;
-            off += x->bytes;
-        }
-        m->bytes = off;
-    }
 }
 
 static void job_free(rf_xfer_job *j)
 {
-    for (uint32_t i = 0; i < j->nmsgs; i++) {
-        free(j->msgs[i].items);
-        free(j->msgs[i].src_items);
-    }
-    free(j->msgs);
+    rf_slice_local_job_free(j);
     memset(j, 0, sizeof(*j));
 }
 

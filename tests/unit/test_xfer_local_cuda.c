@@ -24,6 +24,7 @@
 #include "copy.h"
 #include "drv_cuda.h"
 #include "xfer_data.h"
+#include "slice.h"
 #include "xfer_local_int.h"
 
 #define NEED_GPU()                                                                    \
@@ -174,51 +175,18 @@ static void cluster_free(cluster *c)
 /* One local message per plan message, items pointing at base[] (device or host mirrors). */
 static void local_job(const rf_plan *pl, uint8_t *const *bases, int verify, rf_xfer_job *job)
 {
-    const rf_inv *inv = rf_plan_inv(pl);
+    rf_err err = {0};
 
     memset(job, 0, sizeof(*job));
-    job->nrounds = rf_plan_nrounds(pl);
+    cr_assert_eq(rf_slice_local_job_from_plan(pl, bases, job, &err), 0, "%s", err.msg);
     job->timeout_s = 60;
     job->verify = verify;
-    job->nmsgs = rf_plan_nmsgs(pl);
-    job->msgs = calloc(job->nmsgs, sizeof(*job->msgs));
-    for (uint32_t mi = 0; mi < job->nmsgs; mi++) {
-        const rf_plan_msg *pm = rf_plan_msg_at(pl, mi);
-        rf_xfer_msg *m = &job->msgs[mi];
-        uint64_t off = 0;
-
-        *m = (rf_xfer_msg){.seq = mi, .round = pm->round, .kind = RF_PLAN_LOCAL,
-                           .ep = pm->dst_ep, .peer_ep = pm->src_ep, .nitems = pm->count};
-        m->items = calloc(pm->count, sizeof(*m->items));
-        m->src_items = calloc(pm->count, sizeof(*m->src_items));
-        for (uint32_t k = 0; k < pm->count; k++) {
-            const rf_plan_xfer *x = rf_plan_xfer_at(pl, (uint64_t)pm->first + k);
-            rf_xfer_item *d = &m->items[k], *s = &m->src_items[k];
-            const rf_tensor *t;
-
-            rf_inv_piece(inv, RF_DST, x->dst, &d->piece);
-            rf_inv_piece(inv, RF_SRC, x->src, &s->piece);
-            t = rf_inv_tensor(inv, d->piece.tensor);
-            d->base = bases[d->piece.region];
-            s->base = bases[s->piece.region];
-            d->ndim = s->ndim = t->ndim;
-            d->esize = s->esize = rf_dtype_size(t->dtype);
-            d->box = s->box = *rf_plan_box(pl, x->box);
-            d->msg_off = s->msg_off = off;
-            d->bytes = s->bytes = x->bytes;
-            off += x->bytes;
-        }
-        m->bytes = off;
-    }
 }
 
 static void job_free(rf_xfer_job *j)
 {
-    for (uint32_t i = 0; i < j->nmsgs; i++) {
-        free(j->msgs[i].items);
-        free(j->msgs[i].src_items);
-    }
-    free(j->msgs);
+    rf_slice_local_job_free(j);
+    memset(j, 0, sizeof(*j));
 }
 
 /* BLAKE2b of each verified message's packed source, from the host mirror's job. */
