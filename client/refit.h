@@ -102,6 +102,29 @@ REFIT_API int refit_consumed(refit_client *c, uint64_t version);
 /* Closes the connection (the daemon drops this client's registration) and frees c. */
 REFIT_API int refit_close(refit_client *c);
 
+/* Layouts: how a framework's ranks hold a built-in model (bindings such as refit.torch map a
+ * module's named parameters onto them). model: a builtin or a JSON spec path, its large dims
+ * divided by shrink when > 1; convention "hf" (every HF tensor whole, one rank: parallel empty,
+ * rank 0), "megatron" (trainer rank of Megatron-Core, parallel such as "tp=2,pp=2,ep=4") or
+ * "vllm" (engine rank of vLLM, "tp=2,ep=2"). The layout lists the rank's parameters as the
+ * framework names them, each with its dtype (REFIT_*), its local shape (row-major) and the
+ * pieces of HF tensors it holds. Errors are in refit_last_error(NULL). */
+typedef struct refit_layout refit_layout;
+REFIT_API int refit_layout_open(const char *model, int shrink, const char *convention,
+                                const char *parallel, int rank, refit_layout **out);
+REFIT_API uint32_t refit_layout_nparams(const refit_layout *l);
+/* Parameter i: name (valid until refit_layout_free), dtype, ndim and shape (8 values), and how
+ * many pieces it holds. */
+REFIT_API int refit_layout_param(const refit_layout *l, uint32_t i, const char **name,
+                                 int *dtype, int *ndim, int64_t *shape, uint32_t *npieces);
+/* Piece j of parameter i: the HF tensor (name, ndim, global shape), the box (start, extent),
+ * and where it lies in the parameter: offset and strides in elements of the parameter's
+ * row-major storage. Arrays hold 8 values. */
+REFIT_API int refit_layout_piece(const refit_layout *l, uint32_t i, uint32_t j,
+                                 const char **tensor, int *ndim, int64_t *shape, int64_t *start,
+                                 int64_t *extent, int64_t *strides, uint64_t *offset);
+REFIT_API void refit_layout_free(refit_layout *l);
+
 #ifdef __cplusplus
 }
 #endif

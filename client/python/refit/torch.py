@@ -1,0 +1,356 @@
+"""refit.torch: PyTorch trainers and engines join refit in a few lines.
+
+    arena = refit.torch.share_module(model)          # host weights into one shared memfd
+    with refit.Client(refit.TRAINER, rank=r) as c:
+        refit.torch.register_module(c, model, "megatron", "tp=2", r, "qwen3-4b")
+        c.seal()
+
+register() registers one tensor (or a box of a larger one); register_module() binds a module's
+named parameters to HF tensors and boxes by a convention (hf, megatron, vllm) whose layouts come
+from librefit (refit_layout_*, the same model module the simulators and `refitctl plan` use).
+Memory is registered once per allocation: an Arena (one memfd) on the host, the CUDA allocation
+(a caching allocator segment, a VMM allocation) on a GPU, so that a rank registers a handful of
+regions whatever its parameter count. torch is imported here only: `import refit` stays
+standard-library only."""
+
+import ctypes
+import errno
+import fcntl
+import mmap
+import os
+import threading
+
+import torch
+
+from . import Error, _load
+
+_ALIGN = 256  # every tensor of an arena starts here: any dtype's view is aligned
+
+_TORCH_DTYPES = {
+    torch.bfloat16: 0, torch.float16: 1, torch.float32: 2, torch.float64: 3,
+    torch.int8: 6, torch.uint8: 7, torch.int16: 8, torch.int32: 9, torch.int64: 10,
+    torch.bool: 11,
+}
+for _name, _code in (("float8_e4m3fn", 4), ("float8_e5m2", 5)):
+    if hasattr(torch, _name):
+        _TORCH_DTYPES[getattr(torch, _name)] = _code
+_REFIT_TO_TORCH = {v: k for k, v in _TORCH_DTYPES.items()}
+
+
+# ---- host memory ---------------------------------------------------------------------------
+
+_arenas = []  # every live Arena, to find the one a host tensor lives in
+_arenas_lock = threading.Lock()
+
+
+class Arena:
+    """size bytes of shared host memory (a sealed memfd mapped here) that torch tensors are
+    carved from: empty() hands out tensors, register() registers the whole arena once per
+    client. The memory stays mapped while the arena or any of its tensors lives."""
+
+    def __init__(self, size):
+        if size <= 0:
+            raise Error(-errno.EINVAL, f"arena size {size}: must be > 0")
+        self.size = size
+        self.fd = os.memfd_create("refit-torch", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            os.ftruncate(self.fd, size)
+            fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)
+            self.mmap = mmap.mmap(self.fd, size, mmap.MAP_SHARED,
+                                  mmap.PROT_READ | mmap.PROT_WRITE)
+        except OSError:
+            os.close(self.fd)
+            raise
+        self.bytes = torch.frombuffer(self.mmap, dtype=torch.uint8)
+        self.base = self.bytes.data_ptr()
+        self.used = 0
+        with _arenas_lock:
+            _arenas.append(self)
+
+    def empty(self, shape, dtype=torch.float32):
+        """A new tensor of shape and dtype inside the arena (contents undefined)."""
+        shape = tuple(shape)
+        numel = 1
+        for s in shape:
+            numel *= s
+        esize = torch.empty((), dtype=dtype).element_size()
+        start = (self.used + _ALIGN - 1) // _ALIGN * _ALIGN
+        if start + numel * esize > self.size:
+            raise Error(-errno.ENOMEM, f"arena of {self.size} bytes is full ({self.used} used): "
+                        f"a tensor of {shape} {dtype} needs {numel * esize}; make a larger one")
+        self.used = start + numel * esize
+        return self.bytes[start:start + numel * esize].view(dtype).view(shape)
+
+    def contains(self, ptr, nbytes):
+        return self.base <= ptr and ptr + nbytes <= self.base + self.size
+
+
+def _arena_of(ptr, nbytes):
+    with _arenas_lock:
+        for a in _arenas:
+            if a.contains(ptr, nbytes):
+                return a
+    return None
+
+
+_default_arena = None
+
+
+def empty(shape, dtype=torch.float32, arena=None):
+    """A tensor in shared host memory that refit can move: from arena, else from this module's
+    default arenas (256 MiB each, a larger one for a larger tensor)."""
+    global _default_arena
+    if arena is not None:
+        return arena.empty(shape, dtype)
+    nbytes = torch.empty((), dtype=dtype).element_size()
+    for s in shape:
+        nbytes *= s
+    if _default_arena is None or _default_arena.used + nbytes + _ALIGN > _default_arena.size:
+        _default_arena = Arena(max(256 << 20, nbytes + _ALIGN))
+    return _default_arena.empty(shape, dtype)
+
+
+def share_module(module):
+    """Moves every parameter of module (host tensors) into one new Arena sized for them all, so
+    that a rank registers one region; returns the arena."""
+    params = [p for p in module.parameters() if p.device.type == "cpu"]
+    total = sum((p.numel() * p.element_size() + _ALIGN - 1) // _ALIGN * _ALIGN for p in params)
+    arena = Arena(max(total, _ALIGN))
+    with torch.no_grad():
+        for p in params:
+            t = arena.empty(p.shape, p.dtype)
+            t.copy_(p.data)
+            p.data = t
+    return arena
+
+
+# ---- GPU memory ----------------------------------------------------------------------------
+
+_libcuda = None
+
+
+def _cuda_allocation(ptr):
+    """(base, size) of the CUDA allocation holding device address ptr (cuMemGetAddressRange:
+    a caching allocator's segment, a cudaMalloc, one VMM allocation)."""
+    global _libcuda
+    if _libcuda is None:
+        _libcuda = ctypes.CDLL("libcuda.so.1")
+        _libcuda.cuMemGetAddressRange_v2.argtypes = [ctypes.POINTER(ctypes.c_uint64),
+                                                     ctypes.POINTER(ctypes.c_size_t),
+                                                     ctypes.c_uint64]
+    base, size = ctypes.c_uint64(), ctypes.c_size_t()
+    rc = _libcuda.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size), ptr)
+    if rc != 0:
+        return None
+    return base.value, size.value
+
+
+# ---- registration --------------------------------------------------------------------------
+
+def _regions(client):
+    regs = getattr(client, "_torch_regions", None)
+    if regs is None:
+        regs = client._torch_regions = {}
+    return regs
+
+
+def region_count(client):
+    """How many regions refit.torch registered on client."""
+    return len(_regions(client))
+
+
+def _region_of(client, tensor, what):
+    """(region, base address) of the allocation holding tensor's bytes, registered on client
+    the first time one of its tensors is."""
+    ptr = tensor.data_ptr()
+    span = _span_bytes(tensor)
+    regs = _regions(client)
+    if tensor.device.type == "cpu":
+        arena = _arena_of(ptr, span)
+        if arena is None:
+            raise Error(-errno.EINVAL, f"{what}: host memory at {ptr:#x} ({span} bytes) is "
+                        "private to this process, refit cannot move it; allocate it with "
+                        "refit.torch.empty() or an Arena, or move the module there with "
+                        "refit.torch.share_module(module)")
+        key = ("host", id(arena))
+        if key not in regs:
+            regs[key] = (client.register_memfd(arena.fd, arena.size), arena.base, arena)
+        return regs[key][0], regs[key][1]
+    if tensor.device.type == "cuda":
+        alloc = _cuda_allocation(ptr)
+        if alloc is None or ptr + span > alloc[0] + alloc[1]:
+            raise Error(-errno.EINVAL, f"{what}: GPU memory at {ptr:#x} ({span} bytes) is not "
+                        "inside one CUDA allocation (expandable segments map tensors over "
+                        "several); turn PYTORCH_CUDA_ALLOC_CONF expandable_segments off")
+        key = ("cuda", tensor.device.index, alloc[0])
+        if key not in regs:
+            regs[key] = (client.register_cuda(alloc[0], alloc[1]), alloc[0], None)
+        return regs[key][0], regs[key][1]
+    raise Error(-errno.EINVAL, f"{what}: memory of device {tensor.device} cannot be moved by "
+                "refit; use host (refit.torch.empty) or CUDA tensors")
+
+
+def _span_bytes(tensor):
+    """Bytes from the tensor's first element to one past its last."""
+    if tensor.numel() == 0:
+        return 0
+    last = sum((n - 1) * s for n, s in zip(tensor.shape, tensor.stride()))
+    return (last + 1) * tensor.element_size()
+
+
+def _check_tensor(tensor, what):
+    if not isinstance(tensor, torch.Tensor):
+        raise Error(-errno.EINVAL, f"{what}: a {type(tensor).__name__} is not a torch.Tensor")
+    if tensor.layout != torch.strided:
+        raise Error(-errno.EINVAL, f"{what}: a {tensor.layout} tensor has no strided storage "
+                    "refit can address; register its dense form (to_dense())")
+    if tensor.dtype not in _TORCH_DTYPES:
+        raise Error(-errno.EINVAL, f"{what}: dtype {tensor.dtype} is not one refit moves "
+                    f"(one of {', '.join(str(d) for d in _TORCH_DTYPES)})")
+    if any(s < 0 for s in tensor.stride()):
+        raise Error(-errno.EINVAL, f"{what}: negative strides {tuple(tensor.stride())}; "
+                    "register a copy with .contiguous()")
+    return _TORCH_DTYPES[tensor.dtype]
+
+
+def register(client, hf_name, tensor, box=None, global_shape=None):
+    """Registers tensor as the box of HF tensor hf_name: box is a list of (start, end) per dim
+    (None: the whole tensor, global_shape its shape). dtype, strides and offset come from the
+    tensor; its allocation is registered once per client."""
+    what = f"tensor {hf_name}"
+    dt = _check_tensor(tensor, what)
+    shape = list(tensor.shape) or [1]
+    strides = list(tensor.stride()) or [1]
+    if box is None:
+        start, extent = [0] * len(shape), shape
+        gshape = list(global_shape) if global_shape is not None else shape
+    else:
+        box = [tuple(b) for b in box]
+        start = [b[0] for b in box]
+        extent = [b[1] - b[0] for b in box]
+        if extent != shape:
+            raise Error(-errno.EINVAL, f"{what}: box {box} has extents {extent}, the tensor's "
+                        f"shape is {shape}; they must be equal")
+        if global_shape is None:
+            raise Error(-errno.EINVAL, f"{what}: a box needs the global_shape of the tensor")
+        gshape = list(global_shape)
+    if len(gshape) != len(shape) or any(s < 0 or s + e > g for s, e, g in
+                                        zip(start, extent, gshape)):
+        raise Error(-errno.EINVAL, f"{what}: box starting at {start} with extents {extent} "
+                    f"lies outside the global shape {gshape}")
+    region, base = _region_of(client, tensor, what)
+    client.add_piece(hf_name, dt, gshape, region, tensor.data_ptr() - base, start, extent,
+                     strides)
+
+
+class Param:
+    """One parameter of a layout: its name in the convention, torch dtype, local shape, and
+    its pieces: (hf_name, global_shape, start, extent, strides, offset in elements)."""
+
+    def __init__(self, name, dtype, shape, pieces):
+        self.name, self.dtype, self.shape, self.pieces = name, dtype, shape, pieces
+
+
+def layout(model, convention, parallel="", rank=0, shrink=1):
+    """The parameters of one rank of model (a builtin name or JSON spec) as the convention
+    names them, from librefit's model module: a list of Param."""
+    lib = _load()
+    if not hasattr(lib, "_layout_sigs"):
+        c_p, i64 = ctypes.c_void_p, ctypes.c_int64
+        lib.refit_layout_open.argtypes = [ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p,
+                                          ctypes.c_char_p, ctypes.c_int, ctypes.POINTER(c_p)]
+        lib.refit_layout_open.restype = ctypes.c_int
+        lib.refit_layout_nparams.argtypes = [c_p]
+        lib.refit_layout_nparams.restype = ctypes.c_uint32
+        lib.refit_layout_param.argtypes = [c_p, ctypes.c_uint32, ctypes.POINTER(ctypes.c_char_p),
+                                           ctypes.POINTER(ctypes.c_int),
+                                           ctypes.POINTER(ctypes.c_int), ctypes.POINTER(i64),
+                                           ctypes.POINTER(ctypes.c_uint32)]
+        lib.refit_layout_param.restype = ctypes.c_int
+        lib.refit_layout_piece.argtypes = [c_p, ctypes.c_uint32, ctypes.c_uint32,
+                                           ctypes.POINTER(ctypes.c_char_p),
+                                           ctypes.POINTER(ctypes.c_int)] + \
+            [ctypes.POINTER(i64)] * 4 + [ctypes.POINTER(ctypes.c_uint64)]
+        lib.refit_layout_piece.restype = ctypes.c_int
+        lib.refit_layout_free.argtypes = [c_p]
+        lib.refit_layout_free.restype = None
+        lib._layout_sigs = True
+    h = ctypes.c_void_p()
+    rc = lib.refit_layout_open(str(model).encode(), shrink, convention.encode(),
+                               (parallel or "").encode(), rank, ctypes.byref(h))
+    if rc < 0:
+        raise Error(rc, lib.refit_last_error(None).decode(errors="replace"))
+    try:
+        out = []
+        name, tname = ctypes.c_char_p(), ctypes.c_char_p()
+        dt, nd, npc = ctypes.c_int(), ctypes.c_int(), ctypes.c_uint32()
+        arr = [(ctypes.c_int64 * 8)() for _ in range(5)]
+        off = ctypes.c_uint64()
+        for i in range(lib.refit_layout_nparams(h)):
+            lib.refit_layout_param(h, i, ctypes.byref(name), ctypes.byref(dt), ctypes.byref(nd),
+                                   arr[0], ctypes.byref(npc))
+            shape = tuple(arr[0][:nd.value])
+            pieces = []
+            for j in range(npc.value):
+                lib.refit_layout_piece(h, i, j, ctypes.byref(tname), ctypes.byref(nd), arr[1],
+                                       arr[2], arr[3], arr[4], ctypes.byref(off))
+                n = nd.value
+                pieces.append((tname.value.decode(), tuple(arr[1][:n]), tuple(arr[2][:n]),
+                               tuple(arr[3][:n]), tuple(arr[4][:n]), off.value))
+            out.append(Param(name.value.decode(), _REFIT_TO_TORCH.get(dt.value), shape, pieces))
+        return out
+    finally:
+        lib.refit_layout_free(h)
+
+
+def piece_view(param, piece):
+    """The view of a contiguous local parameter tensor that holds piece (an entry of
+    Param.pieces): indexing it is indexing the HF tensor's box."""
+    _, _, _, extent, strides, offset = piece
+    return param.as_strided(extent, strides, param.storage_offset() + offset)
+
+
+def register_module(client, module_or_named_params, convention, parallel="", rank=0,
+                    model=None, shrink=1):
+    """Registers every named parameter of a module (or an iterable of (name, tensor)) as the
+    HF pieces the convention puts there for this rank of model. Every parameter the layout
+    lists must be present, with its dtype and shape, and no other; each must be contiguous.
+    Returns {"params": n, "pieces": n, "regions": n} (regions: of this client so far)."""
+    if model is None:
+        raise Error(-errno.EINVAL, "register_module: model (a builtin name or a JSON spec) is "
+                    "required")
+    if hasattr(module_or_named_params, "named_parameters"):
+        named = dict(module_or_named_params.named_parameters())
+    else:
+        named = dict(module_or_named_params)
+    params = layout(model, convention, parallel, rank, shrink)
+    where = f"the {convention} layout '{parallel}' of {model} rank {rank}"
+    known = {p.name for p in params}
+    for name in named:
+        if name not in known:
+            raise Error(-errno.ENOENT, f"parameter {name}: {where} has no parameter of this "
+                        f"name (it has {len(known)}, e.g. {sorted(known)[:3]})")
+    npieces = 0
+    for p in params:
+        t = named.get(p.name)
+        what = f"parameter {p.name}"
+        if t is None:
+            raise Error(-errno.ENOENT, f"{what} of {where} is missing from the module")
+        dt = _check_tensor(t, what)
+        if p.dtype is not None and t.dtype != p.dtype:
+            raise Error(-errno.EINVAL, f"{what}: dtype {t.dtype}, the model config says "
+                        f"{p.dtype}")
+        if tuple(t.shape) != p.shape:
+            raise Error(-errno.EINVAL, f"{what}: shape {tuple(t.shape)}, {where} says "
+                        f"{p.shape}")
+        if not t.is_contiguous():
+            raise Error(-errno.EINVAL, f"{what}: strides {tuple(t.stride())} are not row-major; "
+                        "the convention places pieces in a contiguous parameter")
+        region, base = _region_of(client, t, what)
+        origin = t.data_ptr() - base
+        esize = t.element_size()
+        for hf, gshape, start, extent, strides, offset in p.pieces:
+            client.add_piece(hf, dt, list(gshape), region, origin + offset * esize,
+                             list(start), list(extent), list(strides))
+            npieces += 1
+    return {"params": len(params), "pieces": npieces, "regions": region_count(client)}

@@ -1,0 +1,268 @@
+"""tests/e2e/torch_refit.py - PyTorch trainer and engine processes for tests/e2e/7x-torch-*.sh:
+real torch modules named by a convention (megatron, vllm, hf), their weights in memfd-backed
+arenas, registered with refit.torch.register_module on the real daemons; the trainer writes
+versions, the engine checks every piece of every version with torch.equal.
+
+  torch_refit.py trainer|engine --socket S --model M --shrink N --conv C --layout L
+                 --ranks K --versions V
+  torch_refit.py refusals --socket S      every refusal of refit.torch, against a publisherd"""
+
+import argparse
+import errno
+import os
+import sys
+import zlib
+
+ROOT = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+sys.path.insert(0, os.path.join(ROOT, "client", "python"))
+os.environ.setdefault("REFIT_LIB", os.path.join(ROOT, os.environ.get("BUILD", "build"),
+                                                "librefit.so"))
+
+import torch  # noqa: E402
+
+import refit  # noqa: E402
+import refit.torch as rt  # noqa: E402
+
+
+def build_module(params):
+    """A plain torch module whose named_parameters() are the layout's names and shapes, built
+    as nested submodules the way a framework's model class nests them."""
+    root = torch.nn.Module()
+    for p in params:
+        *path, leaf = p.name.split(".")
+        m = root
+        for part in path:
+            if not hasattr(m, part):
+                m.add_module(part, torch.nn.Module())
+            m = getattr(m, part)
+        m.register_parameter(leaf, torch.nn.Parameter(torch.zeros(p.shape, dtype=p.dtype),
+                                                      requires_grad=False))
+    return root
+
+
+_cache = {}
+
+
+def expected(version, hf, shape, dtype):
+    """Version version's HF tensor hf: random values seeded by both, the same in every
+    process."""
+    key = (version, hf)
+    if key not in _cache:
+        g = torch.Generator().manual_seed(version * 1000003 + zlib.crc32(hf.encode()))
+        if len(_cache) > 64:
+            _cache.clear()
+        _cache[key] = torch.randn(shape, generator=g).to(dtype)
+    return _cache[key]
+
+
+def box_of(full, start, extent):
+    return full[tuple(slice(s, s + e) for s, e in zip(start, extent))]
+
+
+def pieces_of(module, params):
+    named = dict(module.named_parameters())
+    for p in params:
+        for pc in p.pieces:
+            yield named[p.name], pc
+
+
+def setup(args, kind):
+    """Every rank of the layout in this process: (client, module, params) each."""
+    ranks = []
+    for r in range(args.ranks):
+        params = rt.layout(args.model, args.conv, args.layout, r, args.shrink)
+        module = build_module(params)
+        rt.share_module(module)
+        c = refit.Client(kind, name=f"torch-{args.mode}", rank=r, socket=args.socket)
+        info = rt.register_module(c, module, args.conv, args.layout, r, args.model,
+                                  args.shrink)
+        if kind == refit.ENGINE:
+            c.gate()
+        c.seal()
+        print(f"{args.mode} rank {r}: registered {info['params']} parameters, "
+              f"{info['pieces']} pieces in {info['regions']} regions", flush=True)
+        if info["regions"] != 1:
+            sys.exit(f"{args.mode} rank {r}: {info['regions']} regions, expected one arena")
+        ranks.append((c, module, params))
+    return ranks
+
+
+def fill(ranks, v):
+    with torch.no_grad():
+        for _, module, params in ranks:
+            for t, pc in pieces_of(module, params):
+                hf, gshape, start, extent = pc[:4]
+                rt.piece_view(t, pc)[...] = box_of(expected(v, hf, gshape, t.dtype), start,
+                                                   extent)
+
+
+def check(ranks, v):
+    """Pieces of version v that differ from it (torch.equal on each)."""
+    wrong = []
+    for _, module, params in ranks:
+        for t, pc in pieces_of(module, params):
+            hf, gshape, start, extent = pc[:4]
+            if not torch.equal(rt.piece_view(t, pc), box_of(expected(v, hf, gshape, t.dtype),
+                                                           start, extent)):
+                wrong.append(f"{hf} {start}+{extent}")
+    return wrong
+
+
+def run_trainer(args):
+    ranks = setup(args, refit.TRAINER)
+    for v in range(1, args.versions + 1):
+        fill(ranks, v)
+        for c, _, _ in ranks:
+            c.publish(v)
+        for c, _, _ in ranks:
+            c.wait_released(v, 60000)
+        print(f"trainer: version {v} released", flush=True)
+
+
+def run_engine(args):
+    ranks = setup(args, refit.ENGINE)
+    for v in range(1, args.versions + 1):
+        for c, _, _ in ranks:
+            got = c.wait_version(v, 60000)
+            if got != v:
+                sys.exit(f"engine: waited for version {v}, the daemon committed {got}")
+        wrong = check(ranks, v)
+        npieces = sum(len(p.pieces) for _, _, ps in ranks for p in ps)
+        print(f"engine: version {v} committed, {npieces} pieces checked, {len(wrong)} wrong",
+              flush=True)
+        if wrong:
+            sys.exit(f"engine: version {v}: {len(wrong)} pieces differ, e.g. {wrong[:3]}")
+        for c, _, _ in ranks:
+            c.consumed(v)
+
+
+def refused(what, fn, code, *words):
+    """fn() must raise refit.Error with code, its message naming each of words."""
+    try:
+        fn()
+    except refit.Error as e:
+        if e.code != code or not all(w in e.message for w in words):
+            sys.exit(f"refusal '{what}': got ({e.code}) {e.message}; expected {code} naming "
+                     f"{words}")
+        print(f"refused as expected: {what}: {e.message}", flush=True)
+        return
+    sys.exit(f"refusal '{what}': nothing was raised")
+
+
+def run_refusals(args):
+    import ctypes
+
+    E = -errno.EINVAL
+    c = refit.Client(refit.TRAINER, name="torch-refusals", rank=0, socket=args.socket)
+    arena = rt.Arena(1 << 20)
+    ok = arena.empty((4, 8), torch.bfloat16)
+
+    # register(): the tensor itself.
+    refused("not a tensor", lambda: rt.register(c, "w", [1, 2]), E, "w", "list")
+    refused("dtype", lambda: rt.register(c, "w.c64", arena.empty((2,), torch.complex64)), E,
+            "w.c64", "complex64")
+    sparse = torch.eye(3).to_sparse()
+    refused("sparse", lambda: rt.register(c, "w.sparse", sparse), E, "w.sparse", "sparse")
+    # torch itself refuses negative strides, so no tensor reaches refit with them.
+    try:
+        torch.empty(4).as_strided((4,), (-1,))
+        sys.exit("torch made a tensor with a negative stride: refit.torch must refuse it")
+    except RuntimeError:
+        pass
+    refused("box shape", lambda: rt.register(c, "w.box", ok, box=[(0, 4), (0, 4)],
+                                             global_shape=(8, 8)), E, "w.box", "[4, 4]")
+    refused("box without global shape", lambda: rt.register(c, "w.box", ok,
+                                                            box=[(0, 4), (0, 8)]), E,
+            "w.box", "global_shape")
+    refused("box outside", lambda: rt.register(c, "w.box", ok, box=[(6, 10), (0, 8)],
+                                               global_shape=(8, 8)), E, "w.box", "outside")
+    refused("private host memory", lambda: rt.register(c, "w.private", torch.zeros(4)), E,
+            "w.private", "share_module")
+    meta = torch.empty(4, device="meta")
+    refused("meta device", lambda: rt.register(c, "w.meta", meta), E, "w.meta", "meta")
+    rt.register(c, "w.ok", ok)
+    rt.register(c, "w.half", ok[2:], box=[(2, 4), (0, 8)], global_shape=(4, 8))
+    if rt.region_count(c) != 1:
+        sys.exit(f"two tensors of one arena made {rt.region_count(c)} regions, not 1")
+
+    # Arenas.
+    refused("arena size", lambda: rt.Arena(0), E, "arena size 0")
+    refused("arena full", lambda: arena.empty((1 << 20,), torch.float32), -errno.ENOMEM,
+            "arena", "full")
+
+    # register_module(): the convention and the module.
+    model, layout = "qwen3-0.6b", "tp=2"
+    params = rt.layout(model, "megatron", layout, 1, 16)
+    mod = build_module(params)
+    rt.share_module(mod)
+    refused("no model", lambda: rt.register_module(c, mod, "megatron", layout, 1), E, "model")
+    refused("unknown convention", lambda: rt.layout(model, "deepspeed"), E, "deepspeed",
+            "megatron")
+    refused("hf with a layout", lambda: rt.layout(model, "hf", "tp=2"), E, "hf", "tp=2")
+    refused("bad layout", lambda: rt.layout(model, "megatron", "tp=3", 0, 16), E, "tp")
+    refused("unknown model", lambda: rt.layout("qwen9-1t", "vllm"), -errno.ENOENT, "qwen9-1t")
+    refused("rank outside", lambda: rt.layout(model, "vllm", "tp=2", 2, 16), E, "rank 2")
+    extra = dict(mod.named_parameters())
+    extra["decoder.layers.0.self_attention.linear_qkv.bias"] = rt.empty((4,), torch.bfloat16)
+    refused("unknown parameter", lambda: rt.register_module(c, extra.items(), "megatron",
+                                                            layout, 1, model, 16),
+            -errno.ENOENT, "linear_qkv.bias")
+    name = "decoder.layers.3.mlp.linear_fc1.weight"
+    missing = {k: v for k, v in mod.named_parameters() if k != name}
+    refused("missing parameter", lambda: rt.register_module(c, missing, "megatron", layout, 1,
+                                                            model, 16), -errno.ENOENT, name,
+            "missing")
+    p = dict(mod.named_parameters())[name]
+    for what, t, words in (
+            ("dtype", rt.empty(p.shape, torch.float32), ("float32", "bfloat16")),
+            ("shape", rt.empty((p.shape[0] + 1, p.shape[1]), p.dtype), ("shape",)),
+            ("not contiguous", rt.empty((p.shape[1], p.shape[0]), p.dtype).t(),
+             ("row-major",))):
+        bad = dict(mod.named_parameters())
+        bad[name] = t
+        refused(f"parameter {what}", lambda: rt.register_module(c, bad, "megatron", layout, 1,
+                                                                model, 16), E, name, *words)
+    plain = build_module(params)
+    refused("module in private memory", lambda: rt.register_module(c, plain, "megatron",
+                                                                   layout, 1, model, 16), E,
+            "share_module")
+
+    # librefit's layout calls themselves.
+    lib = refit._load()
+    h = ctypes.c_void_p()
+    rc = lib.refit_layout_open(None, 1, b"hf", b"", 0, ctypes.byref(h))
+    if rc != E or b"required" not in lib.refit_last_error(None):
+        sys.exit(f"refit_layout_open(NULL model) returned {rc}")
+    if lib.refit_layout_open(b"qwen3-0.6b", 16, b"hf", b"", 0, ctypes.byref(h)) != 0:
+        sys.exit("refit_layout_open(qwen3-0.6b, hf) failed")
+    n = lib.refit_layout_nparams(h)
+    nm, dt, nd, npc = ctypes.c_char_p(), ctypes.c_int(), ctypes.c_int(), ctypes.c_uint32()
+    a = [(ctypes.c_int64 * 8)() for _ in range(5)]
+    off = ctypes.c_uint64()
+    rc1 = lib.refit_layout_param(h, n, ctypes.byref(nm), ctypes.byref(dt), ctypes.byref(nd),
+                                 a[0], ctypes.byref(npc))
+    rc2 = lib.refit_layout_piece(h, 0, 1, ctypes.byref(nm), ctypes.byref(nd), a[1], a[2], a[3],
+                                 a[4], ctypes.byref(off))
+    lib.refit_layout_free(h)
+    if rc1 != E or rc2 != E:
+        sys.exit(f"out-of-range parameter/piece returned {rc1}/{rc2}, not -EINVAL")
+    c.close()
+    print("refusals: all refused", flush=True)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("mode", choices=["trainer", "engine", "refusals"])
+    ap.add_argument("--socket", required=True)
+    ap.add_argument("--model", default="qwen3-0.6b")
+    ap.add_argument("--shrink", type=int, default=8)
+    ap.add_argument("--conv", default="megatron")
+    ap.add_argument("--layout", default="")
+    ap.add_argument("--ranks", type=int, default=1)
+    ap.add_argument("--versions", type=int, default=2)
+    args = ap.parse_args()
+    {"trainer": run_trainer, "engine": run_engine, "refusals": run_refusals}[args.mode](args)
+
+
+if __name__ == "__main__":
+    main()
