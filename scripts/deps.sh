@@ -33,4 +33,4 @@ fi
 
 install_missing build-essential pkg-config libuv1-dev libprotobuf-c-dev protobuf-c-compiler \
     libcriterion-dev libinih-dev libjansson-dev libsodium-dev libmicrohttpd-dev python3 systemd \
-    strace
+    strace python3-torch
