@@ -249,8 +249,8 @@ static int farewell(refit_client *c, int rc)
 
 /* Sends req (with passfd) and waits for its answer; *out may be NULL when only the code
  * matters. */
-static int call(refit_client *c, Refit__Rpc__Request *req, int passfd, int timeout_ms,
-                Refit__Rpc__Response **out)
+static int call_fds(refit_client *c, Refit__Rpc__Request *req, const int *fds, size_t nfds,
+                    int timeout_ms, Refit__Rpc__Response **out)
 {
     Refit__Rpc__Response *r = NULL;
     rf_err err = {0};
@@ -261,8 +261,8 @@ static int call(refit_client *c, Refit__Rpc__Request *req, int passfd, int timeo
     if (c->broken)
         return fail(c, -ENOTCONN, "the connection to the daemon is closed: connect again");
     req->id = ++c->next_id;
-    rc = rf_rpc_send(c->fd, req, passfd, &err);
-    if (rc == -EMSGSIZE)
+    rc = rf_rpc_send_fds(c->fd, req, fds, nfds, &err);
+    if (rc == -EMSGSIZE || rc == -E2BIG)
         return fail(c, rc, "%s", err.msg); /* not sent: the connection is still in step */
     if (rc < 0) {
         fail(c, rc, "%s", err.msg);
@@ -276,6 +276,12 @@ static int call(refit_client *c, Refit__Rpc__Request *req, int passfd, int timeo
     else if (r)
         refit__rpc__response__free_unpacked(r, NULL);
     return rc;
+}
+
+static int call(refit_client *c, Refit__Rpc__Request *req, int passfd, int timeout_ms,
+                Refit__Rpc__Response **out)
+{
+    return call_fds(c, req, &passfd, passfd >= 0 ? 1 : 0, timeout_ms, out);
 }
 
 static int simple(refit_client *c, Refit__Rpc__Request *req, int timeout_ms)
@@ -392,6 +398,48 @@ int refit__register_region(refit_client *c, const char *device, int kind, const 
         *region = r->region;
         refit__rpc__response__free_unpacked(r, NULL);
     }
+    return rc;
+}
+
+int refit__register_vmm_chunks(refit_client *c, const char *device, uint64_t offset,
+                               uint64_t size, const uint64_t *chunk_sizes, const int *fds,
+                               size_t n, uint32_t *region)
+{
+    Refit__Rpc__Request req = REFIT__RPC__REQUEST__INIT;
+    Refit__Rpc__RegisterRegion m = REFIT__RPC__REGISTER_REGION__INIT;
+    Refit__Rpc__VmmChunk *ch = calloc(n ? n : 1, sizeof(*ch));
+    Refit__Rpc__VmmChunk **chp = calloc(n ? n : 1, sizeof(*chp));
+    Refit__Rpc__Response *r = NULL;
+    uint64_t at = 0;
+    int rc;
+
+    if (ch == NULL || chp == NULL) {
+        rc = fail(c, -ENOMEM, "out of memory");
+        goto out;
+    }
+    for (size_t i = 0; i < n; i++) {
+        refit__rpc__vmm_chunk__init(&ch[i]);
+        ch[i].size = chunk_sizes[i];
+        ch[i].offset = at;
+        at += chunk_sizes[i];
+        chp[i] = &ch[i];
+    }
+    m.size = size;
+    m.offset = offset;
+    m.device = (char *)device;
+    m.kind = REFIT__RPC__MEM_KIND__MEM_CUDA_VMM_FD;
+    m.n_chunks = n;
+    m.chunks = chp;
+    req.body_case = REFIT__RPC__REQUEST__BODY_REGISTER_REGION;
+    req.register_region = &m;
+    rc = call_fds(c, &req, fds, n, 30000, &r);
+    if (rc == 0) {
+        *region = r->region;
+        refit__rpc__response__free_unpacked(r, NULL);
+    }
+out:
+    free(chp);
+    free(ch);
     return rc;
 }
 

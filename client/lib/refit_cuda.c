@@ -1,14 +1,33 @@
 /* client/lib/refit_cuda.c - librefit's export of GPU memory: finds the CUDA allocation behind
  * a pointer and shares it with the daemon as a legacy IPC handle of its base or, for VMM
- * allocations, as a POSIX file descriptor. The driver is opened at run time (drv_cuda). */
+ * allocations, as POSIX file descriptors: one, or one per allocation when the range runs over
+ * several mapped back to back (PyTorch's expandable segments). The driver is opened at run
+ * time (drv_cuda). */
 #include <inttypes.h>
+#include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
 
 #include "drv_cuda.h"
+#include "mem.h"
 #include "refit.pb-c.h"
 #include "refit_int.h"
 #include "rpc.pb-c.h"
+
+/* Defined in refit.c (refit_int.h does not declare it yet): RegisterRegion of kind cuda_vmm_fd
+ * made of n allocations mapped back to back, fds[i] sent for chunk_sizes[i], in order. */
+int refit__register_vmm_chunks(refit_client *c, const char *device, uint64_t offset,
+                               uint64_t size, const uint64_t *chunk_sizes, const int *fds,
+                               size_t n, uint32_t *region);
+
+/* Why a VMM allocation has no fd to give, for the messages below. PyTorch's expandable
+ * segments (c10/cuda/CUDACachingAllocator.cpp, ExpandableSegment::map) request
+ * CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR on every chunk they cuMemCreate, except where the
+ * driver grants CU_MEM_HANDLE_TYPE_FABRIC, which they try first and then use alone
+ * (IMEX / multi-node NVLink systems), and in Meta-internal FBCODE builds, which request none. */
+#define VMM_FD_HINT "create it with that handle type in cuMemCreate (PyTorch's expandable " \
+    "segments do, unless the driver granted them CU_MEM_HANDLE_TYPE_FABRIC, which they try " \
+    "first and then use instead; its default caching allocator's blocks are shared by CUDA IPC)"
 
 /* Exports the VMM allocation h holding [ptr, ptr + size) (mapped at base) as an fd. */
 static int export_vmm(refit_client *c, const rf_cu_api *cu, CUmemGenericAllocationHandle h,
@@ -26,10 +45,7 @@ static int export_vmm(refit_client *c, const rf_cu_api *cu, CUmemGenericAllocati
         rc = refit__fail(c, -ENOTSUP, "GPU memory on %s is a CUDA VMM allocation created "
                          "without CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR in "
                          "requestedHandleTypes (it has 0x%x), so it cannot be shared with "
-                         "the daemon: create it with that handle type in cuMemCreate (PyTorch's "
-                         "expandable segments do; its default caching allocator's blocks are "
-                         "shared by CUDA IPC)", uuid,
-                         (unsigned)prop.requestedHandleTypes);
+                         "the daemon: " VMM_FD_HINT, uuid, (unsigned)prop.requestedHandleTypes);
         goto done;
     }
     CU_TRY(&err, cu->cuMemExportToShareableHandle(&fd, h,
@@ -45,6 +61,104 @@ out:
 done:
     if (fd >= 0)
         close(fd);
+    return rc;
+}
+
+/* Exports the VMM allocations mapped back to back over [ptr, ptr + size), the first mapped
+ * at base, one fd each, as one region. Every byte of the range must be mapped. */
+static int export_vmm_span(refit_client *c, const rf_cu_api *cu, CUdeviceptr ptr,
+                           uint64_t size, CUdeviceptr base, int ordinal, const char *uuid,
+                           uint32_t *region)
+{
+    CUdeviceptr at = base, end = ptr + size, b = 0;
+    CUmemGenericAllocationHandle h;
+    CUmemAllocationProp prop;
+    uint64_t *sizes = NULL;
+    int *fds = NULL;
+    size_t n = 0, cap = 0, len = 0;
+    rf_err err = {0};
+    int rc = 0, have_h = 0;
+
+    while (at < end) {
+        if (n == RF_MEM_MAX_CHUNKS) {
+            rc = refit__fail(c, -E2BIG, "GPU range %p + %" PRIu64 " bytes on %s spans more "
+                             "than %d CUDA VMM allocations (the most one region may): "
+                             "register it as several regions", (void *)(uintptr_t)ptr, size,
+                             uuid, RF_MEM_MAX_CHUNKS);
+            goto done;
+        }
+        if (n == cap) {
+            size_t ncap = cap ? cap * 2 : 8;
+            uint64_t *ns = realloc(sizes, ncap * sizeof(*ns));
+            int *nf;
+
+            if (ns != NULL)
+                sizes = ns;
+            nf = ns ? realloc(fds, ncap * sizeof(*nf)) : NULL;
+            if (nf == NULL) {
+                rc = refit__fail(c, -ENOMEM, "out of memory");
+                goto done;
+            }
+            fds = nf;
+            cap = ncap;
+        }
+        CU_TRY(&err, cu->cuMemGetAddressRange(&b, &len, at));
+        if (b != at) {
+            rc = refit__fail(c, -EINVAL, "GPU range %p + %" PRIu64 " bytes on %s: the CUDA "
+                             "mapping at 0x%llx starts at 0x%llx, inside the previous one; "
+                             "register one region per mapping", (void *)(uintptr_t)ptr, size,
+                             uuid, (unsigned long long)at, (unsigned long long)b);
+            goto done;
+        }
+        if (cu->cuMemRetainAllocationHandle(&h, (void *)(uintptr_t)at) != CUDA_SUCCESS) {
+            rc = refit__fail(c, -EINVAL, "GPU range %p + %" PRIu64 " bytes on %s runs from a "
+                             "CUDA VMM allocation into memory at 0x%llx that is not one "
+                             "(cudaMalloc memory): register one region per allocation",
+                             (void *)(uintptr_t)ptr, size, uuid, (unsigned long long)at);
+            goto done;
+        }
+        have_h = 1;
+        memset(&prop, 0, sizeof(prop));
+        CU_TRY(&err, cu->cuMemGetAllocationPropertiesFromHandle(&prop, h));
+        if (!(prop.requestedHandleTypes & CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR)) {
+            rc = refit__fail(c, -ENOTSUP, "GPU range %p + %" PRIu64 " bytes on %s runs over "
+                             "CUDA VMM allocation %zu (at 0x%llx), created without "
+                             "CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR in requestedHandleTypes "
+                             "(it has 0x%x), so it cannot be shared with the daemon: "
+                             VMM_FD_HINT, (void *)(uintptr_t)ptr, size, uuid, n,
+                             (unsigned long long)at, (unsigned)prop.requestedHandleTypes);
+            goto done;
+        }
+        if (prop.location.type != CU_MEM_LOCATION_TYPE_DEVICE || prop.location.id != ordinal) {
+            rc = refit__fail(c, -EINVAL, "GPU range %p + %" PRIu64 " bytes on %s runs over "
+                             "CUDA VMM allocation %zu (at 0x%llx) that lives on another "
+                             "device (location %d:%d): register one region per GPU",
+                             (void *)(uintptr_t)ptr, size, uuid, n, (unsigned long long)at,
+                             (int)prop.location.type, prop.location.id);
+            goto done;
+        }
+        CU_TRY(&err, cu->cuMemExportToShareableHandle(&fds[n], h,
+                                                      CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+                                                      0));
+        cu->cuMemRelease(h);
+        have_h = 0;
+        sizes[n++] = len;
+        at = b + len;
+    }
+    rc = refit__register_vmm_chunks(c, uuid, (uint64_t)(ptr - base), size, sizes, fds, n,
+                                    region);
+    goto done;
+out:
+    rc = refit__fail(c, rc, "exporting the CUDA VMM allocations of GPU range %p + %" PRIu64
+                     " bytes on %s (at 0x%llx): %s", (void *)(uintptr_t)ptr, size, uuid,
+                     (unsigned long long)at, err.msg);
+done:
+    if (have_h)
+        cu->cuMemRelease(h);
+    for (size_t i = 0; i < n; i++)
+        close(fds[i]);
+    free(fds);
+    free(sizes);
     return rc;
 }
 
@@ -93,12 +207,18 @@ int refit_region_cuda(refit_client *c, const void *devptr, uint64_t size, uint32
     CU_TRY(&err, cu->cuCtxPushCurrent(pctx));
     pushed = 1;
     CU_TRY(&err, cu->cuMemGetAddressRange(&base, &asize, ptr));
-    if (size > asize - (uint64_t)(ptr - base)) {
+    if (size > asize - (uint64_t)(ptr - base) || ptr + size < ptr) {
+        /* A VMM range may go on into the next allocation mapped after this one (PyTorch's
+         * expandable segments); cudaMalloc memory ends where its allocation does. */
+        if (ptr + size >= ptr &&
+            cu->cuMemRetainAllocationHandle(&h, (void *)(uintptr_t)ptr) == CUDA_SUCCESS) {
+            cu->cuMemRelease(h);
+            rc = export_vmm_span(c, cu, ptr, size, base, ordinal, uuid, region);
+            goto done;
+        }
         rc = refit__fail(c, -EINVAL, "GPU range %p + %" PRIu64 " bytes runs past the end of "
                          "its CUDA allocation (%zu bytes from 0x%llx on %s): register one "
-                         "region per allocation (PyTorch's expandable segments map memory in "
-                         "separate chunks of 20 MiB: register each chunk's part, or turn "
-                         "expandable segments off)", devptr, size, asize,
+                         "region per allocation", devptr, size, asize,
                          (unsigned long long)base, uuid);
         goto done;
     }

@@ -3,6 +3,7 @@
  * region fds, then the answer turned into an rf_inv and one rf_mem_desc per region. */
 #include "export.h"
 
+#include <inttypes.h>
 #include <poll.h>
 #include <stdbool.h>
 #include <stdio.h>
@@ -291,7 +292,27 @@ static int check_regions(const xchg *x, const Refit__Rpc__Response *r,
                               "memory kind %d on device '%s' with has_fd %d, which do not go "
                               "together", x->path, i, (int)g->kind,
                               g->device ? g->device : "", (int)g->has_fd);
-        *nfds += g->has_fd;
+        if (g->n_chunks > 0) {
+            uint64_t at = 0;
+
+            if (g->kind != REFIT__RPC__MEM_KIND__MEM_CUDA_VMM_FD ||
+                g->n_chunks > RF_MEM_MAX_CHUNKS)
+                return rf_err_set(err, -EBADMSG, "same-host export from %s: region %zu of "
+                                  "kind %d lists %zu chunks (only a cuda_vmm_fd region has "
+                                  "them, at most %d)", x->path, i, (int)g->kind, g->n_chunks,
+                                  RF_MEM_MAX_CHUNKS);
+            for (size_t k = 0; k < g->n_chunks; k++) {
+                if (g->chunks[k]->offset != at || g->chunks[k]->size == 0 ||
+                    g->chunks[k]->size > UINT64_MAX - at)
+                    return rf_err_set(err, -EBADMSG, "same-host export from %s: region %zu: "
+                                      "chunk %zu is %" PRIu64 " bytes at offset %" PRIu64
+                                      ", not the next one back to back (%" PRIu64 ")",
+                                      x->path, i, k, g->chunks[k]->size,
+                                      g->chunks[k]->offset, at);
+                at += g->chunks[k]->size;
+            }
+        }
+        *nfds += g->has_fd ? (g->n_chunks ? (uint32_t)g->n_chunks : 1) : 0;
     }
     return 0;
 }
@@ -341,7 +362,22 @@ static int build(const xchg *x, const Refit__Rpc__Response *r, Refit__Inventory 
             memcpy(h, g->handle.data, g->handle.len);
         d->handle = h;
         d->handle_len = h ? g->handle.len : 0;
-        if (g->has_fd) {
+        if (g->n_chunks > 0) {
+            rf_mem_chunk *ch = calloc(g->n_chunks, sizeof(*ch));
+
+            if (ch == NULL) {
+                rc = rf_err_set(err, -ENOMEM, "same-host export from %s: out of memory",
+                                x->path);
+                goto out;
+            }
+            for (size_t j = 0; j < g->n_chunks; j++) {
+                ch[j].size = g->chunks[j]->size;
+                ch[j].fd = fds[k];
+                fds[k++] = -1;
+            }
+            d->chunks = ch;
+            d->nchunks = g->n_chunks;
+        } else if (g->has_fd) {
             d->fd = fds[k];
             fds[k++] = -1;
         }
@@ -489,6 +525,10 @@ void rf_export_free(rf_export *e)
     for (i = 0; e->regions && i < e->nregions; i++) {
         if (e->regions[i].fd >= 0)
             close(e->regions[i].fd);
+        for (size_t k = 0; k < e->regions[i].nchunks; k++)
+            if (e->regions[i].chunks[k].fd >= 0)
+                close(e->regions[i].chunks[k].fd);
+        free((rf_mem_chunk *)e->regions[i].chunks);
         free((char *)e->regions[i].device);
         free((uint8_t *)e->regions[i].handle);
     }

@@ -29,8 +29,8 @@ typedef struct rf_export {
     uint64_t generation;     /* the publisher's registry generation */
     rf_inv *inv;             /* its local inventory, its local ids (tensor/region/piece) */
     uint32_t nregions;
-    rf_mem_desc *regions;    /* per local region id; device strings, handle bytes and
-                                fds owned by the export (fd -1 when none) */
+    rf_mem_desc *regions;    /* per local region id; device strings, handle bytes, chunk
+                                arrays and fds owned by the export (fd -1 when none) */
 } rf_export;
 
 /* Connects to the publisherd's socket as a peer client, proves the cluster key (key, key_len
@@ -42,8 +42,9 @@ typedef struct rf_export {
  * (-EACCES: a different cluster key; -EAGAIN: its inventory is incomplete, retry after the
  * next plan; -ENOKEY: export is off there; -EOPNOTSUPP: the socket is a receiverd's),
  * -ETIMEDOUT, -EBADMSG for an answer that does not parse or agree with itself, -EPROTO for
- * fewer fds than regions with has_fd, -EMFILE when this process may not open them all (one fd
- * per exported memfd or VMM region: RLIMIT_NOFILE must exceed the trainers' region count).
+ * fewer fds than regions with has_fd (one per chunk for a VMM region over several
+ * allocations), -EMFILE when this process may not open them all (one fd per exported memfd or
+ * VMM region, per chunk: RLIMIT_NOFILE must exceed that count).
  * Nothing is left open on failure. */
 int rf_export_fetch(const char *socket_path, const uint8_t *key, size_t key_len,
                     double timeout_s, rf_export **out, rf_err *err);

@@ -36,8 +36,12 @@ typedef struct reg_region {
     uint64_t offset;
     uint8_t *handle;     /* malloc'd copy of the handle bytes, NULL when none */
     size_t handle_len;
-    int fd;              /* memfd, cuda_vmm_fd: the received descriptor; -1 for cuda_ipc */
+    int fd;              /* memfd, cuda_vmm_fd: the received descriptor; -1 for cuda_ipc and
+                            for a region with chunks */
     bool fd_shared;      /* fd is an earlier region's of the same client (one memfd) */
+    rf_mem_chunk *chunks; /* cuda_vmm_fd over several allocations: each with its received fd,
+                             owned; NULL when none */
+    uint32_t nchunks;
     uint32_t inv_id;     /* in the live inventory */
     uint32_t scratch_id; /* in the seal check's scratch inventory */
 } reg_region;
@@ -383,6 +387,9 @@ static void client_free(reg_client *c)
          * holds its own copy. */
         if (c->regions[i].fd >= 0 && !c->regions[i].fd_shared)
             close(c->regions[i].fd);
+        for (uint32_t k = 0; k < c->regions[i].nchunks; k++)
+            close(c->regions[i].chunks[k].fd);
+        free(c->regions[i].chunks);
         free(c->regions[i].handle);
     }
     for (i = 0; i < c->npieces; i++)
@@ -603,16 +610,79 @@ static bool need_registering(reg_client *c, uint64_t id, const char *what)
     return true;
 }
 
+/* A region over several VMM allocations: chunks back to back from 0, one fd each (fds[i],
+ * moved into *out). 0 with *out NULL when the request has no chunks; a refusal is answered. */
+static int region_chunks(reg_client *c, uint64_t id, const Refit__Rpc__RegisterRegion *m,
+                         int *fds, size_t nfds, rf_mem_chunk **out)
+{
+    rf_mem_chunk *ch = NULL;
+    uint64_t at = 0;
+    size_t i;
+
+    *out = NULL;
+    if (m->n_chunks == 0)
+        return 0;
+    if (m->kind != REFIT__RPC__MEM_KIND__MEM_CUDA_VMM_FD) {
+        rf_rpc_conn_reply(c->conn, id, -EINVAL, "region %u: a %s region with %zu chunks: only "
+                          "cuda_vmm_fd regions are made of several allocations", c->nregions,
+                          rf_mem_kind_name((rf_mem_kind)m->kind), m->n_chunks);
+        return -EINVAL;
+    }
+    if (m->n_chunks > RF_MEM_MAX_CHUNKS) {
+        rf_rpc_conn_reply(c->conn, id, -E2BIG, "region %u on %s spans %zu allocations, more "
+                          "than the %d one region may: register the range as several regions",
+                          c->nregions, m->device, m->n_chunks, RF_MEM_MAX_CHUNKS);
+        return -E2BIG;
+    }
+    for (i = 0; i < m->n_chunks; i++) {
+        if (m->chunks[i]->offset != at || m->chunks[i]->size == 0 ||
+            m->chunks[i]->size > UINT64_MAX - at) {
+            rf_rpc_conn_reply(c->conn, id, -EINVAL, "region %u on %s: chunk %zu of %zu is "
+                              "%" PRIu64 " bytes at offset %" PRIu64 ", expected a size > 0 "
+                              "at offset %" PRIu64 ": chunks are the allocations mapped back "
+                              "to back, in address order", c->nregions, m->device, i,
+                              m->n_chunks, m->chunks[i]->size, m->chunks[i]->offset, at);
+            return -EINVAL;
+        }
+        at += m->chunks[i]->size;
+    }
+    if (nfds < m->n_chunks || fds[m->n_chunks - 1] < 0) {
+        size_t got = 0;
+
+        while (got < nfds && fds[got] >= 0)
+            got++;
+        rf_rpc_conn_reply(c->conn, id, -EBADF, "region %u on %s: %zu chunks but %zu file "
+                          "descriptors came with the request: send one fd of "
+                          "cuMemExportToShareableHandle per chunk, in order (SCM_RIGHTS)",
+                          c->nregions, m->device, m->n_chunks, got);
+        return -EBADF;
+    }
+    ch = calloc(m->n_chunks, sizeof(*ch));
+    if (ch == NULL) {
+        rf_rpc_conn_reply(c->conn, id, -ENOMEM, "daemon out of memory registering a region");
+        return -ENOMEM;
+    }
+    for (i = 0; i < m->n_chunks; i++) {
+        ch[i].size = m->chunks[i]->size;
+        ch[i].fd = fds[i];
+        fds[i] = -1;
+    }
+    *out = ch;
+    return 0;
+}
+
 static void do_region(rf_registry *r, reg_client *c, uint64_t id,
-                      const Refit__Rpc__RegisterRegion *m, int fd)
+                      const Refit__Rpc__RegisterRegion *m, int *fds, size_t nfds)
 {
     rf_mem_desc d = {0};
     rf_mem_ref *ref = NULL;
+    rf_mem_chunk *chunks = NULL;
+    size_t nchunks = 0;
     reg_region *rg;
     uint8_t *handle = NULL;
     struct stat st;
     rf_err err = {0};
-    int rc;
+    int rc, fd = nfds > 0 ? fds[0] : -1;
 
     if (!need_registering(c, id, "RegisterRegion"))
         goto out;
@@ -626,6 +696,12 @@ static void do_region(rf_registry *r, reg_client *c, uint64_t id,
                           "host memory is a memfd, GPU memory a CUDA handle", m->device,
                           rf_mem_kind_name((rf_mem_kind)m->kind));
         goto out;
+    }
+    if (region_chunks(c, id, m, fds, nfds, &chunks) < 0)
+        goto out;
+    if (chunks != NULL) {
+        nchunks = m->n_chunks;
+        fd = -1; /* fds[0] is the first chunk's, now in chunks */
     }
     if (r->gpu_only != (m->kind != REFIT__RPC__MEM_KIND__MEM_MEMFD)) {
         rf_rpc_conn_reply(c->conn, id, -EINVAL, "region on %s: this daemon's transport moves "
@@ -642,6 +718,8 @@ static void do_region(rf_registry *r, reg_client *c, uint64_t id,
     d.handle = m->ipc_handle.data;
     d.handle_len = m->ipc_handle.len;
     d.fd = fd;
+    d.chunks = chunks;
+    d.nchunks = nchunks;
     rc = rf_mem_import(r->mem, &d, &ref, &err);
     if (rc < 0) {
         rf_rpc_conn_reply(c->conn, id, rc, "region %u: %s", c->nregions, err.msg);
@@ -680,6 +758,9 @@ static void do_region(rf_registry *r, reg_client *c, uint64_t id,
     rg->handle = handle;
     rg->handle_len = d.handle_len;
     handle = NULL;
+    rg->chunks = chunks;
+    rg->nchunks = (uint32_t)nchunks;
+    chunks = NULL;
     /* The region owns the received descriptor from here: kept to export it again. A region
      * of the same memfd as the client's last one shares that one's (regions of a client go
      * together, in client_free). */
@@ -712,6 +793,13 @@ out:
         rf_mem_release(r->mem, ref);
     if (fd >= 0)
         close(fd);
+    for (size_t i = 0; i < nchunks && chunks != NULL; i++)
+        close(chunks[i].fd);
+    free(chunks);
+    /* Fds the request brought beyond what it used (they are its own: never a later one's). */
+    for (size_t i = 1; i < nfds; i++)
+        if (fds[i] >= 0)
+            close(fds[i]);
 }
 
 static void do_piece(rf_registry *r, reg_client *c, uint64_t id,
@@ -973,7 +1061,7 @@ static void do_export_hello(rf_registry *r, reg_client *c, uint64_t id)
 static int send_fds(int chan, reg_region *const *tab, uint32_t n, rf_err *err)
 {
     int fds[RF_EXPORT_FDS_PER_PACKET];
-    uint32_t i = 0, k;
+    uint32_t i = 0, j = 0, k;
 
     while (i < n) {
         union {
@@ -985,9 +1073,18 @@ static int send_fds(int chan, reg_region *const *tab, uint32_t n, rf_err *err)
         struct msghdr mh = {0};
         struct cmsghdr *cm;
 
-        for (k = 0; i < n && k < RF_EXPORT_FDS_PER_PACKET; i++)
-            if (tab[i]->fd >= 0)
+        /* j walks the chunks of region i, whose fds may straddle two packets. */
+        for (k = 0; i < n && k < RF_EXPORT_FDS_PER_PACKET;) {
+            if (j < tab[i]->nchunks) {
+                fds[k++] = tab[i]->chunks[j++].fd;
+                if (j < tab[i]->nchunks)
+                    continue;
+            } else if (tab[i]->fd >= 0) {
                 fds[k++] = tab[i]->fd;
+            }
+            i++;
+            j = 0;
+        }
         if (k == 0)
             break;
         memset(&ctl, 0, sizeof(ctl));
@@ -1019,8 +1116,10 @@ static void export_reply(rf_registry *r, reg_client *c, uint64_t id, int chan)
     Refit__Rpc__Response resp = REFIT__RPC__RESPONSE__INIT;
     Refit__Inventory inv = REFIT__INVENTORY__INIT;
     Refit__Rpc__ExportRegion *er = NULL, **erp = NULL;
+    Refit__Rpc__VmmChunk *chunk_msgs;
     reg_region **tab = NULL;
     uint32_t n = rf_inv_nregions(r->inv), i;
+    uint64_t at;
     uint8_t *packed = NULL;
     bool inv_built = false;
     const reg_client *o;
@@ -1052,7 +1151,27 @@ static void export_reply(rf_registry *r, reg_client *c, uint64_t id, int chan)
         er[i].offset = tab[i]->offset;
         er[i].handle.data = tab[i]->handle;
         er[i].handle.len = tab[i]->handle_len;
-        er[i].has_fd = tab[i]->fd >= 0;
+        er[i].has_fd = tab[i]->fd >= 0 || tab[i]->nchunks > 0;
+        if (tab[i]->nchunks > 0) {
+            er[i].chunks = calloc(tab[i]->nchunks, sizeof(*er[i].chunks));
+            chunk_msgs = calloc(tab[i]->nchunks, sizeof(*chunk_msgs));
+            if (er[i].chunks == NULL || chunk_msgs == NULL) {
+                free(chunk_msgs);
+                rf_rpc_conn_reply(c->conn, id, -ENOMEM, "daemon out of memory answering "
+                                  "Export");
+                goto out;
+            }
+            er[i].n_chunks = tab[i]->nchunks;
+            /* The chunk messages are one array, freed through its first pointer below. */
+            at = 0;
+            for (uint32_t k = 0; k < tab[i]->nchunks; k++) {
+                refit__rpc__vmm_chunk__init(&chunk_msgs[k]);
+                chunk_msgs[k].size = tab[i]->chunks[k].size;
+                chunk_msgs[k].offset = at;
+                er[i].chunks[k] = &chunk_msgs[k];
+                at += tab[i]->chunks[k].size;
+            }
+        }
         erp[i] = &er[i];
     }
     size = refit__inventory__get_packed_size(&inv);
@@ -1088,6 +1207,11 @@ out:
         rf_slice_inv_msg_free(&inv);
     free(packed);
     free(erp);
+    for (i = 0; er != NULL && i < n; i++) {
+        if (er[i].chunks != NULL)
+            free(er[i].chunks[0]);
+        free(er[i].chunks);
+    }
     free(er);
     free(tab);
 }
@@ -1154,18 +1278,32 @@ static void on_request(rf_rpc_conn *conn, const Refit__Rpc__Request *q, void *ud
 {
     rf_registry *r = ud;
     reg_client *c = rf_rpc_conn_data(conn);
-    int fd = -1;
+    int fds[RF_RPC_MAX_FDS], fd = -1;
+    size_t nfds = 0, i;
 
-    /* Only requests that travel with a descriptor claim one, so fds stay matched to requests:
-     * regions of the kinds that are fds, and Export (its back channel). */
-    if ((q->body_case == REFIT__RPC__REQUEST__BODY_REGISTER_REGION &&
-         (q->register_region->kind == REFIT__RPC__MEM_KIND__MEM_MEMFD ||
-          q->register_region->kind == REFIT__RPC__MEM_KIND__MEM_CUDA_VMM_FD)) ||
-        q->body_case == REFIT__RPC__REQUEST__BODY_EXPORT_REQUEST)
+    _Static_assert(RF_RPC_MAX_FDS >= RF_MEM_MAX_CHUNKS, "a region's chunk fds fit a request");
+    /* Only requests that travel with descriptors claim them, so fds stay matched to requests:
+     * regions of the kinds that are fds (one per chunk when it lists chunks), and Export (its
+     * back channel). */
+    if (q->body_case == REFIT__RPC__REQUEST__BODY_REGISTER_REGION &&
+        (q->register_region->kind == REFIT__RPC__MEM_KIND__MEM_MEMFD ||
+         q->register_region->kind == REFIT__RPC__MEM_KIND__MEM_CUDA_VMM_FD ||
+         q->register_region->n_chunks > 0)) {
+        nfds = q->register_region->n_chunks ? q->register_region->n_chunks : 1;
+        if (nfds > RF_RPC_MAX_FDS)
+            nfds = RF_RPC_MAX_FDS;
+        for (i = 0; i < nfds; i++)
+            fds[i] = rf_rpc_conn_take_fd(conn);
+        fd = fds[0];
+    } else if (q->body_case == REFIT__RPC__REQUEST__BODY_EXPORT_REQUEST) {
         fd = rf_rpc_conn_take_fd(conn);
+    }
     if (q->body_case != REFIT__RPC__REQUEST__BODY_HELLO && !c->hello) {
         rf_rpc_conn_reply(conn, q->id, -EPROTO, "request before Hello: say Hello first");
-        if (fd >= 0)
+        for (i = 0; i < nfds; i++)
+            if (fds[i] >= 0)
+                close(fds[i]);
+        if (nfds == 0 && fd >= 0)
             close(fd);
         return;
     }
@@ -1174,7 +1312,7 @@ static void on_request(rf_rpc_conn *conn, const Refit__Rpc__Request *q, void *ud
         do_hello(r, c, q->id, q->hello);
         break;
     case REFIT__RPC__REQUEST__BODY_REGISTER_REGION:
-        do_region(r, c, q->id, q->register_region, fd);
+        do_region(r, c, q->id, q->register_region, fds, nfds);
         break;
     case REFIT__RPC__REQUEST__BODY_REGISTER_PIECE:
         do_piece(r, c, q->id, q->register_piece);

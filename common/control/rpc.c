@@ -386,7 +386,9 @@ static void conn_read(rf_rpc_conn *c)
     uint8_t buf[16384];
     union {
         struct cmsghdr h;
-        char space[CMSG_SPACE(sizeof(int) * RF_RPC_MAX_FDS)];
+        /* One message's worth: a read stops at the next message with descriptors, and the
+         * kernel puts at most 253 (SCM_MAX_FD) on one. */
+        char space[CMSG_SPACE(sizeof(int) * 253)];
     } ctl;
     int round;
 
@@ -696,12 +698,16 @@ int rf_rpc_dial(const char *path, int *fd, rf_err *err)
     return 0;
 }
 
-int rf_rpc_send(int fd, const Refit__Rpc__Request *req, int passfd, rf_err *err)
+int rf_rpc_send_fds(int fd, const Refit__Rpc__Request *req, const int *fds, size_t nfds,
+                    rf_err *err)
 {
     uint8_t *frame = NULL;
-    size_t len = 0, off = 0;
+    size_t len = 0, off = 0, sent_fds = 0;
     int rc;
 
+    if (nfds > RF_RPC_MAX_FDS)
+        return rf_err_set(err, -E2BIG, "a request with %zu file descriptors: a daemon takes "
+                          "at most %d with one request", nfds, RF_RPC_MAX_FDS);
     rc = rf_wire_pack(&req->base, &frame, &len);
     if (rc < 0) {
         rf_err_set(err, rc, "cannot pack request: %s", strerror(-rc));
@@ -713,28 +719,40 @@ int rf_rpc_send(int fd, const Refit__Rpc__Request *req, int passfd, rf_err *err)
                         RF_RPC_MAX_REQUEST);
         goto out;
     }
+    /* Every batch but the last rides on a byte of its own; the 4-byte length alone leaves
+     * room for 4 batches, and a request with more fds lists them, so it is longer. */
+    if ((nfds + RF_RPC_FDS_PER_MSG - 1) / RF_RPC_FDS_PER_MSG > len) {
+        rc = rf_err_set(err, -EINVAL, "a request of %zu bytes cannot carry %zu file "
+                        "descriptors", len, nfds);
+        goto out;
+    }
     while (off < len) {
         union {
             struct cmsghdr h;
-            char space[CMSG_SPACE(sizeof(int))];
+            char space[CMSG_SPACE(sizeof(int) * RF_RPC_FDS_PER_MSG)];
         } ctl;
+        size_t batch = nfds - sent_fds < RF_RPC_FDS_PER_MSG ? nfds - sent_fds
+                                                            : RF_RPC_FDS_PER_MSG;
         struct iovec iov = {frame + off, len - off};
         struct msghdr mh = {0};
         ssize_t n;
 
         mh.msg_iov = &iov;
         mh.msg_iovlen = 1;
-        if (off == 0 && passfd >= 0) {
+        if (batch > 0) {
             struct cmsghdr *cm;
 
+            /* Not the last batch: one byte, so the next batch starts a message of its own. */
+            if (sent_fds + batch < nfds)
+                iov.iov_len = 1;
             memset(&ctl, 0, sizeof(ctl));
             mh.msg_control = ctl.space;
-            mh.msg_controllen = sizeof(ctl.space);
+            mh.msg_controllen = CMSG_SPACE(sizeof(int) * batch);
             cm = CMSG_FIRSTHDR(&mh);
             cm->cmsg_level = SOL_SOCKET;
             cm->cmsg_type = SCM_RIGHTS;
-            cm->cmsg_len = CMSG_LEN(sizeof(int));
-            memcpy(CMSG_DATA(cm), &passfd, sizeof(int));
+            cm->cmsg_len = CMSG_LEN(sizeof(int) * batch);
+            memcpy(CMSG_DATA(cm), fds + sent_fds, sizeof(int) * batch);
         }
         n = sendmsg(fd, &mh, MSG_NOSIGNAL);
         if (n < 0) {
@@ -744,10 +762,18 @@ int rf_rpc_send(int fd, const Refit__Rpc__Request *req, int passfd, rf_err *err)
                             errno == EPIPE ? " (the daemon closed the connection)" : "");
             goto out;
         }
+        /* A sendmsg that took any byte took its descriptors with it. */
+        if (n > 0)
+            sent_fds += batch;
         off += (size_t)n;
     }
     rc = 0;
 out:
     free(frame);
     return rc;
+}
+
+int rf_rpc_send(int fd, const Refit__Rpc__Request *req, int passfd, rf_err *err)
+{
+    return rf_rpc_send_fds(fd, req, &passfd, passfd >= 0 ? 1 : 0, err);
 }

@@ -21,7 +21,11 @@
  * 700 bytes packed; pieces come one a request. Answers (a status document) go the other way
  * and are not bound by it. */
 #define RF_RPC_MAX_REQUEST (64u << 10)
-#define RF_RPC_MAX_FDS 16                   /* received fds not yet claimed by a request */
+/* Received fds not yet claimed by a request: a region over several CUDA VMM allocations
+ * brings one per allocation (RF_MEM_MAX_CHUNKS). */
+#define RF_RPC_MAX_FDS 1024
+/* Fds on one byte of a request (the kernel takes at most 253 a message). */
+#define RF_RPC_FDS_PER_MSG 250
 #define RF_RPC_MAX_OUTPUT (16u << 20)       /* unread replies/events before a client is cut */
 
 typedef struct rf_rpc_server rf_rpc_server;
@@ -30,8 +34,9 @@ typedef struct rf_rpc_conn rf_rpc_conn;
 typedef struct rf_rpc_server_cb {
     /* A client connected and passed the credential check. */
     void (*on_connect)(rf_rpc_conn *c, void *ud);
-    /* One decoded request, valid during the call. An fd sent with it is claimed with
-     * rf_rpc_conn_take_fd. The callback may send, and may close c. */
+    /* One decoded request, valid during the call. The fds sent with it are claimed with
+     * rf_rpc_conn_take_fd, in the order they were sent. The callback may send, and may close
+     * c. */
     void (*on_request)(rf_rpc_conn *c, const Refit__Rpc__Request *req, void *ud);
     /* c is going away (peer left, bad input, rf_rpc_conn_close, server close); called once,
      * only for connections that on_connect saw. c must not be used after it returns. */
@@ -82,5 +87,9 @@ int rf_rpc_dial(const char *path, int *fd, rf_err *err);
 /* Packs req into one frame and sends it, with passfd (>= 0) as SCM_RIGHTS on its first byte.
  * A request over RF_RPC_MAX_REQUEST is not sent: -EMSGSIZE. */
 int rf_rpc_send(int fd, const Refit__Rpc__Request *req, int passfd, rf_err *err);
+/* The same with nfds descriptors (at most RF_RPC_MAX_FDS), in order: RF_RPC_FDS_PER_MSG on
+ * each of the frame's first bytes, so they have all arrived when the frame is whole. */
+int rf_rpc_send_fds(int fd, const Refit__Rpc__Request *req, const int *fds, size_t nfds,
+                    rf_err *err);
 
 #endif

@@ -154,6 +154,16 @@ int rf_mem_import(rf_mem_cache *c, const rf_mem_desc *d, rf_mem_ref **out, rf_er
     if (d->kind <= 0 || d->kind >= RF_MEM__COUNT)
         return rf_err_set(err, -EINVAL, "unknown memory kind %d (expected memfd, cuda_ipc or "
                           "cuda_vmm_fd)", (int)d->kind);
+    /* The chunk list is judged before the kind's implementation, so a daemon without CUDA
+     * gives the same answer. */
+    if (d->nchunks > 0 && d->kind != RF_MEM_CUDA_VMM_FD)
+        return rf_err_set(err, -EINVAL, "a %s region with %zu chunks: only cuda_vmm_fd "
+                          "regions are made of several allocations", rf_mem_kind_name(d->kind),
+                          d->nchunks);
+    if (d->nchunks > RF_MEM_MAX_CHUNKS)
+        return rf_err_set(err, -E2BIG, "a cuda_vmm_fd region on %s spans %zu allocations, "
+                          "more than the %d one region may: register the range as several "
+                          "regions", d->device, d->nchunks, RF_MEM_MAX_CHUNKS);
     ops = mem_ops[d->kind];
     if (ops == NULL)
         return rf_err_set(err, -ENOTSUP, "memory kind %s is not supported by this daemon "

@@ -17,6 +17,15 @@ typedef enum rf_mem_kind {
 } rf_mem_kind;
 
 #define RF_MEM_KEY_MAX 64
+/* The most VMM allocations one region may span: 20 GiB of PyTorch's 20 MiB expandable-segment
+ * chunks (a larger range is registered as several regions). Each is one fd on the request. */
+#define RF_MEM_MAX_CHUNKS 1024
+
+/* One CUDA VMM allocation of a region that spans several mapped back to back. */
+typedef struct rf_mem_chunk {
+    uint64_t size;          /* bytes of the allocation (mapped whole) */
+    int fd;                 /* its POSIX fd from cuMemExportToShareableHandle (not consumed) */
+} rf_mem_chunk;
 
 /* What a client says about a region. */
 typedef struct rf_mem_desc {
@@ -27,6 +36,10 @@ typedef struct rf_mem_desc {
     const uint8_t *handle;  /* cuda_ipc: the IPC handle bytes */
     size_t handle_len;
     int fd;                 /* memfd, cuda_vmm_fd: the received descriptor (not consumed) */
+    /* cuda_vmm_fd only, nchunks > 0: the shared object is these allocations mapped back to
+     * back (fd and handle unused), so offset and size may run across them. */
+    const rf_mem_chunk *chunks;
+    size_t nchunks;
 } rf_mem_desc;
 
 /* One imported shared object, as an implementation fills it. */
@@ -63,7 +76,8 @@ rf_mem_cache *rf_mem_cache_new(void);
 void rf_mem_cache_free(rf_mem_cache *c);
 /* Imports d (or reuses the mapping of the same object) and returns a reference to it.
  * Errors say what is wrong with the handle: -ENOTSUP for a kind with no implementation,
- * -EINVAL for an object smaller than offset + size, a memfd not sealed against shrinking. */
+ * -EINVAL for an object smaller than offset + size, a memfd not sealed against shrinking,
+ * chunks on a kind other than cuda_vmm_fd or more than RF_MEM_MAX_CHUNKS of them. */
 int rf_mem_import(rf_mem_cache *c, const rf_mem_desc *d, rf_mem_ref **out, rf_err *err);
 /* Drops the reference; the mapping is closed with its last one. */
 void rf_mem_release(rf_mem_cache *c, rf_mem_ref *r);

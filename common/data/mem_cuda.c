@@ -21,8 +21,11 @@ typedef struct cuda_map {
     CUcontext ctx;          /* the device's primary context, retained */
     CUdeviceptr ptr;        /* ipc: the opened base; vmm: the reserved range */
     size_t len;
-    CUmemGenericAllocationHandle h; /* vmm only */
     int vmm;
+    /* vmm: the imported allocations, in address order from ptr; nmapped of them mapped */
+    size_t nh, nmapped;
+    CUmemGenericAllocationHandle *h;
+    size_t *hlen;
 } cuda_map;
 
 static const rf_cu_api *cu;
@@ -175,28 +178,61 @@ static int vmm_alloc_size(const rf_mem_desc *d, uint64_t *size, rf_err *err)
     return 0;
 }
 
+/* The region's allocations as one list: its chunks, or its one allocation and fd. */
+static int vmm_chunks(const rf_mem_desc *d, rf_mem_chunk *one, const rf_mem_chunk **ch,
+                      size_t *n, uint64_t *total, rf_err *err)
+{
+    int rc;
+
+    if (d->nchunks > 0) {
+        *ch = d->chunks;
+        *n = d->nchunks;
+    } else {
+        if ((rc = vmm_alloc_size(d, &one->size, err)) < 0)
+            return rc;
+        one->fd = d->fd;
+        *ch = one;
+        *n = 1;
+    }
+    *total = 0;
+    for (size_t i = 0; i < *n; i++) {
+        if ((*ch)[i].fd < 0)
+            return rf_err_set(err, -EBADF, "cuda_vmm_fd region registered without the file "
+                              "descriptor of allocation %zu of %zu: send the fd of "
+                              "cuMemExportToShareableHandle for each, with the request "
+                              "(SCM_RIGHTS)", i, *n);
+        if ((*ch)[i].size == 0 || (*ch)[i].size > UINT64_MAX - *total)
+            return rf_err_set(err, -EINVAL, "cuda_vmm_fd region on %s: allocation %zu of %zu "
+                              "has size %" PRIu64 ": send each allocation's real size", d->device,
+                              i, *n, (*ch)[i].size);
+        *total += (*ch)[i].size;
+    }
+    return 0;
+}
+
 /* Every region of this kind gets a mapping of its own. The fds of cuMemExportToShareableHandle
  * are anonymous-inode files: every one of them has the same st_dev/st_ino (seen with driver
  * 580: two allocations on two GPUs collided), so nothing in the fd identifies the allocation,
  * and a key the client chose would let it alias another client's mapping. Mapping the same
- * allocation twice costs address space only. */
+ * allocation twice costs address space only. A region over several allocations is one object
+ * by the same rule: its own key, all its chunks mapped together. */
 static uint64_t vmm_serial;
 
 static int vmm_key(const rf_mem_desc *d, uint8_t *key, size_t *key_len, rf_err *err)
 {
+    const rf_mem_chunk *ch;
+    rf_mem_chunk one;
     struct stat st;
-    uint64_t asize, serial;
+    uint64_t total, serial;
+    size_t n;
     int rc;
 
-    if ((rc = vmm_alloc_size(d, &asize, err)) < 0)
+    if ((rc = vmm_chunks(d, &one, &ch, &n, &total, err)) < 0)
         return rc;
-    if (d->fd < 0)
-        return rf_err_set(err, -EBADF, "cuda_vmm_fd region registered without a file "
-                          "descriptor: send the fd of cuMemExportToShareableHandle with the "
-                          "request (SCM_RIGHTS)");
-    if (fstat(d->fd, &st) < 0)
-        return rf_err_set(err, -errno, "fstat of the region's VMM descriptor: %s",
-                          strerror(errno));
+    for (size_t i = 0; i < n; i++)
+        if (fstat(ch[i].fd, &st) < 0)
+            return rf_err_set(err, -errno, "fstat of the VMM descriptor of allocation %zu of "
+                              "%zu: %s", i, n, strerror(errno));
     serial = __atomic_add_fetch(&vmm_serial, 1, __ATOMIC_RELAXED);
     memcpy(key, &serial, sizeof(serial));
     *key_len = sizeof(serial);
@@ -208,84 +244,114 @@ static int vmm_check(const rf_mem_desc *d, const rf_mem_map *m, rf_err *err)
     return range_check("mapped CUDA VMM allocation", d, m->len, err);
 }
 
-/* The whole allocation is mapped (the driver maps an imported handle only whole); a size
- * larger than the real one makes cuMemMap fail. */
+static void vmm_undo(cuda_map *cm)
+{
+    size_t off = 0;
+
+    for (size_t i = 0; i < cm->nmapped; i++) {
+        cu->cuMemUnmap(cm->ptr + off, cm->hlen[i]);
+        off += cm->hlen[i];
+    }
+    cm->nmapped = 0;
+    if (cm->ptr)
+        cu->cuMemAddressFree(cm->ptr, cm->len);
+    cm->ptr = 0;
+    for (size_t i = 0; i < cm->nh; i++)
+        cu->cuMemRelease(cm->h[i]);
+    cm->nh = 0;
+}
+
+/* Every allocation is mapped whole (the driver maps an imported handle only whole) at its
+ * place in one reserved range, so a region over several is contiguous here as in its client;
+ * a size larger than the real one makes cuMemMap fail. */
 static int vmm_import(const rf_mem_desc *d, rf_mem_map *m, rf_err *err)
 {
     cuda_map *cm = calloc(1, sizeof(*cm));
+    const rf_mem_chunk *ch = NULL;
+    rf_mem_chunk one;
     CUmemAllocationProp prop;
     CUmemAccessDesc acc;
-    size_t gran = 0;
-    uint64_t asize = 0;
-    int rc, entered = 0, have_h = 0, reserved = 0;
+    size_t gran = 0, n = 0, off = 0;
+    uint64_t total = 0;
+    int rc, entered = 0;
     CUresult e;
 
     if (cm == NULL)
         return rf_err_set(err, -ENOMEM, "out of memory importing a CUDA VMM region");
-    if ((rc = vmm_alloc_size(d, &asize, err)) < 0 ||
-        (rc = range_check("CUDA VMM allocation", d, asize, err)) < 0)
-        goto out;
     cm->vmm = 1;
+    if ((rc = vmm_chunks(d, &one, &ch, &n, &total, err)) < 0 ||
+        (rc = range_check(n > 1 ? "CUDA VMM range" : "CUDA VMM allocation", d, total, err)) < 0)
+        goto out;
+    cm->h = calloc(n, sizeof(*cm->h));
+    cm->hlen = calloc(n, sizeof(*cm->hlen));
+    if (cm->h == NULL || cm->hlen == NULL) {
+        rc = rf_err_set(err, -ENOMEM, "out of memory importing a CUDA VMM region");
+        goto out;
+    }
     if ((rc = enter(d, cm, err)) < 0)
         goto out;
     entered = 1;
-    e = cu->cuMemImportFromShareableHandle(&cm->h, (void *)(uintptr_t)d->fd,
-                                           CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
-    if (e != CUDA_SUCCESS) {
-        rc = rf_cu__fail(err, e, "cuMemImportFromShareableHandle", __FILE__, __LINE__);
-        rf_err_wrap(err, "the descriptor sent for a cuda_vmm_fd region on %s is no CUDA "
-                    "allocation handle: ", d->device);
-        goto out;
+    for (size_t i = 0; i < n; i++) {
+        e = cu->cuMemImportFromShareableHandle(&cm->h[i], (void *)(uintptr_t)ch[i].fd,
+                                               CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
+        if (e != CUDA_SUCCESS) {
+            rc = rf_cu__fail(err, e, "cuMemImportFromShareableHandle", __FILE__, __LINE__);
+            rf_err_wrap(err, "the descriptor sent for allocation %zu of %zu of a cuda_vmm_fd "
+                        "region on %s is no CUDA allocation handle: ", i, n, d->device);
+            goto out;
+        }
+        cm->hlen[i] = (size_t)ch[i].size;
+        cm->nh++;
+        memset(&prop, 0, sizeof(prop));
+        CU_TRY(err, cu->cuMemGetAllocationPropertiesFromHandle(&prop, cm->h[i]));
+        CU_TRY(err, cu->cuMemGetAllocationGranularity(&gran, &prop,
+                                                      CU_MEM_ALLOC_GRANULARITY_MINIMUM));
+        if (gran == 0)
+            gran = 2u << 20;
+        if (ch[i].size % gran != 0) {
+            rc = rf_err_set(err, -EINVAL, "cuda_vmm_fd allocation %zu of %zu on %s has size "
+                            "%" PRIu64 ", not a multiple of its granularity %zu: send the "
+                            "allocation's real size", i, n, d->device, ch[i].size, gran);
+            goto out;
+        }
     }
-    have_h = 1;
-    memset(&prop, 0, sizeof(prop));
-    CU_TRY(err, cu->cuMemGetAllocationPropertiesFromHandle(&prop, cm->h));
-    CU_TRY(err, cu->cuMemGetAllocationGranularity(&gran, &prop,
-                                                  CU_MEM_ALLOC_GRANULARITY_MINIMUM));
-    if (gran == 0)
-        gran = 2u << 20;
-    if (asize % gran != 0) {
-        rc = rf_err_set(err, -EINVAL, "cuda_vmm_fd allocation size %" PRIu64 " on %s is not "
-                        "a multiple of its granularity %zu: send the allocation's real size",
-                        asize, d->device, gran);
-        goto out;
-    }
-    cm->len = (size_t)asize;
+    cm->len = (size_t)total;
     CU_TRY(err, cu->cuMemAddressReserve(&cm->ptr, cm->len, gran, 0, 0));
-    reserved = 1;
-    e = cu->cuMemMap(cm->ptr, cm->len, 0, cm->h, 0);
-    if (e != CUDA_SUCCESS) {
-        rc = rf_cu__fail(err, e, "cuMemMap", __FILE__, __LINE__);
-        rf_err_wrap(err, "cannot map the CUDA VMM allocation of %zu bytes on %s (is that "
-                    "its real size?): ", cm->len, d->device);
-        goto out;
+    for (size_t i = 0; i < n; i++) {
+        e = cu->cuMemMap(cm->ptr + off, cm->hlen[i], 0, cm->h[i], 0);
+        if (e != CUDA_SUCCESS) {
+            rc = rf_cu__fail(err, e, "cuMemMap", __FILE__, __LINE__);
+            rf_err_wrap(err, "cannot map CUDA VMM allocation %zu of %zu (%zu bytes) on %s "
+                        "(is that its real size?): ", i, n, cm->hlen[i], d->device);
+            goto out;
+        }
+        cm->nmapped++;
+        off += cm->hlen[i];
     }
     memset(&acc, 0, sizeof(acc));
     acc.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
     acc.location.id = cm->dev;
     acc.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
-    e = cu->cuMemSetAccess(cm->ptr, cm->len, &acc, 1);
-    if (e != CUDA_SUCCESS) {
-        cu->cuMemUnmap(cm->ptr, cm->len);
-        rc = rf_cu__fail(err, e, "cuMemSetAccess", __FILE__, __LINE__);
-        goto out;
-    }
-    RF_INFO("mapped CUDA VMM allocation (%zu bytes) on %s at 0x%llx", cm->len, d->device,
-             (unsigned long long)cm->ptr);
+    CU_TRY(err, cu->cuMemSetAccess(cm->ptr, cm->len, &acc, 1));
+    RF_INFO("mapped CUDA VMM %s (%zu bytes%s) on %s at 0x%llx",
+            n > 1 ? "range" : "allocation", cm->len, n > 1 ? ", several allocations" : "",
+            d->device, (unsigned long long)cm->ptr);
     m->base = (void *)(uintptr_t)cm->ptr;
     m->len = cm->len;
     m->impl = cm;
     cm = NULL;
     rc = 0;
 out:
-    if (cm != NULL && reserved)
-        cu->cuMemAddressFree(cm->ptr, cm->len);
-    if (cm != NULL && have_h)
-        cu->cuMemRelease(cm->h);
+    if (cm != NULL && entered)
+        vmm_undo(cm);
     if (entered)
         leave();
     if (cm != NULL && cm->ctx)
         cu->cuDevicePrimaryCtxRelease(cm->dev);
+    if (cm != NULL) {
+        free(cm->h);
+        free(cm->hlen);
+    }
     free(cm);
     return rc;
 }
@@ -298,16 +364,15 @@ static void cuda_close(rf_mem_map *m)
     if (cm == NULL)
         return;
     if (cu->cuCtxPushCurrent(cm->ctx) == CUDA_SUCCESS) {
-        if (cm->vmm) {
-            cu->cuMemUnmap(cm->ptr, cm->len);
-            cu->cuMemAddressFree(cm->ptr, cm->len);
-            cu->cuMemRelease(cm->h);
-        } else {
+        if (cm->vmm)
+            vmm_undo(cm);
+        else
             cu->cuIpcCloseMemHandle(cm->ptr);
-        }
         cu->cuCtxPopCurrent(&c);
     }
     cu->cuDevicePrimaryCtxRelease(cm->dev);
+    free(cm->h);
+    free(cm->hlen);
     free(cm);
     m->impl = NULL;
 }

@@ -11,6 +11,8 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include "mem.h"
+#include "mem_cuda.h"
 #include "refit.h"
 #include "registry.h"
 #include "rpc.h"
@@ -959,5 +961,171 @@ Test(registry, region_fds_live_with_their_regions)
     close(fd);
     wait_fds(base + 2 + 3 + 1, "four regions of one memfd");
     refit_close(t);
+    wait_fds(base, "after the client left");
+}
+
+/* A raw RegisterRegion with chunks and nfds descriptors (fds[i]); returns the answer's code
+ * and checks its message. */
+static void expect_chunked(int fd, uint64_t id, int kind, const char *device,
+                           const uint64_t *sizes, const uint64_t *offsets, size_t n,
+                           const int *fds, size_t nfds, int code, const char *text)
+{
+    Refit__Rpc__Request q = REFIT__RPC__REQUEST__INIT;
+    Refit__Rpc__RegisterRegion rr = REFIT__RPC__REGISTER_REGION__INIT;
+    Refit__Rpc__VmmChunk *ch = calloc(n, sizeof(*ch)), **chp = calloc(n, sizeof(*chp));
+    Refit__Rpc__Response *r = NULL;
+    rf_wire_reader rd;
+    uint8_t buf[4096];
+    rf_err err = {0};
+    ssize_t got;
+
+    for (size_t i = 0; i < n; i++) {
+        refit__rpc__vmm_chunk__init(&ch[i]);
+        ch[i].size = sizes[i];
+        ch[i].offset = offsets[i];
+        chp[i] = &ch[i];
+    }
+    q.id = id;
+    q.body_case = REFIT__RPC__REQUEST__BODY_REGISTER_REGION;
+    q.register_region = &rr;
+    rr.kind = (Refit__Rpc__MemKind)kind;
+    rr.device = (char *)device;
+    rr.size = 4096;
+    rr.n_chunks = n;
+    rr.chunks = chp;
+    cr_assert_eq(rf_rpc_send_fds(fd, &q, fds, nfds, &err), 0, "%s", err.msg);
+    rf_wire_reader_init(&rd, 0);
+    while (r == NULL && (got = recv(fd, buf, sizeof(buf), 0)) > 0)
+        cr_assert_eq(rf_wire_reader_feed(&rd, buf, (size_t)got, grab, &r), 0);
+    rf_wire_reader_reset(&rd);
+    cr_assert_not_null(r);
+    cr_assert_eq(r->id, id);
+    cr_assert_eq(r->code, code, "code %d: %s", r->code, r->message);
+    cr_assert(strstr(r->message, text), "'%s' lacks '%s'", r->message, text);
+    refit__rpc__response__free_unpacked(r, NULL);
+    free(chp);
+    free(ch);
+}
+
+static void raw_hello(int fd, int kind)
+{
+    Refit__Rpc__Request q = REFIT__RPC__REQUEST__INIT;
+    Refit__Rpc__Hello h = REFIT__RPC__HELLO__INIT;
+
+    q.id = 1;
+    q.body_case = REFIT__RPC__REQUEST__BODY_HELLO;
+    q.hello = &h;
+    h.protocol_version = RF_RPC_PROTOCOL_VERSION;
+    h.kind = (Refit__Rpc__ClientKind)kind;
+    h.name = "raw";
+    expect_raw(fd, &q, 0, "welcome");
+}
+
+/* A region over several VMM allocations brings one fd per chunk: every refusal of one claims
+ * exactly its fds (the next request's fd stays its own) and closes them all. Memfds stand in
+ * for the VMM fds: each case is refused before anything imports them. */
+Test(registry, chunked_region_refusals_close_every_fd)
+{
+    const uint64_t mib2 = 2u << 20;
+    const uint64_t sizes[3] = {mib2, mib2, mib2}, at[3] = {0, mib2, 2 * mib2};
+    const uint64_t gap[2] = {0, 2 * mib2};
+    static uint64_t many_sizes[RF_MEM_MAX_CHUNKS + 1], many_at[RF_MEM_MAX_CHUNKS + 1];
+    static int many_fds[RF_RPC_MAX_FDS];
+    int fd, base, m[3], i;
+    uint64_t id = 10;
+    void *mem;
+    uint32_t region;
+    refit_client *t;
+
+    open_registry(RF_SRC, 1);
+    base = count_fds();
+    cr_assert_eq(rf_rpc_dial(H.path, &fd, NULL), 0);
+    raw_hello(fd, REFIT__RPC__CLIENT_KIND__CLIENT_TRAINER);
+    for (i = 0; i < 3; i++) {
+        m[i] = memfd_create("chunk", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+        cr_assert_eq(ftruncate(m[i], (off_t)mib2), 0);
+    }
+    /* Our socket, the daemon's end, our three memfds. */
+    wait_fds(base + 2 + 3, "connected");
+    expect_chunked(fd, id++, REFIT__RPC__MEM_KIND__MEM_MEMFD, "host", sizes, at, 3, m, 3,
+                   -EINVAL, "only cuda_vmm_fd regions are made of several allocations");
+    wait_fds(base + 2 + 3, "a memfd region with chunks");
+    expect_chunked(fd, id++, REFIT__RPC__MEM_KIND__MEM_CUDA_IPC, "GPU-0b5c", sizes, at, 3, m, 3,
+                   -EINVAL, "a cuda_ipc region with 3 chunks");
+    wait_fds(base + 2 + 3, "a cuda_ipc region with chunks");
+    expect_chunked(fd, id++, REFIT__RPC__MEM_KIND__MEM_CUDA_VMM_FD, "GPU-0b5c", sizes, gap, 2,
+                   m, 2, -EINVAL, "chunk 1 of 2 is 2097152 bytes at offset 4194304, expected "
+                   "a size > 0 at offset 2097152");
+    wait_fds(base + 2 + 3, "chunks not back to back");
+    expect_chunked(fd, id++, REFIT__RPC__MEM_KIND__MEM_CUDA_VMM_FD, "GPU-0b5c", sizes, at, 3,
+                   m, 2, -EBADF, "3 chunks but 2 file descriptors came with the request");
+    wait_fds(base + 2 + 3, "fewer fds than chunks");
+    /* Well formed, on a daemon whose transport moves host memory. */
+    expect_chunked(fd, id++, REFIT__RPC__MEM_KIND__MEM_CUDA_VMM_FD, "GPU-0b5c", sizes, at, 3,
+                   m, 3, -EINVAL, "transport moves host memory only");
+    wait_fds(base + 2 + 3, "a GPU region on a host daemon");
+    /* More chunks than a region may span, with every fd a request may bring. */
+    for (i = 0; i <= RF_MEM_MAX_CHUNKS; i++) {
+        many_sizes[i] = mib2;
+        many_at[i] = (uint64_t)i * mib2;
+    }
+    for (i = 0; i < RF_RPC_MAX_FDS; i++)
+        many_fds[i] = m[i % 3];
+    expect_chunked(fd, id++, REFIT__RPC__MEM_KIND__MEM_CUDA_VMM_FD, "GPU-0b5c", many_sizes,
+                   many_at, RF_MEM_MAX_CHUNKS + 1, many_fds, RF_RPC_MAX_FDS, -E2BIG,
+                   "spans 1025 allocations, more than the 1024 one region may");
+    wait_fds(base + 2 + 3, "too many chunks");
+    for (i = 0; i < 3; i++)
+        close(m[i]);
+    close(fd);
+    wait_fds(base, "after the raw client left");
+    /* The daemon still serves memfd regions, each with its own fd. */
+    t = conn("t0", 0, REFIT_TRAINER);
+    OK(refit_alloc_host(t, 4096, &mem, &region), t);
+    cr_assert_eq(region, 0);
+    refit_close(t);
+    wait_fds(base, "after the trainer left");
+}
+
+/* On a GPU daemon a well-formed region over three allocations is imported, and three memfds
+ * are no CUDA allocations: refused (without CUDA: not supported) with all three closed. */
+Test(registry, chunked_region_of_non_cuda_fds_refused_on_a_gpu_daemon)
+{
+    static const rf_registry_cb cb = {cb_inventory, cb_change, cb_ready, cb_status, cb_refit,
+                                      cb_wait, cb_consumed};
+    const uint64_t mib2 = 2u << 20;
+    const uint64_t sizes[3] = {mib2, mib2, mib2}, at[3] = {0, mib2, 2 * mib2};
+    rf_registry_opts o = {0};
+    rf_err err = {0};
+    int fd, base, m[3], i;
+
+    o.socket_path = H.path;
+    o.side = RF_SRC;
+    o.expected_clients = 1;
+    o.gpu_memory = true;
+    cr_assert_eq(rf_registry_open(&H.loop, &o, &cb, NULL, &H.reg, &err), 0, "%s", err.msg);
+    pthread_create(&H.th, NULL, loop_main, NULL);
+    base = count_fds();
+    cr_assert_eq(rf_rpc_dial(H.path, &fd, NULL), 0);
+    raw_hello(fd, REFIT__RPC__CLIENT_KIND__CLIENT_TRAINER);
+    for (i = 0; i < 3; i++) {
+        m[i] = memfd_create("chunk", MFD_CLOEXEC);
+        cr_assert_eq(ftruncate(m[i], (off_t)mib2), 0);
+    }
+    wait_fds(base + 2 + 3, "connected");
+#ifdef RF_HAVE_CUDA
+    if (rf_mem_cuda_init(&err) == 0) {
+        /* The driver's own fds (it keeps /dev/nvidia* open) are counted from here. */
+        base = count_fds() - 2 - 3;
+        expect_chunked(fd, 10, REFIT__RPC__MEM_KIND__MEM_CUDA_VMM_FD, "GPU-0b5c", sizes, at, 3,
+                       m, 3, -ENODEV, "no visible GPU has UUID GPU-0b5c");
+    } else
+#endif
+        expect_chunked(fd, 10, REFIT__RPC__MEM_KIND__MEM_CUDA_VMM_FD, "GPU-0b5c", sizes, at, 3,
+                       m, 3, -ENOTSUP, "memory kind cuda_vmm_fd is not supported");
+    wait_fds(base + 2 + 3, "refused chunks");
+    for (i = 0; i < 3; i++)
+        close(m[i]);
+    close(fd);
     wait_fds(base, "after the client left");
 }

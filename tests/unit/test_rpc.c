@@ -8,6 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -50,7 +51,8 @@ static void on_close(rf_rpc_conn *c, void *ud)
 }
 
 /* Echo server: answers each request with its body case in `region`; RegisterRegion answers
- * the size of the fd it carried in `version`; Status floods the client with 1 MiB answers. */
+ * the size of the fd it carried in `version` (with chunks: the sum over its fds, in order, of
+ * (index + 1) * size, so order shows); Status floods the client with 1 MiB answers. */
 static void on_request(rf_rpc_conn *c, const Refit__Rpc__Request *q, void *ud)
 {
     Refit__Rpc__Response r = REFIT__RPC__RESPONSE__INIT;
@@ -60,13 +62,17 @@ static void on_request(rf_rpc_conn *c, const Refit__Rpc__Request *q, void *ud)
     r.id = q->id;
     r.region = (uint32_t)q->body_case;
     if (q->body_case == REFIT__RPC__REQUEST__BODY_REGISTER_REGION) {
-        int fd = rf_rpc_conn_take_fd(c);
-        struct stat st;
+        size_t k, n = q->register_region->n_chunks ? q->register_region->n_chunks : 1;
 
-        if (fd >= 0 && fstat(fd, &st) == 0)
-            r.version = (uint64_t)st.st_size;
-        if (fd >= 0)
-            close(fd);
+        for (k = 0; k < n; k++) {
+            int fd = rf_rpc_conn_take_fd(c);
+            struct stat st;
+
+            if (fd >= 0 && fstat(fd, &st) == 0)
+                r.version += (k + 1) * (uint64_t)st.st_size;
+            if (fd >= 0)
+                close(fd);
+        }
         rf_rpc_conn_send(c, &r);
     } else if (q->body_case == REFIT__RPC__REQUEST__BODY_STATUS) {
         char *big = malloc(1 << 20);
@@ -418,38 +424,131 @@ Test(rpc, unknown_request_answered_and_kept)
     close(fd);
 }
 
+/* More fds than a request may bring, with no request: sent as the kernel takes them (at most
+ * 253 a message), one memfd repeated, on single bytes. The server holds them until the cut,
+ * so this process needs room for them. */
 Test(rpc, too_many_fds_closes_client)
 {
     union {
         struct cmsghdr h;
-        char space[CMSG_SPACE(sizeof(int) * (RF_RPC_MAX_FDS + 1))];
+        char space[CMSG_SPACE(sizeof(int) * RF_RPC_FDS_PER_MSG)];
     } ctl;
-    int fds[RF_RPC_MAX_FDS + 1], fd, i;
-    uint8_t byte = 0;
-    struct iovec iov = {&byte, 1};
-    struct msghdr mh = {0};
-    struct cmsghdr *cm;
+    /* The bytes start a frame of 256 bytes that never completes. */
+    static const uint8_t bytes[] = {0, 0, 1, 0, 0, 0, 0, 0};
+    int fds[RF_RPC_FDS_PER_MSG], fd, mfd, i, k = 0, sent = 0;
+    struct rlimit rl;
+    rf_err err = {0};
+
+    cr_assert_eq(getrlimit(RLIMIT_NOFILE, &rl), 0);
+    if (rl.rlim_cur < 2 * RF_RPC_MAX_FDS + 64) {
+        if (rl.rlim_max < 2 * RF_RPC_MAX_FDS + 64)
+            cr_skip("RLIMIT_NOFILE hard limit %llu is below %d",
+                    (unsigned long long)rl.rlim_max, 2 * RF_RPC_MAX_FDS + 64);
+        rl.rlim_cur = 2 * RF_RPC_MAX_FDS + 64;
+        cr_assert_eq(setrlimit(RLIMIT_NOFILE, &rl), 0);
+    }
+    cr_assert_eq(start(&S, NULL, &err), 0, "%s", err.msg);
+    fd = dial();
+    mfd = memfd_create("t", MFD_CLOEXEC);
+    for (i = 0; i < RF_RPC_FDS_PER_MSG; i++)
+        fds[i] = mfd;
+    while (sent <= RF_RPC_MAX_FDS) {
+        struct iovec iov = {(void *)&bytes[k++], 1};
+        struct msghdr mh = {0};
+        struct cmsghdr *cm;
+
+        memset(&ctl, 0, sizeof(ctl));
+        mh.msg_iov = &iov;
+        mh.msg_iovlen = 1;
+        mh.msg_control = ctl.space;
+        mh.msg_controllen = sizeof(ctl.space);
+        cm = CMSG_FIRSTHDR(&mh);
+        cm->cmsg_level = SOL_SOCKET;
+        cm->cmsg_type = SCM_RIGHTS;
+        cm->cmsg_len = CMSG_LEN(sizeof(fds));
+        memcpy(CMSG_DATA(cm), fds, sizeof(fds));
+        if (sendmsg(fd, &mh, MSG_NOSIGNAL) != 1)
+            break; /* the server cut us already */
+        sent += RF_RPC_FDS_PER_MSG;
+    }
+    cr_assert_gt(sent, RF_RPC_MAX_FDS);
+    expect_error_then_eof(fd, -EMFILE, "too many file descriptors");
+    close(mfd);
+    close(fd);
+}
+
+/* A region over more allocations than one message carries: its fds come in order on the
+ * frame's first bytes, all claimed by it, and the next request's fd is still its own. */
+Test(rpc, many_fds_with_one_request_arrive_in_order)
+{
+    enum { N = 2 * RF_RPC_FDS_PER_MSG + 17 };
+    Refit__Rpc__Request q = REFIT__RPC__REQUEST__INIT;
+    Refit__Rpc__RegisterRegion rr = REFIT__RPC__REGISTER_REGION__INIT;
+    Refit__Rpc__VmmChunk ch[N], *chp[N];
+    Refit__Rpc__Response *r;
+    uint64_t want = 0;
+    int fds[N], fd, mfd, i;
     rf_err err = {0};
 
     cr_assert_eq(start(&S, NULL, &err), 0, "%s", err.msg);
     fd = dial();
-    for (i = 0; i <= RF_RPC_MAX_FDS; i++)
-        fds[i] = memfd_create("t", MFD_CLOEXEC);
-    memset(&ctl, 0, sizeof(ctl));
-    mh.msg_iov = &iov;
-    mh.msg_iovlen = 1;
-    mh.msg_control = ctl.space;
-    mh.msg_controllen = sizeof(ctl.space);
-    cm = CMSG_FIRSTHDR(&mh);
-    cm->cmsg_level = SOL_SOCKET;
-    cm->cmsg_type = SCM_RIGHTS;
-    cm->cmsg_len = CMSG_LEN(sizeof(fds));
-    memcpy(CMSG_DATA(cm), fds, sizeof(fds));
-    cr_assert_eq(sendmsg(fd, &mh, 0), 1);
-    expect_error_then_eof(fd, -EMFILE, "too many file descriptors");
-    for (i = 0; i <= RF_RPC_MAX_FDS; i++)
+    for (i = 0; i < N; i++) {
+        fds[i] = memfd_create("chunk", MFD_CLOEXEC);
+        cr_assert_geq(fds[i], 0);
+        cr_assert_eq(ftruncate(fds[i], i + 1), 0);
+        want += (uint64_t)(i + 1) * (uint64_t)(i + 1);
+        refit__rpc__vmm_chunk__init(&ch[i]);
+        ch[i].size = (uint64_t)i + 1;
+        chp[i] = &ch[i];
+    }
+    q.id = 1;
+    q.body_case = REFIT__RPC__REQUEST__BODY_REGISTER_REGION;
+    q.register_region = &rr;
+    rr.device = "GPU-0";
+    rr.n_chunks = N;
+    rr.chunks = chp;
+    cr_assert_eq(rf_rpc_send_fds(fd, &q, fds, N, &err), 0, "%s", err.msg);
+    for (i = 0; i < N; i++)
         close(fds[i]);
+    mfd = memfd_create("next", MFD_CLOEXEC);
+    cr_assert_eq(ftruncate(mfd, 4242), 0);
+    rr.n_chunks = 0;
+    rr.chunks = NULL;
+    q.id = 2;
+    cr_assert_eq(rf_rpc_send(fd, &q, mfd, &err), 0, "%s", err.msg);
+    close(mfd);
+    r = read_resp(fd);
+    cr_assert_eq(r->id, 1);
+    cr_assert_eq(r->version, want, "the %d fds came in order with their request", N);
+    refit__rpc__response__free_unpacked(r, NULL);
+    r = read_resp(fd);
+    cr_assert_eq(r->id, 2);
+    cr_assert_eq(r->version, 4242u, "the next request's fd is its own");
+    refit__rpc__response__free_unpacked(r, NULL);
     close(fd);
+}
+
+/* The sender refuses what no daemon takes, before sending anything. */
+Test(rpc, more_fds_than_a_request_may_bring_refused)
+{
+    Refit__Rpc__Request q = REFIT__RPC__REQUEST__INIT;
+    Refit__Rpc__Seal seal = REFIT__RPC__SEAL__INIT;
+    static int fds[RF_RPC_MAX_FDS + 1];
+    rf_err err = {0};
+    int sv[2];
+
+    cr_assert_eq(socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv), 0);
+    q.id = 1;
+    q.body_case = REFIT__RPC__REQUEST__BODY_SEAL;
+    q.seal = &seal;
+    cr_assert_eq(rf_rpc_send_fds(sv[0], &q, fds, RF_RPC_MAX_FDS + 1, &err), -E2BIG);
+    cr_assert(strstr(err.msg, "at most 1024"), "%s", err.msg);
+    /* An empty request is its 4-byte length alone: room for 4 batches of fds, not for 5. */
+    refit__rpc__request__init(&q);
+    cr_assert_eq(rf_rpc_send_fds(sv[0], &q, fds, RF_RPC_MAX_FDS, &err), -EINVAL);
+    cr_assert(strstr(err.msg, "cannot carry"), "%s", err.msg);
+    close(sv[0]);
+    close(sv[1]);
 }
 
 Test(rpc, client_that_stops_reading_is_cut)
