@@ -261,12 +261,13 @@ static int recv_fds(const xchg *x, int chan, int *fds, uint32_t need, rf_err *er
         }
         if (extra)
             return rf_err_set(err, -EBADMSG, "same-host export from %s: refit-publisherd "
-                              "passed more fds than the %u regions with has_fd", x->path,
-                              need);
+                              "passed more than the %u fds its regions take (one per region "
+                              "with has_fd, per chunk of a VMM range)", x->path, need);
         if (n == 0)
             return rf_err_set(err, -EPROTO, "same-host export from %s: refit-publisherd "
-                              "passed %u fds, fewer than the %u regions with has_fd", x->path,
-                              have, need);
+                              "passed %u fds, fewer than the %u its regions take (one per "
+                              "region with has_fd, per chunk of a VMM range)", x->path, have,
+                              need);
     }
     return 0;
 }

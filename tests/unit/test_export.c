@@ -12,6 +12,7 @@
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/resource.h>
+#include <sys/stat.h>
 #include <sys/socket.h>
 #include <sys/un.h>
 #include <time.h>
@@ -752,6 +753,10 @@ typedef enum fake_mode {
     FK_FEWER,       /* 2 fd regions, 1 fd passed, channel closed */
     FK_MORE,        /* 1 fd region, 2 fds passed */
     FK_HOLD,        /* 2 fd regions, 1 fd passed, channel kept open */
+    FK_CHUNKS,      /* 1 VMM region over 3 allocations, 3 fds passed: fine */
+    FK_CHUNK_GAP,   /* its chunks not back to back */
+    FK_CHUNK_KIND,  /* a memfd region with chunks */
+    FK_CHUNK_FEWER, /* 3 chunks, 2 fds passed, channel closed */
 } fake_mode;
 
 typedef struct fake {
@@ -808,21 +813,24 @@ static Refit__Rpc__Request *fake_read(int fd, int *passed)
     return q;
 }
 
+/* Passes n fresh memfds, the i-th (i + 1) * 4096 bytes long (so their order shows). */
 static void pass_fds(int chan, int n)
 {
     union {
         struct cmsghdr h;
-        char space[CMSG_SPACE(2 * sizeof(int))];
+        char space[CMSG_SPACE(4 * sizeof(int))];
     } ctl;
-    int fds[2];
+    int fds[4];
     uint8_t byte = (uint8_t)n;
     struct iovec iov = {&byte, 1};
     struct msghdr mh = {0};
     struct cmsghdr *cm;
     int i;
 
-    for (i = 0; i < n; i++)
+    for (i = 0; i < n; i++) {
         fds[i] = memfd_create("fake", MFD_CLOEXEC);
+        cr_assert_eq(ftruncate(fds[i], (off_t)(i + 1) * 4096), 0);
+    }
     memset(&ctl, 0, sizeof(ctl));
     mh.msg_iov = &iov;
     mh.msg_iovlen = 1;
@@ -854,7 +862,11 @@ static void fake_export(const fake *f, int fd, uint64_t id, int chan)
     int64_t shape[1] = {4}, start[1] = {0}, ext[1] = {4}, strides[1] = {1};
     uint8_t junk[2] = {0xff, 0xff}, packed[512];
     bool two = f->mode == FK_FEWER || f->mode == FK_HOLD;
+    bool chunked = f->mode == FK_CHUNKS || f->mode == FK_CHUNK_GAP ||
+                   f->mode == FK_CHUNK_KIND || f->mode == FK_CHUNK_FEWER;
+    Refit__Rpc__VmmChunk ch[3], *chp[3];
     size_t i;
+    int nfds = f->mode == FK_MORE ? 2 : 1;
 
     t.name = "w";
     t.dtype = REFIT_FP32;
@@ -875,6 +887,21 @@ static void fake_export(const fake *f, int fd, uint64_t id, int chan)
         er[i].size = 16;
         er[i].has_fd = true;
     }
+    if (chunked) {
+        for (i = 0; i < 3; i++) {
+            refit__rpc__vmm_chunk__init(&ch[i]);
+            ch[i].size = 2u << 20;
+            ch[i].offset = (f->mode == FK_CHUNK_GAP && i == 2 ? 5 : i) * (2u << 20);
+            chp[i] = &ch[i];
+        }
+        er[0].kind = f->mode == FK_CHUNK_KIND ? REFIT__RPC__MEM_KIND__MEM_MEMFD
+                                               : REFIT__RPC__MEM_KIND__MEM_CUDA_VMM_FD;
+        er[0].device = f->mode == FK_CHUNK_KIND ? "host" : "GPU-0b5c";
+        er[0].offset = 4096;
+        er[0].n_chunks = 3;
+        er[0].chunks = chp;
+        nfds = f->mode == FK_CHUNK_FEWER ? 2 : 3;
+    }
     inv.n_tensors = 1;
     inv.tensors = &tp;
     inv.n_endpoints = 1;
@@ -894,7 +921,7 @@ static void fake_export(const fake *f, int fd, uint64_t id, int chan)
         r.inventory.data = packed;
     }
     /* One fd a region, but for the modes about the fds. */
-    pass_fds(chan, f->mode == FK_MORE ? 2 : 1);
+    pass_fds(chan, nfds);
     fake_send(fd, &r);
 }
 
@@ -989,8 +1016,11 @@ ParameterizedTestParameters(export, client_checks_what_it_is_answered)
         {FK_COUNT, -EBADMSG, "the answer lists 2 regions, its inventory 1"},
         {FK_KIND, -EBADMSG, "region 0 has memory kind 2"},
         {FK_MERGE, -EINVAL, "the exported inventory is not valid"},
-        {FK_FEWER, -EPROTO, "passed 1 fds, fewer than the 2 regions with has_fd"},
-        {FK_MORE, -EBADMSG, "more fds than the 1 regions with has_fd"},
+        {FK_FEWER, -EPROTO, "passed 1 fds, fewer than the 2 its regions take"},
+        {FK_MORE, -EBADMSG, "passed more than the 1 fds its regions take"},
+        {FK_CHUNK_GAP, -EBADMSG, "at offset 10485760, not the next one back to back (4194304)"},
+        {FK_CHUNK_KIND, -EBADMSG, "region 0 of kind 1 lists 3 chunks"},
+        {FK_CHUNK_FEWER, -EPROTO, "passed 2 fds, fewer than the 3 its regions take"},
         {FK_HOLD, -ETIMEDOUT, "no answer to Export (its region fds) within 0.3 s"},
     };
 
@@ -1005,6 +1035,39 @@ ParameterizedTest(fake_case *c, export, client_checks_what_it_is_answered)
     fake_start(&f, c->mode);
     FETCH_FAILS(f.path, KEY, sizeof(KEY), c->mode == FK_HOLD ? 0.3 : 5, c->code, c->text);
     fake_stop(&f);
+    wait_fds(base);
+}
+
+/* A VMM region over three allocations comes as one region with its chunks, each with its own
+ * fd in order (no single fd), and freeing the export closes them. */
+Test(export, a_region_over_several_allocations_comes_with_its_chunk_fds)
+{
+    const rf_mem_desc *d;
+    rf_export *e = NULL;
+    rf_err err = {0};
+    struct stat st;
+    int base = count_fds(), rc;
+    fake f;
+
+    fake_start(&f, FK_CHUNKS);
+    rc = rf_export_fetch(f.path, KEY, sizeof(KEY), 5, &e, &err);
+    cr_assert_eq(rc, 0, "%s", err.msg);
+    fake_stop(&f);
+    cr_assert_eq(e->nregions, 1);
+    d = &e->regions[0];
+    cr_assert_eq(d->kind, RF_MEM_CUDA_VMM_FD);
+    cr_assert_str_eq(d->device, "GPU-0b5c");
+    cr_assert_eq(d->offset, 4096);
+    cr_assert_eq(d->fd, -1, "a chunked region has no fd of its own");
+    cr_assert_eq(d->nchunks, 3);
+    for (size_t i = 0; i < 3; i++) {
+        cr_assert_eq(d->chunks[i].size, 2u << 20);
+        cr_assert_eq(fstat(d->chunks[i].fd, &st), 0);
+        cr_assert_eq(st.st_size, (off_t)(i + 1) * 4096, "chunk %zu got fd of %lld bytes", i,
+                     (long long)st.st_size);
+    }
+    cr_assert_eq(count_fds(), base + 3);
+    rf_export_free(e);
     wait_fds(base);
 }
 
