@@ -17,7 +17,9 @@ wait_for "$E2E_DIR/recv0.log" "status endpoint" 10
 B="$TORCH_PY $(dirname "$0")/bench_torch_register.py --model qwen3-30b-a3b --shrink $SHRINK --repeat $REPEAT"
 echo "| model | rank | params | pieces | regions | GiB | layout s | arena s | register s | seal s | total s |"
 echo "|---|---|---|---|---|---|---|---|---|---|---|"
-$B --socket "$E2E_DIR/pub0.sock" --kind trainer --conv megatron --layout tp=4,ep=8 --rank 0 ||
+$B --socket "$E2E_DIR/pub0.sock" --kind trainer --conv megatron --layout tp=4,ep=8 \
+    --rank 0 ||
     fail "trainer rank registration failed"
-$B --socket "$E2E_DIR/recv0.sock" --kind engine --conv vllm --layout tp=8 --rank 0 ||
+$B --socket "$E2E_DIR/recv0.sock" --kind engine --conv vllm --layout tp=8 \
+    --rank 0 ||
     fail "engine rank registration failed"

@@ -12,7 +12,8 @@ M="--model qwen3-30b-a3b --shrink 16 --versions 2"
 start_torch eng engine --socket "$E2E_DIR/recv0.sock" $M --ranks 2 --conv vllm --layout tp=2,ep=2
 start_torch tr trainer --socket "$E2E_DIR/pub0.sock" $M --ranks 1 --conv hf
 wait_ok tr eng
-grep -q "version 2 committed, .* 0 wrong" "$E2E_DIR/eng.log" || fail "engine did not verify version 2"
+grep -q "version 2 committed, .* 0 wrong" "$E2E_DIR/eng.log" ||
+    fail "engine did not verify version 2"
 st_committed 10 2 clean "$E2E_DIR/pub0.sock" "$E2E_DIR/recv0.sock"
 cat "$E2E_DIR/tr.log" "$E2E_DIR/eng.log"
 echo "ok: hf -> vllm tp=2,ep=2 (qwen3-30b-a3b/16) through refit.torch, 2 versions verified"

@@ -20,7 +20,8 @@ M="--model qwen3-0.6b --shrink 8 --versions 2 --ranks 2 --device cuda:0"
 start_torch eng engine --socket "$E2E_DIR/recv0.sock" $M --conv vllm --layout tp=2
 start_torch tr trainer --socket "$E2E_DIR/pub0.sock" $M --conv megatron --layout tp=2
 wait_ok tr eng
-grep -q "version 2 committed, .* 0 wrong" "$E2E_DIR/eng.log" || fail "engine did not verify version 2"
+grep -q "version 2 committed, .* 0 wrong" "$E2E_DIR/eng.log" ||
+    fail "engine did not verify version 2"
 st_committed 20 2 clean "$E2E_DIR/pub0.sock" "$E2E_DIR/recv0.sock"
 cat "$E2E_DIR/tr.log" "$E2E_DIR/eng.log"
 echo "ok: megatron tp=2 -> vllm tp=2 on cuda:0 through refit.torch, 2 versions verified"

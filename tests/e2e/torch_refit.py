@@ -24,12 +24,31 @@ import refit  # noqa: E402
 import refit.torch as rt  # noqa: E402
 
 
-def build_module(params):
-    """A plain torch module whose named_parameters() are the layout's names and shapes, built
-    as nested submodules the way a framework's model class nests them."""
+def te_name(name, names):
+    """Megatron-Core's Transformer Engine name of a local-spec parameter: the norm before a
+    linear layer is that layer's layer_norm_weight (pre_mlp_layernorm only in dense layers)."""
+    if name.endswith(".input_layernorm.weight"):
+        return name.replace(".input_layernorm.weight", ".self_attention.linear_qkv."
+                            "layer_norm_weight")
+    fc1 = name.replace(".pre_mlp_layernorm.weight", ".mlp.linear_fc1.weight")
+    if name.endswith(".pre_mlp_layernorm.weight") and fc1 in names:
+        return fc1.replace(".weight", ".layer_norm_weight")
+    return name
+
+
+def module_name(args, name, names):
+    """The module's name of a layout's parameter: --te and --prefix as a real trainer has."""
+    return (args.prefix if args else "") + (te_name(name, names) if args and args.te else name)
+
+
+def build_module(params, args=None):
+    """A plain torch module whose named_parameters() are the layout's names and shapes (or
+    their Transformer Engine names under a prefix, see module_name), built as nested
+    submodules the way a framework's model class nests them."""
     root = torch.nn.Module()
+    names = {p.name for p in params}
     for p in params:
-        *path, leaf = p.name.split(".")
+        *path, leaf = module_name(args, p.name, names).split(".")
         m = root
         for part in path:
             if not hasattr(m, part):
@@ -59,11 +78,12 @@ def box_of(full, start, extent):
     return full[tuple(slice(s, s + e) for s, e in zip(start, extent))]
 
 
-def pieces_of(module, params):
+def pieces_of(module, params, args):
     named = dict(module.named_parameters())
+    names = {p.name for p in params}
     for p in params:
         for pc in p.pieces:
-            yield named[p.name], pc
+            yield named[module_name(args, p.name, names)], pc
 
 
 def setup(args, kind):
@@ -71,14 +91,14 @@ def setup(args, kind):
     ranks = []
     for r in range(args.ranks):
         params = rt.layout(args.model, args.conv, args.layout, r, args.shrink)
-        module = build_module(params)
+        module = build_module(params, args)
         if args.device == "cpu":
             rt.share_module(module)
         else:
             module.to(args.device)
         c = refit.Client(kind, name=f"torch-{args.mode}", rank=r, socket=args.socket)
         info = rt.register_module(c, module, args.conv, args.layout, r, args.model,
-                                  args.shrink)
+                                  args.shrink, prefix=args.prefix)
         if kind == refit.ENGINE:
             c.gate()
         c.seal()
@@ -94,20 +114,20 @@ def setup(args, kind):
     return ranks
 
 
-def fill(ranks, v):
+def fill(ranks, v, args):
     with torch.no_grad():
         for _, module, params in ranks:
-            for t, pc in pieces_of(module, params):
+            for t, pc in pieces_of(module, params, args):
                 hf, gshape, start, extent = pc[:4]
                 rt.piece_view(t, pc)[...] = box_of(expected(v, hf, gshape, t.dtype), start,
                                                    extent)
 
 
-def check(ranks, v):
+def check(ranks, v, args):
     """Pieces of version v that differ from it (torch.equal on each)."""
     wrong = []
     for _, module, params in ranks:
-        for t, pc in pieces_of(module, params):
+        for t, pc in pieces_of(module, params, args):
             hf, gshape, start, extent = pc[:4]
             want = box_of(expected(v, hf, gshape, t.dtype), start, extent).to(t.device)
             if not torch.equal(rt.piece_view(t, pc), want):
@@ -118,7 +138,7 @@ def check(ranks, v):
 def run_trainer(args):
     ranks = setup(args, refit.TRAINER)
     for v in range(1, args.versions + 1):
-        fill(ranks, v)
+        fill(ranks, v, args)
         for c, _, _ in ranks:
             c.publish(v)
         for c, _, _ in ranks:
@@ -133,7 +153,7 @@ def run_engine(args):
             got = c.wait_version(v, 60000)
             if got != v:
                 sys.exit(f"engine: waited for version {v}, the daemon committed {got}")
-        wrong = check(ranks, v)
+        wrong = check(ranks, v, args)
         npieces = sum(len(p.pieces) for _, _, ps in ranks for p in ps)
         print(f"engine: version {v} committed, {npieces} pieces checked, {len(wrong)} wrong",
               flush=True)
@@ -229,6 +249,9 @@ def run_refusals(args):
         bad[name] = t
         refused(f"parameter {what}", lambda: rt.register_module(c, bad, "megatron", layout, 1,
                                                                 model, 16), E, name, *words)
+    refused("prefix", lambda: rt.register_module(c, mod, "megatron", layout, 1, model, 16,
+                                                 prefix="module."), -errno.ENOENT,
+            "embedding.word_embeddings.weight", "module.")
     plain = build_module(params)
     refused("module in private memory", lambda: rt.register_module(c, plain, "megatron",
                                                                    layout, 1, model, 16), E,
@@ -268,6 +291,8 @@ def main():
     ap.add_argument("--ranks", type=int, default=1)
     ap.add_argument("--versions", type=int, default=2)
     ap.add_argument("--device", default="cpu", help="cpu (memfd arenas) or cuda:N")
+    ap.add_argument("--te", action="store_true", help="Megatron Transformer Engine names")
+    ap.add_argument("--prefix", default="", help="module names begin with it (\"module.\")")
     args = ap.parse_args()
     {"trainer": run_trainer, "engine": run_engine, "refusals": run_refusals}[args.mode](args)
 

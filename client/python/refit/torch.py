@@ -18,6 +18,7 @@ import errno
 import fcntl
 import mmap
 import os
+import re
 import threading
 
 import torch
@@ -310,19 +311,53 @@ def piece_view(param, piece):
     return param.as_strided(extent, strides, param.storage_offset() + offset)
 
 
+# Megatron-Core's Transformer Engine layers fuse the norm before a linear layer into it: the
+# same weights as the local spec's input_layernorm and (dense layers) pre_mlp_layernorm.
+_MEGATRON_TE = [
+    (re.compile(r"^(decoder\.layers\.\d+\.)self_attention\.linear_qkv\.layer_norm_weight$"),
+     r"\1input_layernorm.weight"),
+    (re.compile(r"^(decoder\.layers\.\d+\.)mlp\.linear_fc1\.layer_norm_weight$"),
+     r"\1pre_mlp_layernorm.weight"),
+]
+
+
+def _canonical(name, convention, prefix):
+    """The layout's name of a module's parameter: prefix (a wrapper's "module.") removed,
+    Transformer Engine's fused norms named as the local spec names them."""
+    if prefix:
+        if not name.startswith(prefix):
+            return None
+        name = name[len(prefix):]
+    if convention == "megatron":
+        for pat, to in _MEGATRON_TE:
+            name = pat.sub(to, name)
+    return name
+
+
 def register_module(client, module_or_named_params, convention, parallel="", rank=0,
-                    model=None, shrink=1):
-    """Registers every named parameter of a module (or an iterable of (name, tensor)) as the
-    HF pieces the convention puts there for this rank of model. Every parameter the layout
+                    model=None, shrink=1, prefix=""):
+    """Registers every named parameter of a module (or a dict or iterable of (name, tensor))
+    as the HF pieces the convention puts there for this rank of model. Every parameter the layout
     lists must be present, with its dtype and shape, and no other; each must be contiguous.
+    prefix is removed from every name (e.g. "module." of a DDP wrapper); Megatron's
+    Transformer Engine names (linear_qkv.layer_norm_weight) are taken too.
     Returns {"params": n, "pieces": n, "regions": n} (regions: of this client so far)."""
     if model is None:
         raise Error(-errno.EINVAL, "register_module: model (a builtin name or a JSON spec) is "
                     "required")
     if hasattr(module_or_named_params, "named_parameters"):
-        named = dict(module_or_named_params.named_parameters())
+        given = list(module_or_named_params.named_parameters())
+    elif hasattr(module_or_named_params, "items"):
+        given = list(module_or_named_params.items())
     else:
-        named = dict(module_or_named_params)
+        given = list(module_or_named_params)
+    named = {}
+    for name, t in given:
+        canon = _canonical(name, convention, prefix)
+        if canon is None:
+            raise Error(-errno.ENOENT, f"parameter {name}: its name does not begin with "
+                        f"prefix '{prefix}'")
+        named[canon] = t
     params = layout(model, convention, parallel, rank, shrink)
     where = f"the {convention} layout '{parallel}' of {model} rank {rank}"
     known = {p.name for p in params}
