@@ -517,6 +517,22 @@ out:
     return rc;
 }
 
+void rf_export_close_fds(rf_export *e, uint32_t i)
+{
+    rf_mem_desc *d = &e->regions[i];
+    /* The export allocated the chunk array: only the descriptor's view of it is const. */
+    rf_mem_chunk *ch = (rf_mem_chunk *)d->chunks;
+
+    if (d->fd >= 0)
+        close(d->fd);
+    d->fd = -1;
+    for (size_t k = 0; k < d->nchunks; k++) {
+        if (ch[k].fd >= 0)
+            close(ch[k].fd);
+        ch[k].fd = -1;
+    }
+}
+
 void rf_export_free(rf_export *e)
 {
     uint32_t i;
@@ -524,11 +540,7 @@ void rf_export_free(rf_export *e)
     if (e == NULL)
         return;
     for (i = 0; e->regions && i < e->nregions; i++) {
-        if (e->regions[i].fd >= 0)
-            close(e->regions[i].fd);
-        for (size_t k = 0; k < e->regions[i].nchunks; k++)
-            if (e->regions[i].chunks[k].fd >= 0)
-                close(e->regions[i].chunks[k].fd);
+        rf_export_close_fds(e, i);
         free((rf_mem_chunk *)e->regions[i].chunks);
         free((char *)e->regions[i].device);
         free((uint8_t *)e->regions[i].handle);

@@ -48,6 +48,10 @@ typedef struct rf_export {
  * Nothing is left open on failure. */
 int rf_export_fetch(const char *socket_path, const uint8_t *key, size_t key_len,
                     double timeout_s, rf_export **out, rf_err *err);
+/* Closes the fds of region i (its fd, or each of its chunks') once it is mapped: the mapping
+ * holds the memory, and a region over many VMM allocations would hold one fd per allocation.
+ * Its descriptor keeps everything else; closing twice is fine. */
+void rf_export_close_fds(rf_export *e, uint32_t i);
 /* Frees the export and closes its fds (mappings made from them stay valid). NULL is fine. */
 void rf_export_free(rf_export *e);
 

@@ -1067,6 +1067,12 @@ Test(export, a_region_over_several_allocations_comes_with_its_chunk_fds)
                      (long long)st.st_size);
     }
     cr_assert_eq(count_fds(), base + 3);
+    /* Once mapped, a receiverd lets the fds go and keeps the rest of the descriptor. */
+    rf_export_close_fds(e, 0);
+    cr_assert_eq(count_fds(), base);
+    cr_assert_eq(d->chunks[2].fd, -1);
+    cr_assert_eq(d->chunks[2].size, 2u << 20);
+    rf_export_close_fds(e, 0);
     rf_export_free(e);
     wait_fds(base);
 }
