@@ -208,9 +208,8 @@ def _check_tensor(tensor, what):
     if tensor.dtype not in _TORCH_DTYPES:
         raise Error(-errno.EINVAL, f"{what}: dtype {tensor.dtype} is not one refit moves "
                     f"(one of {', '.join(str(d) for d in _TORCH_DTYPES)})")
-    if any(s < 0 for s in tensor.stride()):
-        raise Error(-errno.EINVAL, f"{what}: negative strides {tuple(tensor.stride())}; "
-                    "register a copy with .contiguous()")
+    # Negative strides need no check: torch refuses to make them (as_strided, from_numpy of a
+    # reversed array and DLPack all raise), so every strided tensor addresses forward.
     return _TORCH_DTYPES[tensor.dtype]
 
 
