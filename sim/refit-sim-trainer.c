@@ -24,6 +24,8 @@ static void usage(FILE *f)
             "  --device D         host (default), cuda (rank r on GPU r mod count) or cuda:N\n"
             "  --gpu N            the same as --device cuda:N\n"
             "  --cuda-vmm         GPU memory from cuMemCreate (shared as a POSIX fd), not cudaMalloc\n"
+            "  --cuda-vmm-chunk B the same as VMM allocations of B bytes mapped back to back\n"
+            "                     (as PyTorch's expandable segments map theirs): tensors span them\n"
             "  --start V          first version (default 1)\n"
             "  --versions K       versions to publish (default 1)\n"
             "  --retries R        publishes of one version after aborts (default 5)\n"

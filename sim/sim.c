@@ -106,7 +106,7 @@ int sim_parse_device(const char *device, int *gpu)
 int sim_setup(sim *s, rf_side side, const char *model, int shrink, const char *layout,
               const char *ranks, const char *socket)
 {
-    return sim_setup_device(s, side, model, shrink, layout, ranks, socket, SIM_HOST, 0);
+    return sim_setup_device(s, side, model, shrink, layout, ranks, socket, SIM_HOST, 0, 0);
 }
 
 /* The rank's one allocation: a sealed memfd mapped here, or GPU memory. */
@@ -143,7 +143,7 @@ static int alloc_rank(sim *s, sim_rank *r)
             r->gpu = -1;
             return -1;
         }
-        if (sim_cuda_alloc(r->gpu, r->mem_size, s->vmm, &p, &r->gpu_state) < 0) {
+        if (sim_cuda_alloc(r->gpu, r->mem_size, s->vmm, s->vmm_chunk, &p, &r->gpu_state) < 0) {
             fprintf(stderr, "rank %d: cannot allocate %llu bytes on GPU %d\n", r->rank,
                     (unsigned long long)r->mem_size, r->gpu);
             r->gpu = -1;
@@ -158,7 +158,8 @@ static int alloc_rank(sim *s, sim_rank *r)
 }
 
 int sim_setup_device(sim *s, rf_side side, const char *model, int shrink, const char *layout,
-                     const char *ranks, const char *socket, int gpu, int vmm)
+                     const char *ranks, const char *socket, int gpu, int vmm,
+                     uint64_t vmm_chunk)
 {
     rf_err err = {0};
     rf_model *m = NULL;
@@ -168,6 +169,7 @@ int sim_setup_device(sim *s, rf_side side, const char *model, int shrink, const 
     memset(s, 0, sizeof(*s));
     s->gpu = gpu;
     s->vmm = vmm;
+    s->vmm_chunk = vmm_chunk;
     s->socket = socket;
     s->side = side;
     if (rf_model_load(model, &m, &err) < 0) {
@@ -546,6 +548,11 @@ int sim_opt(sim_opts *o, int c, const char *arg)
         o->device = o->gpu_dev;
         break;
     case 'V': o->vmm = 1; break;
+    case 'C':
+        /* Implies --cuda-vmm: the chunks are VMM allocations. Checked in sim_open. */
+        o->vmm = 1;
+        o->vmm_chunk_arg = arg;
+        break;
     default: return 0;
     }
     return 1;
@@ -561,6 +568,17 @@ int sim_open(sim *s, rf_side side, sim_opts *o)
     }
     if (sim_parse_device(o->device, &gpu) < 0)
         return -1;
+    if (o->vmm_chunk_arg != NULL) {
+        char *end = NULL;
+
+        o->vmm_chunk = strtoull(o->vmm_chunk_arg, &end, 10);
+        if (end == o->vmm_chunk_arg || *end != '\0' || o->vmm_chunk == 0) {
+            fprintf(stderr, "--cuda-vmm-chunk %s: give the size of each VMM allocation in "
+                    "bytes (> 0; e.g. 2097152 for PyTorch's small expandable segments)\n",
+                    o->vmm_chunk_arg);
+            return -1;
+        }
+    }
     return sim_setup_device(s, side, o->model, o->shrink, o->layout, o->ranks, o->socket, gpu,
-                            o->vmm);
+                            o->vmm, o->vmm_chunk);
 }

@@ -43,6 +43,7 @@ typedef struct sim {
     uint64_t bytes;        /* bytes of all pieces of this process */
     int gpu;               /* SIM_HOST, SIM_GPU_PER_RANK or a GPU ordinal */
     int vmm;               /* GPU memory from cuMemCreate (POSIX fd) instead of cudaMalloc */
+    uint64_t vmm_chunk;    /* vmm: allocations of this size mapped back to back (0: one) */
 } sim;
 
 #define SIM_HOST (-2)
@@ -55,15 +56,17 @@ int sim_parse_device(const char *device, int *gpu);
 /* Parses the common options; prints usage and returns -1 on bad input. */
 int sim_setup(sim *s, rf_side side, const char *model, int shrink, const char *layout,
               const char *ranks, const char *socket);
-/* The same with memory on GPUs: gpu as sim_parse_device gives it, vmm for VMM allocations. */
+/* The same with memory on GPUs: gpu as sim_parse_device gives it, vmm for VMM allocations,
+ * vmm_chunk > 0 for VMM allocations of that size mapped back to back. */
 int sim_setup_device(sim *s, rf_side side, const char *model, int shrink, const char *layout,
-                     const char *ranks, const char *socket, int gpu, int vmm);
+                     const char *ranks, const char *socket, int gpu, int vmm,
+                     uint64_t vmm_chunk);
 /* The options both simulated clients take: put SIM_COMMON_OPTIONS in the getopt_long table,
  * hand each parsed option to sim_opt, then sim_open. */
 typedef struct sim_opts {
-    const char *socket, *model, *layout, *ranks, *device;
+    const char *socket, *model, *layout, *ranks, *device, *vmm_chunk_arg;
     int shrink, timeout_ms, vmm;
-    uint64_t start, versions;
+    uint64_t start, versions, vmm_chunk;
     char gpu_dev[32];
 } sim_opts;
 
@@ -71,7 +74,7 @@ typedef struct sim_opts {
     {"socket", 1, 0, 's'}, {"model", 1, 0, 'm'}, {"shrink", 1, 0, 'k'}, {"layout", 1, 0, 'l'}, \
     {"ranks", 1, 0, 'r'}, {"start", 1, 0, 'v'}, {"versions", 1, 0, 'n'},                       \
     {"timeout-ms", 1, 0, 't'}, {"device", 1, 0, 'D'}, {"gpu", 1, 0, 'G'},                      \
-    {"cuda-vmm", 0, 0, 'V'}
+    {"cuda-vmm", 0, 0, 'V'}, {"cuda-vmm-chunk", 1, 0, 'C'}
 
 /* Defaults: socket from $REFIT_SOCKET else default_socket, start 1, one version, 120 s. */
 void sim_opts_init(sim_opts *o, const char *default_socket);

@@ -22,9 +22,10 @@
         }                                                                                \
     } while (0)
 
+/* A rank's VMM memory: n allocations of chunk bytes mapped back to back from the first. */
 typedef struct vmm_state {
-    CUmemGenericAllocationHandle h;
-    size_t len;
+    CUmemGenericAllocationHandle *h;
+    size_t n, mapped, chunk, len;
 } vmm_state;
 
 /* Address and global index of element i of the piece. */
@@ -99,16 +100,31 @@ extern "C" int sim_cuda_device_count(void)
     return cudaGetDeviceCount(&n) == cudaSuccess ? n : 0;
 }
 
-static int vmm_alloc(int gpu, uint64_t size, void **ptr, void **state)
+static void vmm_undo(const rf_cu_api *cu, CUdeviceptr va, vmm_state *st)
+{
+    for (size_t i = 0; i < st->mapped; i++)
+        cu->cuMemUnmap(va + i * st->chunk, st->chunk);
+    if (va)
+        cu->cuMemAddressFree(va, st->len);
+    for (size_t i = 0; i < st->n; i++)
+        cu->cuMemRelease(st->h[i]);
+    free(st->h);
+    free(st);
+}
+
+/* size bytes as one VMM allocation or, with chunk > 0, as allocations of chunk bytes (rounded
+ * up to the granularity) mapped back to back, the way PyTorch's expandable segments map
+ * theirs: tensors then span allocations. */
+static int vmm_alloc(int gpu, uint64_t size, uint64_t chunk, void **ptr, void **state)
 {
     const rf_cu_api *cu = NULL;
     CUmemAllocationProp prop;
     CUmemAccessDesc acc;
     CUdeviceptr va = 0;
     vmm_state *st = NULL;
-    size_t gran = 0;
+    size_t gran = 0, n;
     rf_err err = {0};
-    int rc = 0, have_h = 0, reserved = 0;
+    int rc = 0;
 
     if ((rc = rf_cu_load(&cu, &err)) < 0)
         goto out;
@@ -125,11 +141,21 @@ static int vmm_alloc(int gpu, uint64_t size, void **ptr, void **state)
     CU_TRY(&err, cu->cuMemGetAllocationGranularity(&gran, &prop,
                                                    CU_MEM_ALLOC_GRANULARITY_RECOMMENDED));
     st->len = (size + gran - 1) / gran * gran;
-    CU_TRY(&err, cu->cuMemCreate(&st->h, st->len, &prop, 0));
-    have_h = 1;
+    st->chunk = chunk ? (chunk + gran - 1) / gran * gran : st->len;
+    n = (st->len + st->chunk - 1) / st->chunk;
+    st->len = n * st->chunk;
+    st->h = (CUmemGenericAllocationHandle *)calloc(n, sizeof(*st->h));
+    if (st->h == NULL) {
+        rc = rf_err_set(&err, -ENOMEM, "out of memory");
+        goto out;
+    }
     CU_TRY(&err, cu->cuMemAddressReserve(&va, st->len, gran, 0, 0));
-    reserved = 1;
-    CU_TRY(&err, cu->cuMemMap(va, st->len, 0, st->h, 0));
+    for (size_t i = 0; i < n; i++) {
+        CU_TRY(&err, cu->cuMemCreate(&st->h[i], st->chunk, &prop, 0));
+        st->n++;
+        CU_TRY(&err, cu->cuMemMap(va + i * st->chunk, st->chunk, 0, st->h[i], 0));
+        st->mapped++;
+    }
     memset(&acc, 0, sizeof(acc));
     acc.location = prop.location;
     acc.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
@@ -138,25 +164,21 @@ static int vmm_alloc(int gpu, uint64_t size, void **ptr, void **state)
     *state = st;
     return 0;
 out:
-    if (reserved) {
-        cu->cuMemUnmap(va, st->len);
-        cu->cuMemAddressFree(va, st->len);
-    }
-    if (have_h)
-        cu->cuMemRelease(st->h);
-    free(st);
-    fprintf(stderr, "GPU %d: cannot make a VMM allocation of %llu bytes: %s\n", gpu,
-            (unsigned long long)size, err.msg);
+    if (st != NULL)
+        vmm_undo(cu, va, st);
+    fprintf(stderr, "GPU %d: cannot make a VMM allocation of %llu bytes%s: %s\n", gpu,
+            (unsigned long long)size, chunk ? " in chunks" : "", err.msg);
     return rc;
 }
 
-extern "C" int sim_cuda_alloc(int gpu, uint64_t size, int vmm, void **ptr, void **state)
+extern "C" int sim_cuda_alloc(int gpu, uint64_t size, int vmm, uint64_t vmm_chunk, void **ptr,
+                              void **state)
 {
     *ptr = NULL;
     *state = NULL;
     SIM_CUDA(cudaSetDevice(gpu));
     if (vmm)
-        return vmm_alloc(gpu, size ? size : 1, ptr, state);
+        return vmm_alloc(gpu, size ? size : 1, vmm_chunk, ptr, state);
     SIM_CUDA(cudaMalloc(ptr, size ? size : 1));
     return 0;
 }
@@ -175,10 +197,10 @@ extern "C" void sim_cuda_free(int gpu, void *ptr, void *state)
         return;
     }
     if (rf_cu_load(&cu, NULL) == 0) {
-        cu->cuMemUnmap((CUdeviceptr)(uintptr_t)ptr, st->len);
-        cu->cuMemAddressFree((CUdeviceptr)(uintptr_t)ptr, st->len);
-        cu->cuMemRelease(st->h);
+        vmm_undo(cu, (CUdeviceptr)(uintptr_t)ptr, st);
+        return;
     }
+    free(st->h);
     free(st);
 }
 

@@ -33,9 +33,11 @@ typedef struct sim_gpu_bad {
 } sim_gpu_bad;
 
 int sim_cuda_device_count(void);
-/* size bytes on GPU gpu; vmm: cuMemCreate with a POSIX fd handle type, else cudaMalloc.
- * Prints the reason and returns a negative errno on failure. */
-int sim_cuda_alloc(int gpu, uint64_t size, int vmm, void **ptr, void **state);
+/* size bytes on GPU gpu; vmm: cuMemCreate with a POSIX fd handle type, else cudaMalloc;
+ * vmm_chunk > 0: as VMM allocations of that many bytes (rounded up to the granularity) mapped
+ * back to back. Prints the reason and returns a negative errno on failure. */
+int sim_cuda_alloc(int gpu, uint64_t size, int vmm, uint64_t vmm_chunk, void **ptr,
+                   void **state);
 void sim_cuda_free(int gpu, void *ptr, void *state);
 int sim_cuda_memset(int gpu, void *ptr, int byte, uint64_t size);
 int sim_cuda_fill(int gpu, const sim_gpu_piece *p, uint32_t n, uint64_t version);
