@@ -10,6 +10,7 @@ versions, the engine checks every piece of every version with torch.equal.
 import argparse
 import errno
 import os
+import re
 import sys
 import zlib
 
@@ -26,7 +27,11 @@ import refit.torch as rt  # noqa: E402
 
 def te_name(name, names):
     """Megatron-Core's Transformer Engine name of a local-spec parameter: the norm before a
-    linear layer is that layer's layer_norm_weight (pre_mlp_layernorm only in dense layers)."""
+    linear layer is that layer's layer_norm_weight (pre_mlp_layernorm only in dense layers);
+    grouped-GEMM experts are experts.linear_fc1.weight<i>."""
+    m = re.match(r"^(.*\.mlp\.experts\.)local_experts\.(\d+)\.(linear_fc[12])\.weight$", name)
+    if m:
+        return f"{m.group(1)}{m.group(3)}.weight{m.group(2)}"
     if name.endswith(".input_layernorm.weight"):
         return name.replace(".input_layernorm.weight", ".self_attention.linear_qkv."
                             "layer_norm_weight")
@@ -96,7 +101,8 @@ def setup(args, kind):
             rt.share_module(module)
         else:
             module.to(args.device)
-        c = refit.Client(kind, name=f"torch-{args.mode}", rank=r, socket=args.socket)
+        c = refit.Client(kind, name=f"torch-{args.mode}", rank=args.client_rank + r,
+                         socket=args.socket)
         info = rt.register_module(c, module, args.conv, args.layout, r, args.model,
                                   args.shrink, prefix=args.prefix)
         if kind == refit.ENGINE:
@@ -288,6 +294,8 @@ def main():
     ap.add_argument("--ranks", type=int, default=1)
     ap.add_argument("--versions", type=int, default=2)
     ap.add_argument("--device", default="cpu", help="cpu (memfd arenas) or cuda:N")
+    ap.add_argument("--client-rank", type=int, default=0,
+                    help="the daemon's rank of layout rank 0 (unique among its clients)")
     ap.add_argument("--te", action="store_true", help="Megatron Transformer Engine names")
     ap.add_argument("--prefix", default="", help="module names begin with it (\"module.\")")
     args = ap.parse_args()

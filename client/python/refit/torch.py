@@ -311,12 +311,15 @@ def piece_view(param, piece):
 
 
 # Megatron-Core's Transformer Engine layers fuse the norm before a linear layer into it: the
-# same weights as the local spec's input_layernorm and (dense layers) pre_mlp_layernorm.
+# same weights as the local spec's input_layernorm and (dense layers) pre_mlp_layernorm. Its
+# grouped-GEMM experts (TEGroupedMLP) name local expert i's weights linear_fc1.weight<i>.
 _MEGATRON_TE = [
     (re.compile(r"^(decoder\.layers\.\d+\.)self_attention\.linear_qkv\.layer_norm_weight$"),
      r"\1input_layernorm.weight"),
     (re.compile(r"^(decoder\.layers\.\d+\.)mlp\.linear_fc1\.layer_norm_weight$"),
      r"\1pre_mlp_layernorm.weight"),
+    (re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts\.)(linear_fc[12])\.weight(\d+)$"),
+     r"\1local_experts.\3.\2.weight"),
 ]
 
 
@@ -339,7 +342,8 @@ def register_module(client, module_or_named_params, convention, parallel="", ran
     as the HF pieces the convention puts there for this rank of model. Every parameter the layout
     lists must be present, with its dtype and shape, and no other; each must be contiguous.
     prefix is removed from every name (e.g. "module." of a DDP wrapper); Megatron's
-    Transformer Engine names (linear_qkv.layer_norm_weight) are taken too.
+    Transformer Engine names (linear_qkv.layer_norm_weight, grouped experts'
+    linear_fc1.weight<i>) are taken too.
     Returns {"params": n, "pieces": n, "regions": n} (regions: of this client so far)."""
     if model is None:
         raise Error(-errno.EINVAL, "register_module: model (a builtin name or a JSON spec) is "
