@@ -146,6 +146,23 @@ def _cuda_allocation(ptr):
     return base.value, size.value
 
 
+def _cuda_run(ptr, nbytes):
+    """(start, end) of the CUDA allocations, mapped back to back, that hold [ptr, ptr+nbytes);
+    a sentence saying what is wrong when there are none or a gap."""
+    first = _cuda_allocation(ptr)
+    if first is None:
+        return ("no CUDA allocation of this process holds it (cuMemGetAddressRange failed); "
+                "register memory from torch's CUDA allocator")
+    start, end = first[0], first[0] + first[1]
+    while end < ptr + nbytes:
+        nxt = _cuda_allocation(end)
+        if nxt is None or nxt[0] != end:
+            return (f"it runs past its allocations into unmapped memory at {end:#x}; register "
+                    "only tensors inside torch's segments")
+        end = nxt[0] + nxt[1]
+    return start, end
+
+
 # ---- registration --------------------------------------------------------------------------
 
 def _regions(client):
@@ -175,18 +192,24 @@ def _region_of(client, tensor, what):
                         "refit.torch.share_module(module)")
         key = ("host", id(arena))
         if key not in regs:
-            regs[key] = (client.register_memfd(arena.fd, arena.size), arena.base, arena)
+            regs[key] = (client.register_memfd(arena.fd, arena.size), arena.base,
+                         arena.base + arena.size)
         return regs[key][0], regs[key][1]
     if tensor.device.type == "cuda":
-        alloc = _cuda_allocation(ptr)
-        if alloc is None or ptr + span > alloc[0] + alloc[1]:
-            raise Error(-errno.EINVAL, f"{what}: GPU memory at {ptr:#x} ({span} bytes) is not "
-                        "inside one CUDA allocation (expandable segments map tensors over "
-                        "several); turn PYTORCH_CUDA_ALLOC_CONF expandable_segments off")
-        key = ("cuda", tensor.device.index, alloc[0])
-        if key not in regs:
-            regs[key] = (client.register_cuda(alloc[0], alloc[1]), alloc[0], None)
-        return regs[key][0], regs[key][1]
+        # A segment of the caching allocator is one allocation; an expandable segment maps
+        # many back to back, a tensor may span several and librefit registers such a run as
+        # one region. Regions already registered that hold the tensor are used again.
+        dev = tensor.device.index
+        for key, (region, start, end) in regs.items():
+            if key[0] == "cuda" and key[1] == dev and start <= ptr and ptr + span <= end:
+                return region, start
+        with torch.cuda.device(tensor.device):
+            run = _cuda_run(ptr, max(span, 1))
+        if isinstance(run, str):
+            raise Error(-errno.EINVAL, f"{what}: GPU memory at {ptr:#x} ({span} bytes): {run}")
+        start, end = run
+        regs[("cuda", dev, start)] = (client.register_cuda(start, end - start), start, end)
+        return regs[("cuda", dev, start)][0], start
     raise Error(-errno.EINVAL, f"{what}: memory of device {tensor.device} cannot be moved by "
                 "refit; use host (refit.torch.empty) or CUDA tensors")
 
