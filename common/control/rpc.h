@@ -18,7 +18,8 @@
  * before anything is allocated: a longer one is answered with an error naming this limit and
  * the connection is closed. Requests are small: the largest real one is a RegisterPiece (a
  * tensor name of at most 255 bytes and 8 dims of shape, start, extent and strides), under
- * 700 bytes packed; pieces come one a request. Answers (a status document) go the other way
+ * 700 bytes packed; pieces come one a request. A RegisterRegion over RF_RPC_MAX_FDS VMM
+ * allocations lists them in about 24 KiB. Answers (a status document) go the other way
  * and are not bound by it. */
 #define RF_RPC_MAX_REQUEST (64u << 10)
 /* Received fds not yet claimed by a request: a region over several CUDA VMM allocations

@@ -403,6 +403,33 @@ Test(rpc, largest_real_request_is_far_under_the_limit)
     cr_assert_leq(refit__rpc__request__get_packed_size(&q) * 64, RF_RPC_MAX_REQUEST);
 }
 
+/* A region over the most VMM allocations a request may bring an fd for, with the largest
+ * numbers, fits a request four times over. */
+Test(rpc, largest_chunked_region_fits_a_request)
+{
+    static Refit__Rpc__VmmChunk ch[RF_RPC_MAX_FDS], *chp[RF_RPC_MAX_FDS];
+    Refit__Rpc__Request q = REFIT__RPC__REQUEST__INIT;
+    Refit__Rpc__RegisterRegion m = REFIT__RPC__REGISTER_REGION__INIT;
+    char dev[128];
+
+    memset(dev, 'G', sizeof(dev) - 1);
+    dev[sizeof(dev) - 1] = '\0';
+    for (int i = 0; i < RF_RPC_MAX_FDS; i++) {
+        refit__rpc__vmm_chunk__init(&ch[i]);
+        ch[i].size = ch[i].offset = UINT64_MAX;
+        chp[i] = &ch[i];
+    }
+    m.size = m.offset = UINT64_MAX;
+    m.device = dev;
+    m.kind = REFIT__RPC__MEM_KIND__MEM_CUDA_VMM_FD;
+    m.n_chunks = RF_RPC_MAX_FDS;
+    m.chunks = chp;
+    q.id = UINT64_MAX;
+    q.body_case = REFIT__RPC__REQUEST__BODY_REGISTER_REGION;
+    q.register_region = &m;
+    cr_assert_leq(refit__rpc__request__get_packed_size(&q) * 2, RF_RPC_MAX_REQUEST);
+}
+
 Test(rpc, unknown_request_answered_and_kept)
 {
     /* A Request with only an id: no body this daemon knows (a newer client's request). */
