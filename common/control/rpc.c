@@ -9,6 +9,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -431,10 +432,24 @@ static void conn_read(rf_rpc_conn *c)
                 }
             }
         }
-        if (too_many || (mh.msg_flags & MSG_CTRUNC)) {
+        if (too_many) {
             rf_rpc_conn_reply(c, 0, -EMFILE, "too many file descriptors sent without the "
                               "requests that claim them (at most %d): closing the connection",
                               RF_RPC_MAX_FDS);
+            rf_rpc_conn_close(c);
+            return;
+        }
+        /* The kernel drops the fds it cannot install in this process: its open-file limit,
+         * which a region over many VMM allocations (one fd each, kept) can reach. */
+        if (mh.msg_flags & MSG_CTRUNC) {
+            struct rlimit rl = {0};
+
+            getrlimit(RLIMIT_NOFILE, &rl);
+            rf_rpc_conn_reply(c, 0, -EMFILE, "the daemon could not take the file descriptors "
+                              "sent: its open-file limit (RLIMIT_NOFILE %llu) is reached; "
+                              "raise LimitNOFILE (ulimit -n) of the daemon, which keeps one fd "
+                              "per registered memfd or VMM allocation: closing the connection",
+                              (unsigned long long)rl.rlim_cur);
             rf_rpc_conn_close(c);
             return;
         }

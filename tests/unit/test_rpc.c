@@ -2,6 +2,7 @@
  * over real Unix sockets sending good and bad frames, fds and wrong credentials. */
 #include <criterion/criterion.h>
 #include <arpa/inet.h>
+#include <dirent.h>
 #include <fcntl.h>
 #include <pthread.h>
 #include <stdio.h>
@@ -501,6 +502,49 @@ Test(rpc, too_many_fds_closes_client)
     cr_assert_gt(sent, RF_RPC_MAX_FDS);
     expect_error_then_eof(fd, -EMFILE, "too many file descriptors");
     close(mfd);
+    close(fd);
+}
+
+/* Fds the daemon's process may not open (its RLIMIT_NOFILE; the server runs in this process
+ * here) are refused by that name, not as a short count. */
+Test(rpc, fds_over_the_open_file_limit_name_the_limit)
+{
+    Refit__Rpc__Request q = REFIT__RPC__REQUEST__INIT;
+    Refit__Rpc__RegisterRegion rr = REFIT__RPC__REGISTER_REGION__INIT;
+    Refit__Rpc__VmmChunk ch[8], *chp[8];
+    struct rlimit old, low;
+    rf_err err = {0};
+    int fds[8], fd, i, open_now = 0;
+    DIR *d;
+    struct dirent *de;
+
+    cr_assert_eq(start(&S, NULL, &err), 0, "%s", err.msg);
+    fd = dial();
+    for (i = 0; i < 8; i++) {
+        fds[i] = memfd_create("chunk", MFD_CLOEXEC);
+        refit__rpc__vmm_chunk__init(&ch[i]);
+        chp[i] = &ch[i];
+    }
+    cr_assert_not_null(d = opendir("/proc/self/fd"));
+    while ((de = readdir(d)) != NULL)
+        open_now += de->d_name[0] != '.';
+    closedir(d);
+    /* Room for 3 more: the directory's own fd counted above is closed again. */
+    cr_assert_eq(getrlimit(RLIMIT_NOFILE, &old), 0);
+    low = old;
+    low.rlim_cur = (rlim_t)open_now - 1 + 3;
+    cr_assert_eq(setrlimit(RLIMIT_NOFILE, &low), 0);
+    q.id = 1;
+    q.body_case = REFIT__RPC__REQUEST__BODY_REGISTER_REGION;
+    q.register_region = &rr;
+    rr.device = "GPU-0";
+    rr.n_chunks = 8;
+    rr.chunks = chp;
+    cr_assert_eq(rf_rpc_send_fds(fd, &q, fds, 8, &err), 0, "%s", err.msg);
+    expect_error_then_eof(fd, -EMFILE, "raise LimitNOFILE (ulimit -n) of the daemon");
+    cr_assert_eq(setrlimit(RLIMIT_NOFILE, &old), 0);
+    for (i = 0; i < 8; i++)
+        close(fds[i]);
     close(fd);
 }
 
