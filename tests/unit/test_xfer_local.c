@@ -373,6 +373,7 @@ typedef struct big {
     uint8_t *src, *dst;
     size_t slen, dlen;
     rf_xfer_job job;
+    uint32_t nall; /* messages allocated (a test may run fewer) */
 } big;
 
 static uint8_t *map_memfd(size_t len)
@@ -424,6 +425,7 @@ static void big_init(big *b, uint64_t version)
     b->job = (rf_xfer_job){.version = version, .nrounds = 1, .nmsgs = n, .timeout_s = 30,
                            .verify = RF_VERIFY_SAMPLE, .plan_key = 9};
     b->job.msgs = calloc(n, sizeof(rf_xfer_msg));
+    b->nall = n;
     for (uint32_t i = 0; i < n; i++) {
         rf_xfer_msg *m = &b->job.msgs[i];
         int64_t r0 = (int64_t)i * MSG_ROWS, h = MSG_ROWS / 2;
@@ -454,6 +456,7 @@ static void big_free(big *b)
 {
     munmap(b->src, b->slen);
     munmap(b->dst, b->dlen);
+    b->job.nmsgs = b->nall;
     job_free(&b->job);
 }
 
