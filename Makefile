@@ -235,6 +235,9 @@ demo: deps
 # not check python's own leaks.
 ASAN_BUILD ?= build-asan
 LIBASAN     = $(shell $(CC) -print-file-name=libasan.so)
+# Preloaded after the ASan runtime into python3, so that C++ exceptions inside torch unwind
+# through the C++ runtime the interposed python was started with.
+LIBSTDCXX   = $(shell $(CC) -print-file-name=libstdc++.so.6)
 PYTHON3     = $(shell command -v python3)
 SAN_DIR     = $(abspath $(BUILD))/san
 SAN_ENV     = PATH="$(SAN_DIR)/bin:$$PATH" \
@@ -250,8 +253,8 @@ asan: deps
 asan-tests:
 	$(Q)test "$(SAN)" = 1 || { echo "asan-tests: run 'make asan' (it builds with SAN=1)"; exit 1; }
 	$(Q)rm -rf $(SAN_DIR) && mkdir -p $(SAN_DIR)/bin
-	$(Q)printf '#!/bin/sh\nLD_PRELOAD="%s$${LD_PRELOAD:+ $$LD_PRELOAD}" ASAN_OPTIONS="$$ASAN_OPTIONS:detect_leaks=0" exec %s "$$@"\n' \
-		"$(LIBASAN)" "$(PYTHON3)" >$(SAN_DIR)/bin/python3 && chmod +x $(SAN_DIR)/bin/python3
+	$(Q)printf '#!/bin/sh\nLD_PRELOAD="%s %s$${LD_PRELOAD:+ $$LD_PRELOAD}" ASAN_OPTIONS="$$ASAN_OPTIONS:detect_leaks=0" exec %s "$$@"\n' \
+		"$(LIBASAN)" "$(LIBSTDCXX)" "$(PYTHON3)" >$(SAN_DIR)/bin/python3 && chmod +x $(SAN_DIR)/bin/python3
 	$(Q)rc=0; { $(SAN_ENV) $(MAKE) --no-print-directory unit && \
 		$(SAN_ENV) $(MAKE) --no-print-directory e2e; } || rc=$$?; \
 	for f in $(SAN_DIR)/*san.*; do \

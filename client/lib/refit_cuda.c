@@ -14,12 +14,6 @@
 #include "refit_int.h"
 #include "rpc.pb-c.h"
 
-/* Defined in refit.c (refit_int.h does not declare it yet): RegisterRegion of kind cuda_vmm_fd
- * made of n allocations mapped back to back, fds[i] sent for chunk_sizes[i], in order. */
-int refit__register_vmm_chunks(refit_client *c, const char *device, uint64_t offset,
-                               uint64_t size, const uint64_t *chunk_sizes, const int *fds,
-                               size_t n, uint32_t *region);
-
 /* Why a VMM allocation has no fd to give, for the messages below. PyTorch's expandable
  * segments (c10/cuda/CUDACachingAllocator.cpp, ExpandableSegment::map) request
  * CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR on every chunk they cuMemCreate, except where the

@@ -1,5 +1,5 @@
 /* client/lib/refit_int.h - what the parts of librefit share beyond the public API
- * (client/refit.h): the error recorder and the RegisterRegion call. */
+ * (client/refit.h): the error recorder and the RegisterRegion calls. */
 #ifndef REFIT_INT_H
 #define REFIT_INT_H
 
@@ -18,5 +18,10 @@ int refit__fail(refit_client *c, int code, const char *fmt, ...)
 int refit__register_region(refit_client *c, const char *device, int kind, const void *handle,
                            size_t handle_len, uint64_t offset, uint64_t size, int passfd,
                            uint32_t *region);
+/* RegisterRegion of kind cuda_vmm_fd made of n allocations mapped back to back, fds[i] sent for
+ * chunk_sizes[i], in order. */
+int refit__register_vmm_chunks(refit_client *c, const char *device, uint64_t offset,
+                               uint64_t size, const uint64_t *chunk_sizes, const int *fds,
+                               size_t n, uint32_t *region);
 
 #endif

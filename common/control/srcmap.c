@@ -6,7 +6,6 @@
 #include <stdbool.h>
 #include <stdlib.h>
 #include <string.h>
-#include <unistd.h>
 
 #include <sodium.h>
 
@@ -111,11 +110,9 @@ static int entry_load(rf_srcmap *m, src_entry *e, const char *path, rf_err *err)
                               rf_mem_kind_name(e->exp->regions[i].kind),
                               e->exp->regions[i].device, ierr.msg);
         e->bases[i] = rf_mem_ref_base(e->refs[i]);
-        /* The mapping holds the memory now: one fd per region would otherwise stay open. */
-        if (e->exp->regions[i].fd >= 0) {
-            close(e->exp->regions[i].fd);
-            e->exp->regions[i].fd = -1;
-        }
+        /* The mapping holds the memory now: one fd per region (per allocation of a VMM
+         * range) would otherwise stay open. */
+        rf_export_close_fds(e->exp, i);
     }
     return 0;
 }

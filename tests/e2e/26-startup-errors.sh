@@ -98,4 +98,7 @@ grep -q "open handles" "$E2E_DIR/coord.log" && fail "handles left open: $(cat "$
 kill -0 "$PUB0_PID" || fail "the running publisherd died"
 st_wait "$TAKEN" 5 "the running publisherd still serves /status, as coordinator, idle" \
     's["role"] == "coordinator" and cl["state"] == "idle"'
+# A simulated trainer given a VMM allocation size that is no size.
+expect_exit 2 "give the size of each VMM allocation in bytes" "$E2E_DIR/vmmchunk.log" -- \
+    "$BIN/refit-sim-trainer" --model qwen3-0.6b --layout tp=1 --cuda-vmm-chunk abc
 echo "ok: start-up errors named, exit codes 1 and 78; --check-config refuses the same"

@@ -5,7 +5,8 @@
 # trainer memory (CUDA IPC / VMM fds fetched from the publisherd) into engine memory. Every
 # installed byte verified after every commit:
 #   qwen3-4b tp=2 -> tp=4 (cudaMalloc), qwen3-30b-a3b tp=2,ep=2 -> tp=4 (full size), qwen3-4b
-#   with VMM allocations on both sides; then a trainer killed mid-copy (verify = full, so a copy
+#   with VMM allocations on both sides, and with 2 MiB VMM allocations mapped back to back
+#   (tensors spanning several, as with expandable segments); then a trainer killed mid-copy (verify = full, so a copy
 #   lasts seconds): aborted, the next refit commits.
 . "$(dirname "$0")/../e2e/lib.sh"
 if ! nvidia-smi -L >/dev/null 2>&1; then
@@ -43,10 +44,12 @@ s["last_refit"]["paths"]["local"]["bytes"] == s["last_refit"]["bytes"] > 0'
     mv "$E2E_DIR/recv0.log" "$E2E_DIR/${name}_recv0.log"
 }
 
-want() { case " ${GPU_CASES:-q4b q30b vmm kill} " in *" $1 "*) return 0 ;; esac; return 1; }
+want() { case " ${GPU_CASES:-q4b q30b vmm vmmchunk kill} " in *" $1 "*) return 0 ;; esac; return 1; }
 want q4b && run_case q4b qwen3-4b tp=2 tp=4 5 2 4
 want q30b && run_case q30b qwen3-30b-a3b tp=2,ep=2 tp=4 3 2 4
 want vmm && run_case vmm qwen3-4b tp=2 tp=4 3 2 4 --cuda-vmm
+# Tensors spanning VMM allocations mapped back to back (as PyTorch's expandable segments map).
+want vmmchunk && run_case vmmchunk qwen3-4b tp=2 tp=4 3 2 4 --cuda-vmm-chunk 2097152
 want kill || exit 0
 
 # A trainer killed during the copy of version 3. verify = full digests every byte through the
