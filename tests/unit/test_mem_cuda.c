@@ -205,7 +205,7 @@ Test(mem_cuda, import_refusals, .init = need_gpu)
     memset(junk, 0, sizeof(junk));
     junk[2] = 0x20; /* 2 MiB */
     cr_assert_eq(rf_mem_import(mc, &d, &r, &err), -EBADF);
-    cr_assert(strstr(err.msg, "without a file descriptor"), "%s", err.msg);
+    cr_assert(strstr(err.msg, "registered without the file descriptor"), "%s", err.msg);
     cr_assert(mfd >= 0);
     cr_assert_eq(ftruncate(mfd, 4096), 0);
     d.fd = mfd;
