@@ -236,7 +236,9 @@ demo: deps
 ASAN_BUILD ?= build-asan
 LIBASAN     = $(shell $(CC) -print-file-name=libasan.so)
 # Preloaded after the ASan runtime into python3, so that C++ exceptions inside torch unwind
-# through the C++ runtime the interposed python was started with.
+# through the C++ runtime the interposed python was started with. Under make asan, python3 and
+# system-python3 (Debian's /usr/bin/python3, which has python3-torch when PATH's python3 is
+# another) are wrappers that preload both.
 LIBSTDCXX   = $(shell $(CC) -print-file-name=libstdc++.so.6)
 PYTHON3     = $(shell command -v python3)
 SAN_DIR     = $(abspath $(BUILD))/san
@@ -253,8 +255,11 @@ asan: deps
 asan-tests:
 	$(Q)test "$(SAN)" = 1 || { echo "asan-tests: run 'make asan' (it builds with SAN=1)"; exit 1; }
 	$(Q)rm -rf $(SAN_DIR) && mkdir -p $(SAN_DIR)/bin
-	$(Q)printf '#!/bin/sh\nLD_PRELOAD="%s %s$${LD_PRELOAD:+ $$LD_PRELOAD}" ASAN_OPTIONS="$$ASAN_OPTIONS:detect_leaks=0" exec %s "$$@"\n' \
-		"$(LIBASAN)" "$(LIBSTDCXX)" "$(PYTHON3)" >$(SAN_DIR)/bin/python3 && chmod +x $(SAN_DIR)/bin/python3
+	$(Q)for w in "python3 $(PYTHON3)" "system-python3 /usr/bin/python3"; do \
+		set -- $$w; [ -x "$$2" ] || continue; \
+		printf '#!/bin/sh\nLD_PRELOAD="%s %s$${LD_PRELOAD:+ $$LD_PRELOAD}" ASAN_OPTIONS="$$ASAN_OPTIONS:detect_leaks=0" exec %s "$$@"\n' \
+			"$(LIBASAN)" "$(LIBSTDCXX)" "$$2" >$(SAN_DIR)/bin/$$1 && chmod +x $(SAN_DIR)/bin/$$1; \
+	done
 	$(Q)rc=0; { $(SAN_ENV) $(MAKE) --no-print-directory unit && \
 		$(SAN_ENV) $(MAKE) --no-print-directory e2e; } || rc=$$?; \
 	for f in $(SAN_DIR)/*san.*; do \

@@ -3,7 +3,8 @@
 # tests/e2e/torch_refit.py as a background client like lib.sh's start_trainer.
 TORCH_REFIT="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/torch_refit.py"
 TORCH_PY=""
-for py in ${PYTHON:-python3} /usr/bin/python3; do
+# system-python3: make asan's wrapper of /usr/bin/python3 (Debian's torch is installed for it).
+for py in ${PYTHON:-python3} system-python3 /usr/bin/python3; do
     if "$py" -c "import torch" 2>/dev/null; then TORCH_PY=$py; break; fi
 done
 if [ -z "$TORCH_PY" ]; then
