@@ -8,6 +8,8 @@
 register() registers one tensor (or a box of a larger one); register_module() binds a module's
 named parameters to HF tensors and boxes by a convention (hf, megatron, vllm) whose layouts come
 from librefit (refit_layout_*, the same model module the simulators and `refitctl plan` use).
+A DTensor (FSDP2, tensor parallelism) needs no box: its device_mesh and placements give it, in
+register() and in register_module(..., "hf", ...).
 Memory is registered once per allocation: an Arena (one memfd) on the host, the CUDA allocation
 (a caching allocator segment, a VMM allocation) on a GPU, so that a rank registers a handful of
 regions whatever its parameter count. torch is imported here only: `import refit` stays
@@ -236,11 +238,77 @@ def _check_tensor(tensor, what):
     return _TORCH_DTYPES[tensor.dtype]
 
 
+# ---- DTensor ---------------------------------------------------------------------------------
+# torch < 2.2 (Debian's 1.13) has no DTensor: nothing below imports it unless a tensor is one,
+# and a DTensor can only exist once torch has imported its module.
+
+def _is_dtensor(tensor):
+    return any(c.__name__ == "DTensor" for c in type(tensor).__mro__)
+
+
+_dt_api = None
+
+
+def _dtensor_api():
+    """(Shard, Replicate, compute_local_shape_and_global_offset) of the installed torch: the
+    public torch.distributed.tensor (>= 2.5) or torch.distributed._tensor (2.2-2.4)."""
+    global _dt_api
+    if _dt_api is None:
+        try:
+            from torch.distributed.tensor import placement_types as pt, _utils as ut
+        except ImportError:
+            from torch.distributed._tensor import placement_types as pt, _utils as ut
+        _dt_api = (pt.Shard, pt.Replicate, ut.compute_local_shape_and_global_offset)
+    return _dt_api
+
+
+def _dtensor_box(what, tensor):
+    """(local tensor, global shape, box) of this rank's shard of a DTensor, from its device_mesh
+    and placements through torch's own placement math (uneven last shards as torch.chunk cuts
+    them, FSDP2's _StridedShard over TP). Partial and unknown placements are refused: their
+    local tensor is not a box of the global one."""
+    shard, replicate, local_box = _dtensor_api()
+    mesh, placements = tensor.device_mesh, tuple(tensor.placements)
+    names = getattr(mesh, "mesh_dim_names", None)
+    for i, pl in enumerate(placements):
+        # FSDP2's _StridedShard (over a TP Shard) is a Shard subclass in some torch versions
+        # and a placement of its own in others; torch's helper boxes it in both.
+        if isinstance(pl, (shard, replicate)) or type(pl).__name__ == "_StridedShard":
+            continue
+        dim = f"mesh dim {i}" + (f" ('{names[i]}')" if names else "")
+        if any(c.__name__ in ("Partial", "_Partial") for c in type(pl).__mro__):
+            raise Error(-errno.EINVAL, f"{what}: placement {pl} over {dim} holds partial "
+                        "values (each rank one term of a reduction), not a box of the tensor; "
+                        "refit cannot move it: redistribute it to Shard or Replicate first "
+                        "(tensor.redistribute(mesh, [Replicate()]))")
+        raise Error(-errno.EINVAL, f"{what}: placement {pl} over {dim} is not one refit can "
+                    f"express as a box (only Shard and Replicate are); placements {placements}")
+    # A rank outside the mesh gets an empty shard from torch (and registers nothing).
+    gshape = list(tensor.shape)
+    shape, offset = local_box(tensor.shape, mesh, placements)
+    with torch.no_grad():
+        local = tensor.to_local()
+    if list(shape) != list(local.shape):
+        raise Error(-errno.EINVAL, f"{what}: torch's placement math gives this rank a shard of "
+                    f"{list(shape)} for placements {placements} of {gshape}, its local tensor is "
+                    f"{list(local.shape)}; refit cannot place it (register to_local() with a box)")
+    return local, gshape, [(o, o + n) for o, n in zip(offset, shape)]
+
+
 def register(client, hf_name, tensor, box=None, global_shape=None):
     """Registers tensor as the box of HF tensor hf_name: box is a list of (start, end) per dim
     (None: the whole tensor, global_shape its shape). dtype, strides and offset come from the
-    tensor; its allocation is registered once per client."""
+    tensor; its allocation is registered once per client. A DTensor brings its own global shape
+    and box (from device_mesh and placements): its local tensor is registered, an empty shard
+    registers nothing. Returns the number of pieces registered (0 or 1)."""
     what = f"tensor {hf_name}"
+    if _is_dtensor(tensor):
+        if box is not None or global_shape is not None:
+            raise Error(-errno.EINVAL, f"{what}: a DTensor's box and global shape come from its "
+                        "placements; pass neither box nor global_shape")
+        tensor, global_shape, box = _dtensor_box(what, tensor)
+        if tensor.numel() == 0:
+            return 0  # an uneven split's empty last shard: other ranks hold every element
     dt = _check_tensor(tensor, what)
     shape = list(tensor.shape) or [1]
     strides = list(tensor.stride()) or [1]
@@ -264,6 +332,7 @@ def register(client, hf_name, tensor, box=None, global_shape=None):
     region, base = _region_of(client, tensor, what)
     client.add_piece(hf_name, dt, gshape, region, tensor.data_ptr() - base, start, extent,
                      strides)
+    return 1
 
 
 class Param:
@@ -404,6 +473,15 @@ def register_module(client, module_or_named_params, convention, parallel="", ran
         if tuple(t.shape) != p.shape:
             raise Error(-errno.EINVAL, f"{what}: shape {tuple(t.shape)}, {where} says "
                         f"{p.shape}")
+        if _is_dtensor(t):
+            # FSDP2 / parallelize_module: the DTensor's placements say which box this rank
+            # holds, so only the hf convention (every tensor whole) can take it.
+            if convention != "hf":
+                raise Error(-errno.EINVAL, f"{what}: a DTensor (placements "
+                            f"{tuple(t.placements)}) is placed by its device mesh; register "
+                            f"it with the hf convention, not {convention}")
+            npieces += register(client, p.pieces[0][0], t)
+            continue
         if not t.is_contiguous():
             raise Error(-errno.EINVAL, f"{what}: strides {tuple(t.stride())} are not row-major; "
                         "the convention places pieces in a contiguous parameter")
