@@ -1,6 +1,6 @@
-/* common/model/model.c - synthetic models from architecture configs (builtins or HF-style JSON) and the
- * per-rank layouts of a Megatron-like trainer and a vLLM-like engine, emitted as regions and
- * pieces so that whole-cluster inventories can be built without real weights. */
+/* common/model/model.c - synthetic models from architecture configs (builtins or HF-style JSON)
+ * and the per-rank layouts of a Megatron-like trainer and a vLLM- or SGLang-like engine, emitted
+ * as regions and pieces so that whole-cluster inventories can be built without real weights. */
 #include "model.h"
 
 #include <ctype.h>
@@ -467,7 +467,9 @@ int rf_model_find(const rf_model *m, const char *name, uint32_t *id)
 
 int rf_par_world(const rf_par *p, rf_side side)
 {
-    return side == RF_SRC ? p->tp * p->pp * p->dp : p->tp * p->dp;
+    if (side == RF_SRC)
+        return p->tp * p->pp * p->dp;
+    return p->attn_dp ? p->tp : p->tp * p->dp;
 }
 
 static int check_par(const rf_model *m, rf_side side, const char *s, rf_par *p, rf_err *err)
@@ -476,12 +478,23 @@ static int check_par(const rf_model *m, rf_side side, const char *s, rf_par *p, 
     const char *who = side == RF_SRC ? "trainer" : "engine";
 
 #define BAD(...) rf_err_set(err, -EINVAL, __VA_ARGS__)
-    if (c->heads % p->tp != 0)
-        return BAD("%s layout '%s' for %s: tp=%d does not divide num_attention_heads=%" PRId64,
-                   who, s, c->name, p->tp, c->heads);
-    if (c->arch != ARCH_DSV3 && c->kv_heads % p->tp != 0 && p->tp % c->kv_heads != 0)
-        return BAD("%s layout '%s' for %s: tp=%d and num_key_value_heads=%" PRId64 " must divide "
-                   "one another", who, s, c->name, p->tp, c->kv_heads);
+    if (p->attn_dp && side == RF_SRC)
+        return BAD("trainer layout '%s': attn is an engine key (SGLang's DP attention); a "
+                   "trainer shards attention by its tp", s);
+    if (p->attn_dp && p->tp % p->dp != 0)
+        return BAD("engine layout '%s': attn=dp needs dp=%d to divide tp=%d (SGLang "
+                   "--enable-dp-attention: tp counts every rank, attention-TP is tp/dp)", s,
+                   p->dp, p->tp);
+    /* Attention is sharded over attention-TP: tp/dp under DP attention, tp otherwise. */
+    int at = p->attn_dp ? p->tp / p->dp : p->tp;
+    const char *atn = p->attn_dp ? "attention-TP tp/dp" : "tp";
+
+    if (c->heads % at != 0)
+        return BAD("%s layout '%s' for %s: %s=%d does not divide num_attention_heads=%" PRId64,
+                   who, s, c->name, atn, at, c->heads);
+    if (c->arch != ARCH_DSV3 && c->kv_heads % at != 0 && at % c->kv_heads != 0)
+        return BAD("%s layout '%s' for %s: %s=%d and num_key_value_heads=%" PRId64 " must divide "
+                   "one another", who, s, c->name, atn, at, c->kv_heads);
     if (has_dense_layer(c) && c->inter % p->tp != 0)
         return BAD("%s layout '%s' for %s: tp=%d does not divide intermediate_size=%" PRId64, who,
                    s, c->name, p->tp, c->inter);
@@ -511,6 +524,10 @@ static int check_par(const rf_model *m, rf_side side, const char *s, rf_par *p, 
         if (p->etp != 1)
             return BAD("engine layout '%s': etp is a trainer key; the engine shards each expert "
                        "group over tp/ep ranks", s);
+        if (p->attn_dp && p->tp % p->ep != 0)
+            return BAD("engine layout '%s': ep=%d must divide tp=%d (under attn=dp tp counts "
+                       "every rank and experts spread over ep groups of tp/ep ranks, as SGLang's "
+                       "--ep)", s, p->ep, p->tp);
         if (p->tp % p->ep != 0 && p->ep != p->tp * p->dp)
             return BAD("engine layout '%s': ep=%d must divide tp=%d (experts over each replica's "
                        "TP group) or equal tp*dp=%d (vLLM expert parallelism: experts over all "
@@ -528,8 +545,8 @@ static int check_par(const rf_model *m, rf_side side, const char *s, rf_par *p, 
 
 int rf_par_parse(const char *s, rf_side side, const rf_model *m, rf_par *out, rf_err *err)
 {
-    static const char *keys[] = {"tp", "pp", "ep", "etp", "dp"};
-    int vals[5] = {0, 0, 0, 0, 0};
+    static const char *keys[] = {"tp", "pp", "ep", "etp", "dp", "attn"};
+    int vals[6] = {0, 0, 0, 0, 0, 0};
     const char *who = side == RF_SRC ? "trainer" : "engine";
     const char *p = s;
 
@@ -548,15 +565,33 @@ int rf_par_parse(const char *s, rf_side side, const rf_model *m, rf_par *out, rf
             return rf_err_set(err, -EINVAL, "%s layout '%s': item '%.*s' is not key=value (e.g. "
                               "\"tp=2,pp=2\")", who, s, (int)ilen, item);
         klen = (size_t)(eq - item);
-        for (k = 0; k < 5; k++)
+        for (k = 0; k < 6; k++)
             if (strlen(keys[k]) == klen && strncmp(item, keys[k], klen) == 0)
                 break;
-        if (k == 5)
+        if (k == 6)
             return rf_err_set(err, -EINVAL, "unknown key '%.*s' in layout '%s' (known: tp, pp, "
-                              "ep, etp, dp)", (int)klen, item, s);
+                              "ep, etp, dp, attn)", (int)klen, item, s);
         if (vals[k] != 0)
             return rf_err_set(err, -EINVAL, "%s layout '%s': key '%s' given twice", who, s,
                               keys[k]);
+        if (k == 5) {
+            /* attn=tp (attention over tp, the default) or attn=dp (SGLang's DP attention);
+             * stored as 1 or 2 so that "given twice" sees it. */
+            size_t vlen = (size_t)(end - eq - 1);
+
+            if (vlen == 2 && strncmp(eq + 1, "tp", 2) == 0)
+                vals[k] = 1;
+            else if (vlen == 2 && strncmp(eq + 1, "dp", 2) == 0)
+                vals[k] = 2;
+            else
+                return rf_err_set(err, -EINVAL, "%s layout '%s': attn='%.*s' is not tp or dp "
+                                  "(attn=dp: SGLang's --enable-dp-attention, attention over "
+                                  "tp/dp ranks per DP group)", who, s, (int)vlen, eq + 1);
+            p = *end ? end + 1 : end;
+            if (*end && *p == '\0')
+                return rf_err_set(err, -EINVAL, "%s layout '%s' ends with a comma", who, s);
+            continue;
+        }
         snprintf(num, sizeof(num), "%.*s", (int)(end - eq - 1), eq + 1);
         errno = 0;
         v = strtol(num, &e, 10);
@@ -573,6 +608,7 @@ int rf_par_parse(const char *s, rf_side side, const rf_model *m, rf_par *out, rf
     out->pp = vals[1] ? vals[1] : 1;
     out->ep = vals[2] ? vals[2] : 1;
     out->etp = vals[3] ? vals[3] : 1;
+    out->attn_dp = vals[5] == 2;
     if (vals[4])
         out->dp = vals[4];
     else if (side == RF_SRC && out->ep * out->etp > out->tp)
@@ -830,7 +866,7 @@ static int engine_qkv(emit *e, const int32_t *li, int tp, int tp_r)
  * two meanings of ep = tp coincide, so that case stays on the TP-group path. */
 static bool engine_ep_all(const rf_par *p)
 {
-    return p->dp > 1 && p->ep > 1 && p->ep == p->tp * p->dp;
+    return !p->attn_dp && p->dp > 1 && p->ep > 1 && p->ep == p->tp * p->dp;
 }
 
 /* vLLM fused MoE: w13_weight [E_local, 2*I_local, H] and w2_weight [E_local, H, I_local]. With
@@ -868,11 +904,16 @@ static int engine_rank(emit *e, const rf_par *p, int rank)
     const rf_model *m = e->m;
     const cfg *c = &m->c;
     int tp = p->tp, tp_r = rank % tp;
+    /* Attention-TP: tp/dp ranks per DP group under SGLang's DP attention (attn=dp). */
+    int at = p->attn_dp ? tp / p->dp : tp, at_r = tp_r % at;
     int64_t V = c->vocab, s, n;
     int rc;
 
     rf_chunk(V, tp, tp_r, &s, &n);
-    TRY(em_vocab(e, m->embed, (V + tp - 1) / tp, s, n));
+    if (p->attn_dp)
+        TRY(em_whole(e, m->embed)); /* VocabParallelEmbedding(enable_tp=False) */
+    else
+        TRY(em_vocab(e, m->embed, (V + tp - 1) / tp, s, n));
     for (int64_t l = 0; l < c->layers; l++) {
         const int32_t *li = &m->lidx[l * R__COUNT];
 
@@ -889,17 +930,17 @@ static int engine_rank(emit *e, const rf_par *p, int rank)
                 TRY(em_piece2(e, li[R_KVA], r, (uint64_t)(qa->shape[0] * H), 0, kva->shape[0], 0,
                               H, H));
                 TRY(em_whole(e, li[R_QA_NORM]));
-                TRY(em_colpar(e, li[R_QB], tp, tp_r));
+                TRY(em_colpar(e, li[R_QB], at, at_r));
             } else {
-                TRY(em_colpar(e, li[R_Q], tp, tp_r));
+                TRY(em_colpar(e, li[R_Q], at, at_r));
                 TRY(em_whole(e, li[R_KVA]));
             }
             TRY(em_whole(e, li[R_KVA_NORM]));
-            TRY(em_colpar(e, li[R_KVB], tp, tp_r));
-            TRY(em_rowpar(e, li[R_O], tp, tp_r));
+            TRY(em_colpar(e, li[R_KVB], at, at_r));
+            TRY(em_rowpar(e, li[R_O], at, at_r));
         } else {
-            TRY(engine_qkv(e, li, tp, tp_r));
-            TRY(em_rowpar(e, li[R_O], tp, tp_r));
+            TRY(engine_qkv(e, li, at, at_r));
+            TRY(em_rowpar(e, li[R_O], at, at_r));
             TRY(em_whole(e, li[R_QNORM]));
             TRY(em_whole(e, li[R_KNORM]));
         }

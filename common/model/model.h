@@ -1,7 +1,7 @@
-/* common/model/model.h - synthetic models (real HF tensor names, dtypes and shapes from an architecture
- * config) and the rank layouts of both sides as the real systems lay them out: a Megatron-like
- * trainer (TP/PP/EP/ETP/DP) and a vLLM-like engine (TP/EP/DP). Used by tests, the simulator,
- * `refitctl plan` and the planner benchmark. */
+/* common/model/model.h - synthetic models (real HF tensor names, dtypes and shapes from an
+ * architecture config) and the rank layouts of both sides as the real systems lay them out: a
+ * Megatron-like trainer (TP/PP/EP/ETP/DP) and a vLLM-like engine (TP/EP/DP), or SGLang's with DP
+ * attention (attn=dp). Used by tests, the simulator, `refitctl plan` and the planner benchmark. */
 #ifndef RF_MODEL_H
 #define RF_MODEL_H
 
@@ -33,13 +33,23 @@ int rf_model_find(const rf_model *m, const char *name, uint32_t *id);
  * dp = max(1, ep*etp/tp), on the engine side dp = 1. The engine's rank r is dp_rank*tp + tp_rank;
  * attention and dense weights are sharded by tp and replicated over dp. Its ep either divides
  * tp (each replica's TP group holds all experts, tp/ep ranks sharing one expert group) or equals
- * tp*dp (vLLM --enable-expert-parallel: rank r holds experts [r*E/ep, (r+1)*E/ep) whole). */
+ * tp*dp (vLLM --enable-expert-parallel: rank r holds experts [r*E/ep, (r+1)*E/ep) whole).
+ *
+ * attn_dp (engine key attn=dp, attn=tp the default) is SGLang's --enable-dp-attention: tp is the
+ * whole world (tp ranks, not tp*dp) and dp divides it. MoE, dense MLPs, shared experts and
+ * lm_head are sharded over all tp ranks as without it (experts over ep groups of tp/ep ranks);
+ * attention (q/k/v/o, MLA's q_b/kv_b/o) is sharded over attention-TP = tp/dp within each of the
+ * dp groups of consecutive ranks, so dp = tp replicates it whole on every rank; the vocabulary
+ * embedding is held whole by every rank (SGLang builds VocabParallelEmbedding with
+ * enable_tp=not is_dp_attention_enabled()). */
 typedef struct rf_par {
     int tp, pp, ep, etp, dp;
+    int attn_dp; /* engine: 1 for SGLang's DP attention (attn=dp) */
 } rf_par;
 
-/* Parses "tp=2,pp=2,ep=4,dp=2" for a side (the empty string gives the defaults) and checks it
- * against the model; each problem gets one line in err naming it. */
+/* Parses "tp=2,pp=2,ep=4,dp=2" (integer keys) and "attn=dp|tp" for a side (the empty string
+ * gives the defaults) and checks it against the model; each problem gets one line in err naming
+ * it. */
 int rf_par_parse(const char *s, rf_side side, const rf_model *m, rf_par *out, rf_err *err);
 int rf_par_world(const rf_par *p, rf_side side); /* number of ranks */
 

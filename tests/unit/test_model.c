@@ -187,7 +187,10 @@ static void check_side(const rf_model *m, const char *layout, rf_side side)
     int world = rf_par_world(&p, side);
     /* vLLM expert parallelism (ep = tp*dp, dp > 1) spreads experts over every rank, so the
      * replicas differ and all ranks together cover the model. */
-    bool ep_all = side == RF_DST && p.dp > 1 && p.ep == p.tp * p.dp;
+    bool ep_all = side == RF_DST && p.dp > 1 && p.ep == p.tp * p.dp && !p.attn_dp;
+    /* SGLang's DP attention: the world is tp ranks, which together hold the model once; the
+     * DP groups differ only in their attention copy (exact counts: Test sglang_dp_attention). */
+    ep_all = ep_all || p.attn_dp;
     /* Otherwise one engine DP replica must cover the model; the others are checked identical. */
     int ranks = side == RF_DST && !ep_all ? p.tp : world;
     char what[128];
@@ -246,6 +249,12 @@ ParameterizedTestParameters(model, layouts)
         {"qwen3-30b-a3b", "tp=2,ep=4,dp=2", "tp=1,dp=8,ep=8"},
         {"qwen3-30b-a3b", "tp=2,ep=4,dp=2", "tp=2,dp=8,ep=16"},
         {"deepseek-v3", "tp=8,pp=4,ep=8", "tp=8,dp=4,ep=32"},
+        /* SGLang DP attention: tp ranks in all, attention over tp/dp ranks per DP group. */
+        {"qwen3-30b-a3b", "tp=2,ep=4,dp=2", "tp=8,dp=8,attn=dp"},
+        {"qwen3-30b-a3b", "tp=2,ep=4,dp=2", "tp=8,dp=2,ep=8,attn=dp"},
+        {"qwen3-0.6b", "tp=2,pp=2,dp=2", "tp=8,dp=4,attn=dp"},
+        {"deepseek-v3", "tp=8,pp=4,ep=8", "tp=16,dp=16,ep=16,attn=dp"},
+        {"deepseek-v3", "tp=8,pp=4,ep=8", "tp=8,dp=2,attn=dp"},
     };
     return cr_make_param_array(layout_case, cases, sizeof(cases) / sizeof(cases[0]));
 }
@@ -544,6 +553,201 @@ Test(model, vllm_ep_over_tp_dp)
     rf_model_free(m);
 }
 
+/* SGLang --enable-dp-attention (attn=dp), Qwen3-30B-A3B tp=8,dp=4,ep=2: 8 ranks in all,
+ * attention-TP 2. Rank 5 is attention rank 1 of DP group 2: q heads 16..31, KV heads 2..3,
+ * o_proj columns 2048..4095; the embedding whole; lm_head rows of full TP rank 5; experts of
+ * group 5/4 = 1 (64..127), intermediate rows 192..383 (tp/ep = 4 ranks share a group). */
+Test(model, sglang_dp_attention)
+{
+    rf_model *m = load("qwen3-30b-a3b");
+    rf_par d = par(m, "tp=8,dp=4,ep=2,attn=dp", RF_DST);
+    const rf_piece *p;
+    got g, h;
+
+    cr_assert_eq(d.attn_dp, 1);
+    cr_assert_eq(rf_par_world(&d, RF_DST), 8);
+    rank_of(m, &d, RF_DST, 5, &g);
+    p = find_piece(&g, m, "model.embed_tokens.weight");
+    expect_rows(p, 0, 151936, 0, H30);
+    cr_assert_eq(g.regions[p->region], (uint64_t)151936 * H30 * 2);
+    p = find_piece(&g, m, "model.layers.7.self_attn.q_proj.weight");
+    expect_rows(p, 2048, 2048, 0, H30);
+    cr_assert_eq(g.regions[p->region], (uint64_t)(2048 + 2 * 256) * H30 * 2);
+    p = find_piece(&g, m, "model.layers.7.self_attn.k_proj.weight");
+    expect_rows(p, 256, 256, (uint64_t)2048 * H30 * 2, H30);
+    p = find_piece(&g, m, "model.layers.7.self_attn.v_proj.weight");
+    expect_rows(p, 256, 256, (uint64_t)(2048 + 256) * H30 * 2, H30);
+    p = find_piece(&g, m, "model.layers.7.self_attn.o_proj.weight");
+    cr_assert_eq(p->box.start[1], 2048);
+    cr_assert_eq(p->box.extent[1], 2048);
+    cr_assert_eq(p->strides[0], 2048);
+    p = find_piece(&g, m, "lm_head.weight");
+    expect_rows(p, 5 * 18992, 18992, 0, H30);
+    p = find_piece(&g, m, "model.layers.7.mlp.experts.64.gate_proj.weight");
+    expect_rows(p, 192, 192, 0, H30);
+    cr_assert_eq(g.regions[p->region], (uint64_t)64 * 2 * 192 * H30 * 2);
+    p = find_piece(&g, m, "model.layers.7.mlp.experts.127.up_proj.weight");
+    expect_rows(p, 192, 192, (uint64_t)(63 * 2 * 192 + 192) * H30 * 2, H30);
+    for (uint32_t i = 0; i < g.npieces; i++) {
+        const char *name = rf_model_tensor(m, g.pieces[i].tensor)->name;
+        const char *x = strstr(name, ".experts.");
+
+        cr_assert(x == NULL || atoi(x + 9) >= 64, "rank 5 holds %s", name);
+    }
+    /* Rank 1 (DP group 0, attention rank 1) holds the same attention shard as rank 5, and the
+     * other expert group. */
+    rank_of(m, &d, RF_DST, 1, &h);
+    cr_assert_eq(memcmp(&find_piece(&h, m, "model.layers.7.self_attn.q_proj.weight")->box,
+                        &find_piece(&g, m, "model.layers.7.self_attn.q_proj.weight")->box,
+                        sizeof(rf_box)), 0, "DP groups hold the same attention shards");
+    p = find_piece(&h, m, "model.layers.7.mlp.experts.0.gate_proj.weight");
+    expect_rows(p, 192, 192, 0, H30);
+    got_free(&h);
+    got_free(&g);
+    /* dp = tp: attention whole on every rank. */
+    d = par(m, "tp=8,dp=8,attn=dp", RF_DST);
+    cr_assert_eq(rf_par_world(&d, RF_DST), 8);
+    rank_of(m, &d, RF_DST, 3, &g);
+    expect_rows(find_piece(&g, m, "model.layers.0.self_attn.q_proj.weight"), 0, 4096, 0, H30);
+    expect_rows(find_piece(&g, m, "model.layers.0.self_attn.k_proj.weight"), 0, 512,
+                (uint64_t)4096 * H30 * 2, H30);
+    p = find_piece(&g, m, "model.layers.0.self_attn.o_proj.weight");
+    cr_assert_eq(p->box.extent[1], 4096);
+    /* ...while the experts stay sharded over all 8 ranks: 768 / 8 rows each. */
+    expect_rows(find_piece(&g, m, "model.layers.0.mlp.experts.5.down_proj.weight"), 0, H30,
+                (uint64_t)5 * H30 * 96 * 2, 96);
+    got_free(&g);
+    /* attn=dp lifts tp's head limit: 64 ranks, attention over 8 per group; plain tp=64 is
+     * refused (32 heads). attn=tp is the default spelled out. */
+    d = par(m, "tp=64,dp=8,attn=dp", RF_DST);
+    cr_assert_eq(rf_par_world(&d, RF_DST), 64);
+    d = par(m, "tp=4,dp=2,attn=tp", RF_DST);
+    cr_assert_eq(d.attn_dp, 0);
+    cr_assert_eq(rf_par_world(&d, RF_DST), 8);
+    rf_model_free(m);
+}
+
+/* DeepSeek-V3 (MLA) under attn=dp, tp=8,dp=4: attention-TP 2. SGLang's DeepseekV2AttentionMLA
+ * shards q_b_proj, kv_b_proj and o_proj by attention-TP and replicates fused_qkv_a_proj_with_mqa;
+ * dense and shared-expert MLPs stay on full TP. Rank 5 = attention rank 1: heads 64..127. */
+Test(model, sglang_dp_attention_mla)
+{
+    rf_model *m = load("deepseek-v3");
+    rf_par d = par(m, "tp=8,dp=4,attn=dp", RF_DST);
+    const rf_piece *p;
+    got g;
+
+    rank_of(m, &d, RF_DST, 5, &g);
+    p = find_piece(&g, m, "model.layers.3.self_attn.q_a_proj.weight");
+    expect_rows(p, 0, 1536, 0, 7168);
+    cr_assert_eq(g.regions[p->region], (uint64_t)(1536 + 576) * 7168 * 2);
+    expect_rows(find_piece(&g, m, "model.layers.3.self_attn.q_b_proj.weight"), 64 * 192,
+                64 * 192, 0, 1536);
+    expect_rows(find_piece(&g, m, "model.layers.3.self_attn.kv_b_proj.weight"), 64 * 256,
+                64 * 256, 0, 512);
+    p = find_piece(&g, m, "model.layers.3.self_attn.o_proj.weight");
+    cr_assert_eq(p->box.start[1], 64 * 128);
+    cr_assert_eq(p->box.extent[1], 64 * 128);
+    expect_rows(find_piece(&g, m, "model.layers.0.mlp.gate_proj.weight"), 5 * 2304, 2304, 0,
+                7168);
+    expect_rows(find_piece(&g, m, "model.layers.3.mlp.shared_experts.up_proj.weight"), 5 * 256,
+                256, (uint64_t)256 * 7168 * 2, 7168);
+    expect_rows(find_piece(&g, m, "model.embed_tokens.weight"), 0, 129280, 0, 7168);
+    got_free(&g);
+    rf_model_free(m);
+}
+
+/* How often each element of tensor t is held over all ranks of an attn=dp engine: the
+ * embedding, norms, routers and replicated projections by every rank; attention shards once
+ * per DP group (k and v once more per attention rank sharing a KV head); everything on full
+ * TP or in experts once. */
+static int dpattn_want(const rf_model *m, const rf_par *p, uint32_t t)
+{
+    const char *n = rf_model_tensor(m, t)->name;
+    int at = p->tp / p->dp;
+    int kv = 0;
+
+    if (strstr(n, "self_attn.q_proj") || strstr(n, "self_attn.o_proj") ||
+        strstr(n, "self_attn.q_b_proj") || strstr(n, "self_attn.kv_b_proj"))
+        return p->dp;
+    if (strstr(n, "self_attn.k_proj") || strstr(n, "self_attn.v_proj")) {
+        uint32_t k = 0;
+
+        /* KV heads = k_proj rows / q_norm's head_dim */
+        cr_assert_eq(rf_model_find(m, "model.layers.0.self_attn.q_norm.weight", &k), 0);
+        kv = (int)(rf_model_tensor(m, t)->shape[0] / rf_model_tensor(m, k)->shape[0]);
+        return p->dp * (at > kv ? at / kv : 1);
+    }
+    if (strstr(n, "embed_tokens") || strstr(n, "norm") || strstr(n, "layernorm") ||
+        strstr(n, "mlp.gate.") || strstr(n, "q_a_proj") || strstr(n, "kv_a_proj"))
+        return p->tp;
+    return 1;
+}
+
+/* Every element of every tensor, counted over all ranks of shrunk models, is held exactly as
+ * often as dpattn_want says: each DP group holds attention once, the world holds the rest once
+ * (no gap, no double shard). */
+typedef struct dpattn_case {
+    const char *model, *layout;
+    int shrink;
+} dpattn_case;
+
+Test(model, sglang_dp_attention_exact_counts, .timeout = 60)
+{
+    static const dpattn_case cases[] = {
+        {"qwen3-30b-a3b", "tp=8,dp=4,ep=2,attn=dp", 64},
+        {"qwen3-30b-a3b", "tp=16,dp=2,attn=dp", 64}, /* attention-TP 8 > 4 KV heads */
+        {"qwen3-0.6b", "tp=4,dp=4,attn=dp", 8},      /* tied embedding */
+        {"deepseek-v3", "tp=8,dp=2,ep=8,attn=dp", 128},
+    };
+
+    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+        rf_model *full = load(cases[i].model), *m = NULL;
+        rf_err err = {0};
+        rf_par p;
+        uint8_t **cnt;
+        uint32_t nt;
+
+        cr_assert_eq(rf_model_shrink(full, cases[i].shrink, &m, &err), 0, "%s", err.msg);
+        p = par(m, cases[i].layout, RF_DST);
+        nt = rf_model_ntensors(m);
+        cnt = calloc(nt, sizeof(*cnt));
+        for (uint32_t t = 0; t < nt; t++) {
+            const rf_tensor *ten = rf_model_tensor(m, t);
+
+            cnt[t] = calloc((size_t)(ten->shape[0] * ten->shape[1]), 1);
+            cr_assert_not_null(cnt[t]);
+        }
+        for (int r = 0; r < rf_par_world(&p, RF_DST); r++) {
+            got g;
+
+            rank_of(m, &p, RF_DST, r, &g);
+            for (uint32_t k = 0; k < g.npieces; k++) {
+                const rf_piece *pc = &g.pieces[k];
+                int64_t cols = rf_model_tensor(m, pc->tensor)->shape[1];
+
+                for (int64_t a = 0; a < pc->box.extent[0]; a++)
+                    for (int64_t b = 0; b < pc->box.extent[1]; b++)
+                        cnt[pc->tensor][(pc->box.start[0] + a) * cols + pc->box.start[1] + b]++;
+            }
+            got_free(&g);
+        }
+        for (uint32_t t = 0; t < nt; t++) {
+            const rf_tensor *ten = rf_model_tensor(m, t);
+            int want = dpattn_want(m, &p, t);
+
+            for (int64_t x = 0; x < ten->shape[0] * ten->shape[1]; x++)
+                cr_assert_eq(cnt[t][x], want, "%s %s: element %ld of %s held %d times, not %d",
+                             rf_model_name(m), cases[i].layout, (long)x, ten->name, cnt[t][x],
+                             want);
+            free(cnt[t]);
+        }
+        free(cnt);
+        rf_model_free(m);
+        rf_model_free(full);
+    }
+}
+
 Test(model, row_parallel_and_vocab)
 {
     rf_model *m = load("qwen3-0.6b"), *small = NULL;
@@ -689,7 +893,7 @@ ParameterizedTestParameters(model, bad_layouts)
         {"qwen3-30b-a3b", "ep=3", RF_SRC, "ep=3 does not divide the 128 experts"},
         {"qwen3-30b-a3b", "tp=6,ep=3", RF_DST, "does not divide"},
         {"qwen3-0.6b", "foo=2", RF_SRC, "unknown key 'foo' in layout 'foo=2' (known: tp, pp, ep, "
-                                        "etp, dp)"},
+                                        "etp, dp, attn)"},
         {"qwen3-0.6b", "tp=x", RF_SRC, "tp='x' is not a positive integer"},
         {"qwen3-0.6b", "tp=2x", RF_SRC, "is not a positive integer"},
         {"qwen3-0.6b", "tp=0", RF_SRC, "tp='0' is not a positive integer"},
@@ -714,6 +918,19 @@ ParameterizedTestParameters(model, bad_layouts)
         {"qwen3-30b-a3b", "etp=5", RF_SRC, "does not divide"},
         {"qwen3-4b", "tp=64", RF_SRC, "tp=64 does not divide num_attention_heads=32"},
         {"qwen3-0.6b", "tp=16,dp=100000", RF_DST, "ranks is more than"},
+        /* SGLang DP attention (attn=dp) */
+        {"qwen3-0.6b", "tp=4,dp=4,attn=dp", RF_SRC, "attn is an engine key"},
+        {"qwen3-0.6b", "tp=4,dp=2,attn=xp", RF_DST, "attn='xp' is not tp or dp"},
+        {"qwen3-0.6b", "tp=4,attn=", RF_DST, "attn='' is not tp or dp"},
+        {"qwen3-0.6b", "tp=4,attn=dp,attn=tp", RF_DST, "key 'attn' given twice"},
+        {"qwen3-0.6b", "tp=4,attn=dp,", RF_DST, "ends with a comma"},
+        {"qwen3-0.6b", "tp=4,dp=3,attn=dp", RF_DST, "attn=dp needs dp=3 to divide tp=4"},
+        {"qwen3-4b", "tp=64,dp=1,attn=dp", RF_DST, "attention-TP tp/dp=64 does not divide "
+                                                    "num_attention_heads=32"},
+        {"qwen3-30b-a3b", "tp=24,dp=8,attn=dp", RF_DST, "attention-TP tp/dp=3 does not divide "
+                                                         "num_attention_heads=32"},
+        {"qwen3-30b-a3b", "tp=8,dp=2,ep=16,attn=dp", RF_DST, "ep=16 must divide tp=8 (under "
+                                                              "attn=dp"},
     };
     return cr_make_param_array(bad_case, cases, sizeof(cases) / sizeof(cases[0]));
 }
