@@ -1348,6 +1348,24 @@ Test(plan_model, qwen3_30b_a3b_vllm_ep_shrunk_executes, .timeout = 60)
     }
 }
 
+/* SGLang DP attention on the engine (attn=dp: tp ranks in all, attention per DP group, the
+ * embedding whole on every rank): executed byte for byte on shrunk models. */
+Test(plan_model, sglang_dp_attention_shrunk_executes, .timeout = 60)
+{
+    static const char *dst[] = {"tp=8,dp=8,attn=dp", "tp=8,dp=2,ep=4,attn=dp"};
+    rf_model *m = NULL;
+    rf_inv *inv;
+
+    for (size_t i = 0; i < sizeof(dst) / sizeof(dst[0]); i++) {
+        inv = model_inv("qwen3-30b-a3b", 64, "tp=2,ep=4,dp=2", dst[i], &m);
+        execute_inv(inv);
+        rf_model_free(m);
+    }
+    inv = model_inv("qwen3-0.6b", 8, "tp=2,pp=2", "tp=4,dp=4,attn=dp", &m);
+    execute_inv(inv);
+    rf_model_free(m);
+}
+
 /* Colocated RL on one machine (issue #12's case: Megatron tp=2,ep=2 trainers and a vLLM tp=4
  * engine on the same GPUs), shrunk: every byte is a local copy and lands right; then trainers
  * tp=2,dp=2 (ranks 0-1 one replica, 2-3 the other) where only the second replica shares the
@@ -1517,6 +1535,28 @@ Test(refitctl, plan_text_explain_and_help)
     cr_assert_eq(run_ctl("plan --help", out, sizeof(out)), 0);
     cr_assert(strstr(out, "--link-gbps") != NULL, "%s", out);
     cr_assert_eq(run_ctl("nosuchcommand", out, sizeof(out)), 2);
+}
+
+/* refitctl plan with SGLang's DP attention: 8 engine ranks (tp=8 is the world), each receiving
+ * the embedding and attention whole (dp = tp), 1/8 of lm_head and of every expert:
+ * 151936*2048*2*(1 + 1/8) + 48 layers * (attention 37,748,736 + norms and router 532,992 +
+ * experts 150,994,944) + 4096 bytes = 9.113 GiB. A trainer given attn is refused with exit 2. */
+Test(refitctl, plan_sglang_dp_attention)
+{
+    static char out[1 << 16];
+
+    cr_assert_eq(run_ctl("plan --model qwen3-30b-a3b --src tp=2,ep=4,dp=2 --dst "
+                         "tp=8,dp=8,attn=dp", out, sizeof(out)), 0, "%s", out);
+    cr_assert(strstr(out, "engine tp=8,dp=8,attn=dp (8 GPUs)") != NULL, "%s", out);
+    cr_assert(strstr(out, "per receiver max 9.11 GiB, mean 9.11 GiB") != NULL, "%s", out);
+    cr_assert_eq(run_ctl("plan --model qwen3-30b-a3b --src tp=2,attn=dp --dst tp=8,dp=8,attn=dp",
+                         out, sizeof(out)), 2, "%s", out);
+    cr_assert(strstr(out, "attn is an engine key") != NULL, "%s", out);
+    cr_assert_eq(run_ctl("plan --model qwen3-30b-a3b --src tp=2 --dst tp=8,dp=3,attn=dp", out,
+                         sizeof(out)), 2, "%s", out);
+    cr_assert(strstr(out, "attn=dp needs dp=3 to divide tp=8") != NULL, "%s", out);
+    cr_assert_eq(run_ctl("plan --help", out, sizeof(out)), 0);
+    cr_assert(strstr(out, "attn=dp is\n") != NULL, "%s", out);
 }
 
 /* --colocate: every byte of a colocated refit is local (no link, no staging, one round);
