@@ -176,10 +176,11 @@ def run_trainer(args):
                 dt.to_local().copy_(tr.box_of(want, [a for a, _ in boxes[name]],
                                               [b - a for a, b in boxes[name]]))
         # torch's own gather must give back the full weights: the shards this file cut are
-        # where torch's placements say they are. Gathered as integers of the same size (gloo
-        # may not reduce or gather bfloat16), compared bit for bit.
+        # where torch's placements say they are. bfloat16 is gathered as float32 (exact; gloo
+        # may not gather bfloat16).
         wrong = [name for name, dt in dts.items() if not torch.equal(
-            gathered(dt), bits(full(v, name.removeprefix("model:"), spec[name][0], dt.dtype)))]
+            gathered(dt), full(v, name.removeprefix("model:"), spec[name][0],
+                               dt.dtype).float())]
         if wrong:
             sys.exit(f"trainer rank {args.rank}: version {v}: full_tensor() differs from the "
                      f"weights for {wrong[:3]}")
@@ -190,13 +191,9 @@ def run_trainer(args):
     dist.destroy_process_group()
 
 
-def bits(t):
-    return t.view({2: torch.int16, 4: torch.int32}[t.element_size()])
-
-
 def gathered(dt):
-    """dt.full_tensor() of the same bytes seen as integers."""
-    return DTensor.from_local(bits(dt.to_local()), dt.device_mesh, dt.placements,
+    """dt.full_tensor() in float32."""
+    return DTensor.from_local(dt.to_local().float(), dt.device_mesh, dt.placements,
                               run_check=False, shape=dt.shape, stride=dt.stride()).full_tensor()
 
 

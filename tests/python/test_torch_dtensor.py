@@ -96,9 +96,14 @@ def _worker(rank, port, errors):
         dt = DTensor.from_local(local, mesh, pls, run_check=False, shape=torch.Size(gshape),
                                 stride=stride)
         # torch's gather certifies that the oracle's boxes are what the placements mean.
-        if not torch.equal(dt.full_tensor(), full):
-            bad.append(f"{name}: full_tensor() of the oracle's shards is not the tensor")
+        gathered = dt.full_tensor()
+        if not torch.equal(gathered, full):
+            bad.append(f"{name} rank {rank}: full_tensor() of torch.chunk's shards is not the "
+                       "tensor: this torch's placements mean other boxes")
         loc, gs, got = rt._dtensor_box(f"tensor {name}", dt)
+        # What refit registers must be that box of what torch gathers, whatever the oracle.
+        if loc.numel() and not torch.equal(loc, gathered[tuple(slice(a, b) for a, b in got)]):
+            bad.append(f"{name} rank {rank}: the local tensor is not box {got} of full_tensor()")
         # An empty shard's offset is torch's business (it registers nothing): only its
         # emptiness is compared.
         same = got == box if loc.numel() else any(a == b for a, b in box)
