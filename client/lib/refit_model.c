@@ -1,7 +1,8 @@
 /* client/lib/refit_model.c - a rank's parameters as a framework names them (refit_layout_*):
  * the regions and pieces of common/model's layouts (rf_model_rank, the one source of truth for
- * the Megatron and vLLM conventions), each region named as that framework's parameter, so that
- * bindings (client/python/refit/torch.py) map a module's named parameters onto HF tensors. */
+ * the Megatron, vLLM and SGLang conventions), each region named as that framework's parameter,
+ * so that bindings (client/python/refit/torch.py) map a module's named parameters onto HF
+ * tensors. */
 #include "refit.h"
 
 #include <errno.h>
@@ -14,7 +15,7 @@
 #include "model.h"
 #include "refit_int.h"
 
-enum conv { CONV_HF, CONV_MEGATRON, CONV_VLLM };
+enum conv { CONV_HF, CONV_MEGATRON, CONV_VLLM, CONV_SGLANG };
 
 typedef struct lay_piece {
     uint32_t tensor;
@@ -148,6 +149,22 @@ static const name_map vllm_names[] = {
     {"mlp.shared_experts.gate_proj.weight", 1, "mlp.shared_experts.gate_up_proj.weight"},
 };
 
+/* SGLang's model classes (models/qwen3_moe.py, qwen2_moe.py, deepseek_v2.py) name parameters
+ * as vLLM's do (qkv_proj, gate_up_proj, FusedMoE's w13_weight/w2_weight, MoEGate's weight and
+ * e_score_correction_bias), except DeepSeek's fused [q_a_proj; kv_a_proj_with_mqa], which
+ * DeepseekV2AttentionMLA calls fused_qkv_a_proj_with_mqa. */
+static const name_map sglang_names[] = {
+    {"self_attn.q_proj.weight", 1, "self_attn.qkv_proj.weight"},
+    {"self_attn.q_a_proj.weight", 1, "self_attn.fused_qkv_a_proj_with_mqa.weight"},
+    {"mlp.gate_proj.weight", 1, "mlp.gate_up_proj.weight"},
+    {"mlp.shared_experts.gate_proj.weight", 1, "mlp.shared_experts.gate_up_proj.weight"},
+};
+
+static const char *conv_name(enum conv c)
+{
+    return c == CONV_MEGATRON ? "megatron" : c == CONV_SGLANG ? "sglang" : "vllm";
+}
+
 static const char *find_rename(const name_map *t, size_t n, const char *rest, bool fused)
 {
     for (size_t i = 0; i < n; i++)
@@ -238,9 +255,13 @@ static int name_param(refit_layout *l, namer *nm, uint32_t i)
         }
         to = what;
     } else {
-        to = layer >= 0 ? find_rename(vllm_names, sizeof(vllm_names) / sizeof(vllm_names[0]),
-                                      rest, fused)
-                        : NULL;
+        if (layer < 0)
+            to = NULL;
+        else if (nm->conv == CONV_SGLANG)
+            to = find_rename(sglang_names, sizeof(sglang_names) / sizeof(sglang_names[0]), rest,
+                             fused);
+        else
+            to = find_rename(vllm_names, sizeof(vllm_names) / sizeof(vllm_names[0]), rest, fused);
         n = to ? snprintf(buf, sizeof(buf), "model.layers.%ld.%s", layer, to)
                : snprintf(buf, sizeof(buf), "%s", hf);
         to = buf;
@@ -248,8 +269,7 @@ static int name_param(refit_layout *l, namer *nm, uint32_t i)
     if (to == NULL || n <= 0 || (size_t)n >= sizeof(buf))
         return refit__fail(NULL, -EINVAL, "parameter %u of this rank begins with HF tensor %s, "
                            "which the %s convention has no name for; name it in "
-                           "client/lib/refit_model.c", i, hf,
-                           nm->conv == CONV_MEGATRON ? "megatron" : "vllm");
+                           "client/lib/refit_model.c", i, hf, conv_name(nm->conv));
     p->name = strdup(buf);
     return p->name ? 0 : -ENOMEM;
 }
@@ -338,14 +358,17 @@ int refit_layout_open(const char *model, int shrink, const char *convention,
         nm.conv = CONV_MEGATRON;
     else if (strcmp(convention, "vllm") == 0)
         nm.conv = CONV_VLLM;
+    else if (strcmp(convention, "sglang") == 0)
+        nm.conv = CONV_SGLANG;
     else
         return refit__fail(NULL, -EINVAL, "convention '%s' is not known: use hf (every HF "
-                           "tensor whole), megatron (trainer ranks) or vllm (engine ranks)",
-                           convention);
+                           "tensor whole), megatron (trainer ranks), vllm or sglang (engine "
+                           "ranks; sglang with attn=dp for --enable-dp-attention)", convention);
     if (nm.conv == CONV_HF && ((parallel && *parallel) || rank != 0))
         return refit__fail(NULL, -EINVAL, "convention hf holds every tensor whole in one rank: "
                            "leave the layout empty and the rank 0, not '%s' and rank %d "
-                           "(megatron or vllm shard tensors)", parallel ? parallel : "", rank);
+                           "(megatron, vllm or sglang shard tensors)", parallel ? parallel : "",
+                           rank);
     l = calloc(1, sizeof(*l));
     if (!l)
         return refit__fail(NULL, -ENOMEM, "out of memory opening the layout of %s", model);

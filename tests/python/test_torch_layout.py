@@ -38,6 +38,12 @@ CASES = [
     ("deepseek-v3", 64, "megatron", "tp=2,pp=4,ep=4", 16, 0),
     ("deepseek-v3", 64, "vllm", "tp=4,ep=2", 4, 0),
     ("deepseek-v3", 64, "hf", "", 1, 1),
+    # SGLang, plain TP and --enable-dp-attention (attn=dp: tp ranks in all, attention per DP
+    # group, the embedding whole on every rank)
+    ("qwen3-0.6b", 8, "sglang", "tp=4", 4, 0),
+    ("qwen3-0.6b", 8, "sglang", "tp=4,dp=4,attn=dp", 4, 0),
+    ("qwen3-30b-a3b", 32, "sglang", "tp=8,dp=2,ep=4,attn=dp", 8, 0),
+    ("deepseek-v3", 64, "sglang", "tp=8,dp=8,ep=8,attn=dp", 8, 0),
 ]
 
 
@@ -117,3 +123,49 @@ class TestLayouts(unittest.TestCase):
         self.assertIn("decoder.layers.23.mlp.experts.local_experts.31.linear_fc2.weight", names)
         self.assertIn("output_layer.weight", names)
         self.assertIn("decoder.final_layernorm.weight", names)
+
+
+@unittest.skipUnless(HAVE_TORCH and HAVE_LIB, "needs torch (python3-torch) and librefit")
+class TestSglang(unittest.TestCase):
+    def test_dp_attention_names_and_shapes(self):
+        # qwen3-30b-a3b shrunk 32: hidden 64, 32 heads x head_dim 16, 4 KV heads, 128 experts of
+        # moe_inter 32, vocab 4748. tp=8,dp=2,ep=4,attn=dp: attention-TP 4, experts in 4 groups
+        # of 2 ranks. Rank 5: attention rank 1 of DP group 1 (q heads 8..15, KV head 1), expert
+        # group 2 (64..95), intermediate half 1.
+        names = {p.name: p for p in rt.layout("qwen3-30b-a3b", "sglang",
+                                              "tp=8,dp=2,ep=4,attn=dp", 5, 32)}
+        qkv = names["model.layers.3.self_attn.qkv_proj.weight"]
+        self.assertEqual(qkv.shape, (8 * 16 + 2 * 16, 64))
+        self.assertEqual([(x[0], x[2]) for x in qkv.pieces],
+                         [("model.layers.3.self_attn.q_proj.weight", (128, 0)),
+                          ("model.layers.3.self_attn.k_proj.weight", (16, 0)),
+                          ("model.layers.3.self_attn.v_proj.weight", (16, 0))])
+        self.assertEqual(names["model.embed_tokens.weight"].shape, (4748, 64))
+        w13 = names["model.layers.3.mlp.experts.w13_weight"]
+        self.assertEqual(w13.shape, (32, 2 * 16, 64))
+        self.assertEqual(w13.pieces[0][0], "model.layers.3.mlp.experts.64.gate_proj.weight")
+        self.assertEqual(w13.pieces[0][2], (16, 0))
+        self.assertEqual(names["model.layers.3.mlp.experts.w2_weight"].shape, (32, 64, 16))
+        self.assertIn("model.layers.3.mlp.gate.weight", names)
+        self.assertIn("lm_head.weight", names)
+
+    def test_deepseek_fused_qkv_a_proj_with_mqa(self):
+        # SGLang's DeepseekV2AttentionMLA names the replicated [q_a_proj; kv_a_proj_with_mqa]
+        # fused_qkv_a_proj_with_mqa (vLLM: fused_qkv_a_proj).
+        names = {p.name for p in rt.layout("deepseek-v3", "sglang", "tp=8,dp=8,attn=dp", 3, 64)}
+        self.assertIn("model.layers.3.self_attn.fused_qkv_a_proj_with_mqa.weight", names)
+        self.assertNotIn("model.layers.3.self_attn.fused_qkv_a_proj.weight", names)
+        self.assertIn("model.layers.3.mlp.shared_experts.gate_up_proj.weight", names)
+        self.assertIn("model.layers.3.mlp.gate.e_score_correction_bias", names)
+        self.assertIn("model.layers.0.mlp.gate_up_proj.weight", names)
+
+    def test_refusals(self):
+        with self.assertRaises(rt.Error) as cm:
+            rt.layout("qwen3-0.6b", "sglang", "tp=4,dp=3,attn=dp", 0, 8)
+        self.assertIn("attn=dp needs dp=3 to divide tp=4", str(cm.exception))
+        with self.assertRaises(rt.Error) as cm:
+            rt.layout("qwen3-0.6b", "megatron", "tp=2,attn=dp", 0, 8)
+        self.assertIn("attn is an engine key", str(cm.exception))
+        with self.assertRaises(rt.Error) as cm:
+            rt.layout("qwen3-0.6b", "sgl", "tp=2", 0, 8)
+        self.assertIn("vllm or sglang", str(cm.exception))
