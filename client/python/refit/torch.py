@@ -6,8 +6,9 @@
         c.seal()
 
 register() registers one tensor (or a box of a larger one); register_module() binds a module's
-named parameters to HF tensors and boxes by a convention (hf, megatron, vllm) whose layouts come
-from librefit (refit_layout_*, the same model module the simulators and `refitctl plan` use).
+named parameters to HF tensors and boxes by a convention (hf, megatron, vllm, sglang: with
+"attn=dp" in the layout for --enable-dp-attention) whose layouts come from librefit
+(refit_layout_*, the same model module the simulators and `refitctl plan` use).
 A DTensor (FSDP2, tensor parallelism) needs no box: its device_mesh and placements give it, in
 register() and in register_module(..., "hf", ...).
 Memory is registered once per allocation: an Arena (one memfd) on the host, the CUDA allocation
