@@ -2,7 +2,8 @@
 tests/gpu/40-torch-dtensor.sh (needs torch >= 2.2: DTensor and init_device_mesh).
 
   torch_dtensor.py trainer --socket S --rank R --world 4 --port P --versions V
-  torch_dtensor.py engine  --socket S --versions V
+  torch_dtensor.py engine  --socket S --versions V [--model-only]
+  torch_dtensor.py fsdp2   --socket S --rank R --world 2|4 --port P --versions V  (CUDA, NCCL)
 
 The trainers are 4 torch.distributed ranks (gloo, CPU tensors in refit.torch's memfd arenas)
 holding DTensors on a 1-D mesh of 4 (Shard(0), Shard(1), Replicate, uneven dims, an empty last
@@ -17,7 +18,9 @@ published. The engine (one process, tp=2 clients) holds every tensor split diffe
 vllm layout of the model, the other tensors halved on their last dim; after each version every
 engine tensor is compared with torch.equal against the full weights, computed here from a seed.
 Rank 0 also checks refit.torch's refusals of DTensors (Partial, a box, a non-hf convention, a
-local tensor that disagrees with its placements)."""
+local tensor that disagrees with its placements). With 2 or more GPUs, fsdp2 is the real thing:
+the model's nn.Linear / nn.Embedding layers under parallelize_module (4 GPUs) and fully_shard,
+their DTensor parameters in CUDA memory, registered by register_module "hf"."""
 
 import argparse
 import errno
@@ -191,6 +194,101 @@ def run_trainer(args):
     dist.destroy_process_group()
 
 
+class Norm(torch.nn.Module):
+    """An RMSNorm's parameter (HF names it <module>.weight)."""
+
+    def __init__(self, shape):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(shape))
+
+
+def hf_model(params):
+    """A module with HF names built of the layers FSDP2 and parallelize_module take: nn.Linear
+    for *_proj, nn.Embedding, a Norm for every vector."""
+    root = torch.nn.Module()
+    for p in params:
+        *path, kind, leaf = p.name.split(".")
+        m = root
+        for part in path:
+            if not hasattr(m, part):
+                m.add_module(part, torch.nn.Module())
+            m = getattr(m, part)
+        if len(p.shape) == 1:
+            layer = Norm(p.shape)
+        elif kind == "embed_tokens":
+            layer = torch.nn.Embedding(*p.shape)
+        else:
+            layer = torch.nn.Linear(p.shape[1], p.shape[0], bias=False)
+        m.add_module(kind, layer.to(p.dtype))
+    return root
+
+
+def run_fsdp2(args):
+    """A real FSDP2 trainer on GPU args.rank (NCCL): parallelize_module over tp (4 GPUs: dp x
+    tp = 2 x 2; 2 GPUs: dp only), fully_shard per layer and at the root, then register_module
+    "hf"; the shards are filled as torch.chunk cuts them and full_tensor() must agree."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    try:
+        from torch.distributed.fsdp import fully_shard
+    except ImportError:
+        from torch.distributed._composable.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                   parallelize_module)
+
+    torch.cuda.set_device(args.rank)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{args.port}",
+                            rank=args.rank, world_size=args.world)
+    tp = 2 if args.world >= 4 else 1
+    mesh = init_device_mesh("cuda", (args.world // tp, tp), mesh_dim_names=("dp", "tp"))
+    params = rt.layout(MODEL, "hf", "", 0, SHRINK)
+    model = hf_model(params).cuda()
+    if tp > 1:
+        plan = {}
+        for p in params:
+            mod = p.name.rsplit(".", 1)[0]
+            if mod.endswith(("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")):
+                plan[mod] = ColwiseParallel()
+            elif mod.endswith(("o_proj", "down_proj")):
+                plan[mod] = RowwiseParallel()
+        parallelize_module(model, mesh["tp"], plan)
+    for layer in model.model.layers.children():
+        fully_shard(layer, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    named = dict(model.named_parameters())
+    with torch.no_grad():
+        for v in range(1, args.versions + 1):
+            for p in params:
+                dt = named[p.name]
+                sp = [("R", None) if not pl.is_shard() else
+                      ("SS" if type(pl).__name__ == "_StridedShard" else "S", pl.dim)
+                      for pl in dt.placements]
+                box = local_box(p.shape, tuple(dt.device_mesh.shape),
+                                dt.device_mesh.get_coordinate(), sp)
+                want = full(v, p.name, p.shape, p.dtype).cuda()
+                dt.to_local().copy_(tr.box_of(want, [a for a, _ in box],
+                                              [b - a for a, b in box]))
+            wrong = [p.name for p in params if not torch.equal(
+                gathered(named[p.name]), full(v, p.name, p.shape, p.dtype).float().cuda())]
+            if wrong:
+                sys.exit(f"fsdp2 rank {args.rank}: full_tensor() of shards cut by torch.chunk "
+                         f"differs for {wrong[:3]}, placements "
+                         f"{[tuple(named[n].placements) for n in wrong[:3]]}")
+            if v == 1:
+                pls = {str(tuple(named[p.name].placements)) for p in params}
+                c = refit.Client(refit.TRAINER, name="fsdp2-trainer", rank=args.rank,
+                                 socket=args.socket)
+                info = rt.register_module(c, model, "hf", "", 0, MODEL, SHRINK)
+                c.seal()
+                print(f"fsdp2 rank {args.rank}: mesh {tuple(mesh.shape)}, placements "
+                      f"{sorted(pls)}: {info['pieces']} of {info['params']} parameters "
+                      f"registered in {info['regions']} regions", flush=True)
+            c.publish(v)
+            c.wait_released(v, 60000)
+            print(f"fsdp2 rank {args.rank}: version {v} released", flush=True)
+    dist.destroy_process_group()
+
+
 def gathered(dt):
     """dt.full_tensor() in float32."""
     return DTensor.from_local(dt.to_local().float(), dt.device_mesh, dt.placements,
@@ -246,7 +344,7 @@ def run_engine(args):
         c = refit.Client(refit.ENGINE, name="dtensor-engine", rank=r, socket=args.socket)
         info = rt.register_module(c, module, "vllm", "tp=2", r, MODEL, SHRINK)
         mine = {}
-        for name, (shape, _, _) in TENSORS.items():
+        for name, (shape, _, _) in ({} if args.model_only else TENSORS).items():
             n = shape[-1]
             lo, hi = (0, (n + 1) // 2) if r == 0 else ((n + 1) // 2, n)
             box = [(0, s) for s in shape[:-1]] + [(lo, hi)]
@@ -283,15 +381,16 @@ def run_engine(args):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("mode", choices=["trainer", "engine"])
+    ap.add_argument("mode", choices=["trainer", "engine", "fsdp2"])
     ap.add_argument("--socket", required=True)
     ap.add_argument("--rank", type=int, default=0)
     ap.add_argument("--world", type=int, default=4)
     ap.add_argument("--port", type=int, default=0)
     ap.add_argument("--versions", type=int, default=2)
+    ap.add_argument("--model-only", action="store_true", help="engine: the model's tensors only")
     args = ap.parse_args()
     try:
-        (run_trainer if args.mode == "trainer" else run_engine)(args)
+        {"trainer": run_trainer, "engine": run_engine, "fsdp2": run_fsdp2}[args.mode](args)
     except refit.Error as e:
         sys.exit(f"{args.mode} rank {args.rank}: refit error {e.code}: {e.message}")
 
