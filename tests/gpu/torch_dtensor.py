@@ -61,12 +61,13 @@ TENSORS = {
 }
 
 
-def placement(kind, dim, split):
+def placement(kind, dim, mesh):
     if kind == "R":
         return Replicate()
     if kind == "S":
         return Shard(dim)
-    return StridedShard(dim, split_factor=split)
+    # FSDP2 over TP: the dp mesh dim's shard of each of the tp mesh dim's shards.
+    return StridedShard(dim, split_factor=mesh.size(1))
 
 
 def shard_order(spec):
@@ -129,7 +130,7 @@ def run_trainer(args):
         for k, d in sp:
             if k == "SS" and StridedShard is None:
                 k = "S"
-            out.append(placement(k, d, mesh.size(1)))
+            out.append(placement(k, d, mesh))
         return out
 
     # Every local shard lives in one arena; each DTensor wraps it without a copy.
@@ -260,9 +261,8 @@ def run_fsdp2(args):
         for v in range(1, args.versions + 1):
             for p in params:
                 dt = named[p.name]
-                sp = [("R", None) if not pl.is_shard() else
-                      ("SS" if type(pl).__name__ == "_StridedShard" else "S", pl.dim)
-                      for pl in dt.placements]
+                sp = [("SS", pl.dim) if type(pl).__name__ == "_StridedShard" else
+                      ("S", pl.dim) if pl.is_shard() else ("R", None) for pl in dt.placements]
                 box = local_box(p.shape, tuple(dt.device_mesh.shape),
                                 dt.device_mesh.get_coordinate(), sp)
                 want = full(v, p.name, p.shape, p.dtype).cuda()

@@ -125,6 +125,8 @@ def _worker(rank, port, errors):
         class Diagonal(pt.Placement):
             def __repr__(self):
                 return "Diagonal()"
+
+            __str__ = __repr__
         odd = DTensor.from_local(t, meshes["1d"], [Diagonal()], run_check=False,
                                  shape=torch.Size((4, 5)), stride=(5, 1))
     except Exception as e:  # torch's own refusal to build it: nothing to register
