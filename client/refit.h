@@ -105,8 +105,9 @@ REFIT_API int refit_close(refit_client *c);
 /* Layouts: how a framework's ranks hold a built-in model (bindings such as refit.torch map a
  * module's named parameters onto them). model: a builtin or a JSON spec path, its large dims
  * divided by shrink when > 1; convention "hf" (every HF tensor whole, one rank: parallel empty,
- * rank 0), "megatron" (trainer rank of Megatron-Core, parallel such as "tp=2,pp=2,ep=4") or
- * "vllm" (engine rank of vLLM, "tp=2,ep=2"). The layout lists the rank's parameters as the
+ * rank 0), "megatron" (trainer rank of Megatron-Core, parallel such as "tp=2,pp=2,ep=4"),
+ * "vllm" (engine rank of vLLM, "tp=2,ep=2") or "sglang" (engine rank as SGLang names them;
+ * "tp=8,dp=8,attn=dp" for --enable-dp-attention). The layout lists the rank's parameters as the
  * framework names them, each with its dtype (REFIT_*), its local shape (row-major) and the
  * pieces of HF tensors it holds. Errors are in refit_last_error(NULL). */
 typedef struct refit_layout refit_layout;
