@@ -278,8 +278,11 @@ def _dtensor_box(what, tensor):
             continue
         dim = f"mesh dim {i}" + (f" ('{names[i]}')" if names else "")
         if any(c.__name__ in ("Partial", "_Partial") for c in type(pl).__mro__):
-            raise Error(-errno.EINVAL, f"{what}: placement {pl} over {dim} holds partial "
-                        "values (each rank one term of a reduction), not a box of the tensor; "
+            # Named by class and by torch's repr ("P(sum)" in recent torch, "_Partial(...)"
+            # in older ones), so the message says "Partial" in every version.
+            raise Error(-errno.EINVAL, f"{what}: placement Partial ({pl}) over {dim} holds "
+                        "partial values (each rank one term of a reduction), not a box of the "
+                        "tensor; "
                         "refit cannot move it: redistribute it to Shard or Replicate first "
                         "(tensor.redistribute(mesh, [Replicate()]))")
         raise Error(-errno.EINVAL, f"{what}: placement {pl} over {dim} is not one refit can "
