@@ -200,7 +200,7 @@ out:
 static void plan_cluster(const input *in)
 {
     rf_side sides[MAX_MEMBERS];
-    rf_slice_peer peers[MAX_MEMBERS];
+    rf_slice_peer peers[MAX_MEMBERS] = {{0}};
     rf_slice_map map;
     rf_inv *global = NULL;
     rf_plan *plan = NULL;
