@@ -22,112 +22,12 @@
 #include "xfer.h"
 #include "xfer_data.h"
 #include "slice.h"
+#include "local_world.h"
 #include "xfer_local_int.h"
 
 #ifdef RF_HAVE_CUDA
 #include "drv_cuda.h"
 #endif
-
-/* ---- one local transport on a loop ------------------------------------------------------- */
-
-typedef struct world {
-    uv_loop_t loop;
-    uv_timer_t guard;
-    uv_idle_t watch;
-    rf_xfer_transport *t;
-    rf_xfer_result res;
-    bool got;
-    int closing;
-    double t_abort, t_done;
-} world;
-
-static double now_s(void)
-{
-    struct timespec ts;
-
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
-
-static void on_guard(uv_timer_t *h)
-{
-    (void)h;
-    cr_assert_fail("a job did not finish within 60 s: the transport hangs");
-}
-
-static void world_open(world *w)
-{
-    const char *addrs[2] = {NULL, NULL};
-    rf_err err;
-
-    memset(w, 0, sizeof(*w));
-    cr_assert_eq(uv_loop_init(&w->loop), 0);
-    uv_timer_init(&w->loop, &w->guard);
-    uv_idle_init(&w->loop, &w->watch);
-    cr_assert_eq(rf_xfer_local_new(&w->loop, false, &w->t, &err), 0, "%s", err.msg);
-    cr_assert_str_eq(rf_xfer_name(w->t), "local");
-    cr_assert(!rf_xfer_has_world(w->t));
-    cr_assert(!rf_xfer_needs_world(w->t));
-    cr_assert_str_eq(rf_xfer_data_addr(w->t), "");
-    /* Peer 0: the trainers' daemon on this host, which needs no address. */
-    cr_assert_eq(rf_xfer_set_peers(w->t, 1, 2, addrs, &err), 0, "%s", err.msg);
-}
-
-static void on_done(rf_xfer_transport *t, const rf_xfer_result *res, void *arg)
-{
-    world *w = arg;
-
-    cr_assert_eq(t, w->t);
-    cr_assert(!w->got, "done called twice");
-    w->res = *res;
-    w->got = true;
-    w->t_done = now_s();
-    uv_idle_stop(&w->watch);
-    uv_stop(&w->loop);
-}
-
-/* Aborts as soon as the job reports its first copied bytes: the abort then lands mid-copy. */
-static void on_watch(uv_idle_t *h)
-{
-    world *w = container_of(h, world, watch);
-
-    if (rf_xfer_progress(w->t) > 0) {
-        w->t_abort = now_s();
-        rf_xfer_abort(w->t);
-        uv_idle_stop(h);
-    }
-}
-
-static void world_run(world *w, rf_xfer_job *job, bool abort_mid)
-{
-    rf_err err;
-
-    w->got = false;
-    memset(&w->res, 0, sizeof(w->res));
-    cr_assert_eq(rf_xfer_run(w->t, job, on_done, w, &err), 0, "%s", err.msg);
-    if (abort_mid)
-        uv_idle_start(&w->watch, on_watch);
-    uv_timer_start(&w->guard, on_guard, 60000, 0);
-    uv_run(&w->loop, UV_RUN_DEFAULT);
-    uv_timer_stop(&w->guard);
-    cr_assert(w->got);
-}
-
-static void on_closed(void *arg)
-{
-    ((world *)arg)->closing--;
-}
-
-static void world_close(world *w)
-{
-    w->closing = 1;
-    rf_xfer_close(w->t, on_closed, w);
-    uv_close((uv_handle_t *)&w->guard, NULL);
-    uv_close((uv_handle_t *)&w->watch, NULL);
-    uv_run(&w->loop, UV_RUN_DEFAULT);
-    cr_assert_eq(w->closing, 0);
-    cr_assert_eq(uv_loop_close(&w->loop), 0, "handles left open on the loop");
-}
 
 /* ---- memory: every region a memfd mapped here, as a trainer's and an engine's are --------- */
 
@@ -284,7 +184,7 @@ Test(xfer_local, plan_byte_for_byte_digests_and_warm_jobs)
     o.direct_min_bytes = 16 << 10;
     cr_assert_eq(rf_plan_build(inv, &o, &pl, &err), 0, "%s", err.msg);
     cluster_alloc(&c, inv);
-    world_open(&w);
+    world_open(&w, false);
     for (uint32_t i = 0; i < rf_plan_nmsgs(pl); i++)
         total += rf_plan_msg_at(pl, i)->bytes;
     cr_assert_gt(rf_plan_nmsgs(pl), 16, "the sample must pick some messages and not others");
@@ -348,7 +248,7 @@ Test(xfer_local, expert_layouts_byte_for_byte)
     cluster_alloc(&c, inv);
     xd_fill(inv, c.bases, 5);
     local_job(pl, c.bases, 5, RF_VERIFY_FULL, &job);
-    world_open(&w);
+    world_open(&w, false);
     world_run(&w, &job, false);
     cr_assert_eq(w.res.code, 0, "%s", w.res.error);
     check_destinations(&c, 5);
@@ -472,7 +372,7 @@ Test(xfer_local, abort_lands_mid_copy_then_good_job)
 
     big_init(&b, 3);
     total = (uint64_t)ROWS * COLS * 4;
-    world_open(&w);
+    world_open(&w, false);
     for (int threads = 1; threads <= 2; threads++) {
         cr_assert_eq(rf_xfer_local_set_threads(w.t, (unsigned)threads, &err), 0, "%s", err.msg);
         world_run(&w, &b.job, true);
@@ -502,7 +402,7 @@ Test(xfer_local, deadline_then_good_job)
 
     big_init(&b, 4);
     b.job.timeout_s = 0.002;
-    world_open(&w);
+    world_open(&w, false);
     world_run(&w, &b.job, false);
     cr_assert_eq(w.res.code, -ETIMEDOUT, "%d %s", w.res.code, w.res.error);
     cr_assert(strstr(w.res.error, "deadline of 0.0 s passed with local copy of message seq") !=
@@ -533,7 +433,7 @@ Test(xfer_local, overlapping_destinations_break_the_digest)
     m = &b.job.msgs[0];
     /* Item 0 (rows 64..127 of the source) lands on rows 32..95 of the destination. */
     m->items[0].base = b.dst - (size_t)32 * PADC * 4;
-    world_open(&w);
+    world_open(&w, false);
     world_run(&w, &b.job, false);
     cr_assert_eq(w.res.code, 0, "%s", w.res.error);
     digest_ref(&b.job, m, false, want);
@@ -551,7 +451,7 @@ static void expect_refused(world *w, rf_xfer_job *job, const char *what)
 {
     rf_err err;
 
-    cr_assert_eq(rf_xfer_run(w->t, job, on_done, w, &err), -EINVAL, "expected: %s", what);
+    cr_assert_eq(rf_xfer_run(w->t, job, world_on_done, w, &err), -EINVAL, "expected: %s", what);
     cr_assert(strstr(err.msg, what) != NULL, "%s (expected: %s)", err.msg, what);
 }
 
@@ -566,7 +466,7 @@ Test(xfer_local, job_checks_refuse_malformed_local_messages)
 
     big_init(&b, 1);
     b.job.nmsgs = 2;
-    world_open(&w);
+    world_open(&w, false);
 
     keep = b.job.msgs[1].src_items;
     b.job.msgs[1].src_items = NULL;
@@ -607,7 +507,7 @@ Test(xfer_local, job_checks_refuse_malformed_local_messages)
     cr_assert_eq(rf_xfer_tcp_new(&w.loop, "127.0.0.1:0", &tcp, &err), 0, "%s", err.msg);
     cr_assert_eq(rf_xfer_set_peers(tcp, 1, 2, addrs, &err), 0, "%s", err.msg);
     b.job.checked = true;
-    cr_assert_eq(rf_xfer_run(tcp, &b.job, on_done, &w, &err), -EINVAL);
+    cr_assert_eq(rf_xfer_run(tcp, &b.job, world_on_done, &w, &err), -EINVAL);
     cr_assert(strstr(err.msg, "xfer tcp: message seq 0 is a local copy") != NULL, "%s", err.msg);
     rf_xfer_close(tcp, NULL, NULL);
 
@@ -631,7 +531,7 @@ Test(xfer_local, checked_job_with_bad_pair_fails_before_copying)
     b.job.plan_key = 0;
     b.job.msgs[1].src_items[1].esize = 2;
     b.job.msgs[1].src_items[1].bytes = b.job.msgs[1].items[1].bytes;
-    world_open(&w);
+    world_open(&w, false);
     world_run(&w, &b.job, false);
     cr_assert_eq(w.res.code, -EINVAL, "%s", w.res.error);
     cr_assert(strstr(w.res.error, "local message seq 1") != NULL, "%s", w.res.error);

@@ -25,6 +25,7 @@
 #include "drv_cuda.h"
 #include "xfer_data.h"
 #include "slice.h"
+#include "local_world.h"
 #include "xfer_local_int.h"
 
 #define NEED_GPU()                                                                    \
@@ -42,86 +43,6 @@ static int ngpus(void)
     return cudaGetDeviceCount(&n) == cudaSuccess ? n : 0;
 }
 
-typedef struct world {
-    uv_loop_t loop;
-    uv_timer_t guard;
-    uv_idle_t watch;
-    rf_xfer_transport *t;
-    rf_xfer_result res;
-    bool got;
-    int closing;
-} world;
-
-static void on_guard(uv_timer_t *h)
-{
-    (void)h;
-    cr_assert_fail("a job did not finish within 120 s: the transport hangs");
-}
-
-static void world_open(world *w)
-{
-    const char *addrs[2] = {NULL, NULL};
-    rf_err err;
-
-    memset(w, 0, sizeof(*w));
-    cr_assert_eq(uv_loop_init(&w->loop), 0);
-    uv_timer_init(&w->loop, &w->guard);
-    uv_idle_init(&w->loop, &w->watch);
-    cr_assert_eq(rf_xfer_local_new(&w->loop, true, &w->t, &err), 0, "%s", err.msg);
-    cr_assert_eq(rf_xfer_set_peers(w->t, 1, 2, addrs, &err), 0, "%s", err.msg);
-}
-
-static void on_done(rf_xfer_transport *t, const rf_xfer_result *res, void *arg)
-{
-    world *w = arg;
-
-    (void)t;
-    cr_assert(!w->got, "done called twice");
-    w->res = *res;
-    w->got = true;
-    uv_idle_stop(&w->watch);
-    uv_stop(&w->loop);
-}
-
-static void on_watch(uv_idle_t *h)
-{
-    world *w = container_of(h, world, watch);
-
-    if (rf_xfer_progress(w->t) > 0) {
-        rf_xfer_abort(w->t);
-        uv_idle_stop(h);
-    }
-}
-
-static void world_run(world *w, rf_xfer_job *job, bool abort_mid)
-{
-    rf_err err;
-
-    w->got = false;
-    cr_assert_eq(rf_xfer_run(w->t, job, on_done, w, &err), 0, "%s", err.msg);
-    if (abort_mid)
-        uv_idle_start(&w->watch, on_watch);
-    uv_timer_start(&w->guard, on_guard, 120000, 0);
-    uv_run(&w->loop, UV_RUN_DEFAULT);
-    uv_timer_stop(&w->guard);
-    cr_assert(w->got);
-}
-
-static void on_closed(void *arg)
-{
-    ((world *)arg)->closing--;
-}
-
-static void world_close(world *w)
-{
-    w->closing = 1;
-    rf_xfer_close(w->t, on_closed, w);
-    uv_close((uv_handle_t *)&w->guard, NULL);
-    uv_close((uv_handle_t *)&w->watch, NULL);
-    uv_run(&w->loop, UV_RUN_DEFAULT);
-    cr_assert_eq(w->closing, 0);
-    cr_assert_eq(uv_loop_close(&w->loop), 0, "handles left open on the loop");
-}
 
 /* Every region on a GPU (sources on src_dev, destinations on dst_dev), with host mirrors. */
 typedef struct cluster {
@@ -262,7 +183,7 @@ static void plan_case(const char *model, int div, const char *src, const char *d
     for (uint32_t i = 0; i < rf_plan_nmsgs(pl); i++)
         total += rf_plan_msg_at(pl, i)->bytes;
     cluster_alloc(&c, inv, src_dev, dst_dev);
-    world_open(&w);
+    world_open(&w, true);
     for (int v = 0; v < 3; v++) {
         rf_xfer_job job, hjob;
         uint8_t want[RF_XFER_DIGEST_BYTES];
@@ -415,7 +336,7 @@ Test(xfer_local_cuda, abort_and_deadline_mid_job_then_good_jobs)
 
     NEED_GPU();
     big_init(&b);
-    world_open(&w);
+    world_open(&w, true);
     /* Batches of 1 GiB: six of them, so that the abort after the first lands mid-job. */
     cr_assert_eq(rf_xfer_local_tune_gpu(w.t, 1ull << 30, 0, &err), 0, "%s", err.msg);
     world_run(&w, &b.job, true);
@@ -453,7 +374,7 @@ Test(xfer_local_cuda, host_memory_is_refused)
     host = malloc(MSG * NMSG);
     b.job.nmsgs = 2;
     b.job.msgs[1].src_items[0].base = host;
-    world_open(&w);
+    world_open(&w, true);
     world_run(&w, &b.job, false);
     cr_assert_eq(w.res.code, -EINVAL, "%s", w.res.error);
     cr_assert(strstr(w.res.error, "seq 1: the source memory") != NULL, "%s", w.res.error);
