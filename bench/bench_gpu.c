@@ -584,8 +584,9 @@ static void clear_dst(setup *S)
     CK(cudaDeviceSynchronize());
 }
 
-/* Bytes of destination pieces that differ from the canonical tensors (rebuilt on GPU 1). */
-static uint64_t count_wrong(setup *S)
+/* Bytes of destination pieces that differ from the canonical tensors (rebuilt on GPU dev, where
+ * the destination pieces are: 1 for the NCCL pair, 0 for the colocated local case). */
+static uint64_t count_wrong(setup *S, int dev)
 {
     rf_copy_desc *d = NULL;
     size_t cap = 0;
@@ -598,7 +599,7 @@ static uint64_t count_wrong(setup *S)
     for (uint32_t t = 0; t < S->ntensors; t++)
         if (S->tbytes[t] > maxt)
             maxt = S->tbytes[t];
-    CK(cudaSetDevice(1));
+    CK(cudaSetDevice(dev));
     CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
     CK(cudaMalloc((void **)&full, maxt));
     CK(cudaMalloc((void **)&ta, S->tmp_bytes));
@@ -618,7 +619,7 @@ static uint64_t count_wrong(setup *S)
             cap = n * 2;
             d = realloc(d, cap * sizeof(*d));
         }
-        canonical(S, 1, t, full, s);
+        canonical(S, dev, t, full, s);
         piece_descs(S, RF_DST, t, full, d);
         bytes = d[n - 1].staging_off + rf_copy_desc_bytes(&d[n - 1]);
         if (rf_copy_cuda_gather_buf(b[0], d, n, ta, s, &err) < 0)
@@ -854,7 +855,7 @@ static double refit_bench(setup *S, uint64_t staging_mib, uint64_t direct_mib, d
         for (int i = 0; i < 2; i++)
             rf_xfer_nccl_memory(w.t[i], NULL, &mem_peak[i]);
         if (check)
-            wrong = count_wrong(S);
+            wrong = count_wrong(S, 1);
         printf("%-14s %6llu %6u %8u %9.2f %8.3f %8.3f %8.3f %7.1f %6.1f%% %9.2f %9.2f %9.2f "
                "%8s %s\n",
                S->name, (unsigned long long)staging_mib, rf_plan_nrounds(pl), rf_plan_nmsgs(pl),
@@ -1027,65 +1028,6 @@ static void local_clear(setup *S)
     CK(cudaDeviceSynchronize());
 }
 
-/* Bytes of destination pieces (GPU 0) that differ from the canonical tensors. */
-static uint64_t local_wrong(setup *S)
-{
-    rf_copy_desc *d = NULL;
-    size_t cap = 0;
-    uint8_t *full, *ta, *tb, *ha, *hb;
-    uint64_t maxt = 0, wrong = 0;
-    cudaStream_t s;
-    rf_copy_cuda_buf *b[2];
-    rf_err err = {0};
-
-    for (uint32_t t = 0; t < S->ntensors; t++)
-        maxt = S->tbytes[t] > maxt ? S->tbytes[t] : maxt;
-    CK(cudaSetDevice(0));
-    CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-    CK(cudaMalloc((void **)&full, maxt));
-    CK(cudaMalloc((void **)&ta, S->tmp_bytes));
-    CK(cudaMalloc((void **)&tb, S->tmp_bytes));
-    CK(cudaMallocHost((void **)&ha, S->tmp_bytes));
-    CK(cudaMallocHost((void **)&hb, S->tmp_bytes));
-    for (int i = 0; i < 2; i++)
-        if (rf_copy_cuda_buf_new(&b[i], &err) < 0)
-            die_err("descriptor buffer", &err);
-    for (uint32_t t = 0; t < S->ntensors; t++) {
-        size_t n = S->tnp[RF_DST][t];
-        uint64_t bytes;
-
-        if (n == 0)
-            continue;
-        if (n > cap) {
-            cap = n * 2;
-            d = realloc(d, cap * sizeof(*d));
-        }
-        canonical(S, 0, t, full, s);
-        piece_descs(S, RF_DST, t, full, d);
-        bytes = d[n - 1].staging_off + rf_copy_desc_bytes(&d[n - 1]);
-        if (rf_copy_cuda_gather_buf(b[0], d, n, ta, s, &err) < 0)
-            die_err("check gather", &err);
-        piece_descs(S, RF_DST, t, NULL, d);
-        if (rf_copy_cuda_gather_buf(b[1], d, n, tb, s, &err) < 0)
-            die_err("check gather", &err);
-        CK(cudaMemcpyAsync(ha, ta, bytes, cudaMemcpyDeviceToHost, s));
-        CK(cudaMemcpyAsync(hb, tb, bytes, cudaMemcpyDeviceToHost, s));
-        CK(cudaStreamSynchronize(s));
-        if (memcmp(ha, hb, bytes) != 0)
-            for (uint64_t i = 0; i < bytes; i++)
-                wrong += ha[i] != hb[i];
-    }
-    for (int i = 0; i < 2; i++)
-        rf_copy_cuda_buf_free(b[i]);
-    cudaFree(full);
-    cudaFree(ta);
-    cudaFree(tb);
-    cudaFreeHost(ha);
-    cudaFreeHost(hb);
-    cudaStreamDestroy(s);
-    free(d);
-    return wrong;
-}
 
 /* The same-GPU ceiling: cudaMemcpyAsync of `bytes` from source regions into destination
  * regions, 1 GiB at a time (what the bytes are does not matter: the refit overwrites them). */
@@ -1316,7 +1258,7 @@ static void local_case(const char *model, const char *src, const char *dst, int 
         extra = e > extra ? e : extra;
     }
     rf_xfer_local_stats(w.t, &a1, &dev_now, &dev_peak);
-    wrong = local_wrong(&S);
+    wrong = count_wrong(&S, 0);
     /* Tunings of the GPU part: batch size and where the copy engines take over. */
     {
         static const uint64_t batches[] = {1ull << 30, 4ull << 30, 16ull << 30};
@@ -1359,7 +1301,7 @@ static void local_case(const char *model, const char *src, const char *dst, int 
     printf("%-14s per-box baseline: %llu copies in %.4f s, %.1f GB/s, %.2f of the ceiling, "
            "%.1fx the local transport's best; #wrong %llu\n", S.name, (unsigned long long)calls,
            pbox, (double)bytes / 1e9 / pbox, ceil / pbox, pbox / best,
-           (unsigned long long)local_wrong(&S));
+           (unsigned long long)count_wrong(&S, 0));
     fflush(stdout);
     lbench_job_free(&job);
     cudaStreamDestroy(s);
@@ -1476,7 +1418,7 @@ int main(int argc, char **argv)
         printf("(c) %s conventional (per-tensor broadcast of %u tensors + slicing): %.3f s, "
                "%.2f GB/s of engine bytes, %.1fx the best refit above, #wrong %llu\n", S.name,
                S.ntensors, conv, (double)S.dst_bytes / 1e9 / conv, conv / best,
-               (unsigned long long)count_wrong(&S));
+               (unsigned long long)count_wrong(&S, 1));
         fflush(stdout);
         setup_free(&S);
     }
