@@ -313,12 +313,37 @@ out:
     return rc;
 }
 
+static unsigned grid_of(int sms, unsigned max_blocks, uint64_t chunks)
+{
+    unsigned grid = max_blocks ? max_blocks : (unsigned)sms * 16;
+
+    return chunks < grid ? (unsigned)chunks : grid;
+}
+
+/* What a batch on b starts with: b's device made current (the caller's left in *cur, for the
+ * batch to give back), the previous batch's launch done with the pinned array, and room for
+ * bytes of descriptors. */
+static int batch_begin(rf_copy_cuda_buf *b, size_t bytes, int *cur, rf_err *err)
+{
+    int rc = 0;
+
+    CUDA_TRY(err, cudaGetDevice(cur));
+    if (*cur != b->dev)
+        CUDA_TRY(err, cudaSetDevice(b->dev));
+    if (b->pending) {
+        CUDA_TRY(err, cudaEventSynchronize(b->done));
+        b->pending = false;
+    }
+    rc = buf_reserve(b, bytes, err);
+out:
+    return rc;
+}
+
 static int run(rf_copy_cuda_buf *b, const rf_copy_desc *d, size_t n, uint8_t *staging,
                cudaStream_t s, bool gather, rf_err *err)
 {
     uint64_t chunks = 0;
     int cur = -1, rc = 0;
-    unsigned grid;
 
     for (size_t i = 0; i < n; i++)
         if ((rc = rf_copy_check(&d[i], i, err)) != 0)
@@ -328,15 +353,7 @@ static int run(rf_copy_cuda_buf *b, const rf_copy_desc *d, size_t n, uint8_t *st
     if (n > UINT32_MAX)
         return rf_err_set(err, -E2BIG, "copy_cuda: %zu descriptors in one batch; split it "
                           "below 2^32", n);
-    CUDA_TRY(err, cudaGetDevice(&cur));
-    if (cur != b->dev)
-        CUDA_TRY(err, cudaSetDevice(b->dev));
-    /* The pinned array may still be read by the previous batch's copy. */
-    if (b->pending) {
-        CUDA_TRY(err, cudaEventSynchronize(b->done));
-        b->pending = false;
-    }
-    if ((rc = buf_reserve(b, n * sizeof(dev_desc), err)) < 0)
+    if ((rc = batch_begin(b, n * sizeof(dev_desc), &cur, err)) < 0)
         goto out;
     for (size_t i = 0; i < n; i++) {
         dev_desc *x = (dev_desc *)b->host + i;
@@ -344,13 +361,10 @@ static int run(rf_copy_cuda_buf *b, const rf_copy_desc *d, size_t n, uint8_t *st
         to_dev(&d[i], (uint64_t)(uintptr_t)staging, chunks, x);
         chunks += (x->bytes + CHUNK - 1) / CHUNK;
     }
-    grid = b->max_blocks ? b->max_blocks : (unsigned)b->sms * 16;
-    if (chunks < grid)
-        grid = (unsigned)chunks;
     CUDA_TRY(err, cudaMemcpyAsync(b->devp, b->host, n * sizeof(dev_desc),
                                   cudaMemcpyHostToDevice, s));
-    copy_kernel<<<grid, THREADS, 0, s>>>((const dev_desc *)b->devp, (uint32_t)n, chunks, staging,
-                                         gather);
+    copy_kernel<<<grid_of(b->sms, b->max_blocks, chunks), THREADS, 0, s>>>(
+        (const dev_desc *)b->devp, (uint32_t)n, chunks, staging, gather);
     CUDA_TRY(err, cudaGetLastError());
     CUDA_TRY(err, cudaEventRecord(b->done, s));
     b->pending = true;
@@ -417,13 +431,6 @@ void rf_copy_cuda_thread_release(void)
 
 /* ---- pairs ---- */
 
-static unsigned grid_of(int sms, unsigned max_blocks, uint64_t chunks)
-{
-    unsigned grid = max_blocks ? max_blocks : (unsigned)sms * 16;
-
-    return chunks < grid ? (unsigned)chunks : grid;
-}
-
 int rf_copy_cuda_pairs_buf(rf_copy_cuda_buf *b, const rf_copy_pair *p, size_t n,
                            cudaStream_t s, rf_err *err)
 {
@@ -438,14 +445,7 @@ int rf_copy_cuda_pairs_buf(rf_copy_cuda_buf *b, const rf_copy_pair *p, size_t n,
     if (n > UINT32_MAX)
         return rf_err_set(err, -E2BIG, "copy_cuda: %zu pairs in one batch; split it below "
                           "2^32", n);
-    CUDA_TRY(err, cudaGetDevice(&cur));
-    if (cur != b->dev)
-        CUDA_TRY(err, cudaSetDevice(b->dev));
-    if (b->pending) {
-        CUDA_TRY(err, cudaEventSynchronize(b->done));
-        b->pending = false;
-    }
-    if ((rc = buf_reserve(b, n * sizeof(dev_pair), err)) < 0)
+    if ((rc = batch_begin(b, n * sizeof(dev_pair), &cur, err)) < 0)
         goto out;
     for (size_t i = 0; i < n; i++) {
         dev_pair *x = (dev_pair *)b->host + i;
