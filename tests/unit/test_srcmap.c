@@ -5,6 +5,7 @@
 #include <criterion/criterion.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <poll.h>
 #include <limits.h>
 #include <signal.h>
 #include <spawn.h>
@@ -13,7 +14,6 @@
 #include <string.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
-#include <time.h>
 #include <unistd.h>
 
 #include <netinet/in.h>
@@ -28,6 +28,7 @@ static char dir[] = "/tmp/refit-srcmap.XXXXXX";
 static char sock[PATH_MAX], keyfile[PATH_MAX];
 static uint8_t key[64]; /* the key file's bytes: 64 hex digits, as daemons read it */
 static pid_t pub = -1, trainer = -1;
+static int trainer_out = -1; /* the trainer's stdout */
 
 static void bin_path(const char *name, char *out, size_t len)
 {
@@ -41,35 +42,52 @@ static void bin_path(const char *name, char *out, size_t len)
     snprintf(out, len, "%s/%s", self, name);
 }
 
-static pid_t spawn(char *const argv[], const char *log)
+/* Starts argv with stderr (and stdout unless out) appended to log; with out, *out reads its
+ * stdout. */
+static pid_t spawn(char *const argv[], const char *log, int *out)
 {
     posix_spawn_file_actions_t fa;
+    int p[2] = {-1, -1};
     pid_t pid;
 
     posix_spawn_file_actions_init(&fa);
-    posix_spawn_file_actions_addopen(&fa, 1, log, O_WRONLY | O_CREAT | O_APPEND, 0600);
-    posix_spawn_file_actions_adddup2(&fa, 1, 2);
+    posix_spawn_file_actions_addopen(&fa, 2, log, O_WRONLY | O_CREAT | O_APPEND, 0600);
+    if (out) {
+        cr_assert_eq(pipe2(p, O_CLOEXEC), 0);
+        posix_spawn_file_actions_adddup2(&fa, p[1], 1);
+    } else {
+        posix_spawn_file_actions_adddup2(&fa, 2, 1);
+    }
     cr_assert_eq(posix_spawn(&pid, argv[0], &fa, NULL, argv, environ), 0, "%s", argv[0]);
     posix_spawn_file_actions_destroy(&fa);
+    if (out) {
+        close(p[1]);
+        *out = p[0];
+    }
     return pid;
 }
 
-/* The publisherd's export once its trainer sealed (-EAGAIN until then: a state, not a delay). */
+/* The publisherd's export once its trainer sealed: the trainer says "registered" on its stdout
+ * after its Seal was answered (waited for by reading, at most 60 s). */
 static rf_export *export_when_sealed(void)
 {
+    char buf[4096];
+    size_t len = 0;
     rf_export *e = NULL;
     rf_err err = {0};
 
-    for (int i = 0; i < 3000; i++) {
-        int rc = rf_export_fetch(sock, key, sizeof(key), 5.0, &e, &err);
+    while (!memmem(buf, len, " registered ", 12)) {
+        struct pollfd pfd = {.fd = trainer_out, .events = POLLIN};
+        ssize_t n;
 
-        if (rc == 0)
-            return e;
-        cr_assert(rc == -EAGAIN || rc == -ENOENT || rc == -ECONNREFUSED, "%s", err.msg);
-        nanosleep(&(struct timespec){0, 10 * 1000 * 1000}, NULL);
+        cr_assert_eq(poll(&pfd, 1, 60000), 1, "the trainer did not register within 60 s");
+        n = read(trainer_out, buf + len, sizeof(buf) - len);
+        cr_assert_gt(n, 0, "the trainer exited before it registered (see %s/trainer.log)", dir);
+        len += (size_t)n;
+        cr_assert_lt(len, sizeof(buf));
     }
-    cr_assert_fail("the trainer never sealed with the publisherd at %s", sock);
-    return NULL;
+    cr_assert_eq(rf_export_fetch(sock, key, sizeof(key), 5.0, &e, &err), 0, "%s", err.msg);
+    return e;
 }
 
 /* A port free on loopback now, for the coordinator the publisherd's own node connects to. */
@@ -109,10 +127,10 @@ static void setup(void)
     snprintf(coord, sizeof(coord), "127.0.0.1:%d", free_port());
     pub = spawn((char *[]){pubbin, "--coordinator", "--coordinator-addr", coord,
                            "--cluster-key-file", keyfile, "--socket", sock, "--status-listen", "",
-                           "--clients", "1", NULL}, log);
+                           "--clients", "1", NULL}, log, NULL);
     snprintf(log, sizeof(log), "%s/trainer.log", dir);
     trainer = spawn((char *[]){trbin, "--socket", sock, "--model", "qwen3-0.6b", "--shrink", "16",
-                               "--layout", "tp=1", "--hold", "1", NULL}, log);
+                               "--layout", "tp=1", "--hold", "1", NULL}, log, &trainer_out);
 }
 
 static void teardown(void)
@@ -121,6 +139,8 @@ static void teardown(void)
         kill(trainer, SIGKILL), waitpid(trainer, NULL, 0);
     if (pub > 0)
         kill(pub, SIGTERM), waitpid(pub, NULL, 0);
+    if (trainer_out >= 0)
+        close(trainer_out);
     for (const char *const *n = (const char *const[]){"pub.log", "trainer.log", "cluster.key",
                                                        "pub.sock", NULL}; *n; n++) {
         char p[PATH_MAX + 32];
