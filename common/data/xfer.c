@@ -3,7 +3,6 @@
  * result, the peer table, close, the verification digest, and the choice of a daemon's
  * transport. */
 #include "xfer_core.h"
-#include "xfer_local_int.h"
 
 #include <assert.h>
 #include <stdarg.h>
@@ -586,7 +585,7 @@ out:
  * daemon sends. Checked at every run, whether or not the job was checked. */
 static int check_kinds(const rf_xfer_core *t, const rf_xfer_job *job, rf_err *err)
 {
-    if (t->pub.ops == &rf_xfer__local_backend)
+    if (t->pub.ops->local)
         return 0;
     for (uint32_t i = 0; i < job->nmsgs; i++)
         if (job->msgs[i].kind == RF_PLAN_LOCAL)

@@ -43,6 +43,8 @@ typedef struct rf_xfer_core rf_xfer_core;
  * in its constructor, and fills in this table. */
 typedef struct rf_xfer_backend {
     const char *name;
+    bool local;  /* runs RF_PLAN_LOCAL messages, and only those; the core refuses them on
+                    every other backend */
     int (*set_peers)(rf_xfer_core *t, uint32_t self, uint32_t npeers, char *const *addrs,
                      rf_err *err);
     int (*check)(rf_xfer_core *t, const rf_xfer_job *job, rf_err *err);

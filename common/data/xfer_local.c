@@ -593,6 +593,7 @@ static int local_check(rf_xfer_core *base, const rf_xfer_job *job, rf_err *err)
 
 const rf_xfer_backend rf_xfer__local_backend = {
     .name = "local",
+    .local = true,
     .check = local_check,
     .release = local_release,
     .start = local_start,

@@ -6,7 +6,7 @@
 
 #include "xfer_core.h"
 
-/* The local backend's table: the core refuses RF_PLAN_LOCAL messages on any other. */
+/* The local backend's table (the tuning functions recognise their transport by it). */
 extern const rf_xfer_backend rf_xfer__local_backend;
 
 /* The GPU part's state, opaque to the host part. */
