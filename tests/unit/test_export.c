@@ -21,6 +21,7 @@
 #include <sodium.h>
 
 #include "export.h"
+#include "loop_thread.h"
 #include "mem.h"
 #include "refit.h"
 #include "refit.pb-c.h"
@@ -29,14 +30,7 @@
 #include "wire.h"
 
 typedef struct harness {
-    uv_loop_t loop;
-    uv_async_t async;
-    pthread_t th;
-    pthread_mutex_t mu;
-    pthread_cond_t cv;
-    void (*fn)(void *);
-    void *arg;
-    bool done, stop;
+    test_loop l;
     rf_registry *reg;
     char dir[64], path[128];
     int n_inventory, n_change;
@@ -45,81 +39,15 @@ typedef struct harness {
 static harness H;
 static uint8_t KEY[32], OTHER_KEY[40];
 
-static void bump(int *counter)
-{
-    pthread_mutex_lock(&H.mu);
-    (*counter)++;
-    pthread_cond_broadcast(&H.cv);
-    pthread_mutex_unlock(&H.mu);
-}
 
-static void cb_inventory(rf_registry *r, void *ud) { (void)r; (void)ud; bump(&H.n_inventory); }
-static void cb_change(rf_registry *r, void *ud) { (void)r; (void)ud; bump(&H.n_change); }
+static void cb_inventory(rf_registry *r, void *ud) { (void)r; (void)ud; test_loop_bump(&H.l, &H.n_inventory); }
+static void cb_change(rf_registry *r, void *ud) { (void)r; (void)ud; test_loop_bump(&H.l, &H.n_change); }
 
-static void async_cb(uv_async_t *a)
-{
-    void (*fn)(void *);
-    void *arg;
 
-    (void)a;
-    pthread_mutex_lock(&H.mu);
-    fn = H.fn;
-    arg = H.arg;
-    pthread_mutex_unlock(&H.mu);
-    if (fn)
-        fn(arg);
-    pthread_mutex_lock(&H.mu);
-    if (fn) {
-        H.fn = NULL;
-        H.done = true;
-    }
-    if (H.stop) {
-        rf_registry_close(H.reg);
-        H.reg = NULL;
-        uv_close((uv_handle_t *)&H.async, NULL);
-    }
-    pthread_cond_broadcast(&H.cv);
-    pthread_mutex_unlock(&H.mu);
-}
 
-static void *loop_main(void *arg)
-{
-    (void)arg;
-    uv_run(&H.loop, UV_RUN_DEFAULT);
-    return NULL;
-}
 
-/* Runs fn(arg) on the loop thread and waits for it. */
-static void on_loop(void (*fn)(void *), void *arg)
-{
-    pthread_mutex_lock(&H.mu);
-    H.fn = fn;
-    H.arg = arg;
-    H.done = false;
-    uv_async_send(&H.async);
-    while (!H.done)
-        pthread_cond_wait(&H.cv, &H.mu);
-    pthread_mutex_unlock(&H.mu);
-}
 
-/* Waits up to 5 s for *counter to reach n. */
-static void wait_count(int *counter, int n)
-{
-    struct timespec ts;
-    int got;
-
-    clock_gettime(CLOCK_REALTIME, &ts);
-    ts.tv_sec += 5;
-    pthread_mutex_lock(&H.mu);
-    while (*counter < n)
-        if (pthread_cond_timedwait(&H.cv, &H.mu, &ts) != 0)
-            break;
-    got = *counter;
-    pthread_mutex_unlock(&H.mu);
-    cr_assert_geq(got, n, "callback did not come");
-}
-
-static void wait_inventory(int n) { wait_count(&H.n_inventory, n); }
+static void wait_inventory(int n) { test_loop_wait(&H.l, &H.n_inventory, n); }
 
 static void call_set_key(void *arg)
 {
@@ -138,10 +66,10 @@ static void open_registry(rf_side side, unsigned expected, bool with_key)
     o.socket_path = H.path;
     o.side = side;
     o.expected_clients = expected;
-    cr_assert_eq(rf_registry_open(&H.loop, &o, &cb, NULL, &H.reg, &err), 0, "%s", err.msg);
-    pthread_create(&H.th, NULL, loop_main, NULL);
+    cr_assert_eq(rf_registry_open(&H.l.loop, &o, &cb, NULL, &H.reg, &err), 0, "%s", err.msg);
+    test_loop_start(&H.l);
     if (with_key)
-        on_loop(call_set_key, KEY);
+        test_loop_run(&H.l, call_set_key, KEY);
 }
 
 static void setup(void)
@@ -149,29 +77,26 @@ static void setup(void)
     size_t i;
 
     memset(&H, 0, sizeof(H));
-    pthread_mutex_init(&H.mu, NULL);
-    pthread_cond_init(&H.cv, NULL);
+    test_loop_init(&H.l);
     snprintf(H.dir, sizeof(H.dir), "/tmp/rf_exp_XXXXXX");
     cr_assert(mkdtemp(H.dir));
     snprintf(H.path, sizeof(H.path), "%s/pub.sock", H.dir);
-    uv_loop_init(&H.loop);
-    uv_async_init(&H.loop, &H.async, async_cb);
     for (i = 0; i < sizeof(KEY); i++)
         KEY[i] = (uint8_t)(i * 7 + 1);
     for (i = 0; i < sizeof(OTHER_KEY); i++)
         OTHER_KEY[i] = (uint8_t)(i * 7 + 2);
 }
 
+static void close_registry(void *arg)
+{
+    (void)arg;
+    rf_registry_close(H.reg);
+    H.reg = NULL;
+}
+
 static void teardown(void)
 {
-    pthread_mutex_lock(&H.mu);
-    H.stop = true;
-    pthread_mutex_unlock(&H.mu);
-    uv_async_send(&H.async);
-    if (H.reg)
-        pthread_join(H.th, NULL);
-    uv_run(&H.loop, UV_RUN_DEFAULT);
-    cr_assert_eq(uv_loop_close(&H.loop), 0, "loop closed with handles open");
+    test_loop_stop(&H.l, close_registry, NULL);
     unlink(H.path);
     rmdir(H.dir);
 }
@@ -395,7 +320,7 @@ Test(export, fetch_gives_the_inventory_regions_and_trainer_memory)
     /* Ids are the publisher's: the inventory equals the registry's, piece for piece. */
     k.e = e;
     k.mapped = mapped;
-    on_loop(compare_on_loop, &k);
+    test_loop_run(&H.l, compare_on_loop, &k);
     cr_assert_str_eq(k.why, "");
     cr_assert_eq(e->generation, k.generation);
     cr_assert_eq(rf_inv_ntensors(e->inv), 3);
@@ -443,7 +368,7 @@ Test(export, refused_while_the_inventory_is_incomplete)
     /* A trainer leaving makes it incomplete again. */
     refit_close(T.t1);
     T.t1 = NULL;
-    wait_count(&H.n_change, 1);
+    test_loop_wait(&H.l, &H.n_change, 1);
     FETCH_FAILS(H.path, KEY, sizeof(KEY), 5, -EAGAIN, "inventory incomplete (1 of 2");
     stop_trainers(&T);
 }
@@ -463,9 +388,9 @@ Test(export, keyless_registry_refuses)
     start_trainers(&T, true);
     FETCH_FAILS(H.path, KEY, sizeof(KEY), 5, -ENOKEY, "same-host export is off");
     /* Turned on, then off again. */
-    on_loop(call_set_key, KEY);
+    test_loop_run(&H.l, call_set_key, KEY);
     rf_export_free(fetch_ok());
-    on_loop(call_set_key, NULL);
+    test_loop_run(&H.l, call_set_key, NULL);
     FETCH_FAILS(H.path, KEY, sizeof(KEY), 5, -ENOKEY, "no export key set");
     stop_trainers(&T);
 }
@@ -486,7 +411,7 @@ Test(export, export_key_length_bounds)
 
     open_registry(RF_SRC, 1, false);
     for (i = 0; i < 4; i++)
-        on_loop(call_key_len, &kc[i]);
+        test_loop_run(&H.l, call_key_len, &kc[i]);
     cr_assert_eq(kc[0].rc, -EINVAL);
     cr_assert_eq(kc[1].rc, 0);
     cr_assert_eq(kc[2].rc, 0);
@@ -534,7 +459,7 @@ Test(export, no_fd_leaks_in_the_client_or_the_registry)
     }
     FETCH_FAILS(H.path, OTHER_KEY, sizeof(OTHER_KEY), 5, -EACCES, "wrong MAC");
     wait_fds(base);
-    on_loop(call_set_key, NULL);
+    test_loop_run(&H.l, call_set_key, NULL);
     FETCH_FAILS(H.path, KEY, sizeof(KEY), 5, -ENOKEY, "export is off");
     wait_fds(base);
     stop_trainers(&T);

@@ -15,20 +15,13 @@
 #include <unistd.h>
 
 #include "node.h"
+#include "loop_thread.h"
 #include "plan.h"
 #include "refit.h"
 #include "slice.h"
 
 typedef struct harness {
-    uv_loop_t loop;
-    uv_async_t async;
-    pthread_t th;
-    bool started;
-    pthread_mutex_t mu;
-    pthread_cond_t cv;
-    void (*fn)(void *);
-    void *arg;
-    bool done, stop;
+    test_loop l; /* its mu also guards the recorder's out[] */
     char dir[64], conf[96], sock[96], coord_addr[32];
     int closed_fd; /* a bound, never listening socket: connecting to it is refused */
     int closed_port;
@@ -45,56 +38,6 @@ static harness H;
 
 #define DAEMON_ID 4242
 
-/* ---- the loop thread ----------------------------------------------------------------------- */
-
-static void async_cb(uv_async_t *a)
-{
-    void (*fn)(void *);
-    void *arg;
-
-    (void)a;
-    pthread_mutex_lock(&H.mu);
-    fn = H.fn;
-    arg = H.arg;
-    pthread_mutex_unlock(&H.mu);
-    /* Unlocked: fn makes the node send, and the recorder takes the lock. */
-    if (fn)
-        fn(arg);
-    pthread_mutex_lock(&H.mu);
-    if (fn) {
-        H.fn = NULL;
-        H.done = true;
-    }
-    if (H.stop) {
-        if (H.n)
-            rf_node_close(H.n);
-        H.n = NULL;
-        uv_close((uv_handle_t *)&H.async, NULL);
-    }
-    pthread_cond_broadcast(&H.cv);
-    pthread_mutex_unlock(&H.mu);
-}
-
-static void *loop_main(void *arg)
-{
-    (void)arg;
-    uv_run(&H.loop, UV_RUN_DEFAULT);
-    return NULL;
-}
-
-/* Runs fn(arg) on the loop thread and waits for it. */
-static void on_loop(void (*fn)(void *), void *arg)
-{
-    pthread_mutex_lock(&H.mu);
-    H.fn = fn;
-    H.arg = arg;
-    H.done = false;
-    uv_async_send(&H.async);
-    while (!H.done)
-        pthread_cond_wait(&H.cv, &H.mu);
-    pthread_mutex_unlock(&H.mu);
-}
-
 /* ---- the fake coordinator ------------------------------------------------------------------ */
 
 static int record(void *peer, const Refit__Envelope *env, void *arg)
@@ -110,14 +53,14 @@ static int record(void *peer, const Refit__Envelope *env, void *arg)
     copy = refit__envelope__unpack(NULL, len, buf);
     free(buf);
     cr_assert_not_null(copy, "an envelope of the node does not unpack");
-    pthread_mutex_lock(&H.mu);
+    pthread_mutex_lock(&H.l.mu);
     if (H.nout == H.cap) {
         H.cap = H.cap ? 2 * H.cap : 64;
         H.out = realloc(H.out, H.cap * sizeof(*H.out));
     }
     H.out[H.nout++] = copy;
-    pthread_cond_broadcast(&H.cv);
-    pthread_mutex_unlock(&H.mu);
+    pthread_cond_broadcast(&H.l.cv);
+    pthread_mutex_unlock(&H.l.mu);
     return 0;
 }
 
@@ -125,9 +68,9 @@ static size_t mark(void)
 {
     size_t n;
 
-    pthread_mutex_lock(&H.mu);
+    pthread_mutex_lock(&H.l.mu);
     n = H.nout;
-    pthread_mutex_unlock(&H.mu);
+    pthread_mutex_unlock(&H.l.mu);
     return n;
 }
 
@@ -145,15 +88,15 @@ static const Refit__Envelope *wait_sent_ms(size_t from, Refit__Envelope__BodyCas
         ts.tv_sec++;
         ts.tv_nsec -= 1000000000;
     }
-    pthread_mutex_lock(&H.mu);
+    pthread_mutex_lock(&H.l.mu);
     while (!got) {
         for (; i < H.nout && !got; i++)
             if (H.out[i]->body_case == kind)
                 got = H.out[i];
-        if (!got && pthread_cond_timedwait(&H.cv, &H.mu, &ts) != 0)
+        if (!got && pthread_cond_timedwait(&H.l.cv, &H.l.mu, &ts) != 0)
             break;
     }
-    pthread_mutex_unlock(&H.mu);
+    pthread_mutex_unlock(&H.l.mu);
     return got;
 }
 
@@ -173,15 +116,15 @@ static uint64_t wait_ready(size_t from, uint64_t want)
 
     clock_gettime(CLOCK_REALTIME, &ts);
     ts.tv_sec += 5;
-    pthread_mutex_lock(&H.mu);
+    pthread_mutex_lock(&H.l.mu);
     for (;;) {
         for (size_t i = from; i < H.nout; i++)
             if (H.out[i]->body_case == REFIT__ENVELOPE__BODY_READY)
                 v = H.out[i]->ready->version;
-        if (v == want || pthread_cond_timedwait(&H.cv, &H.mu, &ts) != 0)
+        if (v == want || pthread_cond_timedwait(&H.l.cv, &H.l.mu, &ts) != 0)
             break;
     }
-    pthread_mutex_unlock(&H.mu);
+    pthread_mutex_unlock(&H.l.mu);
     cr_assert_eq(v, want, "the node's last Ready says %llu, wanted %llu",
                  (unsigned long long)v, (unsigned long long)want);
     return v;
@@ -201,7 +144,7 @@ static void do_envelope(void *arg)
 
 static void from_coord(const Refit__Envelope *env)
 {
-    on_loop(do_envelope, (void *)env);
+    test_loop_run(&H.l, do_envelope, (void *)env);
 }
 
 static void send_start(uint64_t v, const uint8_t *plan_id)
@@ -253,7 +196,7 @@ static json_t *node_status(void)
 {
     status_req r = {0};
 
-    on_loop(do_status, &r);
+    test_loop_run(&H.l, do_status, &r);
     return r.st;
 }
 
@@ -291,9 +234,8 @@ static void start_node(const char *role, ...)
     o.key = &H.key;
     o.daemon_id = DAEMON_ID;
     o.metrics = H.metrics;
-    cr_assert_eq(rf_node_start(&H.loop, &o, &H.n, &err), 0, "%s", err.msg);
-    pthread_create(&H.th, NULL, loop_main, NULL);
-    H.started = true;
+    cr_assert_eq(rf_node_start(&H.l.loop, &o, &H.n, &err), 0, "%s", err.msg);
+    test_loop_start(&H.l);
 }
 
 static void setup(void)
@@ -303,8 +245,7 @@ static void setup(void)
     FILE *f;
 
     memset(&H, 0, sizeof(H));
-    pthread_mutex_init(&H.mu, NULL);
-    pthread_cond_init(&H.cv, NULL);
+    test_loop_init(&H.l);
     snprintf(H.dir, sizeof(H.dir), "/tmp/rf_node_XXXXXX");
     cr_assert(mkdtemp(H.dir));
     snprintf(H.conf, sizeof(H.conf), "%s/empty.conf", H.dir);
@@ -324,24 +265,19 @@ static void setup(void)
     memset(H.key.bytes, 0x5a, H.key.len);
     H.metrics = rf_metrics_new();
     cr_assert_not_null(H.metrics);
-    cr_assert_eq(uv_loop_init(&H.loop), 0);
-    uv_async_init(&H.loop, &H.async, async_cb);
+}
+
+static void close_node(void *arg)
+{
+    (void)arg;
+    if (H.n)
+        rf_node_close(H.n);
+    H.n = NULL;
 }
 
 static void teardown(void)
 {
-    pthread_mutex_lock(&H.mu);
-    H.stop = true;
-    pthread_mutex_unlock(&H.mu);
-    uv_async_send(&H.async);
-    /* The loop thread closes the node and the async handle and ends; without it (start-up
-     * failed) this thread runs the loop to the same end. */
-    if (H.started)
-        pthread_join(H.th, NULL);
-    else
-        uv_run(&H.loop, UV_RUN_DEFAULT);
-    uv_run(&H.loop, UV_RUN_DEFAULT);
-    cr_assert_eq(uv_loop_close(&H.loop), 0, "loop closed with handles open");
+    test_loop_stop(&H.l, close_node, NULL);
     for (size_t i = 0; i < H.nout; i++)
         refit__envelope__free_unpacked(H.out[i], NULL);
     free(H.out);
@@ -386,10 +322,10 @@ static const Refit__Inventory *wait_complete_inventory(size_t from)
 
         if (e->inventory->complete)
             return e->inventory;
-        pthread_mutex_lock(&H.mu);
+        pthread_mutex_lock(&H.l.mu);
         for (from = 0; from < H.nout && H.out[from] != e; from++)
             ;
-        pthread_mutex_unlock(&H.mu);
+        pthread_mutex_unlock(&H.l.mu);
         from++;
     }
 }
@@ -498,7 +434,7 @@ Test(node, reports_inventory_and_readiness_to_the_coordinator)
     size_t m;
 
     start_node("publisher", NULL);
-    on_loop(do_coord_up, NULL);
+    test_loop_run(&H.l, do_coord_up, NULL);
     e = wait_sent(0, REFIT__ENVELOPE__BODY_INVENTORY);
     cr_assert(!e->inventory->complete, "an inventory without its trainer is complete");
     wait_ready(0, 0);
@@ -529,7 +465,7 @@ Test(node, start_for_a_plan_it_does_not_hold_answers_a_failed_done)
     size_t m;
 
     start_node("publisher", NULL);
-    on_loop(do_coord_up, NULL);
+    test_loop_run(&H.l, do_coord_up, NULL);
     m = mark();
     t = client(REFIT_TRAINER, "t0");
     build_slices(wait_complete_inventory(m), &s);
@@ -598,7 +534,7 @@ Test(node, commit_releases_the_trainers_and_a_committed_version_is_refused)
     size_t m;
 
     start_node("publisher", NULL);
-    on_loop(do_coord_up, NULL);
+    test_loop_run(&H.l, do_coord_up, NULL);
     t = client(REFIT_TRAINER, "t0");
     m = mark();
     OK(refit_publish(t, 4), t);
@@ -637,7 +573,7 @@ Test(node, abort_takes_the_offer_back_and_ready_is_sent_again)
     size_t m;
 
     start_node("publisher", NULL);
-    on_loop(do_coord_up, NULL);
+    test_loop_run(&H.l, do_coord_up, NULL);
     t = client(REFIT_TRAINER, "t0");
     m = mark();
     OK(refit_publish(t, 2), t);
@@ -675,7 +611,7 @@ Test(node, a_receiver_says_idle_and_tells_its_engines)
     size_t m;
 
     start_node("receiver", NULL);
-    on_loop(do_coord_up, NULL);
+    test_loop_run(&H.l, do_coord_up, NULL);
     e = wait_sent(0, REFIT__ENVELOPE__BODY_IDLE);
     cr_assert(e->idle->ready, "a receiver without gated engines holds the quorum");
     eng = client(REFIT_ENGINE, "e0");
@@ -707,7 +643,7 @@ static void local_slice_refused(const char *local_copy, const char *want)
 
     start_node("receiver", "--local-copy", local_copy, NULL);
     m = mark();
-    on_loop(do_coord_up, NULL);
+    test_loop_run(&H.l, do_coord_up, NULL);
     eng = client(REFIT_ENGINE, "e0");
     build_slices_for(wait_complete_inventory(m), RF_DST, true, &s);
     /* The node handles each frame on its loop before give_slices returns: the refusal is in
@@ -748,7 +684,7 @@ Test(node, a_cluster_key_too_short_for_the_data_path_stops_start_up)
     o.key = &H.key;
     o.daemon_id = DAEMON_ID;
     o.metrics = H.metrics;
-    cr_assert_eq(rf_node_start(&H.loop, &o, &n, &err), -EINVAL);
+    cr_assert_eq(rf_node_start(&H.l.loop, &o, &n, &err), -EINVAL);
     cr_assert_null(n);
     cr_assert(strstr(err.msg, "the cluster key (31 bytes) cannot authenticate data connections; "
                      "it needs at least 32 bytes"), "%s", err.msg);

@@ -14,20 +14,14 @@
 #include "mem.h"
 #include "mem_cuda.h"
 #include "refit.h"
+#include "loop_thread.h"
 #include "registry.h"
 #include "rpc.h"
 #include "wire.h"
 
 typedef struct harness {
-    uv_loop_t loop;
-    uv_async_t async;
+    test_loop l;
     uv_timer_t timer;
-    pthread_t th;
-    pthread_mutex_t mu;
-    pthread_cond_t cv;
-    void (*fn)(void *);
-    void *arg;
-    bool done, stop;
     rf_registry *reg;
     char dir[64], path[128];
     /* recorded by callbacks */
@@ -39,23 +33,16 @@ typedef struct harness {
 
 static harness H;
 
-static void bump(int *counter)
-{
-    pthread_mutex_lock(&H.mu);
-    (*counter)++;
-    pthread_cond_broadcast(&H.cv);
-    pthread_mutex_unlock(&H.mu);
-}
 
-static void cb_inventory(rf_registry *r, void *ud) { (void)r; (void)ud; bump(&H.n_inventory); }
-static void cb_change(rf_registry *r, void *ud) { (void)r; (void)ud; bump(&H.n_change); }
+static void cb_inventory(rf_registry *r, void *ud) { (void)r; (void)ud; test_loop_bump(&H.l, &H.n_inventory); }
+static void cb_change(rf_registry *r, void *ud) { (void)r; (void)ud; test_loop_bump(&H.l, &H.n_change); }
 
 static void cb_consumed(rf_registry *r, uint64_t v, void *ud)
 {
     (void)r;
     (void)ud;
     H.consumed = v;
-    bump(&H.n_consumed);
+    test_loop_bump(&H.l, &H.n_consumed);
 }
 
 static void cb_ready(rf_registry *r, uint64_t v, void *ud)
@@ -63,7 +50,7 @@ static void cb_ready(rf_registry *r, uint64_t v, void *ud)
     (void)r;
     (void)ud;
     H.ready = v;
-    bump(&H.n_ready);
+    test_loop_bump(&H.l, &H.n_ready);
 }
 
 static int cb_status(rf_registry *r, char **json, rf_err *err, void *ud)
@@ -85,7 +72,7 @@ static int cb_refit(rf_registry *r, uint64_t v, rf_err *err, void *ud)
     if (H.refuse_refit)
         return rf_err_set(err, -EBUSY, "a refit is already running");
     H.refit = v;
-    bump(&H.n_refit);
+    test_loop_bump(&H.l, &H.n_refit);
     return 0;
 }
 
@@ -99,71 +86,9 @@ static int cb_wait(rf_registry *r, uint64_t v, rf_err *err, void *ud)
     return 0;
 }
 
-static void async_cb(uv_async_t *a)
-{
-    void (*fn)(void *);
-    void *arg;
 
-    (void)a;
-    pthread_mutex_lock(&H.mu);
-    fn = H.fn;
-    arg = H.arg;
-    pthread_mutex_unlock(&H.mu);
-    /* Unlocked: fn may make the registry call back, and the callbacks take the lock. */
-    if (fn)
-        fn(arg);
-    pthread_mutex_lock(&H.mu);
-    if (fn) {
-        H.fn = NULL;
-        H.done = true;
-    }
-    if (H.stop) {
-        rf_registry_close(H.reg);
-        H.reg = NULL;
-        uv_close((uv_handle_t *)&H.async, NULL);
-        uv_close((uv_handle_t *)&H.timer, NULL);
-    }
-    pthread_cond_broadcast(&H.cv);
-    pthread_mutex_unlock(&H.mu);
-}
 
-static void *loop_main(void *arg)
-{
-    (void)arg;
-    uv_run(&H.loop, UV_RUN_DEFAULT);
-    return NULL;
-}
 
-/* Runs fn(arg) on the loop thread and waits for it. */
-static void on_loop(void (*fn)(void *), void *arg)
-{
-    pthread_mutex_lock(&H.mu);
-    H.fn = fn;
-    H.arg = arg;
-    H.done = false;
-    uv_async_send(&H.async);
-    while (!H.done)
-        pthread_cond_wait(&H.cv, &H.mu);
-    pthread_mutex_unlock(&H.mu);
-}
-
-/* Waits up to 5 s for *counter to reach n. */
-static void wait_count(int *counter, int n)
-{
-    struct timespec ts;
-    int got;
-
-    clock_gettime(CLOCK_REALTIME, &ts);
-    ts.tv_sec += 5;
-    pthread_mutex_lock(&H.mu);
-    while (*counter < n)
-        if (pthread_cond_timedwait(&H.cv, &H.mu, &ts) != 0)
-            break;
-    got = *counter;
-    /* Unlocked before asserting: a failed test still tears down (teardown takes the lock). */
-    pthread_mutex_unlock(&H.mu);
-    cr_assert_geq(got, n, "callback did not come");
-}
 
 static void open_registry(rf_side side, unsigned expected)
 {
@@ -175,33 +100,31 @@ static void open_registry(rf_side side, unsigned expected)
     o.socket_path = H.path;
     o.side = side;
     o.expected_clients = expected;
-    cr_assert_eq(rf_registry_open(&H.loop, &o, &cb, NULL, &H.reg, &err), 0, "%s", err.msg);
-    pthread_create(&H.th, NULL, loop_main, NULL);
+    cr_assert_eq(rf_registry_open(&H.l.loop, &o, &cb, NULL, &H.reg, &err), 0, "%s", err.msg);
+    test_loop_start(&H.l);
 }
 
 static void setup(void)
 {
     memset(&H, 0, sizeof(H));
-    pthread_mutex_init(&H.mu, NULL);
-    pthread_cond_init(&H.cv, NULL);
+    test_loop_init(&H.l);
     snprintf(H.dir, sizeof(H.dir), "/tmp/rf_reg_XXXXXX");
     cr_assert(mkdtemp(H.dir));
     snprintf(H.path, sizeof(H.path), "%s/d.sock", H.dir);
-    uv_loop_init(&H.loop);
-    uv_async_init(&H.loop, &H.async, async_cb);
-    uv_timer_init(&H.loop, &H.timer);
+    uv_timer_init(&H.l.loop, &H.timer);
+}
+
+static void close_all(void *arg)
+{
+    (void)arg;
+    rf_registry_close(H.reg);
+    H.reg = NULL;
+    uv_close((uv_handle_t *)&H.timer, NULL);
 }
 
 static void teardown(void)
 {
-    pthread_mutex_lock(&H.mu);
-    H.stop = true;
-    pthread_mutex_unlock(&H.mu);
-    uv_async_send(&H.async);
-    if (H.reg)
-        pthread_join(H.th, NULL);
-    uv_run(&H.loop, UV_RUN_DEFAULT);
-    cr_assert_eq(uv_loop_close(&H.loop), 0, "loop closed with handles open");
+    test_loop_stop(&H.l, close_all, NULL);
     rmdir(H.dir);
 }
 
@@ -258,7 +181,7 @@ static probe get_probe(void)
 {
     probe p = {0};
 
-    on_loop(do_probe, &p);
+    test_loop_run(&H.l, do_probe, &p);
     return p;
 }
 
@@ -290,7 +213,7 @@ static uint64_t ready_now(void)
 {
     uint64_t v = 0;
 
-    on_loop(get_ready, &v);
+    test_loop_run(&H.l, get_ready, &v);
     return v;
 }
 
@@ -319,7 +242,7 @@ static void schedule(int kind, uint64_t version)
 {
     later l = {kind, version};
 
-    on_loop(do_later, &l);
+    test_loop_run(&H.l, do_later, &l);
 }
 
 Test(registry, trainers_register_publish_and_are_released)
@@ -347,7 +270,7 @@ Test(registry, trainers_register_publish_and_are_released)
     cr_assert_eq(p.complete, false);
     cr_assert_eq(H.n_inventory, 0);
     OK(refit_seal(t1), t1);
-    wait_count(&H.n_inventory, 1);
+    test_loop_wait(&H.l, &H.n_inventory, 1);
     p = get_probe();
     cr_assert(p.complete);
     cr_assert_eq(p.ntensors, 2);
@@ -359,7 +282,7 @@ Test(registry, trainers_register_publish_and_are_released)
     p.region = 1;
     p.len = 64;
     p.fill = 0x3f;
-    on_loop(do_probe, &p);
+    test_loop_run(&H.l, do_probe, &p);
     cr_assert_eq(((uint8_t *)mem[1])[63], 0x3f);
     cr_assert_eq(((uint8_t *)mem[0])[0], 0);
 
@@ -367,14 +290,14 @@ Test(registry, trainers_register_publish_and_are_released)
     cr_assert_eq(ready_now(), 0, "ready only when every trainer published");
     cr_assert_eq(H.n_ready, 0);
     OK(refit_publish(t1, 1), t1);
-    wait_count(&H.n_ready, 1);
+    test_loop_wait(&H.l, &H.n_ready, 1);
     cr_assert_eq(H.ready, 1);
     FAILS(refit_wait_released(t0, 1, 50), t0, -ETIMEDOUT, "version 1 was not released within 50 ms");
-    on_loop(call_release, &v);
+    test_loop_run(&H.l, call_release, &v);
     OK(refit_wait_released(t0, 1, 2000), t0);
     OK(refit_wait_released(t1, 1, 2000), t1);
     /* The release takes the offer back: readiness reported as 0. */
-    wait_count(&H.n_ready, 2);
+    test_loop_wait(&H.l, &H.n_ready, 2);
     cr_assert_eq(H.ready, 0);
     FAILS(refit_publish(t0, 1), t0, -ERANGE, "must be newer than the committed version 1");
 
@@ -382,7 +305,7 @@ Test(registry, trainers_register_publish_and_are_released)
      * only when every trainer published 2 again is it ready again. */
     OK(refit_publish(t0, 2), t0);
     OK(refit_publish(t1, 2), t1);
-    wait_count(&H.n_ready, 3);
+    test_loop_wait(&H.l, &H.n_ready, 3);
     cr_assert_eq(H.ready, 2);
     schedule(0, 2);
     FAILS(refit_wait_released(t0, 2, 5000), t0, -ECANCELED,
@@ -417,7 +340,7 @@ Test(registry, readiness_dies_with_its_clients)
     cr_assert_eq(ready_now(), 2);
 
     refit_close(t1);
-    wait_count(&H.n_change, 1);
+    test_loop_wait(&H.l, &H.n_change, 1);
     cr_assert_eq(ready_now(), 0, "a trainer left: its publish is gone");
     cr_assert_eq(H.ready, 0);
     t1 = conn("t1b", 1, REFIT_TRAINER);
@@ -432,13 +355,13 @@ Test(registry, readiness_dies_with_its_clients)
     OK(refit_publish(t0, 51), t0);
     cr_assert_eq(ready_now(), 0);
     /* An abort of an older version does not take back a newer offer. */
-    on_loop(call_abort, &v);
+    test_loop_run(&H.l, call_abort, &v);
     OK(refit_publish(t1, 51), t1);
     cr_assert_eq(ready_now(), 51);
     /* A wait that comes after the abort of its version fails at once with the reason (it
      * would otherwise wait out its timeout: no abort comes again). */
     v = 51;
-    on_loop(call_abort, &v);
+    test_loop_run(&H.l, call_abort, &v);
     FAILS(refit_wait_released(t0, 51, 5000), t0, -ECANCELED,
           "refit of version 51 aborted: test abort");
     OK(refit_publish(t0, 51), t0);
@@ -475,10 +398,10 @@ Test(registry, client_leaving_drops_its_regions_and_reregisters)
     register_halves(t1, NULL);
     OK(refit_seal(t0), t0);
     OK(refit_seal(t1), t1);
-    wait_count(&H.n_inventory, 1);
+    test_loop_wait(&H.l, &H.n_inventory, 1);
     cr_assert_eq(get_probe().nregions, 4);
     refit_close(t1);
-    wait_count(&H.n_change, 1);
+    test_loop_wait(&H.l, &H.n_change, 1);
     p = get_probe();
     cr_assert_not(p.complete);
     cr_assert_eq(p.nregions, 2, "the departed client's regions are gone");
@@ -486,7 +409,7 @@ Test(registry, client_leaving_drops_its_regions_and_reregisters)
     t1 = conn("t1 again", 1, REFIT_TRAINER);
     register_halves(t1, NULL);
     OK(refit_seal(t1), t1);
-    wait_count(&H.n_inventory, 2);
+    test_loop_wait(&H.l, &H.n_inventory, 2);
     p = get_probe();
     cr_assert(p.complete);
     cr_assert_eq(p.npieces, 4);
@@ -696,11 +619,11 @@ Test(registry, engine_overlap_refused_at_seal)
     cr_assert(strstr(refit_last_error(e0), "a ") && strstr(refit_last_error(e0), "b "),
               "both pieces named: %s", refit_last_error(e0));
     cr_assert(strstr(refit_last_error(e0), "register them again"));
-    wait_count(&H.n_change, 1);
+    test_loop_wait(&H.l, &H.n_change, 1);
     cr_assert_eq(get_probe().npieces, 1, "e0's pieces dropped");
     OK(refit_add_piece(e0, "b", REFIT_FP32, 1, sh, 0, 32, s8, e8, NULL), e0);
     OK(refit_seal(e0), e0);
-    wait_count(&H.n_inventory, 1);
+    test_loop_wait(&H.l, &H.n_inventory, 1);
     cr_assert_eq(get_probe().npieces, 2);
     refit_close(e0);
     refit_close(e1);
@@ -731,9 +654,9 @@ Test(registry, engines_get_events_and_version_waits)
     OK(refit_seal(e0), e0);
     FAILS(refit_next_event(e0, 20, &ev, &version), e0, -ETIMEDOUT, "no event");
     n = (notify_args){RF_REG_INSTALLING, 1};
-    on_loop(call_notify, &n);
+    test_loop_run(&H.l, call_notify, &n);
     n = (notify_args){RF_REG_COMMITTED, 1};
-    on_loop(call_notify, &n);
+    test_loop_run(&H.l, call_notify, &n);
     OK(refit_wait_version(e0, 1, 2000), e0);
     OK(refit_next_event(e0, 2000, &ev, &version), e0);
     cr_assert_eq(ev, REFIT_EVENT_INSTALLING);
@@ -775,7 +698,7 @@ Test(registry, ctl_status_trigger_wait)
     json_decref(j);
     free(json);
     OK(refit_trigger(c, 5), c);
-    wait_count(&H.n_refit, 1);
+    test_loop_wait(&H.l, &H.n_refit, 1);
     cr_assert_eq(H.refit, 5);
     H.refuse_refit = true;
     FAILS(refit_trigger(c, 6), c, -EBUSY, "refit 6: a refit is already running");
@@ -787,7 +710,7 @@ Test(registry, ctl_status_trigger_wait)
     H.refuse_wait = true;
     FAILS(refit_wait(c, 7, 100), c, -EINVAL, "version 7 was never triggered");
     n = (notify_args){RF_REG_COMMITTED, 7};
-    on_loop(call_notify, &n);
+    test_loop_run(&H.l, call_notify, &n);
     OK(refit_wait(c, 7, 100), c);
     refit_close(c);
 }
@@ -803,11 +726,11 @@ Test(registry, daemon_without_ctl_callbacks_refuses)
     o.socket_path = H.path;
     o.side = RF_DST;
     o.expected_clients = 0;
-    cr_assert_eq(rf_registry_open(&H.loop, &o, &cb, NULL, &H.reg, &err), -EINVAL);
+    cr_assert_eq(rf_registry_open(&H.l.loop, &o, &cb, NULL, &H.reg, &err), -EINVAL);
     cr_assert(strstr(err.msg, "expects 0 clients"), "%s", err.msg);
     o.expected_clients = 1;
-    cr_assert_eq(rf_registry_open(&H.loop, &o, &cb, NULL, &H.reg, &err), 0, "%s", err.msg);
-    pthread_create(&H.th, NULL, loop_main, NULL);
+    cr_assert_eq(rf_registry_open(&H.l.loop, &o, &cb, NULL, &H.reg, &err), 0, "%s", err.msg);
+    test_loop_start(&H.l);
     c = conn("ctl", 0, REFIT_CTL);
     FAILS(refit_status_json(c, &json), c, -ENOTSUP, "does not serve status");
     FAILS(refit_trigger(c, 1), c, -ENOTSUP, "send them to the coordinator");
@@ -869,7 +792,7 @@ Test(registry, gated_engines_hold_installs_until_consumed)
     void *p;
 
     open_registry(RF_DST, 2);
-    on_loop(read_consumed, &consumed);
+    test_loop_run(&H.l, read_consumed, &consumed);
     cr_assert_eq(consumed, UINT64_MAX, "no gated engine: nothing holds installs");
     e0 = conn("e0", 0, REFIT_ENGINE);
     e1 = conn("e1", 1, REFIT_ENGINE);
@@ -877,7 +800,7 @@ Test(registry, gated_engines_hold_installs_until_consumed)
     OK(refit_add_piece(e0, "x", REFIT_FP32, 1, sh, r, 0, s0, ext, NULL), e0);
     FAILS(refit_consumed(e0, 0), e0, -EINVAL, "not gated");
     OK(refit_gate(e0), e0);
-    wait_count(&H.n_consumed, 1);
+    test_loop_wait(&H.l, &H.n_consumed, 1);
     cr_assert_eq(H.consumed, 0);
     OK(refit_seal(e0), e0);
     FAILS(refit_gate(e0), e0, -EINVAL, "Gate after Seal");
@@ -886,19 +809,19 @@ Test(registry, gated_engines_hold_installs_until_consumed)
     OK(refit_seal(e1), e1); /* not gated: takes installs whenever they come */
 
     n = (notify_args){RF_REG_COMMITTED, 1};
-    on_loop(call_notify, &n);
+    test_loop_run(&H.l, call_notify, &n);
     OK(refit_wait_version(e0, 1, 2000), e0);
-    on_loop(read_consumed, &consumed);
+    test_loop_run(&H.l, read_consumed, &consumed);
     cr_assert_eq(consumed, 0, "version 1 not consumed yet: the next install must wait");
     FAILS(refit_consumed(e0, 2), e0, -EINVAL, "only committed versions can be consumed");
     OK(refit_consumed(e0, 1), e0);
-    wait_count(&H.n_consumed, 2);
+    test_loop_wait(&H.l, &H.n_consumed, 2);
     cr_assert_eq(H.consumed, 1);
     FAILS(refit_consumed(e0, 0), e0, -EINVAL, "in order");
 
     /* A gated engine that leaves no longer holds anyone back. */
     refit_close(e0);
-    wait_count(&H.n_consumed, 3);
+    test_loop_wait(&H.l, &H.n_consumed, 3);
     cr_assert_eq(H.consumed, UINT64_MAX);
     t = conn("ctl", 0, REFIT_CTL);
     FAILS(refit_gate(t), t, -EPERM, "Gate is for engines");
@@ -1103,8 +1026,8 @@ Test(registry, chunked_region_of_non_cuda_fds_refused_on_a_gpu_daemon)
     o.side = RF_SRC;
     o.expected_clients = 1;
     o.gpu_memory = true;
-    cr_assert_eq(rf_registry_open(&H.loop, &o, &cb, NULL, &H.reg, &err), 0, "%s", err.msg);
-    pthread_create(&H.th, NULL, loop_main, NULL);
+    cr_assert_eq(rf_registry_open(&H.l.loop, &o, &cb, NULL, &H.reg, &err), 0, "%s", err.msg);
+    test_loop_start(&H.l);
     base = count_fds();
     cr_assert_eq(rf_rpc_dial(H.path, &fd, NULL), 0);
     raw_hello(fd, REFIT__RPC__CLIENT_KIND__CLIENT_TRAINER);
