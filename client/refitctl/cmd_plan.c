@@ -43,8 +43,10 @@ static void plan_usage(FILE *f)
             "  --local-gbps X      bandwidth of local copies out of or into one GPU in Gbit/s\n"
             "                      (default 3200: the ~400 GB/s copy engines measured between\n"
             "                      two H200s)\n"
+            "  --relay             let engine replicas forward bytes they received to other\n"
+            "                      replicas (relays), so trainers send each byte about once\n"
             "  --explain           add per-path, per-tensor-class, top sender, receiver and link\n"
-            "                      tables\n"
+            "                      tables, and with --relay the relay structure\n"
             "  --json              print one JSON object instead of text\n"
             "\n"
             "Predicted time: every GPU sends and receives at once over its own link of\n"
@@ -52,9 +54,11 @@ static void plan_usage(FILE *f)
             "  predicted = max over GPUs of max(bytes sent, bytes received) / (link_gbps*1e9/8).\n"
             "Local copies (--colocate) run beside the network and take\n"
             "  max over GPUs of local bytes read or written / (local_gbps*1e9/8);\n"
-            "the prediction is the larger of the two. It ignores latency, staging copies and\n"
-            "node-level (NIC, switch) limits; max link bytes shows how much one node pair\n"
-            "carries.\n"
+            "the prediction is the larger of the two. A relay counts on both ends (the relay\n"
+            "sends, the replica receives), and relays add the pipeline's fill: depth chunks.\n"
+            "It ignores latency, staging copies and node-level (NIC, switch) limits; max link\n"
+            "bytes shows how much one node pair carries. The floor is the most network bytes\n"
+            "one engine GPU must take in over its link: no plan is faster.\n"
             "\n"
             "Exit status: 0 planned, 1 the plan failed (uncovered bytes), 2 bad arguments,\n"
             "model or layout.\n");
@@ -65,7 +69,7 @@ typedef struct plan_args {
     double staging_mib, direct_min_mib, link_gbps, local_gbps;
     int gpus_per_node;
     int colocate;  /* engine ranks on the trainers' machines: 0 none, -1 all, else that many */
-    int explain, json;
+    int explain, json, relay;
 } plan_args;
 
 static double now(void)
@@ -112,6 +116,7 @@ static int parse_args(int argc, char **argv, plan_args *a)
         {"colocate", optional_argument, NULL, 'c'},
         {"local-gbps", required_argument, NULL, 'L'},
         {"explain", no_argument, NULL, 'e'},
+        {"relay", no_argument, NULL, 'r'},
         {"json", no_argument, NULL, 'j'},
         {"help", no_argument, NULL, 'h'},
         {NULL, 0, NULL, 0},
@@ -165,6 +170,7 @@ static int parse_args(int argc, char **argv, plan_args *a)
                 return 2;
             break;
         case 'e': a->explain = 1; break;
+        case 'r': a->relay = 1; break;
         case 'j': a->json = 1; break;
         case 'h': plan_usage(stdout); return 0;
         default:
@@ -246,10 +252,14 @@ static const char *const path_names[3] = {"direct", "packed", "local"};
  * the local bandwidth, the two at once. */
 static double ep_seconds(const rf_plan *pl, uint32_t e, double bps, double lbps)
 {
-    uint64_t tot = rf_inv_endpoint(rf_plan_inv(pl), e)->side == RF_SRC ? rf_plan_sent_bytes(pl, e)
-                                                                       : rf_plan_recv_bytes(pl, e);
+    bool src = rf_inv_endpoint(rf_plan_inv(pl), e)->side == RF_SRC;
+    uint64_t tot = src ? rf_plan_sent_bytes(pl, e) : rf_plan_recv_bytes(pl, e);
     uint64_t loc = rf_plan_path_bytes(pl, e, RF_PLAN_LOCAL);
     double net = (double)(tot - loc) / bps, l = (double)loc / lbps;
+
+    /* A destination's sends are relays, over its link beside what it receives. */
+    if (!src && (double)rf_plan_sent_bytes(pl, e) / bps > net)
+        net = (double)rf_plan_sent_bytes(pl, e) / bps;
 
     return net > l ? net : l;
 }
@@ -286,7 +296,54 @@ static void explain_paths(const rf_plan *pl, json_t *jo)
     }
 }
 
-static int explain(const rf_plan *pl, double bps, double lbps, json_t *jo)
+/* With relays: who sends what (trainers, relaying engines), how deep the trees are, bytes
+ * received per hop count, and the rounds that pipeline them. */
+static void explain_relay(const rf_plan *pl, json_t *jo)
+{
+    const rf_plan_stats *st = rf_plan_stats_get(pl);
+    const rf_inv *inv = rf_plan_inv(pl);
+    uint64_t relays = 0, msgs = 0;
+    char b1[32], b2[32], b3[32];
+
+    for (uint32_t e = 0; e < rf_inv_nendpoints(inv); e++)
+        relays += rf_inv_endpoint(inv, e)->side == RF_DST && rf_plan_sent_bytes(pl, e) > 0;
+    for (uint32_t mi = 0; mi < rf_plan_nmsgs(pl); mi++)
+        msgs += rf_plan_msg_at(pl, mi)->relay != 0;
+    if (jo) {
+        json_t *ja = json_array();
+        for (uint32_t d = 0; d <= st->relay_depth; d++)
+            json_array_append_new(ja, json_integer((json_int_t)st->relay_depth_bytes[d]));
+        json_object_set_new(jo, "relay_structure",
+                            json_pack("{s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:o}",
+                                      "source_bytes", (json_int_t)st->source_bytes,
+                                      "relay_bytes", (json_int_t)st->relay_bytes,
+                                      "relaying_endpoints", (json_int_t)relays,
+                                      "relay_messages", (json_int_t)msgs,
+                                      "depth", (json_int_t)st->relay_depth,
+                                      "chunk_bytes", (json_int_t)st->relay_chunk_bytes,
+                                      "rounds", (json_int_t)st->rounds, "bytes_by_hops", ja));
+        return;
+    }
+    fmt_bytes((double)st->source_bytes, b1, sizeof(b1));
+    fmt_bytes((double)st->relay_bytes, b2, sizeof(b2));
+    fmt_bytes((double)st->dst_bytes, b3, sizeof(b3));
+    printf("\nrelays:\n  trainers send %s, engines relay %s, of %s received\n", b1, b2, b3);
+    fmt_bytes((double)st->max_relay_sender_bytes, b1, sizeof(b1));
+    fmt_bytes((double)st->relay_chunk_bytes, b2, sizeof(b2));
+    printf("  %llu engine GPUs relay (max %s each) in %llu relay messages (%llu transfers)\n",
+           (unsigned long long)relays, b1, (unsigned long long)msgs,
+           (unsigned long long)st->relay_transfers);
+    printf("  tree depth %u hops, chunks up to %s, %llu rounds\n", st->relay_depth, b2,
+           (unsigned long long)st->rounds);
+    printf("  received by hops from a trainer:");
+    for (uint32_t d = 0; d <= st->relay_depth; d++) {
+        fmt_bytes((double)st->relay_depth_bytes[d], b1, sizeof(b1));
+        printf("%s %u: %s", d ? "," : "", d, b1);
+    }
+    printf("\n");
+}
+
+static int explain(const rf_plan *pl, double bps, double lbps, int relay, json_t *jo)
 {
     const rf_inv *inv = rf_plan_inv(pl);
     uint32_t nt = rf_inv_ntensors(inv), ne = rf_inv_nendpoints(inv), nm = rf_plan_nmsgs(pl);
@@ -356,6 +413,8 @@ static int explain(const rf_plan *pl, double bps, double lbps, json_t *jo)
     qsort(links, nlinks, sizeof(*links), cmp_val_desc);
 
     explain_paths(pl, jo);
+    if (relay)
+        explain_relay(pl, jo);
     if (jo) {
         ja = json_array();
         for (size_t k = 0; k < ncl; k++)
@@ -465,8 +524,8 @@ int rf_ctl_plan(int argc, char **argv)
     rf_plan_opts o;
     rf_err err;
     json_t *jo = NULL;
-    double t0, t1, bps, lbps, pred = 0, pred_net = 0, pred_local = 0;
-    uint64_t maxep = 0, maxloc = 0;
+    double t0, t1, bps, lbps, pred = 0, pred_net = 0, pred_local = 0, ratio;
+    rf_plan_time tm;
     char id[RF_PLAN_ID_HEX] = "", b1[32], b2[32], b3[32];
     int rc;
 
@@ -495,8 +554,10 @@ int rf_ctl_plan(int argc, char **argv)
         rc = 1;
         goto out;
     }
+    rf_plan_opts_default(&o);
     o.staging_bytes = (uint64_t)(a.staging_mib * 1024 * 1024);
     o.direct_min_bytes = (uint64_t)(a.direct_min_mib * 1024 * 1024);
+    o.relay = (uint32_t)a.relay;
     t0 = now();
     if (rf_plan_build(inv, &o, &pl, &err) < 0) {
         rc = err.code == -EINVAL && strncmp(err.msg, "plan: staging", 13) == 0 ? 2 : 1;
@@ -512,19 +573,12 @@ int rf_ctl_plan(int argc, char **argv)
     bps = a.link_gbps * 1e9 / 8;
     lbps = a.local_gbps * 1e9 / 8;
     /* Network bytes per GPU over its link; local copies at the local bandwidth out of each
-     * trainer GPU and into each engine GPU, beside the network. */
-    for (uint32_t e = 0; e < rf_inv_nendpoints(inv); e++) {
-        uint64_t loc = rf_plan_path_bytes(pl, e, RF_PLAN_LOCAL);
-        uint64_t s = rf_plan_sent_bytes(pl, e), r = rf_plan_recv_bytes(pl, e);
-        uint64_t net = (rf_inv_endpoint(inv, e)->side == RF_SRC ? s : r) - loc;
-        if (net > maxep)
-            maxep = net;
-        if (loc > maxloc)
-            maxloc = loc;
-    }
-    pred_net = (double)maxep / bps;
-    pred_local = (double)maxloc / lbps;
-    pred = pred_net > pred_local ? pred_net : pred_local;
+     * trainer GPU and into each engine GPU, beside the network (plan.h, rf_plan_predict). */
+    rf_plan_predict(pl, bps, lbps, &tm);
+    pred_net = tm.network_s;
+    pred_local = tm.local_s;
+    pred = tm.predicted_s;
+    ratio = tm.floor_s > 0 ? pred / tm.floor_s : 0;
     rf_plan_id_hex(pl, id);
     const rf_plan_stats *st = rf_plan_stats_get(pl);
     double simb = st->mean_sender_bytes > 0 ? (double)st->max_sender_bytes / st->mean_sender_bytes : 0;
@@ -570,13 +624,23 @@ int rf_ctl_plan(int argc, char **argv)
         JR("predicted_seconds", pred);
         JR("predicted_network_seconds", pred_net);
         JR("predicted_local_seconds", pred_local);
+        JR("predicted_fill_seconds", tm.fill_s);
+        JR("floor_seconds", tm.floor_s);
+        JR("predicted_over_floor", ratio);
+        json_object_set_new(jo, "relay", json_boolean(a.relay));
+        JI("source_bytes", st->source_bytes);
+        JI("relay_bytes", st->relay_bytes);
+        JI("relay_transfers", st->relay_transfers);
+        JI("relay_messages", st->relay_messages);
+        JI("relay_depth", st->relay_depth);
+        JI("max_relay_sender_bytes", st->max_relay_sender_bytes);
         JR("plan_seconds", t1 - t0);
         JI("plan_memory_bytes", rf_plan_memory(pl));
         JI("inventory_memory_bytes", rf_inv_memory(inv));
         JI("peak_rss_bytes", (uint64_t)peak_rss_bytes());
 #undef JI
 #undef JR
-        if (a.explain && explain(pl, bps, lbps, jo) < 0) {
+        if (a.explain && explain(pl, bps, lbps, a.relay, jo) < 0) {
             rc = 1;
             goto out;
         }
@@ -628,10 +692,22 @@ int rf_ctl_plan(int argc, char **argv)
     if (st->local_bytes)
         printf("predicted    %.3f s: network %.3f s at %g Gbit/s per GPU, local copies %.3f s "
                "at %g Gbit/s\n", pred, pred_net, a.link_gbps, pred_local, a.local_gbps);
+    else if (tm.fill_s > 0)
+        printf("predicted    %.3f s at %g Gbit/s per GPU (pipeline fill %.3f s included)\n",
+               pred, a.link_gbps, tm.fill_s);
     else
         printf("predicted    %.3f s at %g Gbit/s per GPU\n", pred, a.link_gbps);
+    printf("floor        %.3f s: the most one engine GPU takes in over its link; predicted / "
+           "floor %.2f\n", tm.floor_s, ratio);
+    if (a.relay) {
+        fmt_bytes((double)st->source_bytes, b1, sizeof(b1));
+        fmt_bytes((double)st->relay_bytes, b2, sizeof(b2));
+        fmt_bytes((double)st->max_relay_sender_bytes, b3, sizeof(b3));
+        printf("relays       trainers send %s, engines relay %s (max %s one GPU), depth %u\n",
+               b1, b2, b3, st->relay_depth);
+    }
     printf("plan id      %s\n", id);
-    if (a.explain && explain(pl, bps, lbps, NULL) < 0) {
+    if (a.explain && explain(pl, bps, lbps, a.relay, NULL) < 0) {
         rc = 1;
         goto out;
     }

@@ -12,6 +12,9 @@
 #define MiB (1024ull * 1024ull)
 /* Smallest accepted staging budget: a round must hold at least one element of any dtype. */
 #define MIN_STAGING 4096ull
+/* Dense tables of endpoint or node pairs up to this many entries, else hash tables (set
+ * below, with the tests' hook). */
+static uint64_t linkmat_max;
 
 struct rf_plan {
     const rf_inv *inv;
@@ -42,6 +45,7 @@ void rf_plan_opts_default(rf_plan_opts *o)
 {
     o->staging_bytes = 256 * MiB;
     o->direct_min_bytes = 4 * MiB;
+    o->relay = 0;
 }
 
 /* ---- small growable arrays and hash tables ------------------------------------------------ */
@@ -347,7 +351,7 @@ static inline uint64_t zz(uint64_t cur, uint64_t prev)
  * encoding is faithful: the table and the records give back every piece exactly. */
 void rf_plan_digest(const rf_inv *inv, const rf_plan_opts *opts, uint8_t out[RF_PLAN_ID_BYTES])
 {
-    static const char tag[] = "refit-plan-v2", hosts_tag[] = "hosts";
+    static const char tag[] = "refit-plan-v2", hosts_tag[] = "hosts", relay_tag[] = "relay-v1";
     hbuf hb, *h = &hb;
     uint32_t nt = rf_inv_ntensors(inv), ng = rf_inv_ngeoms(inv);
     const rf_geom *geoms = rf_inv_geoms(inv);
@@ -413,6 +417,11 @@ void rf_plan_digest(const rf_inv *inv, const rf_plan_opts *opts, uint8_t out[RF_
         for (uint32_t k = 0; k < rf_inv_nendpoints(inv); k++)
             hb_u64(h, rf_inv_endpoint(inv, k)->host);
         break;
+    }
+    /* Relays likewise: a suffix only when on, so a plan without them keeps its id. */
+    if (opts->relay) {
+        hb_bytes(h, relay_tag, sizeof(relay_tag));
+        hb_u64(h, opts->relay);
     }
     hb_flush(h);
     crypto_generichash_final(&h->st, out, RF_PLAN_ID_BYTES);
@@ -511,7 +520,45 @@ typedef struct builder {
     uint64_t capcells, capdone;
     int32_t *hs; /* holders of one cell */
     uint64_t caphs;
+    /* Relays (opts.relay), NULL and 0 when off. A unit is one chunk of one destination piece
+     * as a relay source sees it: written by the transfers tagged with it in wunit, ready
+     * (fully written) at the end of round ready[unit]. */
+    bool relay;
+    uint64_t rchunk;   /* largest chunk */
+    uint64_t rcap;     /* a replica relays only while its sends stay within this */
+    uint32_t cur_unit; /* the unit emit tags transfers with; NO_UNIT for none */
+    uint32_t *wunit;   /* per transfer in build order */
+    size_t wunit_bytes;
+    uint32_t *ready;
+    uint64_t nunits, capunits;
+    struct rlay *rl;   /* relay transfers in build order */
+    uint64_t nrl, caprl;
+    linktab rlinks;    /* relay link loads: (source node << 32) | destination node */
+    uint64_t *rlinkmat; /* or dense, [source][destination] destination node index */
+    uint8_t *ep_local; /* per endpoint: a destination sharing a host with some source */
+    uint32_t *stamp;   /* per endpoint: last set that used it */
+    uint32_t setgen;
+    uint32_t *mem;     /* one set's relay members */
+    struct placed *pc; /* one chunk's members that hold it */
+    uint64_t capmem, cappc;
 } builder;
+
+#define NO_UNIT UINT32_MAX
+
+/* A relay transfer, until its message is formed: its index in the build order, the units it
+ * reads and writes, the dense indices of its two endpoints, its hop count and its kind.
+ * Scheduling takes relays in round order, far from build order: what it needs is here, so
+ * that it does not chase transfers and piece records around memory. */
+typedef struct rlay {
+    uint32_t x, src_unit, unit;
+    uint32_t qi, pi;
+    uint8_t depth, kind;
+} rlay;
+
+/* A member of a replica set that holds one chunk: a relay source for the next ones. */
+typedef struct placed {
+    uint32_t piece, ep, unit, depth;
+} placed;
 
 static int cmp_i64(const void *a, const void *b)
 {
@@ -706,7 +753,8 @@ typedef struct dpiece {
     uint32_t ep, node;  /* its endpoint and that endpoint's node */
     int ndim;
     size_t esize;
-    const rf_box *box;  /* its box, in the inventory */
+    const rf_box *box;  /* its box, in the inventory, or a chunk of it (relays) */
+    bool whole;         /* box is the piece's own box */
 } dpiece;
 
 static int emit(builder *b, const dpiece *dp, const cand *c, const rf_box *box, uint64_t bytes,
@@ -835,6 +883,8 @@ static int emit(builder *b, const dpiece *dp, const cand *c, const rf_box *box, 
                           (unsigned long long)b->nx + 1);
     if (rc == 0 && b->nx >= b->capx) {
         rc = big_resize((void **)&pl->xfers, &pl->xfers_bytes, b->capx * 2, sizeof(rf_plan_xfer));
+        if (rc == 0 && b->wunit)
+            rc = big_resize((void **)&b->wunit, &b->wunit_bytes, b->capx * 2, sizeof(uint32_t));
         if (rc == 0)
             b->capx *= 2;
     }
@@ -847,6 +897,8 @@ static int emit(builder *b, const dpiece *dp, const cand *c, const rf_box *box, 
     pl->xfers[b->nx] = (rf_plan_xfer){.src = c->id, .dst = dp->id, .box = bid,
                                  .msg = (uint32_t)(mm - b->mb), .msg_off = mm->bytes,
                                  .bytes = bytes};
+    if (b->wunit)
+        b->wunit[b->nx] = b->cur_unit;
     mm->bytes += bytes;
     mm->count++;
     b->nx++;
@@ -1080,7 +1132,7 @@ static int send_whole(builder *b, const dpiece *dp, int nfull, rf_err *err)
     int rc = charge(b, &b->cands[w], bytes, err);
 
     if (rc == 0)
-        rc = emit(b, dp, &b->cands[w], dp->box, bytes, true, err);
+        rc = emit(b, dp, &b->cands[w], dp->box, bytes, dp->whole, err);
     return rc;
 }
 
@@ -1269,17 +1321,17 @@ static int merge_cells(builder *b, const dpiece *dp, uint64_t ncells, rf_err *er
     return 0;
 }
 
-/* Plans destination piece dst: finds the sources that overlap it, then either sends it whole
- * from one of them or cuts it into cells, gives each cell a holder and merges the cells back
- * into boxes, one transfer each. */
-static int plan_piece(builder *b, uint32_t dst, rf_err *err)
+/* Plans box (the whole of destination piece dst, or a chunk of it) from the sources: finds
+ * those that overlap it, then either sends it whole from one of them or cuts it into cells,
+ * gives each cell a holder and merges the cells back into boxes, one transfer each. */
+static int plan_box(builder *b, uint32_t dst, const rf_box *box, bool whole, rf_err *err)
 {
     const rf_piece_rec *dr = &b->drec[dst];
     const tinfo *ti = &b->ti[dr->tensor];
     uint32_t dst_ep = b->reg_ep[dr->region];
     dpiece dp = {.id = dst, .geom = dr->geom, .tensor = dr->tensor, .ep = dst_ep,
                  .node = b->node[dst_ep], .ndim = ti->ndim, .esize = ti->esize,
-                 .box = &b->geoms[dr->geom].box}; /* unused dims are [0:1] already */
+                 .box = box, .whole = whole};
     uint64_t lo, hi, ncells = 0;
     int nfull = 0, rc;
 
@@ -1297,6 +1349,319 @@ static int plan_piece(builder *b, uint32_t dst, rf_err *err)
     return rc;
 }
 
+static int plan_piece(builder *b, uint32_t dst, rf_err *err)
+{
+    /* The geometry's box has its unused dims at [0:1] already. */
+    return plan_box(b, dst, &b->geoms[b->drec[dst].geom].box, true, err);
+}
+
+/* ---- relays: replica sets and their trees ------------------------------------------------ */
+
+/* A new unit, not yet ready (ready is raised to the round of each transfer that writes it). */
+static int new_unit(builder *b, uint32_t *unit, rf_err *err)
+{
+    if (b->nunits >= NO_UNIT - 1)
+        return rf_err_set(err, -E2BIG, "plan: more than 2^32 relay units");
+    if (grow((void **)&b->ready, &b->capunits, b->nunits + 1, sizeof(uint32_t)))
+        return rf_err_set(err, -ENOMEM, "plan: out of memory after %llu relay units",
+                          (unsigned long long)b->nunits);
+    b->ready[b->nunits] = 0;
+    *unit = (uint32_t)b->nunits++;
+    return 0;
+}
+
+/* Emits the relay of box (a chunk of both, or their whole box) from destination piece q,
+ * which holds it as unit src_unit at hop count depth - 1, to destination piece p, a replica
+ * of q (same tensor and geometry). Its message and round are chosen by schedule, once the
+ * round that completes src_unit is known; *unit is the unit it writes. */
+static int relay_emit(builder *b, const placed *q, uint32_t p, const rf_box *box, bool whole,
+                      uint64_t bytes, uint32_t depth, uint32_t *unit, rf_err *err)
+{
+    rf_plan *pl = b->plan;
+    const rf_piece_rec *pr = &b->drec[p];
+    uint32_t pep = b->reg_ep[pr->region], bid;
+    int ndim = b->t_ndim[pr->tensor];
+    uint64_t runs, *link;
+    rf_plan_kind kind;
+    int rc;
+
+    /* Replicas share their strides, so the box is one run on both sides or on neither. */
+    if (whole && b->gruns)
+        runs = b->gruns[pr->geom];
+    else
+        runs = nruns(b->geoms[pr->geom].strides, ndim, box);
+    kind = bytes >= pl->opts.direct_min_bytes && runs == 1 ? RF_PLAN_DIRECT : RF_PLAN_PACKED;
+    if (whole && b->gbid && b->gbid[pr->geom]) {
+        bid = b->gbid[pr->geom] - 1;
+        rc = 0;
+    } else {
+        rc = boxtab_intern(&b->boxes, box, &bid);
+        if (rc == 0 && whole && b->gbid)
+            b->gbid[pr->geom] = bid + 1;
+    }
+    if (b->nx >= UINT32_MAX - 1)
+        return rf_err_set(err, -E2BIG, "plan: %llu transfers exceed the 32-bit transfer index",
+                          (unsigned long long)b->nx + 1);
+    if (rc == 0 && b->nx >= b->capx) {
+        rc = big_resize((void **)&pl->xfers, &pl->xfers_bytes, b->capx * 2, sizeof(rf_plan_xfer));
+        if (rc == 0)
+            rc = big_resize((void **)&b->wunit, &b->wunit_bytes, b->capx * 2, sizeof(uint32_t));
+        if (rc == 0)
+            b->capx *= 2;
+    }
+    if (rc == 0 && grow((void **)&b->rl, &b->caprl, b->nrl + 1, sizeof(rlay)))
+        rc = -ENOMEM;
+    if (rc == 0 && b->rlinkmat)
+        link = &b->rlinkmat[(uint64_t)b->nodeidx[q->ep] * b->ndst_node + b->nodeidx[pep]];
+    else if (rc == 0)
+        rc = linktab_slot(&b->rlinks, (uint64_t)b->node[q->ep] << 32 | b->node[pep], &link);
+    if (rc)
+        return rf_err_set(err, rc, "plan: out of memory after %llu transfers",
+                          (unsigned long long)b->nx);
+    rc = new_unit(b, unit, err);
+    if (rc)
+        return rc;
+    pl->xfers[b->nx] = (rf_plan_xfer){.src = q->piece, .dst = p, .box = bid, .msg = UINT32_MAX,
+                                      .msg_off = 0, .bytes = bytes};
+    b->wunit[b->nx] = *unit;
+    b->rl[b->nrl++] = (rlay){.x = (uint32_t)b->nx, .src_unit = q->unit, .unit = *unit,
+                             .qi = b->epidx[q->ep], .pi = b->epidx[pep],
+                             .depth = (uint8_t)depth, .kind = (uint8_t)kind};
+    b->nx++;
+    *link += bytes;
+    pl->sent[q->ep] += bytes;
+    pl->recv[pep] += bytes;
+    pl->path[(uint64_t)kind * pl->nendpoints + pep] += bytes;
+    if (kind == RF_PLAN_DIRECT) {
+        pl->st.direct_bytes += bytes;
+        pl->st.direct_transfers++;
+    } else {
+        pl->st.packed_bytes += bytes;
+        pl->st.packed_transfers++;
+    }
+    pl->st.runs += 2 * runs;
+    pl->st.relay_bytes += bytes;
+    pl->st.relay_transfers++;
+    pl->st.relay_depth_bytes[depth] += bytes;
+    if (depth > pl->st.relay_depth)
+        pl->st.relay_depth = depth;
+    if (bytes > pl->st.relay_chunk_bytes)
+        pl->st.relay_chunk_bytes = bytes;
+    return 0;
+}
+
+/* One chunk of a replica set: mem[0..nm) are pieces on distinct endpoints with the same
+ * tensor and geometry. Members take it in order of their endpoints' relay sends so far (the
+ * least busy first, then the lower piece id), so that the first, which gets it from the
+ * sources, and so the one that forwards it most, changes from chunk to chunk. Each later
+ * member is fed by the holder of fewest hops whose sends stay within rcap (then the least
+ * busy, then the lower piece id): a star while the first has room, a tree after. With no
+ * holder that has room, the sources send it again. */
+static int relay_chunk(builder *b, uint32_t nm, const rf_box *box, bool whole, uint64_t bytes,
+                       rf_err *err)
+{
+    const uint64_t *sent = b->plan->sent;
+    uint32_t *mem = b->mem, np = 0;
+    placed *pc = b->pc;
+    int rc = 0;
+
+    for (uint32_t i = 1; i < nm; i++) {
+        uint32_t v = mem[i], ev = b->reg_ep[b->drec[v].region], j = i;
+        while (j > 0) {
+            uint32_t u = mem[j - 1], eu = b->reg_ep[b->drec[u].region];
+            if (sent[eu] < sent[ev] || (sent[eu] == sent[ev] && u < v))
+                break;
+            mem[j] = u;
+            j--;
+        }
+        mem[j] = v;
+    }
+    for (uint32_t i = 0; i < nm && rc == 0; i++) {
+        uint32_t p = mem[i], ep = b->reg_ep[b->drec[p].region], unit = NO_UNIT;
+        int best = -1;
+        for (uint32_t j = 0; j < np; j++) {
+            const placed *q = &pc[j];
+            if (q->depth >= RF_PLAN_RELAY_MAX_DEPTH || sent[q->ep] + bytes > b->rcap)
+                continue;
+            if (best < 0 || q->depth < pc[best].depth ||
+                (q->depth == pc[best].depth && (sent[q->ep] < sent[pc[best].ep] ||
+                                                (sent[q->ep] == sent[pc[best].ep] &&
+                                                 q->piece < pc[best].piece))))
+                best = (int)j;
+        }
+        if (best < 0) {
+            rc = new_unit(b, &unit, err);
+            if (rc)
+                break;
+            b->cur_unit = unit;
+            rc = plan_box(b, p, box, whole, err);
+            b->cur_unit = NO_UNIT;
+            pc[np++] = (placed){.piece = p, .ep = ep, .unit = unit, .depth = 0};
+        } else {
+            uint32_t depth = pc[best].depth + 1;
+            rc = relay_emit(b, &pc[best], p, box, whole, bytes, depth, &unit, err);
+            pc[np++] = (placed){.piece = p, .ep = ep, .unit = unit, .depth = depth};
+        }
+    }
+    return rc;
+}
+
+/* Cuts box into chunks of at most rchunk bytes along its outer dims (several rows of the
+ * first dim of extent > 1 to a chunk; a row still too large is cut along the next dim) and
+ * plans each chunk's tree. Chunks pipeline: a member forwards one while it takes the next. */
+static int relay_tile(builder *b, uint32_t nm, const rf_box *box, int ndim, size_t esize,
+                      bool whole, rf_err *err)
+{
+    uint64_t bytes = numel(box, ndim) * esize, row;
+    rf_box sub = *box;
+    int64_t k;
+    int d = 0, rc;
+
+    if (bytes <= b->rchunk)
+        return relay_chunk(b, nm, box, whole, bytes, err);
+    while (d < ndim && box->extent[d] == 1)
+        d++;
+    row = bytes / (uint64_t)box->extent[d];
+    k = row <= b->rchunk ? (int64_t)(b->rchunk / row) : 1;
+    for (int64_t s = 0; s < box->extent[d]; s += k) {
+        sub.start[d] = box->start[d] + s;
+        sub.extent[d] = box->extent[d] - s < k ? box->extent[d] - s : k;
+        rc = relay_tile(b, nm, &sub, ndim, esize, false, err);
+        if (rc)
+            return rc;
+    }
+    return 0;
+}
+
+/* One replica set: the destination pieces ids[0..k) with the same tensor and geometry. A
+ * piece on an endpoint that shares a host with some source is planned as without relays and
+ * relays nothing: its local copies run beside the network rounds, which therefore do not
+ * say when it holds its bytes. So is a second piece of the set on one endpoint. */
+static int plan_set(builder *b, const uint32_t *ids, uint32_t k, rf_err *err)
+{
+    uint32_t nm = 0, gen = ++b->setgen;
+    const rf_piece_rec *dr = &b->drec[ids[0]];
+    int rc = 0;
+
+    if (grow((void **)&b->mem, &b->capmem, k, sizeof(uint32_t)))
+        return rf_err_set(err, -ENOMEM, "plan: out of memory for a set of %u replicas", k);
+    if (grow((void **)&b->pc, &b->cappc, k, sizeof(placed)))
+        return rf_err_set(err, -ENOMEM, "plan: out of memory for a set of %u replicas", k);
+    for (uint32_t i = 0; i < k && rc == 0; i++) {
+        uint32_t ep = b->reg_ep[b->drec[ids[i]].region];
+        if ((b->ep_local && b->ep_local[ep]) || b->stamp[ep] == gen) {
+            rc = plan_piece(b, ids[i], err);
+            continue;
+        }
+        b->stamp[ep] = gen;
+        b->mem[nm++] = ids[i];
+    }
+    if (rc || nm == 0)
+        return rc;
+    if (nm == 1)
+        return plan_piece(b, b->mem[0], err);
+    return relay_tile(b, nm, &b->geoms[dr->geom].box, b->t_ndim[dr->tensor],
+                      b->t_esize[dr->tensor], true, err);
+}
+
+/* Planning with relays: the destination pieces in replica sets (same tensor and geometry),
+ * set by set in the order of each set's first piece. A counting sort by tensor and a chain
+ * through the pieces find the sets in linear time and little memory, which matters at
+ * twelve million pieces. rcap, the most a replica may relay, is the largest ingress of any
+ * destination endpoint: relaying up to it never makes an endpoint busier than the busiest
+ * receiver, which every plan has. */
+static int plan_with_relays(builder *b, rf_err *err)
+{
+    uint32_t nd = rf_inv_npieces(b->inv, RF_DST), ne = rf_inv_nendpoints(b->inv);
+    uint32_t nt = rf_inv_ntensors(b->inv), ng = rf_inv_ngeoms(b->inv);
+    uint64_t *held = NULL, *tfirst = NULL, capids = 0;
+    uint32_t *next = NULL, *ids = NULL, *tord = NULL, *gstamp = NULL, *glast = NULL;
+    uint8_t *seen = NULL;
+    int rc = 0;
+
+    b->rchunk = b->half < RF_PLAN_RELAY_CHUNK ? b->half : RF_PLAN_RELAY_CHUNK;
+    if ((uint64_t)b->ndst_node * b->ndst_node <= linkmat_max) {
+        b->rlinkmat = calloc((uint64_t)b->ndst_node * b->ndst_node + 1, sizeof(uint64_t));
+        if (b->rlinkmat == NULL)
+            goto nomem;
+    }
+    b->stamp = calloc((uint64_t)ne + 1, sizeof(uint32_t));
+    held = calloc((uint64_t)ne + 1, sizeof(uint64_t));
+    next = malloc(((uint64_t)nd + 1) * sizeof(*next));
+    tord = malloc(((uint64_t)nd + 1) * sizeof(*tord));
+    tfirst = calloc((uint64_t)nt + 2, sizeof(*tfirst));
+    gstamp = calloc((uint64_t)ng + 1, sizeof(*gstamp));
+    glast = malloc(((uint64_t)ng + 1) * sizeof(*glast));
+    /* Most pieces are one unit and most units but the sets' first relay: reserve for that. */
+    b->caprl = (uint64_t)nd + 64;
+    b->capunits = (uint64_t)nd + 64;
+    b->rl = malloc(b->caprl * sizeof(*b->rl));
+    b->ready = malloc(b->capunits * sizeof(*b->ready));
+    if (!b->stamp || !held || !next || !tord || !tfirst || !gstamp || !glast || !b->rl ||
+        !b->ready)
+        goto nomem;
+    /* The pieces by tensor (a stable counting sort), then within a tensor chained by
+     * geometry in piece order: next[i] is the next piece of i's set. */
+    for (uint32_t i = 0; i < nd; i++) {
+        const rf_piece_rec *r = &b->drec[i];
+        held[b->reg_ep[r->region]] += numel(&b->geoms[r->geom].box, b->t_ndim[r->tensor]) *
+                                      b->t_esize[r->tensor];
+        tfirst[r->tensor + 2]++;
+    }
+    for (uint32_t t = 0; t < nt; t++)
+        tfirst[t + 2] += tfirst[t + 1];
+    for (uint32_t i = 0; i < nd; i++)
+        tord[tfirst[b->drec[i].tensor + 1]++] = i;
+    for (uint32_t t = 0; t < nt; t++) {
+        for (uint64_t k = t ? tfirst[t] : 0; k < tfirst[t + 1]; k++) {
+            uint32_t i = tord[k], g = b->drec[i].geom;
+            if (gstamp[g] == t + 1)
+                next[glast[g]] = i;
+            gstamp[g] = t + 1;
+            glast[g] = i;
+            next[i] = UINT32_MAX;
+        }
+    }
+    free(tord);
+    free(tfirst);
+    free(gstamp);
+    free(glast);
+    tord = gstamp = glast = NULL;
+    tfirst = NULL;
+    seen = calloc((uint64_t)nd + 1, 1);
+    if (seen == NULL)
+        goto nomem;
+    for (uint32_t e = 0; e < ne; e++)
+        if (held[e] > b->rcap)
+            b->rcap = held[e];
+    /* Set by set, in the order of each set's first piece (the one not yet seen). */
+    for (uint32_t i = 0; i < nd && rc == 0; i++) {
+        uint32_t k = 0;
+        if (seen[i])
+            continue;
+        for (uint32_t j = i; j != UINT32_MAX; j = next[j]) {
+            if (grow((void **)&ids, &capids, (uint64_t)k + 1, sizeof(*ids)))
+                goto nomem;
+            ids[k++] = j;
+            seen[j] = 1;
+        }
+        rc = plan_set(b, ids, k, err);
+    }
+    goto out;
+nomem:
+    rc = rf_err_set(err, -ENOMEM, "plan: out of memory grouping %u destination pieces", nd);
+out:
+    free(held);
+    free(next);
+    free(seen);
+    free(ids);
+    free(tord);
+    free(tfirst);
+    free(gstamp);
+    free(glast);
+    return rc;
+}
+
 /* What schedule works on, shared by its phases and freed at its one exit: the messages in
  * creation order, the permutations between build, creation and final order, and each
  * endpoint's staging use per round. */
@@ -1309,6 +1674,7 @@ typedef struct sched {
     uint32_t *cursor;  /* final position -> next slot of its transfers in message order */
     uint64_t *mkey;    /* sort keys */
     uint64_t **use;    /* per endpoint: bytes in each round */
+    uint64_t **duse;   /* with relays: direct bytes per endpoint and round, apart */
     uint64_t *usecap;
     uint64_t *hint;    /* per endpoint: no round before this one has room left */
     uint32_t ne, R;    /* endpoints, rounds */
@@ -1341,86 +1707,274 @@ static int creation_order(const builder *b, sched *s, rf_err *err)
     return 0;
 }
 
-/* Rounds for the packed messages: each goes, first fit, into the earliest round where it fits
- * under half the budget on both its ends, so that staging double-buffers. Records the largest
- * staging use in the plan's stats. */
-static int place_packed(builder *b, sched *s, rf_err *err)
+/* Makes room for rounds [0, R) in every endpoint's use (and duse) table. */
+static int extend_rounds(const builder *b, sched *s, uint64_t R, rf_err *err)
 {
-    rf_plan_msg *m = s->m;
-    uint32_t ne = s->ne;
-
-    s->use = calloc((uint64_t)ne + 1, sizeof(*s->use));
-    s->usecap = calloc((uint64_t)ne + 1, sizeof(*s->usecap));
-    s->hint = calloc((uint64_t)ne + 1, sizeof(*s->hint));
-    if (!s->use || !s->usecap || !s->hint)
-        return sched_nomem(b, err);
-    for (uint64_t i = 0; i < s->nm; i++) {
-        uint32_t se = m[i].src_ep, de = m[i].dst_ep;
-        uint64_t **use = s->use, *hint = s->hint, r;
-        if (m[i].kind != RF_PLAN_PACKED)
-            continue;
-        r = hint[se] > hint[de] ? hint[se] : hint[de];
-        for (;; r++) {
-            uint64_t us = r < s->R ? use[se][r] : 0, ud = r < s->R ? use[de][r] : 0;
-            if (us + m[i].bytes <= b->half && ud + m[i].bytes <= b->half)
-                break;
+    if (R <= s->R)
+        return 0;
+    if (R > UINT32_MAX - 1)
+        return rf_err_set(err, -E2BIG, "plan: more than 2^32 rounds");
+    for (uint32_t e = 0; e < s->ne; e++) {
+        uint64_t old = s->usecap[e], cap = old;
+        if (grow((void **)&s->use[e], &s->usecap[e], R, sizeof(uint64_t)))
+            return sched_nomem(b, err);
+        memset(s->use[e] + old, 0, (s->usecap[e] - old) * sizeof(uint64_t));
+        if (s->duse) {
+            if (grow((void **)&s->duse[e], &cap, R, sizeof(uint64_t)))
+                return sched_nomem(b, err);
+            memset(s->duse[e] + old, 0, (cap - old) * sizeof(uint64_t));
         }
-        if (r >= s->R) {
-            for (uint32_t e = 0; e < ne; e++) {
-                uint64_t old = s->usecap[e];
-                if (grow((void **)&use[e], &s->usecap[e], r + 1, sizeof(uint64_t)))
-                    return sched_nomem(b, err);
-                memset(use[e] + old, 0, (s->usecap[e] - old) * sizeof(uint64_t));
-            }
-            s->R = (uint32_t)r + 1;
-        }
-        m[i].round = (uint32_t)r;
-        use[se][r] += m[i].bytes;
-        use[de][r] += m[i].bytes;
-        while (hint[se] < s->R && use[se][hint[se]] >= b->half)
-            hint[se]++;
-        while (hint[de] < s->R && use[de][hint[de]] >= b->half)
-            hint[de]++;
     }
-    for (uint32_t e = 0; e < ne; e++)
-        for (uint32_t r = 0; r < s->R; r++)
-            if (s->use[e][r] > b->plan->st.max_staging_bytes)
-                b->plan->st.max_staging_bytes = s->use[e][r];
+    s->R = (uint32_t)R;
     return 0;
 }
 
-/* Direct messages need no staging: each goes to the round where the larger of its two ends'
- * loads is least (the first such round on ties), spreading them over the packed rounds. */
-static int place_direct(const builder *b, sched *s, rf_err *err)
+/* A packed message goes, first fit, into the earliest round from `from` on where it fits
+ * under half the budget on both its ends, so that staging double-buffers. */
+static int place_packed_one(builder *b, sched *s, rf_plan_msg *m, uint64_t from, rf_err *err)
+{
+    uint32_t se = m->src_ep, de = m->dst_ep;
+    uint64_t **use = s->use, *hint = s->hint, r;
+    int rc;
+
+    r = hint[se] > hint[de] ? hint[se] : hint[de];
+    if (r < from)
+        r = from;
+    for (;; r++) {
+        uint64_t us = r < s->R ? use[se][r] : 0, ud = r < s->R ? use[de][r] : 0;
+        if (us + m->bytes <= b->half && ud + m->bytes <= b->half)
+            break;
+    }
+    rc = extend_rounds(b, s, r + 1, err);
+    if (rc)
+        return rc;
+    m->round = (uint32_t)r;
+    use[se][r] += m->bytes;
+    use[de][r] += m->bytes;
+    while (hint[se] < s->R && use[se][hint[se]] >= b->half)
+        hint[se]++;
+    while (hint[de] < s->R && use[de][hint[de]] >= b->half)
+        hint[de]++;
+    return 0;
+}
+
+static void note_staging(builder *b, const sched *s)
+{
+    for (uint32_t e = 0; e < s->ne; e++)
+        for (uint32_t r = 0; r < s->R; r++)
+            if (s->use[e][r] > b->plan->st.max_staging_bytes)
+                b->plan->st.max_staging_bytes = s->use[e][r];
+}
+
+/* Rounds for the packed messages, in creation order. Records the largest staging use in the
+ * plan's stats. */
+static int place_packed(builder *b, sched *s, rf_err *err)
 {
     rf_plan_msg *m = s->m;
-    uint64_t **use = s->use;
+    int rc;
 
-    if (s->R == 0 && s->nm > 0) {
-        for (uint32_t e = 0; e < s->ne; e++) {
-            if (grow((void **)&use[e], &s->usecap[e], 1, sizeof(uint64_t)))
-                return sched_nomem(b, err);
-            use[e][0] = 0;
-        }
-        s->R = 1;
+    s->use = calloc((uint64_t)s->ne + 1, sizeof(*s->use));
+    s->usecap = calloc((uint64_t)s->ne + 1, sizeof(*s->usecap));
+    s->hint = calloc((uint64_t)s->ne + 1, sizeof(*s->hint));
+    if (!s->use || !s->usecap || !s->hint)
+        return sched_nomem(b, err);
+    if (b->relay) {
+        s->duse = calloc((uint64_t)s->ne + 1, sizeof(*s->duse));
+        if (s->duse == NULL)
+            return sched_nomem(b, err);
     }
     for (uint64_t i = 0; i < s->nm; i++) {
-        uint32_t se = m[i].src_ep, de = m[i].dst_ep, best = 0;
-        uint64_t bc = UINT64_MAX;
-        if (m[i].kind != RF_PLAN_DIRECT)
+        if (m[i].kind != RF_PLAN_PACKED)
             continue;
-        for (uint32_t r = 0; r < s->R; r++) {
-            uint64_t c = use[se][r] > use[de][r] ? use[se][r] : use[de][r];
-            if (c < bc) {
-                bc = c;
-                best = r;
-            }
+        rc = place_packed_one(b, s, &m[i], 0, err);
+        if (rc)
+            return rc;
+    }
+    note_staging(b, s);
+    return 0;
+}
+
+/* A direct message needs no staging: it goes to the round from `from` on where the larger of
+ * its two ends' loads is least (the first such round on ties), spreading the direct messages
+ * over the packed rounds. Without relays the loads are the use table itself (direct messages
+ * are placed after every packed one); with relays, packed messages are placed after direct
+ * ones too, so direct bytes are counted apart (duse) and never take staging room. */
+static int place_direct_one(const builder *b, sched *s, rf_plan_msg *m, uint64_t from,
+                            rf_err *err)
+{
+    uint32_t se = m->src_ep, de = m->dst_ep, best = (uint32_t)from;
+    uint64_t bc = UINT64_MAX, **use = s->use, **duse = s->duse;
+    int rc = extend_rounds(b, s, from + 1, err);
+
+    if (rc)
+        return rc;
+    for (uint32_t r = (uint32_t)from; r < s->R; r++) {
+        uint64_t us = use[se][r] + (duse ? duse[se][r] : 0);
+        uint64_t ud = use[de][r] + (duse ? duse[de][r] : 0);
+        uint64_t c = us > ud ? us : ud;
+        if (c < bc) {
+            bc = c;
+            best = r;
         }
-        m[i].round = best;
-        use[se][best] += m[i].bytes;
-        use[de][best] += m[i].bytes;
+    }
+    m->round = best;
+    use = duse ? duse : use;
+    use[se][best] += m->bytes;
+    use[de][best] += m->bytes;
+    return 0;
+}
+
+static int place_direct(const builder *b, sched *s, rf_err *err)
+{
+    int rc;
+
+    if (s->R == 0 && s->nm > 0) {
+        rc = extend_rounds(b, s, 1, err);
+        if (rc)
+            return rc;
+    }
+    for (uint64_t i = 0; i < s->nm; i++) {
+        if (s->m[i].kind != RF_PLAN_DIRECT)
+            continue;
+        rc = place_direct_one(b, s, &s->m[i], 0, err);
+        if (rc)
+            return rc;
     }
     return 0;
+}
+
+/* The relay messages, hop count by hop count once the rounds of the messages before are
+ * known. A relay transfer may go from round ready[its source unit] + 1 on (the ordering rule
+ * of plan.h). Those of one hop count are taken by that round (a stable counting sort, so in
+ * build order within a round); the packed ones of one endpoint pair and round form messages
+ * of at most half the budget, a direct one is a message of its own. The messages of a round
+ * are placed from it on in the order they were formed, and each transfer's unit is then ready
+ * in its message's round. */
+static int place_relays(builder *b, sched *s, rf_err *err)
+{
+    rf_plan *pl = b->plan;
+    uint64_t nm0 = s->nm, capm = s->nm + 1, capc = s->nm + 1, npairs;
+    uint64_t *cnt = NULL, capcnt = 0, *open = NULL;
+    uint32_t *mround = malloc((nm0 + 1) * sizeof(uint32_t)), *idx = NULL;
+    linktab opentab = {0};
+    int rc = 0;
+
+    npairs = (uint64_t)b->ndst_ep * b->ndst_ep;
+    idx = malloc((b->nrl + 1) * sizeof(*idx));
+    if (npairs <= linkmat_max)
+        open = calloc(npairs + 1, sizeof(*open));
+    if (mround == NULL || idx == NULL || (npairs <= linkmat_max && open == NULL))
+        goto nomem;
+    for (uint64_t i = 0; i < nm0; i++)
+        mround[s->corder[i]] = s->m[i].round;
+    for (uint64_t x = 0; x < b->nx; x++) {
+        uint32_t u = b->wunit[x], mi = pl->xfers[x].msg;
+        if (u != NO_UNIT && mi != UINT32_MAX && mround[mi] > b->ready[u])
+            b->ready[u] = mround[mi];
+    }
+    for (uint32_t d = 1; d <= pl->st.relay_depth; d++) {
+        uint64_t maxf = 0, n = 0;
+        for (uint64_t i = 0; i < b->nrl; i++)
+            if (b->rl[i].depth == d && b->ready[b->rl[i].src_unit] + 1ull > maxf)
+                maxf = b->ready[b->rl[i].src_unit] + 1ull;
+        if (grow((void **)&cnt, &capcnt, maxf + 2, sizeof(*cnt)))
+            goto nomem;
+        memset(cnt, 0, (maxf + 2) * sizeof(*cnt));
+        for (uint64_t i = 0; i < b->nrl; i++)
+            if (b->rl[i].depth == d)
+                cnt[b->ready[b->rl[i].src_unit] + 2]++;
+        for (uint64_t f = 1; f < maxf + 2; f++)
+            cnt[f] += cnt[f - 1];
+        /* cnt[f] is where the relays that may go from round f on start; once they are in
+         * idx, where they end. */
+        for (uint64_t i = 0; i < b->nrl; i++) {
+            if (b->rl[i].depth != d)
+                continue;
+            idx[cnt[b->ready[b->rl[i].src_unit] + 1]++] = (uint32_t)i;
+            n++;
+        }
+        for (uint64_t i = 0, f = 1; i < n; f++) {
+            uint64_t first = s->nm, end = cnt[f];
+            if (i >= end)
+                continue;
+            for (uint64_t j = i; j < end; j++) {
+                const rlay *r = &b->rl[idx[j]];
+                rf_plan_xfer *x = &pl->xfers[r->x];
+                uint32_t qe = b->didx_ep[r->qi], pe = b->didx_ep[r->pi];
+                uint64_t pair = (uint64_t)r->qi * b->ndst_ep + r->pi, *slot = NULL;
+                rf_plan_msg *m = NULL;
+                if (r->kind == RF_PLAN_PACKED) {
+                    if (open)
+                        slot = &open[pair];
+                    else if (linktab_slot(&opentab, pair, &slot))
+                        goto nomem;
+                    /* An open message of this round only: built here, so past first. */
+                    if (*slot > first && s->m[*slot - 1].bytes + x->bytes <= b->half)
+                        m = &s->m[*slot - 1];
+                }
+                if (m == NULL) {
+                    if (grow((void **)&s->m, &capm, s->nm + 1, sizeof(*s->m)) ||
+                        grow((void **)&s->corder, &capc, s->nm + 1, sizeof(*s->corder)))
+                        goto nomem;
+                    if (b->nmb + 1 >= UINT32_MAX) {
+                        rc = rf_err_set(err, -E2BIG, "plan: more than 2^32 messages");
+                        goto out;
+                    }
+                    m = &s->m[s->nm];
+                    *m = (rf_plan_msg){.src_ep = qe, .dst_ep = pe, .kind = r->kind, .relay = d};
+                    s->corder[s->nm++] = (uint32_t)b->nmb++;
+                    if (slot)
+                        *slot = s->nm;
+                }
+                /* Build ids and positions in s->m agree: both count every message. */
+                x->msg = (uint32_t)(m - s->m);
+                x->msg_off = m->bytes;
+                m->bytes += x->bytes;
+                m->count++;
+            }
+            for (uint64_t k = first; k < s->nm; k++) {
+                rc = s->m[k].kind == RF_PLAN_DIRECT ? place_direct_one(b, s, &s->m[k], f, err)
+                                                    : place_packed_one(b, s, &s->m[k], f, err);
+                if (rc)
+                    goto out;
+            }
+            pl->st.relay_messages += s->nm - first;
+            i = end;
+        }
+        /* Each relay's unit is ready in its message's round. The next hop count reads these
+         * units only, so they are set once the level is placed, in build order (which reads
+         * the relays and transfers in memory order). */
+        for (uint64_t i = 0; i < b->nrl; i++)
+            if (b->rl[i].depth == d)
+                b->ready[b->rl[i].unit] = s->m[pl->xfers[b->rl[i].x].msg].round;
+    }
+    note_staging(b, s);
+    /* The arrays of final_order, for every message. */
+    {
+        uint64_t *k2 = realloc(s->mkey, (s->nm + 1) * sizeof(*s->mkey));
+        uint32_t *p2, *f2;
+        if (k2)
+            s->mkey = k2;
+        p2 = realloc(s->mperm, (s->nm + 1) * sizeof(*s->mperm));
+        if (p2)
+            s->mperm = p2;
+        f2 = realloc(s->fin, (s->nm + 1) * sizeof(*s->fin));
+        if (f2)
+            s->fin = f2;
+        if (!k2 || !p2 || !f2)
+            goto nomem;
+    }
+    goto out;
+nomem:
+    rc = sched_nomem(b, err);
+out:
+    free(mround);
+    free(idx);
+    free(cnt);
+    free(open);
+    free(opentab.keys);
+    free(opentab.vals);
+    return rc;
 }
 
 /* The final message order, (round, src, dst, creation order), as the permutation s->mperm;
@@ -1507,14 +2061,16 @@ static int schedule(builder *b, rf_err *err)
         rc = place_packed(b, &s, err);
     if (rc == 0)
         rc = place_direct(b, &s, err);
+    if (rc == 0 && b->relay)
+        rc = place_relays(b, &s, err);
     if (rc == 0)
         rc = final_order(b, &s, err);
     if (rc == 0)
         rc = order_xfers(b, &s, err);
     if (rc)
         goto out;
-    pl->nmsgs = (uint32_t)nm;
-    pl->nrounds = nm ? s.R : 0;
+    pl->nmsgs = (uint32_t)s.nm;
+    pl->nrounds = s.nm ? s.R : 0;
 out:
     free(s.corder);
     free(s.fin);
@@ -1522,10 +2078,14 @@ out:
     free(s.cursor);
     free(s.mkey);
     free(s.m);
-    if (s.use)
-        for (uint32_t e = 0; e < s.ne; e++)
+    for (uint32_t e = 0; e < s.ne; e++) {
+        if (s.use)
             free(s.use[e]);
+        if (s.duse)
+            free(s.duse[e]);
+    }
     free(s.use);
+    free(s.duse);
     free(s.usecap);
     free(s.hint);
     return rc;
@@ -1572,6 +2132,16 @@ static void builder_free(builder *b)
     free(b->holder);
     free(b->done);
     free(b->hs);
+    big_free(b->wunit, b->wunit_bytes);
+    free(b->ready);
+    free(b->rl);
+    free(b->rlinks.keys);
+    free(b->rlinks.vals);
+    free(b->rlinkmat);
+    free(b->ep_local);
+    free(b->stamp);
+    free(b->mem);
+    free(b->pc);
 }
 
 static int cmp_u32(const void *a, const void *b)
@@ -1620,6 +2190,19 @@ static int setup_hosts(builder *b)
         if (ep->side == RF_DST && ep->host != RF_HOST_NONE &&
             bsearch(&ep->host, scratch, n, sizeof(uint32_t), cmp_u32))
             b->any_local = true;
+    }
+    /* With relays, the destinations that may take local copies (plan_set). */
+    if (b->relay && b->any_local) {
+        b->ep_local = calloc((uint64_t)ne + 1, 1);
+        if (b->ep_local == NULL) {
+            free(scratch);
+            return -ENOMEM;
+        }
+        for (uint32_t e = 0; e < ne; e++) {
+            const rf_endpoint *ep = rf_inv_endpoint(b->inv, e);
+            b->ep_local[e] = ep->side == RF_DST && ep->host != RF_HOST_NONE &&
+                             bsearch(&ep->host, scratch, n, sizeof(uint32_t), cmp_u32);
+        }
     }
     free(scratch);
     return 0;
@@ -1743,6 +2326,11 @@ int rf_plan_build(const rf_inv *inv, const rf_plan_opts *opts, rf_plan **out, rf
                         (unsigned long long)opts->staging_bytes, MIN_STAGING);
         goto out;
     }
+    if (opts->relay > 1) {
+        rc = rf_err_set(err, -EINVAL, "plan: relay is %u; give 0 (off) or 1 (relays between "
+                        "destination replicas)", opts->relay);
+        goto out;
+    }
     if (sodium_init() < 0) {
         rc = rf_err_set(err, -EIO, "plan: libsodium failed to initialise");
         goto out;
@@ -1761,6 +2349,8 @@ int rf_plan_build(const rf_inv *inv, const rf_plan_opts *opts, rf_plan **out, rf
     b.inv = inv;
     b.plan = pl;
     b.half = opts->staging_bytes / 2;
+    b.relay = opts->relay != 0;
+    b.cur_unit = NO_UNIT;
     b.load = calloc((uint64_t)ne + 1, sizeof(uint64_t));
     b.epidx = calloc((uint64_t)ne + 1, sizeof(uint32_t));
     b.node = calloc((uint64_t)ne + 1, sizeof(uint32_t));
@@ -1776,7 +2366,14 @@ int rf_plan_build(const rf_inv *inv, const rf_plan_opts *opts, rf_plan **out, rf
     b.capx = (uint64_t)nd + 64;
     if (big_resize((void **)&pl->xfers, &pl->xfers_bytes, b.capx, sizeof(rf_plan_xfer)))
         goto nomem;
-    for (uint32_t i = 0; i < nd; i++) {
+    if (b.relay) {
+        if (big_resize((void **)&b.wunit, &b.wunit_bytes, b.capx, sizeof(uint32_t)))
+            goto nomem;
+        rc = plan_with_relays(&b, err);
+        if (rc)
+            goto out;
+    }
+    for (uint32_t i = 0; i < nd && !b.relay; i++) {
         rc = plan_piece(&b, i, err);
         if (rc)
             goto out;
@@ -1800,13 +2397,25 @@ int rf_plan_build(const rf_inv *inv, const rf_plan_opts *opts, rf_plan **out, rf
     {
         uint64_t tot_s = 0, tot_r = 0;
         for (uint32_t e = 0; e < ne; e++) {
-            tot_s += pl->sent[e];
+            bool src = rf_inv_endpoint(inv, e)->side == RF_SRC;
+            tot_s += src ? pl->sent[e] : 0;
             tot_r += pl->recv[e];
-            if (pl->sent[e] > pl->st.max_sender_bytes)
+            if (src && pl->sent[e] > pl->st.max_sender_bytes)
                 pl->st.max_sender_bytes = pl->sent[e];
+            if (!src && pl->sent[e] > pl->st.max_relay_sender_bytes)
+                pl->st.max_relay_sender_bytes = pl->sent[e];
             if (pl->recv[e] > pl->st.max_receiver_bytes)
                 pl->st.max_receiver_bytes = pl->recv[e];
         }
+        pl->st.source_bytes = tot_s;
+        pl->st.relay_depth_bytes[0] = tot_r - pl->st.relay_bytes;
+        for (uint64_t i = 0; i < b.rlinks.nslots; i++)
+            if (b.rlinks.keys[i] && b.rlinks.vals[i] > pl->st.max_link_bytes)
+                pl->st.max_link_bytes = b.rlinks.vals[i];
+        if (b.rlinkmat)
+            for (uint64_t i = 0; i < (uint64_t)b.ndst_node * b.ndst_node; i++)
+                if (b.rlinkmat[i] > pl->st.max_link_bytes)
+                    pl->st.max_link_bytes = b.rlinkmat[i];
         pl->st.mean_sender_bytes = b.nsrc_ep ? (double)tot_s / b.nsrc_ep : 0.0;
         pl->st.mean_receiver_bytes = b.ndst_ep ? (double)tot_r / b.ndst_ep : 0.0;
         pl->st.dst_bytes = tot_r;
@@ -1920,4 +2529,33 @@ uint64_t rf_plan_path_bytes(const rf_plan *plan, uint32_t ep, uint32_t kind)
     if (ep >= plan->nendpoints || kind > RF_PLAN_LOCAL)
         return 0;
     return plan->path[(uint64_t)kind * plan->nendpoints + ep];
+}
+
+void rf_plan_predict(const rf_plan *plan, double link_Bps, double local_Bps, rf_plan_time *out)
+{
+    uint64_t maxnet = 0, maxloc = 0, maxin = 0;
+    const rf_inv *inv = plan->inv;
+
+    for (uint32_t e = 0; e < plan->nendpoints; e++) {
+        uint64_t loc = plan->path[(uint64_t)RF_PLAN_LOCAL * plan->nendpoints + e];
+        uint64_t s = plan->sent[e], r = plan->recv[e], net;
+        if (rf_inv_endpoint(inv, e)->side == RF_SRC) {
+            net = s - loc;
+        } else {
+            /* A destination's sends are its relays: network only. */
+            net = r - loc > s ? r - loc : s;
+            if (r - loc > maxin)
+                maxin = r - loc;
+        }
+        if (net > maxnet)
+            maxnet = net;
+        if (loc > maxloc)
+            maxloc = loc;
+    }
+    out->network_s = (double)maxnet / link_Bps;
+    out->local_s = (double)maxloc / local_Bps;
+    out->fill_s = (double)plan->st.relay_depth * (double)plan->st.relay_chunk_bytes / link_Bps;
+    out->predicted_s = (out->network_s > out->local_s ? out->network_s : out->local_s) +
+                       out->fill_s;
+    out->floor_s = (double)maxin / link_Bps;
 }

@@ -23,15 +23,42 @@ typedef struct rf_plan_opts {
     uint64_t staging_bytes;    /* staging budget per endpoint (GPU); default 256 MiB.
                                   A round uses at most half of it (double buffering). */
     uint64_t direct_min_bytes; /* smallest contiguous transfer sent direct; default 4 MiB */
+    uint32_t relay;            /* 0 (the default): every destination byte comes from a source
+                                  endpoint. 1: relays (below) may forward bytes between
+                                  destination endpoints. Other values are refused. Part of the
+                                  plan id only when on, so plans without relays keep their ids. */
 } rf_plan_opts;
 
 void rf_plan_opts_default(rf_plan_opts *o);
+
+/* Relays (rf_plan_opts.relay). Engines usually outnumber trainers, and every engine replica
+ * holds the same bytes, so with relays a destination piece may be fed by another destination
+ * piece with the same tensor, box and strides (a replica on another endpoint) that received
+ * those bytes earlier in the plan, instead of by a trainer. Replicas form trees per chunk:
+ * a piece larger than RF_PLAN_RELAY_CHUNK (or half the staging budget, if smaller) is cut
+ * into chunks along its outer dims, and each chunk has its tree, so that a relay forwards
+ * chunk c while it receives chunk c+1 (the rounds make the pipeline).
+ * - A relay message has rf_plan_msg.relay != 0 (the hop count: 1 when its source endpoint
+ *   got the bytes from trainers). Its src_ep is a DESTINATION endpoint, and the `src` of each
+ *   of its transfers is a DESTINATION piece id (rf_inv_piece(inv, RF_DST, src)) whose memory
+ *   holds the box once written. A message with relay == 0 is read as before.
+ * - Ordering rule: a relay message in round r reads only bytes that its source endpoint
+ *   received in messages of rounds < r. A daemon therefore starts a round's relay sends only
+ *   after its receives of all earlier rounds are complete; nothing else orders rounds.
+ * - Relay messages are direct or packed (never local): a packed relay uses staging on both
+ *   ends like any packed message, within half the budget per endpoint and round.
+ * - Replica choice minimises the busiest link (bytes an endpoint sends or receives over the
+ *   network, relayed bytes counted on both ends): a replica forwards only while its relay
+ *   sends stay within the largest engine ingress, which is the floor of any plan. Pieces
+ *   that a same-host source can copy locally are still copied locally (and may then relay). */
+#define RF_PLAN_RELAY_CHUNK (32ull << 20)
+#define RF_PLAN_RELAY_MAX_DEPTH 16 /* hops from a trainer, at most */
 
 /* One transfer: the bytes of `box` (global coordinates of the tensor of both pieces) go from
  * source piece src to destination piece dst. Packed transfers lie in their message's payload
  * at msg_off, as the box's elements in row-major order. */
 typedef struct rf_plan_xfer {
-    uint32_t src;    /* source piece id */
+    uint32_t src;    /* source piece id; a destination piece id in a relay message */
     uint32_t dst;    /* destination piece id */
     uint32_t box;    /* index into the plan's box table (rf_plan_box) */
     uint32_t msg;    /* message that carries it */
@@ -51,6 +78,8 @@ typedef struct rf_plan_msg {
     uint32_t round;
     uint32_t kind; /* rf_plan_kind */
     uint32_t first, count;
+    uint32_t relay; /* 0: from a source endpoint; else a relay of that many hops (above) */
+    uint32_t pad_;  /* always 0 */
     uint64_t bytes;
 } rf_plan_msg;
 
@@ -68,6 +97,15 @@ typedef struct rf_plan_stats {
      * dst_bytes is all three. The per-endpoint loads above (sender, receiver) count every
      * path; max_link_bytes counts the network alone. */
     uint64_t local_bytes, local_transfers, local_messages;
+    /* Relays. direct_bytes and packed_bytes include relayed bytes; the per-endpoint sent bytes
+     * of a destination endpoint are the bytes it relays. max_sender_bytes and
+     * mean_sender_bytes are over source endpoints; max_link_bytes covers relay links too. */
+    uint64_t source_bytes;     /* bytes source endpoints send (network and local) */
+    uint64_t relay_bytes, relay_transfers, relay_messages;
+    uint64_t max_relay_sender_bytes; /* most bytes one destination endpoint relays */
+    uint64_t relay_chunk_bytes;      /* largest relay unit (the pipeline's step) */
+    uint32_t relay_depth;            /* most hops of any relay */
+    uint64_t relay_depth_bytes[RF_PLAN_RELAY_MAX_DEPTH + 1]; /* bytes received per hop count */
 } rf_plan_stats;
 
 typedef struct rf_plan rf_plan;
@@ -106,11 +144,27 @@ const rf_plan_msg *rf_plan_msg_at(const rf_plan *plan, uint32_t i); /* sorted by
 const rf_box *rf_plan_box(const rf_plan *plan, uint32_t i);
 const rf_plan_stats *rf_plan_stats_get(const rf_plan *plan);
 size_t rf_plan_memory(const rf_plan *plan); /* bytes held by the plan */
-/* Bytes sent by source endpoint ep / received by destination endpoint ep. */
+/* Bytes sent by endpoint ep (a source, or a destination relaying) / received by destination
+ * endpoint ep. */
 uint64_t rf_plan_sent_bytes(const rf_plan *plan, uint32_t ep);
 uint64_t rf_plan_recv_bytes(const rf_plan *plan, uint32_t ep);
 /* Of those, the bytes endpoint ep sends (a source) or receives (a destination) on one path
- * (kind: RF_PLAN_DIRECT, RF_PLAN_PACKED or RF_PLAN_LOCAL); 0 for a bad ep or kind. */
+ * (kind: RF_PLAN_DIRECT, RF_PLAN_PACKED or RF_PLAN_LOCAL); 0 for a bad ep or kind. A
+ * destination's relay sends are not in it. */
 uint64_t rf_plan_path_bytes(const rf_plan *plan, uint32_t ep, uint32_t kind);
+
+/* The time model of `refitctl plan` and bench_plan: every GPU sends and receives at once over
+ * its own link of link_Bps bytes/s; local copies run beside it at local_Bps.
+ * network_s: max over endpoints of max(network bytes sent, network bytes received) / link_Bps;
+ * local_s:   max over endpoints of local bytes / local_Bps;
+ * fill_s:    relays only: the pipeline's fill, relay_depth chunks of relay_chunk_bytes;
+ * predicted_s = max(network_s, local_s) + fill_s;
+ * floor_s:   max over destination endpoints of the network bytes it must take in / link_Bps
+ *            (what it holds less what it copies locally): no plan of this inventory on these
+ *            links is faster. Latency, staging copies and NIC limits are not modelled. */
+typedef struct rf_plan_time {
+    double network_s, local_s, fill_s, predicted_s, floor_s;
+} rf_plan_time;
+void rf_plan_predict(const rf_plan *plan, double link_Bps, double local_Bps, rf_plan_time *out);
 
 #endif
