@@ -203,7 +203,8 @@ static void check_destinations(cluster *c)
 /* Structure of the plan: each destination element written by exactly one transfer, every
  * box inside both pieces, messages and rounds well formed; a message is local exactly when
  * its endpoints share a host, and then lies in round 0 within half the budget (or is one
- * transfer). */
+ * transfer). A relay message goes between destination endpoints, never local, and its
+ * transfers read destination pieces of the same tensor. */
 static void check_plan(const rf_plan *pl, const rf_plan_opts *o)
 {
     const rf_inv *inv = rf_plan_inv(pl);
@@ -228,12 +229,17 @@ static void check_plan(const rf_plan *pl, const rf_plan_opts *o)
                       "messages out of order at %u", mi);
         }
         uint32_t sh = rf_inv_endpoint(inv, m->src_ep)->host;
+        rf_side sside = m->relay ? RF_DST : RF_SRC;
         cr_assert_eq(m->first, next);
         cr_assert(m->count >= 1);
         cr_assert(m->round < rf_plan_nrounds(pl));
+        cr_assert_eq(m->pad_, 0);
+        cr_assert_eq(rf_inv_endpoint(inv, m->src_ep)->side, sside, "message %u", mi);
+        cr_assert(m->relay <= rf_plan_stats_get(pl)->relay_depth);
         next += m->count;
         cr_assert_eq(m->kind == RF_PLAN_LOCAL,
-                     sh != RF_HOST_NONE && sh == rf_inv_endpoint(inv, m->dst_ep)->host,
+                     !m->relay && sh != RF_HOST_NONE &&
+                     sh == rf_inv_endpoint(inv, m->dst_ep)->host,
                      "message %u of kind %u between endpoints %u and %u", mi, m->kind,
                      m->src_ep, m->dst_ep);
         if (m->kind == RF_PLAN_DIRECT)
@@ -248,12 +254,12 @@ static void check_plan(const rf_plan *pl, const rf_plan_opts *o)
         for (uint32_t k = 0; k < m->count; k++) {
             const rf_plan_xfer *x = rf_plan_xfer_at(pl, m->first + k);
             const rf_box *b = rf_plan_box(pl, x->box);
-            rf_inv_piece(inv, RF_SRC, x->src, &sp);
+            rf_inv_piece(inv, sside, x->src, &sp);
             rf_inv_piece(inv, RF_DST, x->dst, &dp);
             const rf_tensor *t = rf_inv_tensor(inv, dp.tensor);
             cr_assert_eq(sp.tensor, dp.tensor);
             cr_assert_eq(x->msg, mi);
-            cr_assert_eq(rf_inv_piece_endpoint(inv, RF_SRC, x->src), m->src_ep);
+            cr_assert_eq(rf_inv_piece_endpoint(inv, sside, x->src), m->src_ep);
             cr_assert_eq(rf_inv_piece_endpoint(inv, RF_DST, x->dst), m->dst_ep);
             cr_assert(rf_box_contains(&sp.box, b, t->ndim), "source read outside its piece");
             cr_assert(rf_box_contains(&dp.box, b, t->ndim), "write outside its piece");
@@ -263,7 +269,8 @@ static void check_plan(const rf_plan *pl, const rf_plan_opts *o)
             off += x->bytes;
             sent[m->src_ep] += x->bytes;
             recv[m->dst_ep] += x->bytes;
-            path[(size_t)m->kind * ne + m->src_ep] += x->bytes;
+            if (!m->relay) /* a destination's path bytes are what it receives */
+                path[(size_t)m->kind * ne + m->src_ep] += x->bytes;
             path[(size_t)m->kind * ne + m->dst_ep] += x->bytes;
             FOR_EACH_INDEX(b, t->ndim, idx) {
                 uint64_t l = 0;
@@ -1645,4 +1652,452 @@ Test(refitctl, bad_layout_exits_2)
     cr_assert_eq(run_ctl("plan --model qwen3-0.6b --src tp=1 --dst tp=1 --staging-mib 0", out,
                          sizeof(out)), 2, "%s", out);
     cr_assert_eq(run_ctl("plan --src tp=1 --dst tp=1", out, sizeof(out)), 2, "%s", out);
+}
+
+/* ---- relays (rf_plan_opts.relay) -------------------------------------------------------- */
+
+/* Runs pl on c's memory round by round as the ordering rule of plan.h allows and no more:
+ * every message of a round first reads all it sends (from source memory, or for a relay from
+ * the destination memory of its source piece), then all of them write. A relay that read
+ * bytes its source receives only in its own round or later would forward the zeros the
+ * destination regions start with, and check_destinations would see them. */
+static void relay_exec(cluster *c, const rf_plan *pl)
+{
+    const rf_inv *inv = c->inv;
+    uint32_t nm = rf_plan_nmsgs(pl);
+
+    fill_sources(c);
+    for (uint32_t a = 0, z; a < nm; a = z) {
+        uint32_t r = rf_plan_msg_at(pl, a)->round;
+        uint64_t x0 = rf_plan_msg_at(pl, a)->first, x1;
+        uint8_t **buf;
+        for (z = a; z < nm && rf_plan_msg_at(pl, z)->round == r; z++)
+            ;
+        x1 = rf_plan_msg_at(pl, z - 1)->first + rf_plan_msg_at(pl, z - 1)->count;
+        buf = calloc(x1 - x0 + 1, sizeof(*buf));
+        cr_assert_not_null(buf);
+        for (int write = 0; write < 2; write++) {
+            for (uint64_t i = x0; i < x1; i++) {
+                const rf_plan_xfer *x = rf_plan_xfer_at(pl, i);
+                const rf_box *b = rf_plan_box(pl, x->box);
+                rf_side sside = rf_plan_msg_at(pl, x->msg)->relay ? RF_DST : RF_SRC;
+                rf_piece sp, dp;
+                uint64_t o = 0;
+                rf_inv_piece(inv, sside, x->src, &sp);
+                rf_inv_piece(inv, RF_DST, x->dst, &dp);
+                const rf_tensor *t = rf_inv_tensor(inv, dp.tensor);
+                size_t es = rf_dtype_size(t->dtype);
+                if (!write)
+                    buf[i - x0] = malloc(x->bytes + 1);
+                FOR_EACH_INDEX(b, t->ndim, idx) {
+                    if (write)
+                        memcpy(c->bases[dp.region] + rf_piece_byte_offset(&dp, t->ndim, es, idx),
+                               buf[i - x0] + o, es);
+                    else
+                        memcpy(buf[i - x0] + o,
+                               c->bases[sp.region] + rf_piece_byte_offset(&sp, t->ndim, es, idx),
+                               es);
+                    o += es;
+                }
+                cr_assert_eq(o, x->bytes);
+                if (write)
+                    free(buf[i - x0]);
+            }
+        }
+        free(buf);
+    }
+    check_destinations(c);
+}
+
+/* The ordering rule checked from the plan alone, by boxes: the transfers into the source
+ * piece of each relay transfer, in rounds before the relay's, cover its box (the writes into
+ * a piece are disjoint, check_plan makes sure, so covering means the volumes add up). Also:
+ * hop counts chain (a relay of h hops reads bytes that came in h - 1), and only destination
+ * endpoints that share no host with a source relay. */
+static void check_relay_order(const rf_plan *pl)
+{
+    const rf_inv *inv = rf_plan_inv(pl);
+    uint32_t nd = rf_inv_npieces(inv, RF_DST);
+    uint64_t n = rf_plan_nxfers(pl), *first = calloc((size_t)nd + 2, sizeof(uint64_t));
+    uint64_t *by = malloc((n + 1) * sizeof(uint64_t)), relays = 0;
+
+    cr_assert(first && by);
+    for (uint64_t i = 0; i < n; i++)
+        first[rf_plan_xfer_at(pl, i)->dst + 2]++;
+    for (uint32_t p = 0; p < nd; p++)
+        first[p + 2] += first[p + 1];
+    for (uint64_t i = 0; i < n; i++)
+        by[first[rf_plan_xfer_at(pl, i)->dst + 1]++] = i;
+    for (uint64_t i = 0; i < n; i++) {
+        const rf_plan_xfer *x = rf_plan_xfer_at(pl, i);
+        const rf_plan_msg *m = rf_plan_msg_at(pl, x->msg);
+        const rf_box *b = rf_plan_box(pl, x->box);
+        int ndim = rf_inv_tensor(inv, rf_inv_piece_tensor(inv, RF_DST, x->dst))->ndim;
+        int64_t need = rf_box_numel(b, ndim), got = 0;
+        if (!m->relay)
+            continue;
+        relays++;
+        cr_assert_neq(m->kind, RF_PLAN_LOCAL);
+        for (uint64_t k = first[x->src]; k < first[x->src + 1]; k++) {
+            const rf_plan_xfer *w = rf_plan_xfer_at(pl, by[k]);
+            const rf_plan_msg *wm = rf_plan_msg_at(pl, w->msg);
+            rf_box cut;
+            if (!rf_box_intersect(rf_plan_box(pl, w->box), b, ndim, &cut))
+                continue;
+            cr_assert(wm->round < m->round, "relay in round %u reads bytes written in round %u",
+                      m->round, wm->round);
+            cr_assert_eq(wm->relay + 1, m->relay, "a relay of %u hops reads bytes of %u hops",
+                         m->relay, wm->relay);
+            cr_assert_neq(wm->kind, RF_PLAN_LOCAL, "a relay forwards locally copied bytes");
+            got += rf_box_numel(&cut, ndim);
+        }
+        cr_assert_eq(got, need, "relay box of %lld elements covered by %lld written before",
+                     (long long)need, (long long)got);
+    }
+    cr_assert_eq(relays, rf_plan_stats_get(pl)->relay_transfers);
+    free(first);
+    free(by);
+}
+
+/* max over endpoints of max(bytes sent, bytes received): the busiest link. */
+static uint64_t busiest(const rf_plan *pl)
+{
+    uint64_t mx = 0;
+
+    for (uint32_t e = 0; e < rf_inv_nendpoints(rf_plan_inv(pl)); e++) {
+        uint64_t s = rf_plan_sent_bytes(pl, e), r = rf_plan_recv_bytes(pl, e);
+        mx = s > mx ? s : mx;
+        mx = r > mx ? r : mx;
+    }
+    return mx;
+}
+
+/* FNV-1a over every field a plan had before relays existed, of its messages and transfers. */
+static uint64_t moves_digest(const rf_plan *pl)
+{
+    uint64_t h = 1469598103934665603ull;
+#define MIX(v)                                                                                 \
+    for (int _i = 0; _i < 8; _i++) {                                                           \
+        h ^= ((uint64_t)(v) >> (8 * _i)) & 0xff;                                               \
+        h *= 1099511628211ull;                                                                 \
+    }
+    for (uint32_t i = 0; i < rf_plan_nmsgs(pl); i++) {
+        const rf_plan_msg *x = rf_plan_msg_at(pl, i);
+        MIX(x->src_ep) MIX(x->dst_ep) MIX(x->round) MIX(x->kind) MIX(x->first) MIX(x->count)
+        MIX(x->bytes)
+    }
+    for (uint64_t i = 0; i < rf_plan_nxfers(pl); i++) {
+        const rf_plan_xfer *x = rf_plan_xfer_at(pl, i);
+        const rf_box *b = rf_plan_box(pl, x->box);
+        MIX(x->src) MIX(x->dst) MIX(x->msg) MIX(x->msg_off) MIX(x->bytes)
+        for (int d = 0; d < RF_MAX_DIMS; d++) {
+            MIX(b->start[d]) MIX(b->extent[d])
+        }
+    }
+#undef MIX
+    return h;
+}
+
+/* Relay off (the default, and what a zeroed option says) plans exactly as the planner did
+ * before relays existed: these digests of every message and transfer were recorded from the
+ * planner at 104387a (the commit before relays; same fields, same inventories). */
+Test(plan_relay, off_keeps_the_plans_from_before_relays, .timeout = 60)
+{
+    static const struct {
+        const char *model;
+        int shrink;
+        const char *src, *dst;
+        uint32_t msgs;
+        uint64_t xfers, digest;
+    } cases[] = {
+        {"qwen3-30b-a3b", 64, "tp=2,ep=4,dp=2", "tp=4,dp=4", 4206, 301880, 0x3924110cf456754dull},
+        {"qwen3-0.6b", 8, "tp=2,pp=2", "tp=2,dp=2", 1807, 2250, 0x3519eda48d65e16dull},
+    };
+
+    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+        rf_model *m = NULL;
+        rf_inv *inv = model_inv(cases[i].model, cases[i].shrink, cases[i].src, cases[i].dst, &m);
+        rf_plan_opts o = {.staging_bytes = 1 << 16, .direct_min_bytes = 4096};
+        rf_plan *pl = NULL;
+        rf_err err;
+
+        cr_assert_eq(rf_plan_build(inv, &o, &pl, &err), 0, "%s", err.msg);
+        cr_assert_eq(rf_plan_nmsgs(pl), cases[i].msgs);
+        cr_assert_eq(rf_plan_nxfers(pl), cases[i].xfers);
+        cr_assert_eq(moves_digest(pl), cases[i].digest, "%s: moves changed with relay off",
+                     cases[i].model);
+        for (uint32_t k = 0; k < rf_plan_nmsgs(pl); k++)
+            cr_assert_eq(rf_plan_msg_at(pl, k)->relay, 0);
+        cr_assert_eq(rf_plan_stats_get(pl)->relay_bytes, 0);
+        cr_assert_eq(rf_plan_stats_get(pl)->source_bytes, rf_plan_stats_get(pl)->dst_bytes);
+        rf_plan_free(pl);
+        rf_inv_free(inv);
+        rf_model_free(m);
+    }
+    {
+        rf_plan_opts d;
+        rf_plan_opts_default(&d);
+        cr_assert_eq(d.relay, 0, "relays are off by default");
+    }
+}
+
+/* Relay on is in the id (off is not: see no_host_plan_id_unchanged), and a plan with relays
+ * is deterministic. */
+Test(plan_relay, id_covers_relay_and_builds_agree)
+{
+    cluster c;
+    rf_plan_opts o = {.staging_bytes = 8192, .direct_min_bytes = 1024}, on = o;
+    uint8_t a[RF_PLAN_ID_BYTES], b[RF_PLAN_ID_BYTES];
+    rf_plan *p1 = NULL, *p2 = NULL;
+    rf_err err;
+
+    on.relay = 1;
+    host_cluster(&c, 2, (const int[]){2, 2}, 3, NULL, NULL);
+    rf_plan_digest(c.inv, &o, a);
+    rf_plan_digest(c.inv, &on, b);
+    cr_assert_neq(memcmp(a, b, sizeof(a)), 0, "relay on must change the plan id");
+    cluster_free(&c);
+
+    /* Engine DP 4 of a model: replicas relay; two builds are the same plan. */
+    rf_model *m = NULL;
+    rf_inv *inv = model_inv("qwen3-30b-a3b", 64, "tp=2,ep=4,dp=2", "tp=4,dp=4", &m);
+    on = (rf_plan_opts){.staging_bytes = 1 << 16, .direct_min_bytes = 4096, .relay = 1};
+    cr_assert_eq(rf_plan_build(inv, &on, &p1, &err), 0, "%s", err.msg);
+    cr_assert_eq(rf_plan_build(inv, &on, &p2, &err), 0, "%s", err.msg);
+    cr_assert(rf_plan_stats_get(p1)->relay_transfers > 0);
+    check_same(p1, p2);
+    rf_plan_free(p1);
+    rf_plan_free(p2);
+    rf_inv_free(inv);
+    rf_model_free(m);
+}
+
+Test(plan_relay, bad_option_refused)
+{
+    cluster c;
+    rf_plan_opts o = {.staging_bytes = 8192, .direct_min_bytes = 1024, .relay = 2};
+    rf_plan *pl = NULL;
+    rf_err err;
+
+    host_cluster(&c, 1, (const int[]){2}, 2, NULL, NULL);
+    cr_assert_eq(rf_plan_build(c.inv, &o, &pl, &err), -EINVAL);
+    cr_assert_null(pl);
+    cr_assert(strstr(err.msg, "relay is 2; give 0 (off) or 1") != NULL, "%s", err.msg);
+    cluster_free(&c);
+}
+
+/* Random meshes (replicated placements give replicas on several destination endpoints) with
+ * relays: exact cover, the ordering rule by boxes, executed round by round byte for byte,
+ * deterministic; staging within budget (check_plan). */
+Test(plan_relay, random_layouts_execute_in_round_order, .timeout = 120)
+{
+    static const rf_plan_opts optsets[] = {
+        {.staging_bytes = 256ull << 20, .direct_min_bytes = 4ull << 20, .relay = 1},
+        {.staging_bytes = 4096, .direct_min_bytes = 64, .relay = 1},
+        {.staging_bytes = 8192, .direct_min_bytes = 1, .relay = 1},
+    };
+    uint64_t relayed = 0;
+
+    for (uint64_t seed = 1; seed <= 150; seed++) {
+        const rf_plan_opts *o = &optsets[seed % 3];
+        cluster c;
+        rf_plan *a = NULL, *b = NULL;
+        rf_err err;
+        random_cluster(&c, seed);
+        cr_assert_eq(rf_plan_build(c.inv, o, &a, &err), 0, "seed %llu: %s",
+                     (unsigned long long)seed, err.msg);
+        check_plan(a, o);
+        check_relay_order(a);
+        relay_exec(&c, a);
+        cr_assert_eq(rf_plan_build(c.inv, o, &b, &err), 0, "%s", err.msg);
+        check_same(a, b);
+        relayed += rf_plan_stats_get(a)->relay_bytes;
+        cr_assert(rf_plan_stats_get(a)->max_staging_bytes <= o->staging_bytes / 2);
+        rf_plan_free(a);
+        rf_plan_free(b);
+        cluster_free(&c);
+    }
+    cr_assert(relayed > 0, "no random layout relayed anything");
+}
+
+/* A dp-replicated engine (qwen3-30b-a3b shrunk, trainers tp=2,ep=4,dp=2, engines tp=4,dp=4):
+ * with relays the busiest link carries less, trainers send each byte of the model once (the
+ * norms every TP rank holds whole are relayed too), the prediction is within 1.2x the ingress floor, and the plan runs
+ * right round by round. */
+Test(plan_relay, dp_replicas_busiest_link_reduced, .timeout = 60)
+{
+    rf_model *m = NULL;
+    rf_inv *inv = model_inv("qwen3-30b-a3b", 64, "tp=2,ep=4,dp=2", "tp=4,dp=4", &m);
+    rf_plan_opts off = {.staging_bytes = 1 << 16, .direct_min_bytes = 4096}, on = off;
+    rf_plan *p0 = NULL, *p1 = NULL;
+    rf_plan_time t0, t1;
+    cluster c = {.inv = inv};
+    rf_err err;
+
+    on.relay = 1;
+    cr_assert_eq(rf_plan_build(inv, &off, &p0, &err), 0, "%s", err.msg);
+    cr_assert_eq(rf_plan_build(inv, &on, &p1, &err), 0, "%s", err.msg);
+    check_plan(p1, &on);
+    check_relay_order(p1);
+    cr_assert(busiest(p1) * 3 < busiest(p0), "busiest link %llu with relays, %llu without",
+              (unsigned long long)busiest(p1), (unsigned long long)busiest(p0));
+    cr_assert_eq(rf_plan_stats_get(p1)->source_bytes, rf_model_bytes(m),
+                 "trainers send %llu bytes of a %llu-byte model",
+                 (unsigned long long)rf_plan_stats_get(p1)->source_bytes,
+                 (unsigned long long)rf_model_bytes(m));
+    cr_assert_eq(rf_plan_stats_get(p1)->dst_bytes, rf_plan_stats_get(p0)->dst_bytes);
+    rf_plan_predict(p0, 50e9, 400e9, &t0);
+    rf_plan_predict(p1, 50e9, 400e9, &t1);
+    cr_assert_eq(t0.floor_s, t1.floor_s);
+    cr_assert(t0.predicted_s > 3.5 * t0.floor_s, "without relays %.6f s, floor %.6f s",
+              t0.predicted_s, t0.floor_s);
+    cr_assert(t1.predicted_s <= 1.2 * t1.floor_s, "with relays %.6f s, floor %.6f s",
+              t1.predicted_s, t1.floor_s);
+    c.nregions = rf_inv_nregions(inv);
+    c.bases = calloc(c.nregions, sizeof(*c.bases));
+    for (uint32_t r = 0; r < c.nregions; r++)
+        c.bases[r] = calloc(rf_inv_region(inv, r)->size + 1, 1);
+    relay_exec(&c, p1);
+    rf_plan_free(p0);
+    rf_plan_free(p1);
+    cluster_free(&c);
+    rf_model_free(m);
+}
+
+/* One trainer, four engine replicas of one 64 x 64 fp32 tensor (16 KiB), half a staging
+ * budget of 4 KiB: chunks of 4 KiB, each with its own tree, and a replica forwards a chunk
+ * before its own copy is complete (the pipeline). */
+Test(plan_relay, chunks_pipeline)
+{
+    cluster c;
+    rf_plan_opts o = {.staging_bytes = 8192, .direct_min_bytes = 1 << 20, .relay = 1};
+    int64_t shape[2] = {64, 64};
+    uint32_t tid, seps[1], deps[4];
+    hpiece *sp = NULL, *dp = NULL;
+    size_t ns = 0, nd = 0;
+    rf_box full;
+    rf_plan *pl = NULL;
+    rf_err err;
+    uint32_t last_in[4] = {0}, first_out[4];
+
+    memset(&c, 0, sizeof(c));
+    c.inv = rf_inv_new();
+    cr_assert_eq(rf_inv_add_tensor(c.inv, "w", RF_DT_FP32, 2, shape, &tid, &err), 0);
+    cr_assert_eq(rf_inv_add_endpoint(c.inv, RF_SRC, 0, &seps[0], &err), 0);
+    for (int i = 0; i < 4; i++)
+        cr_assert_eq(rf_inv_add_endpoint(c.inv, RF_DST, 1 + (uint32_t)i, &deps[i], &err), 0);
+    rf_box_full(&full, 2, shape);
+    add_hpiece(&sp, &ns, tid, 0, 2, &full, 0, 4);
+    for (uint32_t i = 0; i < 4; i++)
+        add_hpiece(&dp, &nd, tid, i, 2, &full, 0, 4);
+    place(&c, sp, ns, seps, 1, RF_SRC);
+    place(&c, dp, nd, deps, 4, RF_DST);
+    cr_assert_eq(rf_plan_build(c.inv, &o, &pl, &err), 0, "%s", err.msg);
+    check_plan(pl, &o);
+    check_relay_order(pl);
+    const rf_plan_stats *st = rf_plan_stats_get(pl);
+    cr_assert_eq(st->source_bytes, 64 * 64 * 4, "the trainer sends the tensor once");
+    cr_assert_eq(st->relay_bytes, 3 * 64 * 64 * 4);
+    cr_assert_eq(st->relay_chunk_bytes, 4096);
+    cr_assert(st->relay_depth >= 1);
+    memset(first_out, 0xff, sizeof(first_out));
+    for (uint32_t mi = 0; mi < rf_plan_nmsgs(pl); mi++) {
+        const rf_plan_msg *m = rf_plan_msg_at(pl, mi);
+        uint32_t d = m->dst_ep - deps[0];
+        if (m->round > last_in[d])
+            last_in[d] = m->round;
+        if (m->relay && m->round < first_out[m->src_ep - deps[0]])
+            first_out[m->src_ep - deps[0]] = m->round;
+    }
+    {
+        int pipelined = 0;
+        for (int i = 0; i < 4; i++)
+            pipelined += first_out[i] != UINT32_MAX && first_out[i] < last_in[i];
+        cr_assert(pipelined > 0, "no replica forwards before it has received everything");
+    }
+    relay_exec(&c, pl);
+    rf_plan_free(pl);
+    free(sp);
+    free(dp);
+    cluster_free(&c);
+}
+
+/* Same-host copies stay: trainers tp=2 and the first of three engine replicas (tp=2) on
+ * host 7, the other replicas on hosts 8 and 9. The first replica copies everything locally
+ * and relays nothing (its copies run beside the rounds, which do not order them); the other
+ * two are fed over the network, one of them by relays. */
+Test(plan_relay, local_copies_stay_and_do_not_relay, .timeout = 60)
+{
+    rf_model *m = NULL;
+    rf_inv *inv = model_inv("qwen3-0.6b", 8, "tp=2", "tp=2,dp=3", &m);
+    rf_plan_opts o = {.staging_bytes = 1 << 16, .direct_min_bytes = 4096, .relay = 1};
+    static const uint32_t host[8] = {7, 7, 7, 7, 8, 8, 9, 9};
+    cluster c = {.inv = inv};
+    rf_plan *pl = NULL;
+    rf_err err;
+
+    cr_assert_eq(rf_inv_nendpoints(inv), 8);
+    for (uint32_t e = 0; e < 8; e++) {
+        cr_assert_eq(rf_inv_endpoint(inv, e)->side, e < 2 ? RF_SRC : RF_DST);
+        cr_assert_eq(rf_inv_set_endpoint_host(inv, e, host[e], &err), 0);
+    }
+    cr_assert_eq(rf_plan_build(inv, &o, &pl, &err), 0, "%s", err.msg);
+    check_plan(pl, &o);
+    check_relay_order(pl);
+    for (uint32_t mi = 0; mi < rf_plan_nmsgs(pl); mi++) {
+        const rf_plan_msg *m2 = rf_plan_msg_at(pl, mi);
+        if (m2->relay)
+            cr_assert_neq(host[m2->src_ep], 7, "an engine on the trainers' host relays");
+    }
+    const rf_plan_stats *st = rf_plan_stats_get(pl);
+    cr_assert_eq(st->local_bytes * 3, st->dst_bytes);
+    cr_assert(st->relay_bytes > 0);
+    cr_assert_eq(rf_plan_sent_bytes(pl, 2) + rf_plan_sent_bytes(pl, 3), 0);
+    c.nregions = rf_inv_nregions(inv);
+    c.bases = calloc(c.nregions, sizeof(*c.bases));
+    for (uint32_t r = 0; r < c.nregions; r++)
+        c.bases[r] = calloc(rf_inv_region(inv, r)->size + 1, 1);
+    relay_exec(&c, pl);
+    rf_plan_free(pl);
+    cluster_free(&c);
+    rf_model_free(m);
+}
+
+/* refitctl plan --relay: the issue's case, from 4.0x its floor to within 1.2x, with the
+ * relay structure in --explain and in --json. */
+Test(refitctl, plan_relay_explain_and_json)
+{
+    static char out[1 << 16];
+    json_t *j, *rs;
+    json_error_t je;
+
+    cr_assert_eq(run_ctl("plan --model qwen3-30b-a3b --src tp=2,ep=4,dp=2 --dst tp=4,dp=4", out,
+                         sizeof(out)), 0, "%s", out);
+    cr_assert(strstr(out, "predicted    1.226 s at 400 Gbit/s per GPU") != NULL, "%s", out);
+    cr_assert(strstr(out, "floor        0.306 s") != NULL, "%s", out);
+    cr_assert(strstr(out, "predicted / floor 4.0") != NULL, "%s", out);
+    cr_assert_eq(run_ctl("plan --model qwen3-30b-a3b --src tp=2,ep=4,dp=2 --dst tp=4,dp=4 "
+                         "--relay --explain", out, sizeof(out)), 0, "%s", out);
+    cr_assert(strstr(out, "relays       trainers send 56.87 GiB") != NULL, "%s", out);
+    cr_assert(strstr(out, "\nrelays:\n") != NULL, "%s", out);
+    cr_assert(strstr(out, "tree depth") != NULL, "%s", out);
+    cr_assert(strstr(out, "received by hops from a trainer: 0: ") != NULL, "%s", out);
+    cr_assert(strstr(out, "predicted / floor 1.0") != NULL, "%s", out);
+    cr_assert_eq(run_ctl("plan --model qwen3-30b-a3b --src tp=2,ep=4,dp=2 --dst tp=4,dp=4 "
+                         "--relay --explain --json", out, sizeof(out)), 0, "%s", out);
+    j = json_loads(out, 0, &je);
+    cr_assert_not_null(j, "not JSON: %s (%s)", out, je.text);
+    cr_assert(json_is_true(json_object_get(j, "relay")));
+    cr_assert(json_number_value(json_object_get(j, "predicted_over_floor")) <= 1.2);
+    cr_assert(json_number_value(json_object_get(j, "floor_seconds")) > 0.3);
+    cr_assert(json_integer_value(json_object_get(j, "relay_bytes")) > 0);
+    rs = json_object_get(j, "relay_structure");
+    cr_assert_not_null(rs);
+    cr_assert_eq(json_integer_value(json_object_get(rs, "source_bytes")),
+                 json_integer_value(json_object_get(j, "source_bytes")));
+    cr_assert(json_integer_value(json_object_get(rs, "depth")) >= 1);
+    cr_assert(json_array_size(json_object_get(rs, "bytes_by_hops")) >= 2);
+    json_decref(j);
+    cr_assert_eq(run_ctl("plan --help", out, sizeof(out)), 0);
+    cr_assert(strstr(out, "--relay") != NULL, "%s", out);
 }
