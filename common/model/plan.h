@@ -49,8 +49,10 @@ void rf_plan_opts_default(rf_plan_opts *o);
  *   ends like any packed message, within half the budget per endpoint and round.
  * - Replica choice minimises the busiest link (bytes an endpoint sends or receives over the
  *   network, relayed bytes counted on both ends): a replica forwards only while its relay
- *   sends stay within the largest engine ingress, which is the floor of any plan. Pieces
- *   that a same-host source can copy locally are still copied locally (and may then relay). */
+ *   sends stay within the largest engine ingress, which is the floor of any plan.
+ * - Only network paths relay: a destination endpoint that shares a host with some source
+ *   endpoint is planned as without relays (its same-host cells copied locally) and relays
+ *   nothing, since its local copies run beside the network rounds, unordered by them. */
 #define RF_PLAN_RELAY_CHUNK (32ull << 20)
 #define RF_PLAN_RELAY_MAX_DEPTH 16 /* hops from a trainer, at most */
 
