@@ -760,6 +760,28 @@ typedef struct dpiece {
 static int emit(builder *b, const dpiece *dp, const cand *c, const rf_box *box, uint64_t bytes,
                 bool whole, rf_err *err);
 
+/* Room for one more transfer (and its unit tag, with relays), once its box is interned with
+ * result rc: the transfers' array grows by doubling in its own mapping. */
+static int xfer_room(builder *b, int rc, rf_err *err)
+{
+    rf_plan *pl = b->plan;
+
+    if (b->nx >= UINT32_MAX - 1)
+        return rf_err_set(err, -E2BIG, "plan: %llu transfers exceed the 32-bit transfer index",
+                          (unsigned long long)b->nx + 1);
+    if (rc == 0 && b->nx >= b->capx) {
+        rc = big_resize((void **)&pl->xfers, &pl->xfers_bytes, b->capx * 2, sizeof(rf_plan_xfer));
+        if (rc == 0 && b->wunit)
+            rc = big_resize((void **)&b->wunit, &b->wunit_bytes, b->capx * 2, sizeof(uint32_t));
+        if (rc == 0)
+            b->capx *= 2;
+    }
+    if (rc)
+        return rf_err_set(err, rc, "plan: out of memory after %llu transfers",
+                          (unsigned long long)b->nx);
+    return 0;
+}
+
 /* A packed transfer larger than half the staging budget would fit no round: it is split along
  * the outermost dim of extent > 1 into slabs that fit, and a single slab that is still too
  * large is split again along the next dim, by emit's own check on each slab. */
@@ -878,19 +900,9 @@ static int emit(builder *b, const dpiece *dp, const cand *c, const rf_box *box, 
         if (rc == 0 && whole && b->gbid)
             b->gbid[dp->geom] = bid + 1;
     }
-    if (b->nx >= UINT32_MAX - 1)
-        return rf_err_set(err, -E2BIG, "plan: %llu transfers exceed the 32-bit transfer index",
-                          (unsigned long long)b->nx + 1);
-    if (rc == 0 && b->nx >= b->capx) {
-        rc = big_resize((void **)&pl->xfers, &pl->xfers_bytes, b->capx * 2, sizeof(rf_plan_xfer));
-        if (rc == 0 && b->wunit)
-            rc = big_resize((void **)&b->wunit, &b->wunit_bytes, b->capx * 2, sizeof(uint32_t));
-        if (rc == 0)
-            b->capx *= 2;
-    }
+    rc = xfer_room(b, rc, err);
     if (rc)
-        return rf_err_set(err, rc, "plan: out of memory after %llu transfers",
-                          (unsigned long long)b->nx);
+        return rc;
     rc = msg_for(b, c->ep, dp->ep, kind, bytes, &mm, err);
     if (rc)
         return rc;
@@ -1399,17 +1411,10 @@ static int relay_emit(builder *b, const placed *q, uint32_t p, const rf_box *box
         if (rc == 0 && whole && b->gbid)
             b->gbid[pr->geom] = bid + 1;
     }
-    if (b->nx >= UINT32_MAX - 1)
-        return rf_err_set(err, -E2BIG, "plan: %llu transfers exceed the 32-bit transfer index",
-                          (unsigned long long)b->nx + 1);
-    if (rc == 0 && b->nx >= b->capx) {
-        rc = big_resize((void **)&pl->xfers, &pl->xfers_bytes, b->capx * 2, sizeof(rf_plan_xfer));
-        if (rc == 0)
-            rc = big_resize((void **)&b->wunit, &b->wunit_bytes, b->capx * 2, sizeof(uint32_t));
-        if (rc == 0)
-            b->capx *= 2;
-    }
-    if (rc == 0 && grow((void **)&b->rl, &b->caprl, b->nrl + 1, sizeof(rlay)))
+    rc = xfer_room(b, rc, err);
+    if (rc)
+        return rc;
+    if (grow((void **)&b->rl, &b->caprl, b->nrl + 1, sizeof(rlay)))
         rc = -ENOMEM;
     if (rc == 0 && b->rlinkmat)
         link = &b->rlinkmat[(uint64_t)b->nodeidx[q->ep] * b->ndst_node + b->nodeidx[pep]];
