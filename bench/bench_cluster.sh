@@ -69,14 +69,15 @@ bc_worlds() {
         sed -n 's/^layouts .*(\([0-9]*\) GPUs) -> .*(\([0-9]*\) GPUs).*/\1 \2/p'
 }
 
-# bc_status V SOCKETS...: one line for refit V from the daemons' status (the first socket is the
-# coordinator's): bytes transfer_s start_to_commit_s max_receiver_bytes; fails unless the
-# coordinator's last refit is V, committed.
+# bc_status V NP SOCKETS...: one line for refit V from the daemons' status (the first NP sockets
+# are the publishers', the coordinator's first, then the receivers'): bytes transfer_s
+# start_to_commit_s max_receiver_bytes max_publisher_bytes (what the busiest receiverd took in and
+# publisherd sent over the network); fails unless the coordinator's last refit is V, committed.
 bc_status() {
     REFITCTL="$BIN/refitctl" python3 -S - "$@" <<'PY'
 import json, os, subprocess, sys
 
-v, socks = int(sys.argv[1]), sys.argv[2:]
+v, np, socks = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3:]
 
 
 def status(sock):
@@ -91,13 +92,16 @@ cl = status(socks[0])["cluster"]["last_refit"]
 if (cl["version"], cl["result"]) != (v, "committed"):
     sys.exit("bench_cluster: the coordinator's last refit is %s %s, not %d committed"
              % (cl["version"], cl["result"], v))
-rx = 0
-for s in socks[1:]:
+rx = tx = 0
+for i, s in enumerate(socks):
     lr = status(s)["last_refit"]
     if lr["version"] != v:
         sys.exit("bench_cluster: %s's last refit is %s, not %d" % (s, lr["version"], v))
-    rx = max(rx, lr["paths"]["network"]["bytes"])
-print(cl["bytes"], repr(cl["transfer_s"]), repr(cl["start_to_commit_s"]), rx)
+    if i < np:
+        tx = max(tx, lr["paths"]["network"]["bytes"])
+    else:
+        rx = max(rx, lr["paths"]["network"]["bytes"])
+print(cl["bytes"], repr(cl["transfer_s"]), repr(cl["start_to_commit_s"]), rx, tx)
 PY
 }
 
@@ -138,7 +142,8 @@ bc_cluster() {
         nc_start_client trainer t$i $i --model $margs --layout "$src" --ranks $a-$b --versions "$refits" \
             --timeout-ms $CLIENT_TIMEOUT_MS --publish-when "$E2E_DIR/gate"
     done
-    socks="$E2E_DIR/pub0.sock"
+    socks=""
+    for ((i = 0; i < np; i++)); do socks="$socks $E2E_DIR/pub$i.sock"; done
     for ((i = 0; i < nr; i++)); do socks="$socks $E2E_DIR/recv$i.sock"; done
     st_wait "$E2E_DIR/pub0.sock" 60 "every member joined with its clients and the plan built" \
         "len(cl['members']) == $((np + nr)) and all(x['connected'] and x['inventory_complete']
@@ -149,7 +154,7 @@ for x in cl['members']) and cl['plan']['ready']"
         echo $v > "$E2E_DIR/gate"
         wait_for "$E2E_DIR/pub0.log" "refit $v committed" $((CLIENT_TIMEOUT_MS / 1000))
         link1=$(bc_pub_link_max "$np")
-        row=$(bc_status $v $socks 2>&1) || fail "$row"
+        row=$(bc_status $v $np $socks 2>&1) || fail "$row"
         wrong=0
         for ((i = 0; i < nr; i++)); do
             wait_for "$E2E_DIR/e$i.log" "version $v committed after" 600
@@ -199,18 +204,23 @@ import sys
 rows = [l.split() for l in open(sys.argv[1])]
 rate = float(sys.argv[2]) / 8
 pred = float(sys.argv[3]) if sys.argv[3] else None
-print("%5s %14s %14s %10s %10s %9s %13s %15s %11s %6s" % (
+print("%5s %14s %14s %10s %10s %9s %13s %15s %13s %11s %6s" % (
     "refit", "bytes", "max rx bytes", "transfer", "measured", "floor", "measured/floor",
-    "measured/predicted", "pub Gbit/s", "#wrong"))
-for v, b, xfer, commit, rx, link, wrong in rows:
+    "measured/predicted", "measured/egress", "pub Gbit/s", "#wrong"))
+egress = 0
+for v, b, xfer, commit, rx, tx, link, wrong in rows:
     commit, floor = float(commit), int(rx) / rate
-    print("%5s %14s %14s %9.3fs %9.3fs %8.3fs %13.2fx %15s %11.3f %6s" % (
+    egress = int(tx) / rate
+    print("%5s %14s %14s %9.3fs %9.3fs %8.3fs %13.2fx %15s %12.2fx %11.3f %6s" % (
         v, b, rx, float(xfer), commit, floor, commit / floor,
-        "%.2fx" % (commit / pred) if pred else "-", int(link) * 8 / commit / 1e9, wrong))
+        "%.2fx" % (commit / pred) if pred else "-", commit / egress,
+        int(link) * 8 / commit / 1e9, wrong))
+print("egress bound %.3f s: the most bytes one publisher sends / the rate (measured/egress: how "
+      "close the refit came to it)" % egress)
 if pred:
-    print("predicted %.3f s (planner, %s per node)" % (pred, sys.argv[2]))
+    print("predicted %.3f s (the planner's, at %g Gbit/s per node)" % (pred, float(sys.argv[2]) / 1e9))
 PY
-    grep -q ' [1-9][0-9]*$\|?$' "$E2E_DIR/rows.txt" && fail "engines found wrong bytes (see #wrong)"
+    if grep -q ' [1-9][0-9]*$' "$E2E_DIR/rows.txt"; then fail "engines found wrong bytes (see #wrong)"; fi
 }
 
 bc_control() {
@@ -244,9 +254,9 @@ print("%-26s %9s %9s %9s   (%d refits, %s bytes each)" % ("ms", "median", "p90",
 for name, xs in (("Start -> Commit", commit), ("data path (slowest)", xfer),
                  ("control (difference)", ctl)):
     print("%-26s %9.3f %9.3f %9.3f" % (name, q(xs, 0.5), q(xs, 0.9), max(xs)))
-print("#wrong %d" % sum(int(r[6]) for r in rows))
+print("#wrong %d" % sum(int(r[-1]) for r in rows))
 PY
-    grep -q ' [1-9][0-9]*$\|?$' "$E2E_DIR/rows.txt" && fail "engines found wrong bytes"
+    if grep -q ' [1-9][0-9]*$' "$E2E_DIR/rows.txt"; then fail "engines found wrong bytes"; fi
 }
 
 echo "bench_cluster: $(nproc) CPUs, $(uname -r), $(date -u +%Y-%m-%dT%H:%MZ)"
