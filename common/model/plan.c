@@ -557,7 +557,7 @@ typedef struct rlay {
 
 /* A member of a replica set that holds one chunk: a relay source for the next ones. */
 typedef struct placed {
-    uint32_t piece, ep, unit, depth;
+    uint32_t piece, ep, unit, depth, kids;
 } placed;
 
 static int cmp_i64(const void *a, const void *b)
@@ -1456,37 +1456,42 @@ static int relay_emit(builder *b, const placed *q, uint32_t p, const rf_box *box
 }
 
 /* One chunk of a replica set: mem[0..nm) are pieces on distinct endpoints with the same
- * tensor and geometry. Members take it in order of their endpoints' relay sends so far (the
- * least busy first, then the lower piece id), so that the first, which gets it from the
- * sources, and so the one that forwards it most, changes from chunk to chunk. Each later
- * member is fed by the holder of fewest hops whose sends stay within rcap (then the least
- * busy, then the lower piece id): a star while the first has room, a tree after. With no
- * holder that has room, the sources send it again. */
+ * tensor and geometry, in piece order. The member whose endpoint has relayed least so far
+ * (then the lower piece id) gets the chunk from the sources; the others, in cyclic order
+ * after it, form a tree filled breadth first with RF_PLAN_RELAY_FANOUT children per holder:
+ * shallow and of small fanout, which keeps the pipeline's fill short (plan.h). The tree's
+ * shape depends only on its root, so the chunks that reach one root in one round go on to
+ * the same children in the same rounds, and pack into few messages. A member whose parent
+ * in that tree is full (its sends would pass rcap, or hops the limit) is fed by the holder
+ * of fewest hops that qualifies (then the least busy, then the lower piece id), and with
+ * none by the sources again. */
 static int relay_chunk(builder *b, uint32_t nm, const rf_box *box, bool whole, uint64_t bytes,
                        rf_err *err)
 {
     const uint64_t *sent = b->plan->sent;
-    uint32_t *mem = b->mem, np = 0;
+    const uint32_t *mem = b->mem;
+    uint32_t r0 = 0, e0 = b->reg_ep[b->drec[mem[0]].region];
     placed *pc = b->pc;
     int rc = 0;
 
     for (uint32_t i = 1; i < nm; i++) {
-        uint32_t v = mem[i], ev = b->reg_ep[b->drec[v].region], j = i;
-        while (j > 0) {
-            uint32_t u = mem[j - 1], eu = b->reg_ep[b->drec[u].region];
-            if (sent[eu] < sent[ev] || (sent[eu] == sent[ev] && u < v))
-                break;
-            mem[j] = u;
-            j--;
+        uint32_t e = b->reg_ep[b->drec[mem[i]].region];
+        if (sent[e] < sent[e0]) {
+            r0 = i;
+            e0 = e;
         }
-        mem[j] = v;
     }
     for (uint32_t i = 0; i < nm && rc == 0; i++) {
-        uint32_t p = mem[i], ep = b->reg_ep[b->drec[p].region], unit = NO_UNIT;
+        uint32_t p = mem[(r0 + i) % nm], ep = b->reg_ep[b->drec[p].region], unit = NO_UNIT;
         int best = -1;
-        for (uint32_t j = 0; j < np; j++) {
+#define QUALIFIES(q)                                                                           \
+    ((q)->depth < RF_PLAN_RELAY_MAX_DEPTH && (q)->kids < RF_PLAN_RELAY_FANOUT &&                \
+     sent[(q)->ep] + bytes <= b->rcap)
+        if (i > 0 && QUALIFIES(&pc[(i - 1) / RF_PLAN_RELAY_FANOUT]))
+            best = (int)((i - 1) / RF_PLAN_RELAY_FANOUT);
+        for (uint32_t j = 0; j < i && best < 0; j++) {
             const placed *q = &pc[j];
-            if (q->depth >= RF_PLAN_RELAY_MAX_DEPTH || sent[q->ep] + bytes > b->rcap)
+            if (!QUALIFIES(q))
                 continue;
             if (best < 0 || q->depth < pc[best].depth ||
                 (q->depth == pc[best].depth && (sent[q->ep] < sent[pc[best].ep] ||
@@ -1494,6 +1499,7 @@ static int relay_chunk(builder *b, uint32_t nm, const rf_box *box, bool whole, u
                                                  q->piece < pc[best].piece))))
                 best = (int)j;
         }
+#undef QUALIFIES
         if (best < 0) {
             rc = new_unit(b, &unit, err);
             if (rc)
@@ -1501,11 +1507,13 @@ static int relay_chunk(builder *b, uint32_t nm, const rf_box *box, bool whole, u
             b->cur_unit = unit;
             rc = plan_box(b, p, box, whole, err);
             b->cur_unit = NO_UNIT;
-            pc[np++] = (placed){.piece = p, .ep = ep, .unit = unit, .depth = 0};
+            pc[i] = (placed){.piece = p, .ep = ep, .unit = unit};
         } else {
             uint32_t depth = pc[best].depth + 1;
             rc = relay_emit(b, &pc[best], p, box, whole, bytes, depth, &unit, err);
-            pc[np++] = (placed){.piece = p, .ep = ep, .unit = unit, .depth = depth};
+            if (++pc[best].kids > b->plan->st.relay_fanout)
+                b->plan->st.relay_fanout = pc[best].kids;
+            pc[i] = (placed){.piece = p, .ep = ep, .unit = unit, .depth = depth};
         }
     }
     return rc;
@@ -1905,6 +1913,12 @@ static int place_relays(builder *b, sched *s, rf_err *err)
             for (uint64_t j = i; j < end; j++) {
                 const rlay *r = &b->rl[idx[j]];
                 rf_plan_xfer *x = &pl->xfers[r->x];
+                /* The relays of a round lie all over memory: fetch ahead, the relay record
+                 * 16 on and the transfer of the one 8 on (its record fetched 8 ago). */
+                if (j + 16 < end)
+                    __builtin_prefetch(&b->rl[idx[j + 16]]);
+                if (j + 8 < end)
+                    __builtin_prefetch(&pl->xfers[b->rl[idx[j + 8]].x], 1);
                 uint32_t qe = b->didx_ep[r->qi], pe = b->didx_ep[r->pi];
                 uint64_t pair = (uint64_t)r->qi * b->ndst_ep + r->pi, *slot = NULL;
                 rf_plan_msg *m = NULL;
@@ -2559,7 +2573,8 @@ void rf_plan_predict(const rf_plan *plan, double link_Bps, double local_Bps, rf_
     }
     out->network_s = (double)maxnet / link_Bps;
     out->local_s = (double)maxloc / local_Bps;
-    out->fill_s = (double)plan->st.relay_depth * (double)plan->st.relay_chunk_bytes / link_Bps;
+    out->fill_s = (double)plan->st.relay_depth * plan->st.relay_fanout *
+                  (double)plan->st.relay_chunk_bytes / link_Bps;
     out->predicted_s = (out->network_s > out->local_s ? out->network_s : out->local_s) +
                        out->fill_s;
     out->floor_s = (double)maxin / link_Bps;

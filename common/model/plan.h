@@ -36,7 +36,8 @@ void rf_plan_opts_default(rf_plan_opts *o);
  * piece with the same tensor, box and strides (a replica on another endpoint) that received
  * those bytes earlier in the plan, instead of by a trainer. Replicas form trees per chunk:
  * a piece larger than RF_PLAN_RELAY_CHUNK (or half the staging budget, if smaller) is cut
- * into chunks along its outer dims, and each chunk has its tree, so that a relay forwards
+ * into chunks along its outer dims, and each chunk has its tree (at most
+ * RF_PLAN_RELAY_FANOUT children per holder, filled breadth first), so that a relay forwards
  * chunk c while it receives chunk c+1 (the rounds make the pipeline).
  * - A relay message has rf_plan_msg.relay != 0 (the hop count: 1 when its source endpoint
  *   got the bytes from trainers). Its src_ep is a DESTINATION endpoint, and the `src` of each
@@ -53,8 +54,9 @@ void rf_plan_opts_default(rf_plan_opts *o);
  * - Only network paths relay: a destination endpoint that shares a host with some source
  *   endpoint is planned as without relays (its same-host cells copied locally) and relays
  *   nothing, since its local copies run beside the network rounds, unordered by them. */
-#define RF_PLAN_RELAY_CHUNK (32ull << 20)
+#define RF_PLAN_RELAY_CHUNK (16ull << 20)
 #define RF_PLAN_RELAY_MAX_DEPTH 16 /* hops from a trainer, at most */
+#define RF_PLAN_RELAY_FANOUT 4     /* replicas one holder of a chunk feeds, at most */
 
 /* One transfer: the bytes of `box` (global coordinates of the tensor of both pieces) go from
  * source piece src to destination piece dst. Packed transfers lie in their message's payload
@@ -107,6 +109,7 @@ typedef struct rf_plan_stats {
     uint64_t max_relay_sender_bytes; /* most bytes one destination endpoint relays */
     uint64_t relay_chunk_bytes;      /* largest relay unit (the pipeline's step) */
     uint32_t relay_depth;            /* most hops of any relay */
+    uint32_t relay_fanout;           /* most replicas one holder of a chunk feeds */
     uint64_t relay_depth_bytes[RF_PLAN_RELAY_MAX_DEPTH + 1]; /* bytes received per hop count */
 } rf_plan_stats;
 
@@ -159,7 +162,10 @@ uint64_t rf_plan_path_bytes(const rf_plan *plan, uint32_t ep, uint32_t kind);
  * its own link of link_Bps bytes/s; local copies run beside it at local_Bps.
  * network_s: max over endpoints of max(network bytes sent, network bytes received) / link_Bps;
  * local_s:   max over endpoints of local bytes / local_Bps;
- * fill_s:    relays only: the pipeline's fill, relay_depth chunks of relay_chunk_bytes;
+ * fill_s:    relays only: the pipeline's fill and drain. A holder forwards a chunk to its
+ *            children one after the other, so the last chunk reaches the deepest replica
+ *            relay_depth * relay_fanout chunk times (relay_chunk_bytes / link_Bps) after
+ *            the sources sent it, at most;
  * predicted_s = max(network_s, local_s) + fill_s;
  * floor_s:   max over destination endpoints of the network bytes it must take in / link_Bps
  *            (what it holds less what it copies locally): no plan of this inventory on these

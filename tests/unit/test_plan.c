@@ -1709,19 +1709,28 @@ static void relay_exec(cluster *c, const rf_plan *pl)
     check_destinations(c);
 }
 
+static int cmp_u64(const void *a, const void *b)
+{
+    uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+
+    return (x > y) - (x < y);
+}
+
 /* The ordering rule checked from the plan alone, by boxes: the transfers into the source
  * piece of each relay transfer, in rounds before the relay's, cover its box (the writes into
  * a piece are disjoint, check_plan makes sure, so covering means the volumes add up). Also:
- * hop counts chain (a relay of h hops reads bytes that came in h - 1), and only destination
- * endpoints that share no host with a source relay. */
+ * hop counts chain (a relay of h hops reads bytes that came in h - 1), locally copied bytes
+ * are never relayed, and no holder feeds one chunk (source piece and box) to more than
+ * RF_PLAN_RELAY_FANOUT replicas, the most any does being the plan's relay_fanout. */
 static void check_relay_order(const rf_plan *pl)
 {
     const rf_inv *inv = rf_plan_inv(pl);
     uint32_t nd = rf_inv_npieces(inv, RF_DST);
     uint64_t n = rf_plan_nxfers(pl), *first = calloc((size_t)nd + 2, sizeof(uint64_t));
     uint64_t *by = malloc((n + 1) * sizeof(uint64_t)), relays = 0;
+    uint64_t *feeds = malloc((n + 1) * sizeof(uint64_t)), maxfan = 0;
 
-    cr_assert(first && by);
+    cr_assert(first && by && feeds);
     for (uint64_t i = 0; i < n; i++)
         first[rf_plan_xfer_at(pl, i)->dst + 2]++;
     for (uint32_t p = 0; p < nd; p++)
@@ -1736,7 +1745,7 @@ static void check_relay_order(const rf_plan *pl)
         int64_t need = rf_box_numel(b, ndim), got = 0;
         if (!m->relay)
             continue;
-        relays++;
+        feeds[relays++] = (uint64_t)x->src << 32 | x->box;
         cr_assert_neq(m->kind, RF_PLAN_LOCAL);
         for (uint64_t k = first[x->src]; k < first[x->src + 1]; k++) {
             const rf_plan_xfer *w = rf_plan_xfer_at(pl, by[k]);
@@ -1755,8 +1764,18 @@ static void check_relay_order(const rf_plan *pl)
                      (long long)need, (long long)got);
     }
     cr_assert_eq(relays, rf_plan_stats_get(pl)->relay_transfers);
+    qsort(feeds, relays, sizeof(*feeds), cmp_u64);
+    for (uint64_t a = 0, z; a < relays; a = z) {
+        for (z = a + 1; z < relays && feeds[z] == feeds[a]; z++)
+            ;
+        maxfan = z - a > maxfan ? z - a : maxfan;
+    }
+    cr_assert(maxfan <= RF_PLAN_RELAY_FANOUT, "a chunk fed to %llu replicas by one holder",
+              (unsigned long long)maxfan);
+    cr_assert_eq(maxfan, rf_plan_stats_get(pl)->relay_fanout);
     free(first);
     free(by);
+    free(feeds);
 }
 
 /* max over endpoints of max(bytes sent, bytes received): the busiest link. */
@@ -2021,6 +2040,59 @@ Test(plan_relay, chunks_pipeline)
             pipelined += first_out[i] != UINT32_MAX && first_out[i] < last_in[i];
         cr_assert(pipelined > 0, "no replica forwards before it has received everything");
     }
+    relay_exec(&c, pl);
+    rf_plan_free(pl);
+    free(sp);
+    free(dp);
+    cluster_free(&c);
+}
+
+/* One trainer, 21 engine replicas of 8 tensors: each chunk goes down a tree of at most
+ * RF_PLAN_RELAY_FANOUT children per holder (21 = 1 + 4 + 16: two hops when every holder has
+ * room), no endpoint sends more than the most any receives, and the roots rotate so that
+ * the trainer sends each tensor about once. */
+Test(plan_relay, many_replicas_form_a_tree)
+{
+    cluster c;
+    rf_plan_opts o = {.staging_bytes = 1 << 16, .direct_min_bytes = 512, .relay = 1};
+    int64_t shape[2] = {16, 16};
+    uint32_t seps[1], deps[21];
+    hpiece *sp = NULL, *dp = NULL;
+    size_t ns = 0, nd = 0;
+    rf_box full;
+    rf_plan *pl = NULL;
+    rf_err err;
+    uint64_t maxrecv = 0;
+
+    memset(&c, 0, sizeof(c));
+    c.inv = rf_inv_new();
+    cr_assert_eq(rf_inv_add_endpoint(c.inv, RF_SRC, 0, &seps[0], &err), 0);
+    for (int i = 0; i < 21; i++)
+        cr_assert_eq(rf_inv_add_endpoint(c.inv, RF_DST, 1 + (uint32_t)i, &deps[i], &err), 0);
+    rf_box_full(&full, 2, shape);
+    for (int t = 0; t < 8; t++) {
+        char name[32];
+        uint32_t tid;
+        snprintf(name, sizeof(name), "model.layers.%d.w", t);
+        cr_assert_eq(rf_inv_add_tensor(c.inv, name, RF_DT_FP32, 2, shape, &tid, &err), 0);
+        add_hpiece(&sp, &ns, tid, 0, 2, &full, 0, 4);
+        for (uint32_t i = 0; i < 21; i++)
+            add_hpiece(&dp, &nd, tid, i, 2, &full, 0, 4);
+    }
+    place(&c, sp, ns, seps, 1, RF_SRC);
+    place(&c, dp, nd, deps, 21, RF_DST);
+    cr_assert_eq(rf_plan_build(c.inv, &o, &pl, &err), 0, "%s", err.msg);
+    check_plan(pl, &o);
+    check_relay_order(pl);
+    const rf_plan_stats *st = rf_plan_stats_get(pl);
+    cr_assert_eq(st->relay_fanout, RF_PLAN_RELAY_FANOUT);
+    cr_assert(st->relay_depth >= 2);
+    for (int i = 0; i < 21; i++)
+        maxrecv = rf_plan_recv_bytes(pl, deps[i]) > maxrecv ? rf_plan_recv_bytes(pl, deps[i])
+                                                            : maxrecv;
+    cr_assert_eq(busiest(pl), maxrecv, "an endpoint sends more than the most one receives");
+    cr_assert(st->source_bytes <= 2 * 8 * 16 * 16 * 4, "the trainer sends %llu bytes",
+              (unsigned long long)st->source_bytes);
     relay_exec(&c, pl);
     rf_plan_free(pl);
     free(sp);
