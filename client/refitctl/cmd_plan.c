@@ -314,12 +314,13 @@ static void explain_relay(const rf_plan *pl, json_t *jo)
         for (uint32_t d = 0; d <= st->relay_depth; d++)
             json_array_append_new(ja, json_integer((json_int_t)st->relay_depth_bytes[d]));
         json_object_set_new(jo, "relay_structure",
-                            json_pack("{s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:o}",
+                            json_pack("{s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:o}",
                                       "source_bytes", (json_int_t)st->source_bytes,
                                       "relay_bytes", (json_int_t)st->relay_bytes,
                                       "relaying_endpoints", (json_int_t)relays,
                                       "relay_messages", (json_int_t)msgs,
                                       "depth", (json_int_t)st->relay_depth,
+                                      "fanout", (json_int_t)st->relay_fanout,
                                       "chunk_bytes", (json_int_t)st->relay_chunk_bytes,
                                       "rounds", (json_int_t)st->rounds, "bytes_by_hops", ja));
         return;
@@ -333,8 +334,8 @@ static void explain_relay(const rf_plan *pl, json_t *jo)
     printf("  %llu engine GPUs relay (max %s each) in %llu relay messages (%llu transfers)\n",
            (unsigned long long)relays, b1, (unsigned long long)msgs,
            (unsigned long long)st->relay_transfers);
-    printf("  tree depth %u hops, chunks up to %s, %llu rounds\n", st->relay_depth, b2,
-           (unsigned long long)st->rounds);
+    printf("  trees %u hops deep, up to %u children per holder, chunks up to %s, %llu rounds\n",
+           st->relay_depth, st->relay_fanout, b2, (unsigned long long)st->rounds);
     printf("  received by hops from a trainer:");
     for (uint32_t d = 0; d <= st->relay_depth; d++) {
         fmt_bytes((double)st->relay_depth_bytes[d], b1, sizeof(b1));

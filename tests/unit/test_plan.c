@@ -2158,7 +2158,7 @@ Test(refitctl, plan_relay_explain_and_json)
                          "--relay --explain", out, sizeof(out)), 0, "%s", out);
     cr_assert(strstr(out, "relays       trainers send 56.87 GiB") != NULL, "%s", out);
     cr_assert(strstr(out, "\nrelays:\n") != NULL, "%s", out);
-    cr_assert(strstr(out, "tree depth") != NULL, "%s", out);
+    cr_assert(strstr(out, "hops deep, up to ") != NULL, "%s", out);
     cr_assert(strstr(out, "received by hops from a trainer: 0: ") != NULL, "%s", out);
     cr_assert(strstr(out, "predicted / floor 1.0") != NULL, "%s", out);
     cr_assert_eq(run_ctl("plan --model qwen3-30b-a3b --src tp=2,ep=4,dp=2 --dst tp=4,dp=4 "
@@ -2174,6 +2174,8 @@ Test(refitctl, plan_relay_explain_and_json)
     cr_assert_eq(json_integer_value(json_object_get(rs, "source_bytes")),
                  json_integer_value(json_object_get(j, "source_bytes")));
     cr_assert(json_integer_value(json_object_get(rs, "depth")) >= 1);
+    cr_assert(json_integer_value(json_object_get(rs, "fanout")) >= 1);
+    cr_assert(json_integer_value(json_object_get(rs, "fanout")) <= RF_PLAN_RELAY_FANOUT);
     cr_assert(json_array_size(json_object_get(rs, "bytes_by_hops")) >= 2);
     json_decref(j);
     cr_assert_eq(run_ctl("plan --help", out, sizeof(out)), 0);
