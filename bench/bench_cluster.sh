@@ -224,15 +224,17 @@ PY
 }
 
 bc_control() {
+    local label=$CTL_MODEL
     if [ -z "$CTL_MODEL" ]; then
         CTL_MODEL=$E2E_ROOT/tiny-qwen3.json
+        label="tiny-qwen3 (a qwen3 spec of 28 layers, 311 tensors, 147 KiB)"
         echo '{"model_type": "qwen3", "name": "tiny-qwen3", "hidden_size": 16,
 "num_hidden_layers": 28, "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 8,
 "intermediate_size": 32, "vocab_size": 64, "tie_word_embeddings": false,
 "torch_dtype": "bfloat16"}' > "$CTL_MODEL"
     fi
     echo "== control: $CTL_PUBLISHERS publishers + $CTL_RECEIVERS receivers ($((CTL_PUBLISHERS + \
-CTL_RECEIVERS)) daemons), $CTL_MODEL tp=$CTL_PUBLISHERS -> tp=1,dp=$CTL_RECEIVERS, $CTL_RATE each \
+CTL_RECEIVERS)) daemons), $label tp=$CTL_PUBLISHERS -> tp=1,dp=$CTL_RECEIVERS, $CTL_RATE each \
 way per node, $CTL_REFITS refits (first $CTL_WARMUP dropped)${DAEMON_CONF:+, config: $DAEMON_CONF}"
     bc_cluster control "$CTL_PUBLISHERS" "$CTL_RECEIVERS" "$CTL_RATE" "$CTL_MODEL" \
         "tp=$CTL_PUBLISHERS" "tp=1,dp=$CTL_RECEIVERS" "$CTL_REFITS"

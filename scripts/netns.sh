@@ -116,8 +116,8 @@ nc_reap() {
     done
 }
 
-# nc_cleanup: stops this run's processes (lib.sh's list first, so that a failed test still
-# shows their logs), then everything left in this run's namespaces, and deletes them.
+# nc_cleanup: kills whatever runs in this run's namespaces and deletes them (nc_exit first
+# stops what lib.sh started, with SIGTERM, so that the daemons end cleanly and their logs say so).
 nc_cleanup() {
     local ns
     [ -n "$NC_RUN" ] || return 0
@@ -126,6 +126,7 @@ nc_cleanup() {
     done
 }
 
+# nc_exit: the EXIT trap; the script's exit status stays the one it exited with.
 nc_exit() {
     local rc=$?
     type e2e_cleanup > /dev/null 2>&1 && e2e_cleanup
