@@ -35,9 +35,9 @@
 # DAEMON_CONF='relay = on'), KEEP=1 keeps the logs (E2E_KEEP).
 set -u
 BUILD=${BUILD:-build}
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 1
 if [ -z "${BENCH_CLUSTER:-}" ]; then
-    echo "bench_cluster: skipped (minutes of namespaces and root): run BENCH_CLUSTER=1 BUILD=$BUILD bench/bench_cluster.sh"
+    echo "bench_cluster: skipped (it needs root and takes minutes): run BENCH_CLUSTER=1 BUILD=$BUILD bench/bench_cluster.sh, or make bench BENCH_CLUSTER=1"
     exit 0
 fi
 for b in refit-publisherd refit-receiverd refit-sim-trainer refit-sim-engine refitctl; do
