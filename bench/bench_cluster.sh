@@ -32,7 +32,8 @@
 # (2), CTL_RECEIVERS (8), CTL_MODEL (that spec; a name or file, then sim flags such as
 # --shrink), CTL_RATE (RATE), CTL_REFITS (30),
 # CTL_WARMUP (5), DAEMON_CONF (extra "key = value" lines for every daemon's config file, e.g.
-# DAEMON_CONF='relay = on'), KEEP=1 keeps the logs (E2E_KEEP).
+# DAEMON_CONF='relay = on'), PLAN_FLAGS (extra flags for the prediction's refitctl plan, e.g.
+# --relay with relaying daemons), KEEP=1 keeps the logs (E2E_KEEP).
 set -u
 BUILD=${BUILD:-build}
 cd "$(dirname "$0")/.." || exit 1
@@ -191,11 +192,15 @@ $margs $SRC -> $DST, transport tcp, host memory, $REFITS refits${DAEMON_CONF:+, 
         gpn=$(( $(bc_worlds "$MODEL" "$SRC" "$DST" | cut -d' ' -f2) / RECEIVERS ))
         gbps=$(python3 -S -c "print($rate_bits / 1e9 / $gpn)")
         plan_args="--model $MODEL --src $SRC --dst $DST --link-gbps $gbps --gpus-per-node $gpn \
---staging-mib 256 --direct-min-mib 1"
+--staging-mib 256 --direct-min-mib 1${PLAN_FLAGS:+ $PLAN_FLAGS}"
         echo "planner: refitctl plan $plan_args --explain"
-        "$BIN/refitctl" plan $plan_args --explain | sed -n '/^per sender/,/^predicted/p' | sed 's/^/  /'
-        pj=$("$BIN/refitctl" plan $plan_args --json)
-        pred=$(echo "$pj" | python3 -S -c 'import json,sys; print(json.load(sys.stdin)["predicted_seconds"])')
+        if pj=$("$BIN/refitctl" plan $plan_args --json 2>&1); then
+            "$BIN/refitctl" plan $plan_args --explain | sed -n '/^per sender/,/^predicted/p' |
+                sed 's/^/  /'
+            pred=$(echo "$pj" | python3 -S -c 'import json,sys; print(json.load(sys.stdin)["predicted_seconds"])')
+        else
+            echo "  no prediction: refitctl plan failed: $pj"
+        fi
     else
         echo "planner: no prediction (refitctl plan has no --shrink; give MODEL as a JSON spec instead)"
     fi
