@@ -690,14 +690,18 @@ int rf_ctl_plan(int argc, char **argv)
            a.staging_mib);
     fmt_bytes(peak_rss_bytes(), b1, sizeof(b1));
     printf("plan build   %.3f s, peak memory %s\n", t1 - t0, b1);
-    if (st->local_bytes)
+    if (st->local_bytes) {
         printf("predicted    %.3f s: network %.3f s at %g Gbit/s per GPU, local copies %.3f s "
-               "at %g Gbit/s\n", pred, pred_net, a.link_gbps, pred_local, a.local_gbps);
-    else if (tm.fill_s > 0)
+               "at %g Gbit/s", pred, pred_net, a.link_gbps, pred_local, a.local_gbps);
+        if (tm.fill_s > 0)
+            printf(", then the relay pipeline's fill %.3f s", tm.fill_s);
+        printf("\n");
+    } else if (tm.fill_s > 0) {
         printf("predicted    %.3f s at %g Gbit/s per GPU (pipeline fill %.3f s included)\n",
                pred, a.link_gbps, tm.fill_s);
-    else
+    } else {
         printf("predicted    %.3f s at %g Gbit/s per GPU\n", pred, a.link_gbps);
+    }
     printf("floor        %.3f s: the most one engine GPU takes in over its link; predicted / "
            "floor %.2f\n", tm.floor_s, ratio);
     if (a.relay) {

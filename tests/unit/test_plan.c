@@ -2178,6 +2178,18 @@ Test(refitctl, plan_relay_explain_and_json)
     cr_assert(json_integer_value(json_object_get(rs, "fanout")) <= RF_PLAN_RELAY_FANOUT);
     cr_assert(json_array_size(json_object_get(rs, "bytes_by_hops")) >= 2);
     json_decref(j);
+    /* The first engine replica on the trainers' machine copies locally, the other three
+     * are fed by the network and relays, within 1.2x the floor where without relays the
+     * trainers' links made it 3x. */
+    cr_assert_eq(run_ctl("plan --model qwen3-30b-a3b --src tp=2,ep=4,dp=2 --dst tp=4,dp=4 "
+                         "--colocate=4 --relay --json", out, sizeof(out)), 0, "%s", out);
+    j = json_loads(out, 0, &je);
+    cr_assert_not_null(j, "not JSON: %s (%s)", out, je.text);
+    cr_assert_eq(json_integer_value(json_object_get(j, "local_bytes")) * 4,
+                 json_integer_value(json_object_get(j, "dst_bytes")));
+    cr_assert(json_integer_value(json_object_get(j, "relay_bytes")) > 0);
+    cr_assert(json_number_value(json_object_get(j, "predicted_over_floor")) <= 1.2);
+    json_decref(j);
     cr_assert_eq(run_ctl("plan --help", out, sizeof(out)), 0);
     cr_assert(strstr(out, "--relay") != NULL, "%s", out);
 }
