@@ -195,8 +195,9 @@ $margs $SRC -> $DST, transport tcp, host memory, $REFITS refits${DAEMON_CONF:+, 
 --staging-mib 256 --direct-min-mib 1${PLAN_FLAGS:+ $PLAN_FLAGS}"
         echo "planner: refitctl plan $plan_args --explain"
         if pj=$("$BIN/refitctl" plan $plan_args --json 2>&1); then
-            "$BIN/refitctl" plan $plan_args --explain | sed -n '/^per sender/,/^predicted/p' |
-                sed 's/^/  /'
+            # The summary, with the floor and relay lines of a planner that has them.
+            "$BIN/refitctl" plan $plan_args --explain | sed -n '/^per sender/,/^plan id/p' |
+                grep -v '^plan id' | sed 's/^/  /'
             pred=$(echo "$pj" | python3 -S -c 'import json,sys; print(json.load(sys.stdin)["predicted_seconds"])')
         else
             echo "  no prediction: refitctl plan failed: $pj"
