@@ -77,8 +77,10 @@ alive "$CHILD_SLEEP" || fail "the process in the killed run's namespace died wit
 RATE=${NC_TEST_RATE:-400mbit}
 RECEIVERS=4
 M="--model qwen3-0.6b --shrink 8"
-nc_setup 1 $RECEIVERS "$RATE" > "$E2E_DIR/setup.txt"
+# nc_setup reaps too; called alone first, its report can be kept apart from nc_setup's failures.
+nc_reap > "$E2E_DIR/setup.txt"
 cat "$E2E_DIR/setup.txt"
+nc_setup 1 $RECEIVERS "$RATE"
 grep -q "removed the namespaces of an earlier run (process $CHILD_PID)" "$E2E_DIR/setup.txt" ||
     fail "nc_setup did not say it removed the killed run's namespaces ($CHILD_RUN)"
 [ -z "$(ip netns list | grep "^$CHILD_RUN-")" ] ||
