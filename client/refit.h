@@ -63,6 +63,18 @@ REFIT_API int refit_alloc_host(refit_client *c, uint64_t size, void **ptr, uint3
  * at run time: without a GPU only this call fails. */
 REFIT_API int refit_region_cuda(refit_client *c, const void *devptr, uint64_t size,
                                 uint32_t *region);
+/* Registers memory the daemon cannot map (plain malloc'd host memory, a CUDA VMM allocation
+ * made without a shareable handle type, as sleep-mode allocators make them): librefit then
+ * installs into it itself, from a thread of its own that refit_seal starts, copying straight
+ * from the trainers' memory on this host (only same-host copies can reach such memory; a plan
+ * that would send it bytes over the network is refused, naming the engine). The memory must
+ * stay valid until refit_close. Engines only. refit_region_cuda falls back to this by itself
+ * for a VMM allocation without a POSIX fd handle type. */
+REFIT_API int refit_region_inproc(refit_client *c, void *ptr, uint64_t size, uint32_t *region);
+/* How region is written: REFIT_INSTALL_DAEMON (the daemon mapped it) or REFIT_INSTALL_INPROC
+ * (this process installs); *why (may be NULL) says why, valid until refit_close. */
+enum { REFIT_INSTALL_DAEMON = 0, REFIT_INSTALL_INPROC = 1 };
+REFIT_API int refit_region_mode(refit_client *c, uint32_t region, const char **why);
 /* Registers one piece: the box (start, extent) of tensor (dtype, global shape of ndim dims)
  * that lies at offset bytes in region, with element strides per dim. */
 REFIT_API int refit_add_piece(refit_client *c, const char *tensor, int dtype, int ndim,

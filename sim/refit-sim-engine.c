@@ -23,6 +23,8 @@ static void usage(FILE *f)
             "  --cuda-vmm         GPU memory from cuMemCreate (shared as a POSIX fd), not cudaMalloc\n"
             "  --cuda-vmm-chunk B the same as VMM allocations of B bytes mapped back to back\n"
             "                     (as PyTorch's expandable segments map theirs): tensors span them\n"
+            "  --inproc           memory the daemon cannot map, installed by librefit in this\n"
+            "                     process (on GPUs: VMM allocations without a handle type)\n"
             "  --start V          first version to expect (default 1)\n"
             "  --versions K       verify versions until START+K-1 is reached (default 1); a\n"
             "                     later version the daemon committed is checked instead\n"

@@ -248,6 +248,9 @@ static int register_rank(sim *s, sim_rank *r)
         if (r->gpu >= 0)
             rc = refit_region_cuda(r->c, r->regions[k].base, r->regions[k].size,
                                    &r->regions[k].id);
+        else if (s->inproc)
+            rc = refit_region_inproc(r->c, r->regions[k].base, r->regions[k].size,
+                                     &r->regions[k].id);
         else
             rc = refit_region_memfd_at(r->c, r->fd, r->regions[k].offset, r->regions[k].size,
                                        &r->regions[k].id);
@@ -548,6 +551,7 @@ int sim_opt(sim_opts *o, int c, const char *arg)
         o->device = o->gpu_dev;
         break;
     case 'V': o->vmm = 1; break;
+    case 'I': o->inproc = 1; break;
     case 'C':
         /* Implies --cuda-vmm: the chunks are VMM allocations. Checked in sim_open. */
         o->vmm = 1;
@@ -579,6 +583,14 @@ int sim_open(sim *s, rf_side side, sim_opts *o)
             return -1;
         }
     }
-    return sim_setup_device(s, side, o->model, o->shrink, o->layout, o->ranks, o->socket, gpu,
-                            o->vmm, o->vmm_chunk);
+#ifdef RF_HAVE_CUDA
+    /* GPU memory no daemon can map: VMM allocations without a shareable handle type. */
+    if (o->inproc && gpu != SIM_HOST)
+        o->vmm = SIM_VMM_PRIVATE;
+#endif
+    if (sim_setup_device(s, side, o->model, o->shrink, o->layout, o->ranks, o->socket, gpu,
+                         o->vmm, o->vmm_chunk) < 0)
+        return -1;
+    s->inproc = o->inproc;
+    return 0;
 }

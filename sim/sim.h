@@ -44,6 +44,9 @@ typedef struct sim {
     int gpu;               /* SIM_HOST, SIM_GPU_PER_RANK or a GPU ordinal */
     int vmm;               /* GPU memory from cuMemCreate (POSIX fd) instead of cudaMalloc */
     uint64_t vmm_chunk;    /* vmm: allocations of this size mapped back to back (0: one) */
+    int inproc;            /* engines: registered in-process (host memory never handed to
+                              the daemon; on GPUs VMM without a handle type): librefit's
+                              installer writes it */
 } sim;
 
 #define SIM_HOST (-2)
@@ -65,7 +68,7 @@ int sim_setup_device(sim *s, rf_side side, const char *model, int shrink, const 
  * hand each parsed option to sim_opt, then sim_open. */
 typedef struct sim_opts {
     const char *socket, *model, *layout, *ranks, *device, *vmm_chunk_arg;
-    int shrink, timeout_ms, vmm;
+    int shrink, timeout_ms, vmm, inproc;
     uint64_t start, versions, vmm_chunk;
     char gpu_dev[32];
 } sim_opts;
@@ -74,7 +77,7 @@ typedef struct sim_opts {
     {"socket", 1, 0, 's'}, {"model", 1, 0, 'm'}, {"shrink", 1, 0, 'k'}, {"layout", 1, 0, 'l'}, \
     {"ranks", 1, 0, 'r'}, {"start", 1, 0, 'v'}, {"versions", 1, 0, 'n'},                       \
     {"timeout-ms", 1, 0, 't'}, {"device", 1, 0, 'D'}, {"gpu", 1, 0, 'G'},                      \
-    {"cuda-vmm", 0, 0, 'V'}, {"cuda-vmm-chunk", 1, 0, 'C'}
+    {"cuda-vmm", 0, 0, 'V'}, {"cuda-vmm-chunk", 1, 0, 'C'}, {"inproc", 0, 0, 'I'}
 
 /* Defaults: socket from $REFIT_SOCKET else default_socket, start 1, one version, 120 s. */
 void sim_opts_init(sim_opts *o, const char *default_socket);

@@ -115,7 +115,8 @@ static void vmm_undo(const rf_cu_api *cu, CUdeviceptr va, vmm_state *st)
 /* size bytes as one VMM allocation or, with chunk > 0, as allocations of chunk bytes (rounded
  * up to the granularity) mapped back to back, the way PyTorch's expandable segments map
  * theirs: tensors then span allocations. */
-static int vmm_alloc(int gpu, uint64_t size, uint64_t chunk, void **ptr, void **state)
+static int vmm_alloc(int gpu, uint64_t size, uint64_t chunk, bool shareable, void **ptr,
+                     void **state)
 {
     const rf_cu_api *cu = NULL;
     CUmemAllocationProp prop;
@@ -137,7 +138,9 @@ static int vmm_alloc(int gpu, uint64_t size, uint64_t chunk, void **ptr, void **
     prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
     prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
     prop.location.id = gpu;
-    prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+    /* Without a handle type (as sleep-mode allocators make them) nothing can export it. */
+    prop.requestedHandleTypes = shareable ? CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+                                          : CU_MEM_HANDLE_TYPE_NONE;
     CU_TRY(&err, cu->cuMemGetAllocationGranularity(&gran, &prop,
                                                    CU_MEM_ALLOC_GRANULARITY_RECOMMENDED));
     st->len = (size + gran - 1) / gran * gran;
@@ -178,7 +181,7 @@ extern "C" int sim_cuda_alloc(int gpu, uint64_t size, int vmm, uint64_t vmm_chun
     *state = NULL;
     SIM_CUDA(cudaSetDevice(gpu));
     if (vmm)
-        return vmm_alloc(gpu, size ? size : 1, vmm_chunk, ptr, state);
+        return vmm_alloc(gpu, size ? size : 1, vmm_chunk, vmm != SIM_VMM_PRIVATE, ptr, state);
     SIM_CUDA(cudaMalloc(ptr, size ? size : 1));
     return 0;
 }

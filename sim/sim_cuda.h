@@ -36,6 +36,7 @@ int sim_cuda_device_count(void);
 /* size bytes on GPU gpu; vmm: cuMemCreate with a POSIX fd handle type, else cudaMalloc;
  * vmm_chunk > 0: as VMM allocations of that many bytes (rounded up to the granularity) mapped
  * back to back. Prints the reason and returns a negative errno on failure. */
+#define SIM_VMM_PRIVATE 2 /* vmm: VMM allocations without a shareable handle type */
 int sim_cuda_alloc(int gpu, uint64_t size, int vmm, uint64_t vmm_chunk, void **ptr,
                    void **state);
 void sim_cuda_free(int gpu, void *ptr, void *state);

@@ -42,6 +42,15 @@ typedef struct event {
     uint64_t version;
 } event;
 
+/* How a region is written: by the daemon (it mapped the memory), or by this process's
+ * installer (in-process; ptr is the memory, why says why it was chosen). */
+typedef struct region_mode {
+    bool inproc;
+    void *ptr;
+    bool gpu;
+    char why[384];
+} region_mode;
+
 struct refit_client {
     int fd;
     int kind;
@@ -54,6 +63,14 @@ struct refit_client {
     size_t nevents, cap_events;
     host_alloc *allocs;
     size_t nallocs, cap_allocs;
+    region_mode *modes; /* per region id */
+    size_t nmodes, cap_modes;
+    Refit__Rpc__Response **installs; /* installers: pushed Install messages, unclaimed */
+    size_t ninstalls, cap_installs;
+    char *path;         /* the socket, for the installer's own connection */
+    char name[128];
+    int rank;
+    refit_installer *installer;
     char err[ERR_MAX];
 };
 
@@ -114,6 +131,21 @@ static int on_frame(void *ctx, const uint8_t *body, uint32_t len)
 
         refit__rpc__response__free_unpacked(r, NULL);
         return rc;
+    }
+    if (r->id == 0 && r->install != NULL) {
+        if (c->ninstalls == c->cap_installs) {
+            size_t n = c->cap_installs ? c->cap_installs * 2 : 8;
+            Refit__Rpc__Response **ni = realloc(c->installs, n * sizeof(*ni));
+
+            if (ni == NULL) {
+                refit__rpc__response__free_unpacked(r, NULL);
+                return -ENOMEM;
+            }
+            c->installs = ni;
+            c->cap_installs = n;
+        }
+        c->installs[c->ninstalls++] = r;
+        return 0;
     }
     if (c->nanswers == c->cap_answers) {
         size_t n = c->cap_answers ? c->cap_answers * 2 : 8;
@@ -305,6 +337,8 @@ static void client_free(refit_client *c)
 {
     size_t i;
 
+    /* The installer first: it writes this client's memory until it stopped. */
+    refit__installer_stop(c->installer);
     if (c->fd >= 0)
         close(c->fd);
     rf_wire_reader_reset(&c->reader);
@@ -312,6 +346,11 @@ static void client_free(refit_client *c)
         refit__rpc__response__free_unpacked(c->answers[i], NULL);
     for (i = 0; i < c->nallocs; i++)
         munmap(c->allocs[i].p, c->allocs[i].len);
+    for (i = 0; i < c->ninstalls; i++)
+        refit__rpc__response__free_unpacked(c->installs[i], NULL);
+    free(c->installs);
+    free(c->modes);
+    free(c->path);
     free(c->answers);
     free(c->events);
     free(c->allocs);
@@ -321,6 +360,18 @@ static void client_free(refit_client *c)
 int refit_connect(const char *socket_path, const char *name, int rank, int kind,
                   refit_client **out)
 {
+    if (out == NULL)
+        return fail(NULL, -EINVAL, "refit_connect: out is NULL");
+    *out = NULL;
+    if (kind != REFIT_TRAINER && kind != REFIT_ENGINE && kind != REFIT_CTL)
+        return fail(NULL, -EINVAL, "unknown client kind %d: REFIT_TRAINER, REFIT_ENGINE or "
+                    "REFIT_CTL", kind);
+    return refit__connect(socket_path, name, rank, kind, out);
+}
+
+int refit__connect(const char *socket_path, const char *name, int rank, int kind,
+                   refit_client **out)
+{
     Refit__Rpc__Request req = REFIT__RPC__REQUEST__INIT;
     Refit__Rpc__Hello hello = REFIT__RPC__HELLO__INIT;
     refit_client *c = NULL;
@@ -328,12 +379,6 @@ int refit_connect(const char *socket_path, const char *name, int rank, int kind,
     const char *path = socket_path;
     int rc;
 
-    if (out == NULL)
-        return fail(NULL, -EINVAL, "refit_connect: out is NULL");
-    *out = NULL;
-    if (kind != REFIT_TRAINER && kind != REFIT_ENGINE && kind != REFIT_CTL)
-        return fail(NULL, -EINVAL, "unknown client kind %d: REFIT_TRAINER, REFIT_ENGINE or "
-                    "REFIT_CTL", kind);
     if (path == NULL)
         path = getenv("REFIT_SOCKET");
     if (path == NULL || path[0] == '\0')
@@ -343,6 +388,12 @@ int refit_connect(const char *socket_path, const char *name, int rank, int kind,
         return fail(NULL, -ENOMEM, "out of memory");
     c->fd = -1;
     c->kind = kind;
+    c->rank = rank;
+    snprintf(c->name, sizeof(c->name), "%s", name ? name : "");
+    if ((c->path = strdup(path)) == NULL) {
+        rc = fail(NULL, -ENOMEM, "out of memory");
+        goto out;
+    }
     rf_wire_reader_init(&c->reader, MAX_ANSWER);
     rc = rf_rpc_dial(path, &c->fd, &err);
     if (rc < 0) {
@@ -456,7 +507,31 @@ int refit_region_memfd_at(refit_client *c, int fd, uint64_t offset, uint64_t siz
                                   size, fd, region);
 }
 
+int refit__register_inproc(refit_client *c, const char *device, void *ptr, uint64_t size,
+                           const char *why, uint32_t *region)
+{
+    int rc;
+
+    if (c == NULL || ptr == NULL || region == NULL || size == 0)
+        return fail(c, -EINVAL, "refit_region_inproc: needs a client, memory, a size > 0 and "
+                    "a region pointer");
+    if (c->kind != REFIT_ENGINE)
+        return fail(c, -EINVAL, "in-process regions are for engines: a trainer's memory must "
+                    "be shareable (refit_alloc_host, refit_region_memfd, refit_region_cuda)");
+    rc = refit__register_region(c, device, REFIT__RPC__MEM_KIND__MEM_INPROC, NULL, 0, 0, size,
+                                -1, region);
+    if (rc == 0)
+        rc = refit__region_mode_set(c, *region, ptr, strcmp(device, "host") != 0, why);
+    return rc;
+}
+
 #ifndef RF_HAVE_CUDA
+int refit_region_inproc(refit_client *c, void *ptr, uint64_t size, uint32_t *region)
+{
+    return refit__register_inproc(c, "host", ptr, size, "registered as in-process host memory "
+                                  "(refit_region_inproc)", region);
+}
+
 /* Without a CUDA toolkit at build time there is no GPU path (client/lib/refit_cuda.c). */
 int refit_region_cuda(refit_client *c, const void *devptr, uint64_t size, uint32_t *region)
 {
@@ -560,10 +635,117 @@ int refit_seal(refit_client *c)
 {
     Refit__Rpc__Request req = REFIT__RPC__REQUEST__INIT;
     Refit__Rpc__Seal m = REFIT__RPC__SEAL__INIT;
+    Refit__Rpc__Response *r = NULL;
+    int rc;
 
     req.body_case = REFIT__RPC__REQUEST__BODY_SEAL;
     req.seal = &m;
-    return simple(c, &req, 60000);
+    rc = call(c, &req, -1, 60000, &r);
+    if (rc < 0)
+        return rc;
+    /* An engine with in-process regions: its installer attaches before Seal returns (the
+     * daemon plans for this engine only then). */
+    if (r->install_token.len > 0) {
+        void **ptrs = calloc(c->nmodes ? c->nmodes : 1, sizeof(*ptrs));
+        bool gpu = false;
+
+        if (ptrs == NULL) {
+            rc = fail(c, -ENOMEM, "out of memory starting the installer");
+        } else {
+            for (size_t i = 0; i < c->nmodes; i++) {
+                ptrs[i] = c->modes[i].inproc ? c->modes[i].ptr : NULL;
+                gpu |= c->modes[i].inproc && c->modes[i].gpu;
+            }
+            refit__installer_stop(c->installer);
+            c->installer = NULL;
+            rc = refit__installer_start(c, c->path, c->name, c->rank, r->install_token.data,
+                                        r->install_token.len, ptrs, c->nmodes, gpu,
+                                        &c->installer);
+            free(ptrs);
+        }
+    }
+    refit__rpc__response__free_unpacked(r, NULL);
+    return rc;
+}
+
+int refit__region_mode_set(refit_client *c, uint32_t region, void *ptr, bool gpu,
+                           const char *why)
+{
+    if (region >= c->cap_modes) {
+        size_t n = c->cap_modes ? c->cap_modes : 16;
+        region_mode *nm;
+
+        while (n <= region)
+            n *= 2;
+        if ((nm = realloc(c->modes, n * sizeof(*nm))) == NULL)
+            return fail(c, -ENOMEM, "out of memory");
+        memset(nm + c->cap_modes, 0, (n - c->cap_modes) * sizeof(*nm));
+        c->modes = nm;
+        c->cap_modes = n;
+    }
+    if (region >= c->nmodes)
+        c->nmodes = region + 1;
+    c->modes[region].inproc = why != NULL;
+    c->modes[region].ptr = ptr;
+    c->modes[region].gpu = gpu;
+    snprintf(c->modes[region].why, sizeof(c->modes[region].why), "%s",
+             why ? why : "the daemon mapped the memory and writes it");
+    return 0;
+}
+
+int refit_region_mode(refit_client *c, uint32_t region, const char **why)
+{
+    static const char shared[] = "the daemon mapped the memory and writes it";
+
+    if (c == NULL)
+        return fail(NULL, -EINVAL, "no client: connect first");
+    if (why)
+        *why = region < c->nmodes ? c->modes[region].why : shared;
+    return region < c->nmodes && c->modes[region].inproc ? REFIT_INSTALL_INPROC
+                                                         : REFIT_INSTALL_DAEMON;
+}
+
+int refit__call(refit_client *c, Refit__Rpc__Request *req, int timeout_ms,
+                Refit__Rpc__Response **out)
+{
+    return call(c, req, -1, timeout_ms, out);
+}
+
+int refit__next_install(refit_client *c, int timeout_ms, Refit__Rpc__Response **out)
+{
+    int64_t deadline = timeout_ms < 0 ? -1 : now_ms() + timeout_ms;
+    int rc;
+
+    *out = NULL;
+    for (;;) {
+        if (c->ninstalls > 0) {
+            *out = c->installs[0];
+            memmove(c->installs, c->installs + 1, (c->ninstalls - 1) * sizeof(*c->installs));
+            c->ninstalls--;
+            return 0;
+        }
+        /* A connection-level error (id 0, code < 0) is the daemon's goodbye. */
+        for (size_t i = 0; i < c->nanswers; i++)
+            if (c->answers[i]->id == 0 && c->answers[i]->code < 0) {
+                c->broken = true;
+                return fail(c, c->answers[i]->code, "%s", c->answers[i]->message);
+            }
+        rc = pump(c, remaining(deadline));
+        if (rc < 0)
+            return rc;
+        if (deadline >= 0 && remaining(deadline) == 0 && c->ninstalls == 0)
+            return -ETIMEDOUT;
+    }
+}
+
+int refit__fd(const refit_client *c)
+{
+    return c->fd;
+}
+
+int refit__kind(const refit_client *c)
+{
+    return c ? c->kind : 0;
 }
 
 int refit_publish(refit_client *c, uint64_t version)

@@ -4,6 +4,7 @@
  * several mapped back to back (PyTorch's expandable segments). The driver is opened at run
  * time (drv_cuda). */
 #include <inttypes.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
@@ -156,6 +157,47 @@ done:
     return rc;
 }
 
+/* A VMM allocation the daemon cannot map (export_vmm's -ENOTSUP): installed in this process
+ * instead, the refusal kept as the reason (refit_region_mode). */
+static int inproc_fallback(refit_client *c, const char *uuid, const void *devptr,
+                           uint64_t size, uint32_t *region)
+{
+    char why[384];
+
+    /* A trainer's memory must be shareable: its refusal stands. */
+    if (refit__kind(c) != REFIT_ENGINE)
+        return -ENOTSUP;
+    snprintf(why, sizeof(why), "installed in this process: %s", refit_last_error(c));
+    return refit__register_inproc(c, uuid, (void *)devptr, size, why, region);
+}
+
+int refit_region_inproc(refit_client *c, void *ptr, uint64_t size, uint32_t *region)
+{
+    CUpointer_attribute attrs[] = {CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
+                                   CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL};
+    unsigned int mtype = 0;
+    int ordinal = -1, rc;
+    void *data[] = {&mtype, &ordinal};
+    const rf_cu_api *cu = NULL;
+    char uuid[RF_CUDA_UUID_MAX];
+    CUdevice dev = 0;
+    rf_err err = {0};
+
+    /* Without a driver, or for memory CUDA does not know, it is host memory. */
+    if (ptr == NULL || rf_cu_load(&cu, &err) < 0 ||
+        cu->cuPointerGetAttributes(2, attrs, data, (CUdeviceptr)(uintptr_t)ptr) != CUDA_SUCCESS ||
+        mtype != CU_MEMORYTYPE_DEVICE)
+        return refit__register_inproc(c, "host", ptr, size, "registered as in-process host "
+                                      "memory (refit_region_inproc)", region);
+    if ((rc = cu->cuDeviceGet(&dev, ordinal)) != CUDA_SUCCESS)
+        return refit__fail(c, -EIO, "refit_region_inproc: cuDeviceGet(%d) failed (%d)", ordinal,
+                           rc);
+    if ((rc = rf_cu_uuid(cu, dev, uuid, sizeof(uuid), &err)) < 0)
+        return refit__fail(c, rc, "refit_region_inproc: %s", err.msg);
+    return refit__register_inproc(c, uuid, ptr, size, "registered as in-process GPU memory "
+                                  "(refit_region_inproc)", region);
+}
+
 int refit_region_cuda(refit_client *c, const void *devptr, uint64_t size, uint32_t *region)
 {
     CUpointer_attribute attrs[] = {CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
@@ -208,6 +250,8 @@ int refit_region_cuda(refit_client *c, const void *devptr, uint64_t size, uint32
             cu->cuMemRetainAllocationHandle(&h, (void *)(uintptr_t)ptr) == CUDA_SUCCESS) {
             cu->cuMemRelease(h);
             rc = export_vmm_span(c, cu, ptr, size, base, ordinal, uuid, region);
+            if (rc == -ENOTSUP)
+                rc = inproc_fallback(c, uuid, devptr, size, region);
             goto done;
         }
         rc = refit__fail(c, -EINVAL, "GPU range %p + %" PRIu64 " bytes runs past the end of "
@@ -219,6 +263,8 @@ int refit_region_cuda(refit_client *c, const void *devptr, uint64_t size, uint32
     if (cu->cuMemRetainAllocationHandle(&h, (void *)(uintptr_t)ptr) == CUDA_SUCCESS) {
         rc = export_vmm(c, cu, h, uuid, asize, (uint64_t)(ptr - base), size, region);
         cu->cuMemRelease(h);
+        if (rc == -ENOTSUP)
+            rc = inproc_fallback(c, uuid, devptr, size, region);
         goto done;
     }
     CU_TRY(&err, cu->cuIpcGetMemHandle(&ih, base));

@@ -395,8 +395,37 @@ out:
     return rc;
 }
 
+typedef struct key_signer {
+    const uint8_t *key;
+    size_t len;
+} key_signer;
+
+static int sign_with_key(void *ctx, const uint8_t *ns, const uint8_t *nc, uint8_t *mac,
+                         rf_err *err)
+{
+    const key_signer *k = ctx;
+
+    (void)err;
+    rf_export_mac(k->key, k->len, ns, nc, mac);
+    return 0;
+}
+
 int rf_export_fetch(const char *socket_path, const uint8_t *key, size_t key_len,
                     double timeout_s, rf_export **out, rf_err *err)
+{
+    key_signer k = {key, key_len};
+    rf_export_signer s = {sign_with_key, &k};
+
+    *out = NULL;
+    if (key == NULL || key_len < RF_EXPORT_KEY_MIN || key_len > RF_EXPORT_KEY_MAX)
+        return rf_err_set(err, -EINVAL, "same-host export: a cluster key of %d to %d bytes is "
+                          "needed, got %zu", RF_EXPORT_KEY_MIN, RF_EXPORT_KEY_MAX,
+                          key ? key_len : 0);
+    return rf_export_fetch_signed(socket_path, &s, timeout_s, out, err);
+}
+
+int rf_export_fetch_signed(const char *socket_path, const rf_export_signer *signer,
+                           double timeout_s, rf_export **out, rf_err *err)
 {
     Refit__Rpc__Request q = REFIT__RPC__REQUEST__INIT;
     Refit__Rpc__Hello hello = REFIT__RPC__HELLO__INIT;
@@ -411,10 +440,6 @@ int rf_export_fetch(const char *socket_path, const uint8_t *key, size_t key_len,
     int rc;
 
     *out = NULL;
-    if (key == NULL || key_len < RF_EXPORT_KEY_MIN || key_len > RF_EXPORT_KEY_MAX)
-        return rf_err_set(err, -EINVAL, "same-host export: a cluster key of %d to %d bytes is "
-                          "needed, got %zu", RF_EXPORT_KEY_MIN, RF_EXPORT_KEY_MAX,
-                          key ? key_len : 0);
     if (!(timeout_s > 0 && timeout_s < 1e6))
         return rf_err_set(err, -EINVAL, "same-host export: timeout %g s: give 0 < timeout < "
                           "1e6 s", timeout_s);
@@ -459,7 +484,8 @@ int rf_export_fetch(const char *socket_path, const uint8_t *key, size_t key_len,
     r = NULL;
 
     randombytes_buf(nc, sizeof(nc));
-    rf_export_mac(key, key_len, ns, nc, mac);
+    if ((rc = signer->fn(signer->ctx, ns, nc, mac, err)) < 0)
+        goto out;
     if (socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, sv) < 0) {
         rc = rf_err_set(err, -errno, "same-host export from %s: socketpair for the region fds: "
                         "%s", socket_path, strerror(errno));

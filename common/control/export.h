@@ -48,6 +48,15 @@ typedef struct rf_export {
  * Nothing is left open on failure. */
 int rf_export_fetch(const char *socket_path, const uint8_t *key, size_t key_len,
                     double timeout_s, rf_export **out, rf_err *err);
+/* The same for a process that does not hold the key: signer computes the Export's mac for
+ * the publisherd's nonce ns and ours nc (an engine's installer asks its receiverd,
+ * InstallSign), or fails with err (the fetch then fails with its code). */
+typedef struct rf_export_signer {
+    int (*fn)(void *ctx, const uint8_t *ns, const uint8_t *nc, uint8_t *mac, rf_err *err);
+    void *ctx;
+} rf_export_signer;
+int rf_export_fetch_signed(const char *socket_path, const rf_export_signer *signer,
+                           double timeout_s, rf_export **out, rf_err *err);
 /* Closes the fds of region i (its fd, or each of its chunks') once it is mapped: the mapping
  * holds the memory, and a region over many VMM allocations would hold one fd per allocation.
  * Its descriptor keeps everything else; closing twice is fine. */

@@ -15,6 +15,7 @@
 #include "macros.h"
 #include "registry.h"
 #include "slice.h"
+#include "install.h"
 #include "srcmap.h"
 #include "version.h"
 #include "xfer.h"
@@ -34,6 +35,7 @@ struct rf_node {
     rf_xfer_transport *xfer;  /* the network: tcp or nccl */
     rf_xfer_transport *lxfer; /* same-host copies (receivers with local_copy = auto), or NULL */
     rf_srcmap *srcs;          /* the local trainers' memory lxfer copies from */
+    rf_install *inst;         /* engines that install in their own process (receivers) */
     unsigned xfers_open;      /* transports not closed yet (rf_node_close) */
     rf_peer_connector *conn;
     void *coord;            /* the coordinator's rf_peer while up, or a test's fake */
@@ -44,6 +46,7 @@ struct rf_node {
 
     rf_slice_job slice; /* what Start runs */
     rf_slice_job next;  /* a slice still arriving, or complete while a refit ran */
+    rf_install_plan islice, inext; /* the engines' in-process part of each (held out of it) */
     bool slice_stale;   /* slice must go once the running data path ends */
     uint64_t slice_keys; /* plan_key of the last slice made runnable: one per slice */
 
@@ -236,6 +239,25 @@ static void send_idle(rf_node *n)
     send_env(n, &env);
 }
 
+static void on_install_done(rf_registry *r, uint64_t uid, const Refit__Rpc__InstallDone *m,
+                            void *ud)
+{
+    rf_node *n = ud;
+
+    (void)r;
+    if (n->inst)
+        rf_install_on_done(n->inst, uid, m);
+}
+
+static void on_install_lost(rf_registry *r, uint64_t uid, const char *why, void *ud)
+{
+    rf_node *n = ud;
+
+    (void)r;
+    if (n->inst)
+        rf_install_on_lost(n->inst, uid, why);
+}
+
 static void on_consumed(rf_registry *r, uint64_t consumed, void *ud)
 {
     (void)r;
@@ -357,6 +379,7 @@ static void abort_paths(rf_node *n)
     rf_xfer_abort(n->xfer);
     if (n->lxfer)
         rf_xfer_abort(n->lxfer);
+    rf_install_abort(n->inst);
 }
 
 /* The refit's result over both paths: the first error, bytes and digests summed. */
@@ -378,8 +401,10 @@ static void merge_result(rf_node *n, int path, const rf_xfer_result *r)
         n->res.digest_recv[i] ^= r->digest_recv[i];
     }
     n->res.peak_staging += r->peak_staging;
-    n->run_path[path].bytes = r->bytes_sent + r->bytes_recv;
-    n->run_path[path].seconds = r->seconds;
+    /* Local copies may end in two parts: the daemon's and the engines' own. */
+    n->run_path[path].bytes += r->bytes_sent + r->bytes_recv;
+    if (r->seconds > n->run_path[path].seconds)
+        n->run_path[path].seconds = r->seconds;
 }
 
 /* Every path of the running refit ended (or none had anything to move). */
@@ -417,17 +442,18 @@ static void refit_ended(rf_node *n)
     if (n->slice_stale) {
         n->slice_stale = false;
         rf_slice_job_reset(&n->slice);
+        rf_install_plan_reset(&n->islice);
     }
     if (n->next.complete)
         install_slice(n);
     snapshot_soon(n);
 }
 
-static void on_xfer_done(rf_xfer_transport *t, const rf_xfer_result *res, void *arg)
+/* One part of the running refit ended: the network job, the local one, or the engines'
+ * in-process installs. */
+static void path_done(rf_node *n, int path, const rf_xfer_result *res)
 {
-    rf_node *n = arg;
-
-    merge_result(n, t == n->lxfer ? PATH_LOCAL : PATH_NET, res);
+    merge_result(n, path, res);
     assert(n->pending > 0);
     if (--n->pending > 0) {
         /* One path failed: the other need not finish what the refit cannot commit. */
@@ -440,6 +466,18 @@ static void on_xfer_done(rf_xfer_transport *t, const rf_xfer_result *res, void *
         return;
     }
     refit_ended(n);
+}
+
+static void on_xfer_done(rf_xfer_transport *t, const rf_xfer_result *res, void *arg)
+{
+    rf_node *n = arg;
+
+    path_done(n, t == n->lxfer ? PATH_LOCAL : PATH_NET, res);
+}
+
+static void on_installed(const rf_xfer_result *res, void *arg)
+{
+    path_done(arg, PATH_LOCAL, res);
 }
 
 /* A path that could not start while the other runs: the refit fails when that one ends. */
@@ -476,6 +514,18 @@ static int run_paths(rf_node *n, rf_err *err)
             /* The network job runs: its done ends the refit, failed. */
             fail_path(n, PATH_LOCAL, rc, err->msg);
             rf_xfer_abort(n->xfer);
+            return 0;
+        }
+        if (rc < 0)
+            return rc;
+        n->pending++;
+    }
+    if (n->islice.nowners > 0) {
+        rc = rf_install_run(n->inst, &n->islice, n->version, n->cfg->verify,
+                            n->cfg->refit_timeout_s, on_installed, n, err);
+        if (rc < 0 && n->pending) {
+            fail_path(n, PATH_LOCAL, rc, err->msg);
+            abort_paths(n);
             return 0;
         }
         if (rc < 0)
@@ -599,8 +649,11 @@ static void install_slice(rf_node *n)
     /* The slice a data path reads is never replaced under it. */
     assert(!n->running);
     rf_slice_job_reset(&n->slice);
+    rf_install_plan_reset(&n->islice);
     n->slice = n->next;
+    n->islice = n->inext;
     rf_slice_job_init(&n->next);
+    memset(&n->inext, 0, sizeof(n->inext));
     addrs = calloc(n->slice.npeers ? n->slice.npeers : 1, sizeof(*addrs));
     if (!addrs) {
         RF_ERROR("out of memory for the plan slice");
@@ -652,17 +705,22 @@ static void install_slice(rf_node *n)
         goto fail;
     }
     n->slice.job.checked = n->slice.ljob.checked = true;
-    n->slice.job.plan_key = n->slice.ljob.plan_key = ++n->slice_keys;
+    n->slice.job.plan_key = n->slice.ljob.plan_key = n->islice.serial = ++n->slice_keys;
     rf_metric_set(n->m_slice_msgs, n->slice.job.nmsgs);
     RF_INFO("plan slice complete: %u messages, %llu bytes, %u rounds; %u local copies, %llu "
-            "bytes", n->slice.job.nmsgs, (unsigned long long)n->slice.bytes,
-            n->slice.job.nrounds, n->slice.ljob.nmsgs, (unsigned long long)n->slice.lbytes);
+            "bytes%s", n->slice.job.nmsgs, (unsigned long long)n->slice.bytes,
+            n->slice.job.nrounds, n->slice.ljob.nmsgs, (unsigned long long)n->slice.lbytes,
+            n->islice.nowners ? "; engines install some in their own process" : "");
+    if (n->islice.nowners)
+        RF_INFO("in-process installs: %u engines, %u local copies, %llu bytes",
+                n->islice.nowners, n->islice.nmsgs, (unsigned long long)n->islice.bytes);
     free(addrs);
     snapshot_soon(n);
     return;
 fail:
     free(addrs);
     rf_slice_job_reset(&n->slice);
+    rf_install_plan_reset(&n->islice);
 }
 
 /* Forgets the plan (the inventory changed, the coordinator went away). The slice a running
@@ -670,11 +728,13 @@ fail:
 static void drop_slice(rf_node *n)
 {
     rf_slice_job_reset(&n->next);
+    rf_install_plan_reset(&n->inext);
     if (n->running) {
         n->slice_stale = true;
         abort_paths(n);
     } else {
         rf_slice_job_reset(&n->slice);
+        rf_install_plan_reset(&n->islice);
     }
 }
 
@@ -719,6 +779,7 @@ static void on_slice(rf_node *n, const Refit__PlanSlice *ps)
     uint32_t nreg = rf_inv_nregions(inv), i;
     uint8_t **bases = NULL;
     rf_slice_src *srcs = NULL;
+    Refit__PlanSlice rest;
     rf_err err = {0};
     int rc;
 
@@ -732,19 +793,31 @@ static void on_slice(rf_node *n, const Refit__PlanSlice *ps)
     if (!bases) {
         RF_ERROR("out of memory for the plan slice");
         rf_slice_job_reset(&n->next);
+        rf_install_plan_reset(&n->inext);
         return;
     }
     for (i = 0; i < nreg; i++)
         bases[i] = rf_registry_region_base(n->reg, i);
-    rc = local_sources(n, ps, &srcs, &err);
+    /* A frame after a complete slice starts the next one (rf_slice_job_add does the same). */
+    if (n->next.complete)
+        rf_install_plan_reset(&n->inext);
+    /* Copies into engines' in-process memory go to their installers, the rest is ours. */
+    rc = rf_install_plan_add(&n->inext, n->reg, ps, &rest, &err);
+    if (rc == 0 && n->inext.nowners > 0 && n->inst == NULL)
+        rc = rf_err_set(&err, -EPROTO, "the plan has copies into engines' in-process memory, "
+                        "which this daemon runs with local_copy = off");
     if (rc == 0)
-        rc = rf_slice_job_add(&n->next, ps, inv, n->side, bases, srcs, &err);
+        rc = local_sources(n, &rest, &srcs, &err);
+    if (rc == 0)
+        rc = rf_slice_job_add(&n->next, &rest, inv, n->side, bases, srcs, &err);
+    free(rest.msgs);
     free(bases);
     free(srcs);
     if (rc < 0) {
         RF_ERROR("plan slice refused: %s", err.msg);
         set_error(n, err.msg);
         rf_slice_job_reset(&n->next);
+        rf_install_plan_reset(&n->inext);
         return;
     }
     if (n->next.complete && !n->running)
@@ -968,6 +1041,7 @@ static void on_tick(uv_timer_t *t)
     rf_node *n = container_of(t, rf_node, tick);
 
     rf_metric_set(n->m_clients, (double)rf_registry_nclients(n->reg));
+    rf_install_tick(n->inst);
     refresh_snapshot(n);
 }
 
@@ -1124,9 +1198,20 @@ int rf_node_start(uv_loop_t *loop, const rf_node_opts *opts, rf_node **out, rf_e
     cb.on_status = on_status;
     cb.on_refit = on_refit;
     cb.on_consumed = on_consumed;
+    cb.on_install_done = on_install_done;
+    cb.on_install_lost = on_install_lost;
     rc = rf_registry_open(loop, &ro, &cb, n, &n->reg, err);
     if (rc < 0)
         goto fail;
+    if (cfg->local_copy == RF_LOCAL_COPY_AUTO && n->side == RF_DST) {
+        /* Engines that install in their own process map the trainers' memory themselves:
+         * the registry signs their Export proofs (InstallSign), never handing out the key. */
+        if ((rc = rf_registry_set_export_key(n->reg, opts->key->bytes, opts->key->len)) < 0 ||
+            (rc = rf_install_new(loop, n->reg, &n->inst, err)) < 0) {
+            rf_err_set(err, rc, "out of memory setting up in-process installs");
+            goto fail;
+        }
+    }
     if (cfg->local_copy == RF_LOCAL_COPY_AUTO && n->side == RF_SRC) {
         /* Receiverds on this host fetch the trainers' memory here, proving the cluster key. */
         rc = rf_registry_set_export_key(n->reg, opts->key->bytes, opts->key->len);
@@ -1169,6 +1254,7 @@ fail:
         rf_registry_close(n->reg);
     start_failed_close(loop, n);
     rf_srcmap_free(n->srcs);
+    rf_install_free(n->inst);
     pthread_mutex_destroy(&n->snap_lock);
     free(n);
     return rc;
@@ -1180,6 +1266,9 @@ static void node_free(rf_node *n)
         return;
     rf_slice_job_reset(&n->slice);
     rf_slice_job_reset(&n->next);
+    rf_install_plan_reset(&n->islice);
+    rf_install_plan_reset(&n->inext);
+    rf_install_free(n->inst);
     pthread_mutex_destroy(&n->snap_lock);
     free(n->snapshot);
     free(n);

@@ -44,6 +44,7 @@ typedef struct reg_region {
     uint32_t nchunks;
     uint32_t inv_id;     /* in the live inventory */
     uint32_t scratch_id; /* in the seal check's scratch inventory */
+    bool inproc;         /* MEM_INPROC: not mapped here (ref NULL); its engine installs */
 } reg_region;
 
 typedef struct reg_piece {
@@ -91,6 +92,13 @@ typedef struct reg_client {
     /* peers: the server nonce of the last ExportHello, good for one Export */
     uint8_t nonce[RF_EXPORT_NONCE_BYTES];
     bool has_nonce;
+    /* In-process install: an engine with MEM_INPROC regions gets a token at Seal, which its
+     * installer connection (a CLIENT_INSTALLER of the same process) presents to attach. */
+    uint64_t uid;                 /* unique in this registry, never 0 */
+    uint8_t token[RF_REGISTRY_TOKEN_BYTES];
+    bool has_token;
+    struct reg_client *installer; /* engine: its attached installer */
+    struct reg_client *engine;    /* installer: the engine it installs for */
 } reg_client;
 
 struct rf_registry {
@@ -105,6 +113,10 @@ struct rf_registry {
     reg_client *clients;
     rf_inv *inv;
     char (*ep_device)[DEVICE_MAX]; /* per inventory endpoint */
+    uint64_t *ep_owner;            /* per inventory endpoint: the engine uid whose in-process
+                                      regions it holds, 0 for shared memory */
+    uint32_t cap_owner;
+    uint64_t next_uid;
     uint32_t cap_ep;
     rf_mem_ref **region_ref;       /* per inventory region */
     uint32_t cap_region;
@@ -128,6 +140,7 @@ static const char *kind_name(int kind)
     case REFIT__RPC__CLIENT_KIND__CLIENT_ENGINE: return "engine";
     case REFIT__RPC__CLIENT_KIND__CLIENT_CTL: return "ctl";
     case REFIT__RPC__CLIENT_KIND__CLIENT_PEER: return "peer";
+    case REFIT__RPC__CLIENT_KIND__CLIENT_INSTALLER: return "installer";
     default: return "unknown";
     }
 }
@@ -156,25 +169,31 @@ static int grow(void **p, uint32_t *cap, uint32_t need, size_t elem)
     return 0;
 }
 
-/* Adds a region to inv. The live inventory has one endpoint per device string and records
- * the region's mapping; a scratch inventory (the seal check) just needs the region. */
-static int add_region(rf_registry *r, rf_inv *inv, reg_region *rg, bool live, rf_err *err)
+/* Adds a region of client owner to inv. The live inventory has one endpoint per device
+ * string for shared memory, and one per device and engine for in-process regions (a local
+ * message into one is then that engine's alone); it records the region's mapping. A scratch
+ * inventory (the seal check) just needs the region. */
+static int add_region(rf_registry *r, rf_inv *inv, const reg_client *owner, reg_region *rg,
+                      bool live, rf_err *err)
 {
     uint32_t nep = rf_inv_nendpoints(inv), ep = nep, id;
+    uint64_t who = rg->inproc ? owner->uid : 0;
     int rc;
 
     if (live)
         for (ep = 0; ep < nep; ep++)
-            if (strcmp(r->ep_device[ep], rg->device) == 0)
+            if (strcmp(r->ep_device[ep], rg->device) == 0 && r->ep_owner[ep] == who)
                 break;
     if (ep == nep) {
         rc = rf_inv_add_endpoint(inv, r->side, r->node, &ep, err);
         if (rc < 0)
             return rc;
         if (live) {
-            if (grow((void **)&r->ep_device, &r->cap_ep, ep + 1, DEVICE_MAX) < 0)
+            if (grow((void **)&r->ep_device, &r->cap_ep, ep + 1, DEVICE_MAX) < 0 ||
+                grow((void **)&r->ep_owner, &r->cap_owner, ep + 1, sizeof(uint64_t)) < 0)
                 return rf_err_set(err, -ENOMEM, "out of memory adding an endpoint");
             memcpy(r->ep_device[ep], rg->device, DEVICE_MAX);
+            r->ep_owner[ep] = who;
         }
     }
     rc = rf_inv_add_region(inv, ep, rg->size, &id, err);
@@ -217,7 +236,7 @@ static int inv_add_client(rf_registry *r, rf_inv *inv, reg_client *c, bool live,
     int rc;
 
     for (i = 0; i < c->nregions; i++) {
-        rc = add_region(r, inv, &c->regions[i], live, err);
+        rc = add_region(r, inv, c, &c->regions[i], live, err);
         if (rc < 0)
             return rc;
     }
@@ -256,8 +275,10 @@ static unsigned count_data(const rf_registry *r, bool sealed_only)
     const reg_client *c;
     unsigned n = 0;
 
+    /* An engine with in-process regions counts as sealed once its installer is attached:
+     * no plan is made for memory nobody can write. */
     for (c = r->clients; c != NULL; c = c->next)
-        if (is_data(c) && (!sealed_only || c->sealed))
+        if (is_data(c) && (!sealed_only || (c->sealed && (!c->has_token || c->installer))))
             n++;
     return n;
 }
@@ -422,6 +443,7 @@ static void on_connect(rf_rpc_conn *conn, void *ud)
     c->reg = r;
     c->conn = conn;
     c->memfd_fd = -1;
+    c->uid = ++r->next_uid;
     c->next = r->clients;
     if (r->clients)
         r->clients->prev = c;
@@ -440,6 +462,28 @@ static void on_close(rf_rpc_conn *conn, void *ud)
         return;
     data = is_data(c);
     had = c->nregions > 0 || c->npieces > 0;
+    if (c->engine || c->installer) {
+        reg_client *e = c->engine ? c->engine : c;
+        char why[384];
+
+        snprintf(why, sizeof(why), "the %s of engine '%s' (rank %d, pid %d) %s", c->engine ?
+                 "in-process installer" : "process", e->name, e->rank, e->pid, c->engine ?
+                 "closed its connection" : "left");
+        bool engine_stays = c->engine != NULL;
+
+        if (c->engine)
+            c->engine->installer = NULL;
+        else
+            c->installer->engine = NULL;
+        c->engine = c->installer = NULL;
+        if (r->cb.on_install_lost && !r->closing)
+            r->cb.on_install_lost(r, e->uid, why, r->ud);
+        /* An engine without its installer cannot be written: incomplete until one attaches. */
+        if (engine_stays) {
+            r->generation++;
+            changed(r);
+        }
+    }
     if (c->prev)
         c->prev->next = c->next;
     else
@@ -475,9 +519,15 @@ static void do_hello(rf_registry *r, reg_client *c, uint64_t id, const Refit__Rp
     if (h->kind != REFIT__RPC__CLIENT_KIND__CLIENT_TRAINER &&
         h->kind != REFIT__RPC__CLIENT_KIND__CLIENT_ENGINE &&
         h->kind != REFIT__RPC__CLIENT_KIND__CLIENT_CTL &&
-        h->kind != REFIT__RPC__CLIENT_KIND__CLIENT_PEER) {
+        h->kind != REFIT__RPC__CLIENT_KIND__CLIENT_PEER &&
+        h->kind != REFIT__RPC__CLIENT_KIND__CLIENT_INSTALLER) {
         rf_rpc_conn_reply(c->conn, id, -EINVAL, "unknown client kind %d (trainer, engine, "
-                          "ctl or peer)", (int)h->kind);
+                          "ctl, peer or installer)", (int)h->kind);
+        return;
+    }
+    if (h->kind == REFIT__RPC__CLIENT_KIND__CLIENT_INSTALLER && r->side != RF_DST) {
+        rf_rpc_conn_reply(c->conn, id, -EOPNOTSUPP, "installer client connected to the "
+                          "publisher daemon: installers serve engines, on refit-receiverd");
         return;
     }
     /* Only trainers' memory is exported: a receiverd asking another receiverd has the wrong
@@ -671,6 +721,66 @@ static int region_chunks(reg_client *c, uint64_t id, const Refit__Rpc__RegisterR
     return 0;
 }
 
+/* Appends a region to c and the live inventory and answers its id; rg's owned parts move
+ * into c only on success (*rg is then cleared). */
+static int add_client_region(rf_registry *r, reg_client *c, uint64_t id, reg_region *rg)
+{
+    Refit__Rpc__Response resp = REFIT__RPC__RESPONSE__INIT;
+    rf_err err = {0};
+    int rc;
+
+    if (grow((void **)&c->regions, &c->cap_regions, c->nregions + 1, sizeof(reg_region)) < 0) {
+        rf_rpc_conn_reply(c->conn, id, -ENOMEM, "daemon out of memory registering a region");
+        return -ENOMEM;
+    }
+    rc = add_region(r, r->inv, c, rg, true, &err);
+    if (rc < 0) {
+        rebuild(r, NULL);
+        rf_rpc_conn_reply(c->conn, id, rc, "region %u: %s", c->nregions, err.msg);
+        return rc;
+    }
+    c->regions[c->nregions++] = *rg;
+    memset(rg, 0, sizeof(*rg));
+    rg->fd = -1;
+    r->generation++;
+    resp.id = id;
+    resp.region = c->nregions - 1;
+    rf_rpc_conn_send(c->conn, &resp);
+    return 0;
+}
+
+/* MEM_INPROC: memory the daemon cannot map, which the engine's installer writes itself. */
+static void do_region_inproc(rf_registry *r, reg_client *c, uint64_t id,
+                             const Refit__Rpc__RegisterRegion *m)
+{
+    reg_region rg;
+
+    if (r->side != RF_DST) {
+        rf_rpc_conn_reply(c->conn, id, -EINVAL, "in-process regions are for engines: a "
+                          "trainer's memory must be shareable (a memfd, a CUDA IPC handle or "
+                          "a VMM fd) for the daemons to read it");
+        return;
+    }
+    if (m->size == 0 || m->n_chunks > 0 || m->ipc_handle.len > 0 || m->offset != 0) {
+        rf_rpc_conn_reply(c->conn, id, -EINVAL, "in-process region: give its size (> 0) "
+                          "and nothing else (no handle, chunks or offset)");
+        return;
+    }
+    if (r->gpu_only == (strcmp(m->device, "host") == 0)) {
+        rf_rpc_conn_reply(c->conn, id, -EINVAL, "in-process region on %s: this daemon's "
+                          "transport moves %s memory only", m->device,
+                          r->gpu_only ? "GPU" : "host");
+        return;
+    }
+    memset(&rg, 0, sizeof(rg));
+    rg.fd = -1;
+    rg.inproc = true;
+    rg.kind = (rf_mem_kind)REFIT__RPC__MEM_KIND__MEM_INPROC;
+    rg.size = m->size;
+    snprintf(rg.device, sizeof(rg.device), "%s", m->device);
+    add_client_region(r, c, id, &rg);
+}
+
 static void do_region(rf_registry *r, reg_client *c, uint64_t id,
                       const Refit__Rpc__RegisterRegion *m, int *fds, size_t nfds)
 {
@@ -678,8 +788,9 @@ static void do_region(rf_registry *r, reg_client *c, uint64_t id,
     rf_mem_ref *ref = NULL;
     rf_mem_chunk *chunks = NULL;
     size_t nchunks = 0;
-    reg_region *rg;
+    reg_region rg;
     uint8_t *handle = NULL;
+    bool shared;
     struct stat st;
     rf_err err = {0};
     int rc, fd = nfds > 0 ? fds[0] : -1;
@@ -689,6 +800,10 @@ static void do_region(rf_registry *r, reg_client *c, uint64_t id,
     if (m->device == NULL || m->device[0] == '\0' || strlen(m->device) >= DEVICE_MAX) {
         rf_rpc_conn_reply(c->conn, id, -EINVAL, "region device must be \"host\" or a GPU "
                           "UUID (1 to %d characters)", DEVICE_MAX - 1);
+        goto out;
+    }
+    if (m->kind == REFIT__RPC__MEM_KIND__MEM_INPROC) {
+        do_region_inproc(r, c, id, m);
         goto out;
     }
     if ((m->kind == REFIT__RPC__MEM_KIND__MEM_MEMFD) != (strcmp(m->device, "host") == 0)) {
@@ -733,59 +848,41 @@ static void do_region(rf_registry *r, reg_client *c, uint64_t id,
         rf_rpc_conn_reply(c->conn, id, -ENOMEM, "daemon out of memory registering a region");
         goto out;
     }
-    if (grow((void **)&c->regions, &c->cap_regions, c->nregions + 1, sizeof(reg_region)) < 0) {
-        rf_rpc_conn_reply(c->conn, id, -ENOMEM, "daemon out of memory registering a region");
-        goto out;
-    }
-    rg = &c->regions[c->nregions];
-    memset(rg, 0, sizeof(*rg));
-    rg->fd = -1;
-    snprintf(rg->device, sizeof(rg->device), "%s", m->device);
-    rg->size = m->size;
-    rg->ref = ref;
-    rc = add_region(r, r->inv, rg, true, &err);
-    if (rc < 0) {
-        rf_mem_release(r->mem, ref);
-        ref = NULL;
-        rebuild(r, NULL);
-        rf_rpc_conn_reply(c->conn, id, rc, "region %u: %s", c->nregions, err.msg);
-        goto out;
-    }
-    rg->kind = d.kind;
-    rg->offset = d.offset;
+    memset(&rg, 0, sizeof(rg));
+    rg.fd = -1;
+    snprintf(rg.device, sizeof(rg.device), "%s", m->device);
+    rg.size = m->size;
+    rg.ref = ref;
+    rg.kind = d.kind;
+    rg.offset = d.offset;
     if (handle)
         memcpy(handle, d.handle, d.handle_len);
-    rg->handle = handle;
-    rg->handle_len = d.handle_len;
-    handle = NULL;
-    rg->chunks = chunks;
-    rg->nchunks = (uint32_t)nchunks;
-    chunks = NULL;
+    rg.handle = handle;
+    rg.handle_len = d.handle_len;
+    rg.chunks = chunks;
+    rg.nchunks = (uint32_t)nchunks;
     /* The region owns the received descriptor from here: kept to export it again. A region
      * of the same memfd as the client's last one shares that one's (regions of a client go
      * together, in client_free). */
-    if (d.kind == RF_MEM_MEMFD && c->memfd_fd >= 0 && fstat(fd, &st) == 0 &&
-        st.st_dev == c->memfd_dev && st.st_ino == c->memfd_ino) {
-        rg->fd = c->memfd_fd;
-        rg->fd_shared = true;
-    } else {
-        rg->fd = fd;
-        fd = -1;
-        if (d.kind == RF_MEM_MEMFD && fstat(rg->fd, &st) == 0) {
-            c->memfd_fd = rg->fd;
+    shared = d.kind == RF_MEM_MEMFD && c->memfd_fd >= 0 && fstat(fd, &st) == 0 &&
+             st.st_dev == c->memfd_dev && st.st_ino == c->memfd_ino;
+    rg.fd = shared ? c->memfd_fd : fd;
+    rg.fd_shared = shared;
+    if (add_client_region(r, c, id, &rg) < 0) {
+        rf_mem_release(r->mem, ref); /* rg still holds handle, chunks and fd: freed below */
+        ref = NULL;
+        goto out;
+    }
+    handle = NULL;
+    chunks = NULL;
+    ref = NULL;
+    if (!shared) {
+        if (d.kind == RF_MEM_MEMFD && fstat(fd, &st) == 0) {
+            c->memfd_fd = fd;
             c->memfd_dev = st.st_dev;
             c->memfd_ino = st.st_ino;
         }
-    }
-    c->nregions++;
-    ref = NULL;
-    r->generation++;
-    {
-        Refit__Rpc__Response resp = REFIT__RPC__RESPONSE__INIT;
-
-        resp.id = id;
-        resp.region = c->nregions - 1;
-        rf_rpc_conn_send(c->conn, &resp);
+        fd = -1;
     }
 out:
     free(handle);
@@ -877,6 +974,14 @@ static void do_piece(rf_registry *r, reg_client *c, uint64_t id,
     }
 }
 
+static bool has_inproc(const reg_client *c)
+{
+    for (uint32_t i = 0; i < c->nregions; i++)
+        if (c->regions[i].inproc)
+            return true;
+    return false;
+}
+
 static void do_seal(rf_registry *r, reg_client *c, uint64_t id)
 {
     rf_err err = {0};
@@ -906,7 +1011,19 @@ static void do_seal(rf_registry *r, reg_client *c, uint64_t id)
     }
     c->sealed = true;
     r->generation++;
-    rf_rpc_conn_reply(c->conn, id, 0, "sealed");
+    if (has_inproc(c)) {
+        Refit__Rpc__Response resp = REFIT__RPC__RESPONSE__INIT;
+
+        randombytes_buf(c->token, sizeof(c->token));
+        c->has_token = true;
+        resp.id = id;
+        resp.message = "sealed: attach the installer";
+        resp.install_token.data = c->token;
+        resp.install_token.len = sizeof(c->token);
+        rf_rpc_conn_send(c->conn, &resp);
+    } else {
+        rf_rpc_conn_reply(c->conn, id, 0, "sealed");
+    }
     check_complete(r);
     check_ready(r);
 }
@@ -1274,6 +1391,102 @@ out:
         close(chan);
 }
 
+/* ---- in-process install: the installer's requests ---- */
+
+static bool installer_only(reg_client *c, uint64_t id, const char *what, bool attached)
+{
+    if (c->kind != REFIT__RPC__CLIENT_KIND__CLIENT_INSTALLER) {
+        rf_rpc_conn_reply(c->conn, id, -EPERM, "%s is for installer clients, not %s", what,
+                          kind_name(c->kind));
+        return false;
+    }
+    if (attached && c->engine == NULL) {
+        rf_rpc_conn_reply(c->conn, id, -EPROTO, "%s before InstallerAttach (or its engine "
+                          "left)", what);
+        return false;
+    }
+    return true;
+}
+
+static void do_installer_attach(rf_registry *r, reg_client *c, uint64_t id,
+                                const Refit__Rpc__InstallerAttach *m)
+{
+    reg_client *e;
+    pid_t pid, epid;
+    uid_t uid;
+    gid_t gid;
+
+    if (!installer_only(c, id, "InstallerAttach", false))
+        return;
+    if (c->engine) {
+        rf_rpc_conn_reply(c->conn, id, -EISCONN, "installer already attached");
+        return;
+    }
+    for (e = r->clients; e != NULL; e = e->next)
+        if (e->has_token && m->token.len == sizeof(e->token) &&
+            sodium_memcmp(e->token, m->token.data, sizeof(e->token)) == 0)
+            break;
+    if (e == NULL) {
+        rf_rpc_conn_reply(c->conn, id, -EACCES, "no engine of this daemon holds that install "
+                          "token: attach with the token of your engine's Seal");
+        return;
+    }
+    rf_rpc_conn_cred(c->conn, &pid, &uid, &gid);
+    rf_rpc_conn_cred(e->conn, &epid, &uid, &gid);
+    if (pid != epid) {
+        rf_rpc_conn_reply(c->conn, id, -EACCES, "installer of pid %d for engine '%s' of pid "
+                          "%d: an engine's installer runs in the engine's own process",
+                          (int)pid, e->name, (int)epid);
+        return;
+    }
+    if (e->installer) {
+        rf_rpc_conn_reply(c->conn, id, -EBUSY, "engine '%s' has an installer attached",
+                          e->name);
+        return;
+    }
+    e->installer = c;
+    c->engine = e;
+    rf_rpc_conn_reply(c->conn, id, 0, "attached to engine '%s'", e->name);
+    check_complete(r);
+}
+
+static void do_install_sign(rf_registry *r, reg_client *c, uint64_t id,
+                            const Refit__Rpc__InstallSign *m)
+{
+    Refit__Rpc__Response resp = REFIT__RPC__RESPONSE__INIT;
+    uint8_t mac[RF_EXPORT_MAC_BYTES];
+
+    if (!installer_only(c, id, "InstallSign", true))
+        return;
+    if (r->export_key == NULL) {
+        rf_rpc_conn_reply(c->conn, id, -ENOKEY, "this receiverd copies nothing from trainers "
+                          "on its host (local_copy = off): nothing to sign");
+        return;
+    }
+    if (m->server_nonce.len != RF_EXPORT_NONCE_BYTES ||
+        m->client_nonce.len != RF_EXPORT_NONCE_BYTES) {
+        rf_rpc_conn_reply(c->conn, id, -EINVAL, "InstallSign nonces must be %d bytes each",
+                          RF_EXPORT_NONCE_BYTES);
+        return;
+    }
+    rf_export_mac(r->export_key, r->export_key_len, m->server_nonce.data,
+                  m->client_nonce.data, mac);
+    resp.id = id;
+    resp.mac.data = mac;
+    resp.mac.len = sizeof(mac);
+    rf_rpc_conn_send(c->conn, &resp);
+}
+
+static void do_install_done(rf_registry *r, reg_client *c, uint64_t id,
+                            const Refit__Rpc__InstallDone *m)
+{
+    if (!installer_only(c, id, "InstallDone", true))
+        return;
+    rf_rpc_conn_reply(c->conn, id, 0, "noted");
+    if (r->cb.on_install_done)
+        r->cb.on_install_done(r, c->engine->uid, m, r->ud);
+}
+
 static void on_request(rf_rpc_conn *conn, const Refit__Rpc__Request *q, void *ud)
 {
     rf_registry *r = ud;
@@ -1350,6 +1563,15 @@ static void on_request(rf_rpc_conn *conn, const Refit__Rpc__Request *q, void *ud
     case REFIT__RPC__REQUEST__BODY_EXPORT_REQUEST:
         do_export(r, c, q->id, q->export_request, fd);
         break;
+    case REFIT__RPC__REQUEST__BODY_INSTALLER_ATTACH:
+        do_installer_attach(r, c, q->id, q->installer_attach);
+        break;
+    case REFIT__RPC__REQUEST__BODY_INSTALL_SIGN:
+        do_install_sign(r, c, q->id, q->install_sign);
+        break;
+    case REFIT__RPC__REQUEST__BODY_INSTALL_DONE:
+        do_install_done(r, c, q->id, q->install_done);
+        break;
     default:
         rf_rpc_conn_reply(conn, q->id, -EOPNOTSUPP, "unknown request %d", (int)q->body_case);
         break;
@@ -1418,6 +1640,7 @@ void rf_registry_close(rf_registry *r)
     free(r->deferred);
     rf_mem_cache_free(r->mem);
     free(r->ep_device);
+    free(r->ep_owner);
     free(r->region_ref);
     rf_registry_set_export_key(r, NULL, 0);
     free(r);
@@ -1451,14 +1674,80 @@ uint64_t rf_registry_committed(const rf_registry *r) { return r->committed; }
 
 void *rf_registry_region_base(const rf_registry *r, uint32_t region)
 {
-    if (region >= rf_inv_nregions(r->inv))
+    if (region >= rf_inv_nregions(r->inv) || r->region_ref[region] == NULL)
         return NULL;
     return rf_mem_ref_base(r->region_ref[region]);
 }
 
 rf_mem_kind rf_registry_region_kind(const rf_registry *r, uint32_t region)
 {
+    if (r->region_ref[region] == NULL)
+        return (rf_mem_kind)REFIT__RPC__MEM_KIND__MEM_INPROC;
     return rf_mem_ref_kind(r->region_ref[region]);
+}
+
+uint64_t rf_registry_endpoint_owner(const rf_registry *r, uint32_t endpoint)
+{
+    if (endpoint >= rf_inv_nendpoints(r->inv))
+        return 0;
+    return r->ep_owner[endpoint];
+}
+
+static reg_client *find_uid(const rf_registry *r, uint64_t uid)
+{
+    reg_client *c;
+
+    for (c = r->clients; c != NULL; c = c->next)
+        if (c->uid == uid)
+            return c;
+    return NULL;
+}
+
+int rf_registry_client_regions(const rf_registry *r, uint64_t uid, uint32_t **ids, size_t *n,
+                               rf_err *err)
+{
+    const reg_client *c = find_uid(r, uid);
+
+    *ids = NULL;
+    *n = 0;
+    if (c == NULL)
+        return rf_err_set(err, -ENOENT, "no client %llu here (it left)",
+                          (unsigned long long)uid);
+    if (c->nregions && (*ids = malloc(c->nregions * sizeof(uint32_t))) == NULL)
+        return rf_err_set(err, -ENOMEM, "out of memory listing a client's regions");
+    for (uint32_t i = 0; i < c->nregions; i++)
+        (*ids)[i] = c->regions[i].inv_id;
+    *n = c->nregions;
+    return 0;
+}
+
+int rf_registry_install_push(rf_registry *r, uint64_t uid, const Refit__Rpc__Install *m,
+                             rf_err *err)
+{
+    Refit__Rpc__Response resp = REFIT__RPC__RESPONSE__INIT;
+    const reg_client *c = find_uid(r, uid);
+    int rc;
+
+    if (c == NULL)
+        return rf_err_set(err, -ENOENT, "the engine with in-process regions left");
+    if (c->installer == NULL)
+        return rf_err_set(err, -ENOTCONN, "engine '%s' (rank %d, pid %d) registered "
+                          "in-process memory but its installer is not attached: it must keep "
+                          "its librefit client open (the installer is librefit's thread)",
+                          c->name, c->rank, c->pid);
+    resp.install = (Refit__Rpc__Install *)m;
+    rc = rf_rpc_conn_send(c->installer->conn, &resp);
+    if (rc < 0)
+        return rf_err_set(err, rc, "writing to the installer of engine '%s': %s", c->name,
+                          strerror(-rc));
+    return 0;
+}
+
+const char *rf_registry_client_name(const rf_registry *r, uint64_t uid)
+{
+    const reg_client *c = find_uid(r, uid);
+
+    return c ? c->name : "(gone)";
 }
 
 const char *rf_registry_endpoint_device(const rf_registry *r, uint32_t endpoint)
@@ -1499,6 +1788,14 @@ json_t *rf_registry_status(const rf_registry *r)
                       kind_name(c->kind), "rank", c->rank, "pid", c->pid, "sealed", c->sealed,
                       "regions", (int)c->nregions, "pieces", (int)c->npieces, "published",
                       (json_int_t)c->published);
+        /* How the engine's memory is written: by the daemon (shared), or by its own
+         * installer (in-process), and whether that one is attached. */
+        if (j && c->kind == REFIT__RPC__CLIENT_KIND__CLIENT_ENGINE) {
+            json_object_set_new(j, "install", json_string(has_inproc(c) ? "in-process"
+                                                                          : "daemon"));
+            if (has_inproc(c))
+                json_object_set_new(j, "installer_attached", json_boolean(c->installer));
+        }
         if (j)
             json_array_append_new(arr, j);
     }

@@ -17,6 +17,10 @@
 #include "err.h"
 #include "layout.h"
 #include "mem.h"
+#include "rpc.pb-c.h"
+
+/* The install token an engine with in-process regions gets at Seal. */
+#define RF_REGISTRY_TOKEN_BYTES 32
 
 typedef struct rf_registry rf_registry;
 
@@ -48,6 +52,12 @@ typedef struct rf_registry_cb {
     /* Engines only: rf_registry_consumed changed (a gated engine consumed a version, joined
      * or left). May be NULL. */
     void (*on_consumed)(rf_registry *r, uint64_t consumed, void *ud);
+    /* Engines with in-process regions: the installer of engine uid answered InstallDone (m
+     * valid during the call), or the installer or its engine went away (why says which).
+     * May be NULL. */
+    void (*on_install_done)(rf_registry *r, uint64_t uid, const Refit__Rpc__InstallDone *m,
+                            void *ud);
+    void (*on_install_lost)(rf_registry *r, uint64_t uid, const char *why, void *ud);
 } rf_registry_cb;
 
 typedef struct rf_registry_opts {
@@ -86,6 +96,18 @@ uint64_t rf_registry_generation(const rf_registry *r); /* bumps at every invento
 void *rf_registry_region_base(const rf_registry *r, uint32_t region);
 rf_mem_kind rf_registry_region_kind(const rf_registry *r, uint32_t region);
 const char *rf_registry_endpoint_device(const rf_registry *r, uint32_t endpoint);
+/* In-process install (proto/rpc.proto): the engine (a client uid, never 0) whose in-process
+ * regions make up endpoint, 0 for an endpoint of shared memory (mapped here). */
+uint64_t rf_registry_endpoint_owner(const rf_registry *r, uint32_t endpoint);
+/* The live inventory region id of each region of client uid, in the client's order
+ * (*ids malloc'd). -ENOENT when it left. */
+int rf_registry_client_regions(const rf_registry *r, uint64_t uid, uint32_t **ids, size_t *n,
+                               rf_err *err);
+/* Pushes m to the installer of engine uid: -ENOENT (the engine left), -ENOTCONN (no installer
+ * attached), or the connection's error, each with a message. */
+int rf_registry_install_push(rf_registry *r, uint64_t uid, const Refit__Rpc__Install *m,
+                             rf_err *err);
+const char *rf_registry_client_name(const rf_registry *r, uint64_t uid);
 uint64_t rf_registry_committed(const rf_registry *r);
 /* Clients and versions as a JSON object, for the daemon's status document (caller decrefs). */
 json_t *rf_registry_status(const rf_registry *r);

@@ -25,6 +25,7 @@ typedef struct src_entry {
 struct rf_srcmap {
     uint8_t key[RF_PEER_KEY_MAX];
     size_t key_len;
+    rf_export_signer signer; /* fn NULL: the key proves us */
     double timeout_s;
     /* One cache for every publisher and generation: an unchanged trainer region of a new
      * generation reuses its mapping (a CUDA IPC handle cannot be opened twice). */
@@ -48,6 +49,21 @@ int rf_srcmap_new(const uint8_t *key, size_t key_len, double timeout_s, rf_srcma
     }
     memcpy(m->key, key, key_len);
     m->key_len = key_len;
+    m->timeout_s = timeout_s;
+    *out = m;
+    return 0;
+}
+
+int rf_srcmap_new_signed(const rf_export_signer *signer, double timeout_s, rf_srcmap **out,
+                         rf_err *err)
+{
+    rf_srcmap *m = calloc(1, sizeof(*m));
+
+    if (!m || !(m->cache = rf_mem_cache_new())) {
+        free(m);
+        return rf_err_set(err, -ENOMEM, "out of memory for the local sources");
+    }
+    m->signer = *signer;
     m->timeout_s = timeout_s;
     *out = m;
     return 0;
@@ -86,7 +102,8 @@ static int entry_load(rf_srcmap *m, src_entry *e, const char *path, rf_err *err)
     uint32_t i, n;
     int rc;
 
-    rc = rf_export_fetch(path, m->key, m->key_len, m->timeout_s, &e->exp, err);
+    rc = m->signer.fn ? rf_export_fetch_signed(path, &m->signer, m->timeout_s, &e->exp, err)
+                      : rf_export_fetch(path, m->key, m->key_len, m->timeout_s, &e->exp, err);
     if (rc < 0)
         return rc;
     m->fetches++;

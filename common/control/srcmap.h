@@ -8,6 +8,7 @@
 #include <stdint.h>
 
 #include "err.h"
+#include "export.h"
 #include "slice.h"
 
 typedef struct rf_srcmap rf_srcmap;
@@ -15,6 +16,9 @@ typedef struct rf_srcmap rf_srcmap;
 /* key: the cluster key (proves this daemon to the publisherd); timeout_s bounds one fetch. */
 int rf_srcmap_new(const uint8_t *key, size_t key_len, double timeout_s, rf_srcmap **out,
                   rf_err *err);
+/* The same for a process without the key (an engine's installer): signer proves it. */
+int rf_srcmap_new_signed(const rf_export_signer *signer, double timeout_s, rf_srcmap **out,
+                         rf_err *err);
 /* Unmaps everything: call when no job reads from it any more. */
 void rf_srcmap_free(rf_srcmap *m);
 

@@ -93,7 +93,7 @@ static int cb_wait(rf_registry *r, uint64_t v, rf_err *err, void *ud)
 static void open_registry(rf_side side, unsigned expected)
 {
     static const rf_registry_cb cb = {cb_inventory, cb_change, cb_ready, cb_status, cb_refit,
-                                      cb_wait, cb_consumed};
+                                      cb_wait, cb_consumed, NULL, NULL};
     rf_registry_opts o = {0};
     rf_err err = {0};
 
@@ -1015,7 +1015,7 @@ Test(registry, chunked_region_refusals_close_every_fd)
 Test(registry, chunked_region_of_non_cuda_fds_refused_on_a_gpu_daemon)
 {
     static const rf_registry_cb cb = {cb_inventory, cb_change, cb_ready, cb_status, cb_refit,
-                                      cb_wait, cb_consumed};
+                                      cb_wait, cb_consumed, NULL, NULL};
     const uint64_t mib2 = 2u << 20;
     const uint64_t sizes[3] = {mib2, mib2, mib2}, at[3] = {0, mib2, 2 * mib2};
     rf_registry_opts o = {0};
