@@ -16,6 +16,9 @@
 #include <uv.h>
 
 #include "export.h"
+#ifdef RF_HAVE_CUDA
+#include "mem_cuda.h"
+#endif
 #include "refit_int.h"
 #include "slice.h"
 #include "srcmap.h"
@@ -380,6 +383,13 @@ int refit__installer_start(refit_client *engine, const char *path, const char *n
                          refit_last_error(in->c));
         goto fail;
     }
+#ifdef RF_HAVE_CUDA
+    /* GPU engines map the trainers' CUDA IPC handles and VMM fds here. */
+    if (gpu && (rc = rf_mem_cuda_init(&err)) < 0) {
+        rc = refit__fail(engine, rc, "starting the installer: %s", err.msg);
+        goto fail;
+    }
+#endif
     signer.fn = sign;
     signer.ctx = in;
     if ((rc = rf_srcmap_new_signed(&signer, EXPORT_TIMEOUT_S, &in->srcs, &err)) < 0 ||

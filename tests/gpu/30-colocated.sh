@@ -26,7 +26,7 @@ run_case() {
     start_publisher 0 "$ntr"
     start_receiver 0 "$nen"
     start_engine "${name}_eng" 0 --model "$model" --layout "$dst" --versions "$n" --device cuda:0 \
-        --timeout-ms 300000 "$@"
+        --timeout-ms 300000 ${ENG_FLAGS:-} "$@"
     start_trainer "${name}_tr" 0 --model "$model" --layout "$src" --versions "$n" --device cuda:0 \
         --timeout-ms 300000 --report "$@"
     wait_ok "${name}_tr" "${name}_eng"
@@ -44,10 +44,18 @@ s["last_refit"]["paths"]["local"]["bytes"] == s["last_refit"]["bytes"] > 0'
     mv "$E2E_DIR/recv0.log" "$E2E_DIR/${name}_recv0.log"
 }
 
-want() { case " ${GPU_CASES:-q4b q30b vmm vmmchunk kill} " in *" $1 "*) return 0 ;; esac; return 1; }
+want() { case " ${GPU_CASES:-q4b q30b vmm vmmchunk inproc kill} " in *" $1 "*) return 0 ;; esac; return 1; }
 want q4b && run_case q4b qwen3-4b tp=2 tp=4 5 2 4
 want q30b && run_case q30b qwen3-30b-a3b tp=2,ep=2 tp=4 3 2 4
 want vmm && run_case vmm qwen3-4b tp=2 tp=4 3 2 4 --cuda-vmm
+# Engines whose memory cannot be exported (VMM allocations without a handle type, as sleep-mode
+# allocators make them): librefit installs in the engine's process (issue #12 item 4).
+if want inproc; then
+    ENG_FLAGS=--inproc run_case inproc qwen3-4b tp=2 tp=4 3 2 4
+    grep -q "in-process installs: 4 engines" "$E2E_DIR/inproc_recv0.log" ||
+        fail "inproc: the receiverd did not hand the copies to the engines' installers"
+    ENG_FLAGS=--inproc run_case inproc30 qwen3-30b-a3b tp=2,ep=2 tp=4 3 2 4
+fi
 # Tensors spanning VMM allocations mapped back to back (as PyTorch's expandable segments map).
 want vmmchunk && run_case vmmchunk qwen3-4b tp=2 tp=4 3 2 4 --cuda-vmm-chunk 2097152
 want kill || exit 0
