@@ -9,8 +9,10 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
+#include "export.h"
 #include "mem.h"
 #include "mem_cuda.h"
 #include "refit.h"
@@ -1051,4 +1053,178 @@ Test(registry, chunked_region_of_non_cuda_fds_refused_on_a_gpu_daemon)
         close(m[i]);
     close(fd);
     wait_fds(base, "after the client left");
+}
+
+static void set_key(void *arg)
+{
+    static const uint8_t key[32] = {7};
+
+    (void)arg;
+    cr_assert_eq(rf_registry_set_export_key(H.reg, key, sizeof(key)), 0);
+}
+
+/* In-process install: an engine's MEM_INPROC region, the install token of its Seal, and every
+ * refusal of the installer's requests. */
+Test(registry, inproc_regions_and_installer_refusals)
+{
+    Refit__Rpc__Request q = REFIT__RPC__REQUEST__INIT;
+    Refit__Rpc__RegisterRegion rr = REFIT__RPC__REGISTER_REGION__INIT;
+    Refit__Rpc__Seal seal = REFIT__RPC__SEAL__INIT;
+    Refit__Rpc__InstallerAttach at = REFIT__RPC__INSTALLER_ATTACH__INIT;
+    Refit__Rpc__InstallSign sg = REFIT__RPC__INSTALL_SIGN__INIT;
+    Refit__Rpc__InstallDone dn = REFIT__RPC__INSTALL_DONE__INIT;
+    Refit__Rpc__Response *r;
+    uint8_t token[RF_REGISTRY_TOKEN_BYTES], bad[RF_REGISTRY_TOKEN_BYTES] = {0}, n32[32] = {0};
+    int eng, ins, ins2, status;
+    pid_t pid;
+
+    open_registry(RF_DST, 1);
+    cr_assert_eq(rf_rpc_dial(H.path, &eng, NULL), 0);
+    raw_hello(eng, REFIT__RPC__CLIENT_KIND__CLIENT_ENGINE);
+    q.body_case = REFIT__RPC__REQUEST__BODY_REGISTER_REGION;
+    q.register_region = &rr;
+    rr.kind = REFIT__RPC__MEM_KIND__MEM_INPROC;
+    rr.device = "host";
+    q.id = 2;
+    expect_raw(eng, &q, -EINVAL, "give its size (> 0) and nothing else");
+    rr.size = 4096;
+    rr.offset = 8;
+    q.id = 3;
+    expect_raw(eng, &q, -EINVAL, "give its size (> 0) and nothing else");
+    rr.offset = 0;
+    rr.device = "GPU-0b5c";
+    q.id = 4;
+    expect_raw(eng, &q, -EINVAL, "transport moves host memory only");
+    rr.device = "host";
+    q.id = 5;
+    expect_raw(eng, &q, 0, "");
+    q.id = 6;
+    q.body_case = REFIT__RPC__REQUEST__BODY_SEAL;
+    q.seal = &seal;
+    r = raw_call(eng, &q);
+    cr_assert_eq(r->code, 0, "%s", r->message);
+    cr_assert_eq(r->install_token.len, sizeof(token), "Seal of an in-process engine gives a token");
+    memcpy(token, r->install_token.data, sizeof(token));
+    refit__rpc__response__free_unpacked(r, NULL);
+
+    /* An engine's requests are not an installer's. */
+    q.id = 7;
+    q.body_case = REFIT__RPC__REQUEST__BODY_INSTALL_SIGN;
+    q.install_sign = &sg;
+    expect_raw(eng, &q, -EPERM, "for installer clients");
+
+    cr_assert_eq(rf_rpc_dial(H.path, &ins, NULL), 0);
+    raw_hello(ins, REFIT__RPC__CLIENT_KIND__CLIENT_INSTALLER);
+    q.id = 8;
+    expect_raw(ins, &q, -EPROTO, "before InstallerAttach");
+    q.id = 9;
+    q.body_case = REFIT__RPC__REQUEST__BODY_INSTALL_DONE;
+    q.install_done = &dn;
+    expect_raw(ins, &q, -EPROTO, "before InstallerAttach");
+    q.id = 10;
+    q.body_case = REFIT__RPC__REQUEST__BODY_INSTALLER_ATTACH;
+    q.installer_attach = &at;
+    at.token.data = bad;
+    at.token.len = sizeof(bad);
+    expect_raw(ins, &q, -EACCES, "no engine of this daemon holds that install token");
+    /* Another process with the right token is refused: the installer is the engine's own. */
+    pid = fork();
+    cr_assert_neq(pid, -1);
+    if (pid == 0) {
+        Refit__Rpc__Request cq = REFIT__RPC__REQUEST__INIT;
+        Refit__Rpc__Hello h = REFIT__RPC__HELLO__INIT;
+        Refit__Rpc__InstallerAttach ca = REFIT__RPC__INSTALLER_ATTACH__INIT;
+        Refit__Rpc__Response *cr = NULL;
+        rf_wire_reader rd;
+        uint8_t buf[4096];
+        ssize_t n;
+        int fd, got = 0;
+
+        if (rf_rpc_dial(H.path, &fd, NULL) < 0)
+            _exit(2);
+        cq.id = 1;
+        cq.body_case = REFIT__RPC__REQUEST__BODY_HELLO;
+        cq.hello = &h;
+        h.protocol_version = RF_RPC_PROTOCOL_VERSION;
+        h.kind = REFIT__RPC__CLIENT_KIND__CLIENT_INSTALLER;
+        h.name = "other";
+        ca.token.data = token;
+        ca.token.len = sizeof(token);
+        rf_rpc_send(fd, &cq, -1, NULL);
+        cq.id = 2;
+        cq.body_case = REFIT__RPC__REQUEST__BODY_INSTALLER_ATTACH;
+        cq.installer_attach = &ca;
+        rf_rpc_send(fd, &cq, -1, NULL);
+        rf_wire_reader_init(&rd, 0);
+        while (!got && (n = recv(fd, buf, sizeof(buf), 0)) > 0) {
+            rf_wire_reader_feed(&rd, buf, (size_t)n, grab, &cr);
+            if (cr && cr->id == 2)
+                got = 1;
+            else if (cr) {
+                refit__rpc__response__free_unpacked(cr, NULL);
+                cr = NULL;
+            }
+        }
+        _exit(got && cr->code == -EACCES && strstr(cr->message, "engine's own process") ? 0 : 1);
+    }
+    cr_assert_eq(waitpid(pid, &status, 0), pid);
+    cr_assert(WIFEXITED(status) && WEXITSTATUS(status) == 0,
+              "another process attached with the engine's token");
+    at.token.data = token;
+    q.id = 11;
+    expect_raw(ins, &q, 0, "attached to engine");
+    q.id = 12;
+    expect_raw(ins, &q, -EISCONN, "already attached");
+    cr_assert_eq(rf_rpc_dial(H.path, &ins2, NULL), 0);
+    raw_hello(ins2, REFIT__RPC__CLIENT_KIND__CLIENT_INSTALLER);
+    q.id = 13;
+    expect_raw(ins2, &q, -EBUSY, "has an installer attached");
+    /* No export key (local_copy = off): nothing to sign; and nonces must be 32 bytes. */
+    q.id = 14;
+    q.body_case = REFIT__RPC__REQUEST__BODY_INSTALL_SIGN;
+    q.install_sign = &sg;
+    expect_raw(ins, &q, -ENOKEY, "nothing to sign");
+    test_loop_run(&H.l, set_key, NULL);
+    q.id = 15;
+    expect_raw(ins, &q, -EINVAL, "nonces must be 32 bytes");
+    sg.server_nonce.data = n32;
+    sg.server_nonce.len = sizeof(n32);
+    sg.client_nonce.data = n32;
+    sg.client_nonce.len = sizeof(n32);
+    q.id = 16;
+    r = raw_call(ins, &q);
+    cr_assert_eq(r->code, 0, "%s", r->message);
+    cr_assert_eq(r->mac.len, RF_EXPORT_MAC_BYTES);
+    refit__rpc__response__free_unpacked(r, NULL);
+    close(ins2);
+    close(ins);
+    close(eng);
+}
+
+Test(registry, inproc_refused_for_trainers_and_installers_on_the_publisher)
+{
+    Refit__Rpc__Request q = REFIT__RPC__REQUEST__INIT;
+    Refit__Rpc__RegisterRegion rr = REFIT__RPC__REGISTER_REGION__INIT;
+    Refit__Rpc__Hello h = REFIT__RPC__HELLO__INIT;
+    int fd, fd2;
+
+    open_registry(RF_SRC, 1);
+    cr_assert_eq(rf_rpc_dial(H.path, &fd, NULL), 0);
+    raw_hello(fd, REFIT__RPC__CLIENT_KIND__CLIENT_TRAINER);
+    q.id = 2;
+    q.body_case = REFIT__RPC__REQUEST__BODY_REGISTER_REGION;
+    q.register_region = &rr;
+    rr.kind = REFIT__RPC__MEM_KIND__MEM_INPROC;
+    rr.device = "host";
+    rr.size = 4096;
+    expect_raw(fd, &q, -EINVAL, "in-process regions are for engines");
+    cr_assert_eq(rf_rpc_dial(H.path, &fd2, NULL), 0);
+    q.id = 1;
+    q.body_case = REFIT__RPC__REQUEST__BODY_HELLO;
+    q.hello = &h;
+    h.protocol_version = RF_RPC_PROTOCOL_VERSION;
+    h.kind = REFIT__RPC__CLIENT_KIND__CLIENT_INSTALLER;
+    expect_raw(fd2, &q, -EOPNOTSUPP, "installers serve engines");
+    close(fd2);
+    close(fd);
 }
