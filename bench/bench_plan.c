@@ -56,6 +56,33 @@ static int cmp_d(const void *a, const void *b)
     return (x > y) - (x < y);
 }
 
+/* Builds inv's plan once to warm up, then n times (at most 32) timed: *best and *med the
+ * fastest and median seconds, *pl the last plan (the caller's to free; NULL on failure). */
+static int time_builds(const rf_inv *inv, const rf_plan_opts *o, int n, rf_plan **pl,
+                       double *best, double *med)
+{
+    double times[32], t0;
+    rf_err err;
+
+    *pl = NULL;
+    for (int i = -1; i < n; i++) {
+        rf_plan_free(*pl);
+        *pl = NULL;
+        t0 = now();
+        if (rf_plan_build(inv, o, pl, &err) < 0) {
+            fprintf(stderr, "bench_plan: %s\n", err.msg);
+            return -1;
+        }
+        if (i >= 0)
+            times[i] = now() - t0;
+    }
+    qsort(times, (size_t)n, sizeof(times[0]), cmp_d);
+    *best = times[0];
+    *med = times[n / 2];
+    return 0;
+}
+
+
 /* Wrong destination pieces: a transfer box outside its source or destination piece, or a
  * destination piece whose transfers do not add up to its size. */
 static uint64_t count_wrong(const rf_plan *pl)
@@ -96,7 +123,7 @@ static int run_case(const bcase *c)
     rf_plan *pl = NULL;
     rf_par ps, pd;
     rf_err err;
-    double t0, tinv, times[32], med;
+    double t0, tinv, best, med;
     uint64_t wrong;
     struct rusage ru;
     int rc = 1, n = c->iters < 32 ? c->iters : 32;
@@ -113,19 +140,8 @@ static int run_case(const bcase *c)
     }
     tinv = now() - t0;
     /* Warm-up, then timed builds; the last plan is checked. */
-    for (int i = -1; i < n; i++) {
-        rf_plan_free(pl);
-        pl = NULL;
-        t0 = now();
-        if (rf_plan_build(inv, NULL, &pl, &err) < 0) {
-            fprintf(stderr, "bench_plan: %s\n", err.msg);
-            goto out;
-        }
-        if (i >= 0)
-            times[i] = now() - t0;
-    }
-    qsort(times, (size_t)n, sizeof(times[0]), cmp_d);
-    med = times[n / 2];
+    if (time_builds(inv, NULL, n, &pl, &best, &med) < 0)
+        goto out;
     wrong = count_wrong(pl);
     getrusage(RUSAGE_SELF, &ru);
     {
@@ -134,7 +150,7 @@ static int run_case(const bcase *c)
         printf("%-14s %-16s %-12s %8u %9llu %10llu %10llu %8llu %7llu %8.3f %8.3f %8.3f %8.2f %6s %6llu\n",
                c->model, c->src, c->dst, st->tensors, (unsigned long long)st->src_pieces,
                (unsigned long long)st->dst_pieces, (unsigned long long)st->transfers,
-               (unsigned long long)st->messages, (unsigned long long)st->rounds, tinv, times[0],
+               (unsigned long long)st->messages, (unsigned long long)st->rounds, tinv, best,
                med, rss, med <= c->target_s && rss <= c->target_rss_gib ? "ok" : "MISS",
                (unsigned long long)wrong);
         fflush(stdout);
@@ -158,7 +174,7 @@ static int run_relay_case(const bcase *c)
     rf_plan_time off, on;
     rf_par ps, pd;
     rf_err err;
-    double t0, times[32], med, rss;
+    double best, med, rss;
     uint64_t wrong;
     uint32_t rounds_off;
     struct rusage ru;
@@ -172,19 +188,8 @@ static int run_relay_case(const bcase *c)
     }
     rf_plan_opts_default(&o);
     o.relay = 1;
-    for (int i = -1; i < n; i++) {
-        rf_plan_free(pl);
-        pl = NULL;
-        t0 = now();
-        if (rf_plan_build(inv, &o, &pl, &err) < 0) {
-            fprintf(stderr, "bench_plan: %s\n", err.msg);
-            goto out;
-        }
-        if (i >= 0)
-            times[i] = now() - t0;
-    }
-    qsort(times, (size_t)n, sizeof(times[0]), cmp_d);
-    med = times[n / 2];
+    if (time_builds(inv, &o, n, &pl, &best, &med) < 0)
+        goto out;
     wrong = count_wrong(pl);
     rf_plan_predict(pl, LINK_BPS, LOCAL_BPS, &on);
     {
