@@ -118,6 +118,25 @@ static int push_event(refit_client *c, const Refit__Rpc__Event *e)
     return 0;
 }
 
+/* Appends r to a queue of responses (answers, or an installer's pushes); frees it when
+ * there is no room. */
+static int queue(Refit__Rpc__Response ***q, size_t *n, size_t *cap, Refit__Rpc__Response *r)
+{
+    if (*n == *cap) {
+        size_t ncap = *cap ? *cap * 2 : 8;
+        Refit__Rpc__Response **nq = realloc(*q, ncap * sizeof(*nq));
+
+        if (nq == NULL) {
+            refit__rpc__response__free_unpacked(r, NULL);
+            return -ENOMEM;
+        }
+        *q = nq;
+        *cap = ncap;
+    }
+    (*q)[(*n)++] = r;
+    return 0;
+}
+
 static int on_frame(void *ctx, const uint8_t *body, uint32_t len)
 {
     refit_client *c = ctx;
@@ -132,34 +151,9 @@ static int on_frame(void *ctx, const uint8_t *body, uint32_t len)
         refit__rpc__response__free_unpacked(r, NULL);
         return rc;
     }
-    if (r->id == 0 && r->install != NULL) {
-        if (c->ninstalls == c->cap_installs) {
-            size_t n = c->cap_installs ? c->cap_installs * 2 : 8;
-            Refit__Rpc__Response **ni = realloc(c->installs, n * sizeof(*ni));
-
-            if (ni == NULL) {
-                refit__rpc__response__free_unpacked(r, NULL);
-                return -ENOMEM;
-            }
-            c->installs = ni;
-            c->cap_installs = n;
-        }
-        c->installs[c->ninstalls++] = r;
-        return 0;
-    }
-    if (c->nanswers == c->cap_answers) {
-        size_t n = c->cap_answers ? c->cap_answers * 2 : 8;
-        Refit__Rpc__Response **na = realloc(c->answers, n * sizeof(*na));
-
-        if (na == NULL) {
-            refit__rpc__response__free_unpacked(r, NULL);
-            return -ENOMEM;
-        }
-        c->answers = na;
-        c->cap_answers = n;
-    }
-    c->answers[c->nanswers++] = r;
-    return 0;
+    if (r->id == 0 && r->install != NULL)
+        return queue(&c->installs, &c->ninstalls, &c->cap_installs, r);
+    return queue(&c->answers, &c->nanswers, &c->cap_answers, r);
 }
 
 /* Reads what arrives within timeout_ms (< 0: until something does). 0, -ETIMEDOUT, or a

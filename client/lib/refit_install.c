@@ -35,7 +35,6 @@ struct refit_installer {
     volatile int stop;
     void **ptrs;               /* per engine region id: its memory, NULL when the daemon's */
     size_t nptrs;
-    bool gpu;
 
     uv_loop_t loop;
     uv_poll_t poll;            /* the connection, while a job runs (aborts arrive on it) */
@@ -49,7 +48,6 @@ struct refit_installer {
     uint64_t keys;
     bool done;
     rf_xfer_result res;
-    uint64_t aborting;         /* version an InstallAbort named while it ran */
 };
 
 /* ---- the Export proof, computed by the receiverd ---- */
@@ -213,10 +211,8 @@ static void on_readable(uv_poll_t *h, int status, int events)
         return;
     }
     while (r != NULL) {
-        if (r->install->body_case == REFIT__RPC__INSTALL__BODY_ABORT) {
-            in->aborting = r->install->abort->version;
+        if (r->install->body_case == REFIT__RPC__INSTALL__BODY_ABORT)
             rf_xfer_abort(in->lx);
-        }
         refit__rpc__response__free_unpacked(r, NULL);
         r = NULL;
         if (refit__next_install(in->c, 0, &r) < 0)
@@ -262,7 +258,6 @@ static void run(refit_installer *in, const Refit__Rpc__InstallRun *m)
     in->sj.ljob.verify = (int)m->verify;
     in->sj.ljob.timeout_s = m->timeout_s > 0 ? m->timeout_s : 60.0;
     in->done = false;
-    in->aborting = 0;
     memset(&in->res, 0, sizeof(in->res));
     if ((rc = rf_xfer_run(in->lx, &in->sj.ljob, on_done, in, &err)) < 0) {
         answer(in, m->version, rc, err.msg);
@@ -361,7 +356,6 @@ int refit__installer_start(refit_client *engine, const char *path, const char *n
     }
     memcpy(in->ptrs, ptrs, nptrs * sizeof(*ptrs));
     in->nptrs = nptrs;
-    in->gpu = gpu;
     rf_slice_job_init(&in->sj);
     if ((rc = uv_loop_init(&in->loop)) < 0) {
         rc = refit__fail(engine, rc, "starting the installer: %s", uv_strerror(rc));

@@ -47,13 +47,12 @@ static int owner_frame(rf_install_owner *o, const Refit__PlanSlice *ps, Refit__S
 
     if (o->nframes == o->cap) {
         uint32_t cap = o->cap ? 2 * o->cap : 4;
-        uint8_t **fr = realloc(o->frames, cap * sizeof(*fr));
+        uint8_t **fr;
+        size_t *ln;
 
-        if (fr)
+        if ((fr = realloc(o->frames, cap * sizeof(*fr))) != NULL)
             o->frames = fr;
-        size_t *ln = fr ? realloc(o->lens, cap * sizeof(*ln)) : NULL;
-
-        if (ln == NULL)
+        if (fr == NULL || (ln = realloc(o->lens, cap * sizeof(*ln))) == NULL)
             return rf_err_set(err, -ENOMEM, "out of memory holding an engine's plan");
         o->lens = ln;
         o->cap = cap;
@@ -216,7 +215,6 @@ void rf_install_free(rf_install *in)
     free(in);
 }
 
-bool rf_install_running(const rf_install *in) { return in && in->running; }
 
 /* One installer's answer (or its loss) goes into the run's result; the last ends it. */
 static void settle(rf_install *in, inst_state *s, int code, const char *error, uint64_t bytes,
@@ -249,10 +247,9 @@ static void settle(rf_install *in, inst_state *s, int code, const char *error, u
     in->cb(&in->res, in->arg);
 }
 
-/* Sends plan p to the installer of uid: the first frame carries the daemon's local inventory
+/* Sends the plan of owner o to its installer: the first frame carries the daemon's local inventory
  * and the inventory ids of the engine's regions. */
-static int send_plan(rf_install *in, const rf_install_owner *o, const rf_install_plan *p,
-                     rf_err *err)
+static int send_plan(rf_install *in, const rf_install_owner *o, rf_err *err)
 {
     Refit__Rpc__Install m = REFIT__RPC__INSTALL__INIT;
     Refit__Rpc__InstallPlan ip = REFIT__RPC__INSTALL_PLAN__INIT;
@@ -262,7 +259,6 @@ static int send_plan(rf_install *in, const rf_install_owner *o, const rf_install
     size_t nids = 0;
     int rc;
 
-    (void)p;
     if ((rc = rf_registry_client_regions(in->reg, o->uid, &ids, &nids, err)) < 0)
         return rc;
     if ((rc = rf_slice_inv_pack(rf_registry_inv(in->reg), RF_DST,
@@ -328,7 +324,7 @@ int rf_install_run(rf_install *in, const rf_install_plan *p, uint64_t version, i
             return rf_err_set(err, -ENOMEM, "out of memory starting in-process installs");
         if (s->sent_serial != p->serial) {
             s->sent_serial = 0;
-            if ((rc = send_plan(in, o, p, err)) < 0)
+            if ((rc = send_plan(in, o, err)) < 0)
                 return rc;
             s->sent_serial = p->serial;
         }

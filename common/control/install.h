@@ -60,7 +60,6 @@ void rf_install_abort(rf_install *in);
 /* Gives up the installers that did not answer an abort in time: call it every second or so
  * (the daemon's tick). */
 void rf_install_tick(rf_install *in);
-bool rf_install_running(const rf_install *in);
 /* The registry's callbacks, forwarded by the daemon. */
 void rf_install_on_done(rf_install *in, uint64_t uid, const Refit__Rpc__InstallDone *m);
 void rf_install_on_lost(rf_install *in, uint64_t uid, const char *why);
