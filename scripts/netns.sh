@@ -82,17 +82,38 @@ nc_owner() {
     NC_RUN=$NC_PREFIX-$NC_OWNER
 }
 
+# nc_wait_gone PID...: returns once every PID has exited (up to 5 s), woken by each exit
+# (pidfd_open), not by polling.
+nc_wait_gone() {
+    [ $# -gt 0 ] || return 0
+    python3 - "$@" <<'PY'
+import os, select, sys, time
+fds = []
+for p in sys.argv[1:]:
+    try:
+        fds.append(os.pidfd_open(int(p)))
+    except ProcessLookupError:
+        pass
+end = time.monotonic() + 5
+while fds:
+    ready, _, _ = select.select(fds, [], [], max(0.0, end - time.monotonic()))
+    if not ready:
+        break
+    for f in ready:
+        fds.remove(f)
+        os.close(f)
+PY
+}
+
 # nc_kill_ns NS: SIGKILLs every process in namespace NS and deletes it. A process killed there
 # keeps the namespace alive until it is gone, so the deletion waits (up to 5 s) for them first.
 nc_kill_ns() {
-    local ns=$1 pids i=0
+    local ns=$1 pids
     pids=$(ip netns pids "$ns" 2>/dev/null)
-    [ -n "$pids" ] && kill -9 $pids 2>/dev/null
-    while [ -n "$pids" ] && [ $i -lt 100 ]; do
-        pids=$(ip netns pids "$ns" 2>/dev/null)
-        i=$((i + 1))
-        [ -n "$pids" ] && sleep 0.05
-    done
+    if [ -n "$pids" ]; then
+        kill -9 $pids 2>/dev/null
+        nc_wait_gone $pids
+    fi
     ip netns del "$ns" 2>/dev/null || true
 }
 
