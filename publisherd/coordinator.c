@@ -588,6 +588,7 @@ static void schedule_build(rf_coord *c)
     rf_plan_opts_default(&b->opts);
     b->opts.staging_bytes = (uint64_t)c->cfg->staging_mib << 20;
     b->opts.direct_min_bytes = (uint64_t)c->cfg->direct_min_kib << 10;
+    b->opts.relay = c->cfg->relay == RF_RELAY_ON;
     c->building = b;
     if (uv_queue_work(c->loop, &b->work, build_work, build_after) < 0) {
         c->building = NULL;

@@ -19,6 +19,7 @@ static const char *const transport_names[] = { "tcp", "nccl", NULL };
 static const char *const verify_names[] = { "off", "sample", "full", NULL };
 static const char *const level_names[] = { "error", "warn", "info", "debug", NULL };
 static const char *const local_copy_names[] = { "off", "auto", NULL };
+static const char *const relay_names[] = { "off", "on", NULL };
 
 #define OFF(f) offsetof(rf_daemon_cfg, f)
 #define KSTR(n, def, fl, help) { #n, RF_CFG_STRING, OFF(n), def, 0, 0, 0, 0, NULL, fl, help }
@@ -74,6 +75,11 @@ static const char *const local_copy_names[] = { "off", "auto", NULL };
          "Identity of this machine for local_copy: daemons with the same host_id share "       \
          "memory. Empty means the kernel's boot id (else /etc/machine-id); set it when "      \
          "daemons that cannot share memory run on one kernel (separate IPC namespaces)."),   \
+    KENUM(relay, "off", relay_names,                                                           \
+          "Relays (read by the coordinator): on lets engine replicas forward bytes they "      \
+          "received earlier in a refit to other replicas, so trainers send each byte about "   \
+          "once; off feeds every engine from the trainers. Other daemons accept the key and "  \
+          "follow the plan they are given."),                                                  \
     KENUM(verify, "sample", verify_names,                                                      \
           "Digest check of transferred bytes before commit: off, sample (a sample of each "    \
           "transfer) or full."),                                                               \

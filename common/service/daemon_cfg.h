@@ -15,6 +15,7 @@
 enum rf_daemon_role { RF_DAEMON_PUBLISHER = 0, RF_DAEMON_RECEIVER = 1 };
 enum rf_transport { RF_TRANSPORT_TCP = 0, RF_TRANSPORT_NCCL = 1 };
 enum rf_local_copy { RF_LOCAL_COPY_OFF = 0, RF_LOCAL_COPY_AUTO = 1 };
+enum rf_relay { RF_RELAY_OFF = 0, RF_RELAY_ON = 1 };
 
 typedef struct rf_daemon_cfg {
     int role;                 /* enum rf_daemon_role, set by rf_daemon_cfg_load */
@@ -36,6 +37,7 @@ typedef struct rf_daemon_cfg {
     int direct_min_kib;       /* contiguous runs at least this large go zero-copy, KiB */
     int local_copy;           /* RF_LOCAL_COPY_*: same-host copies on (auto) or off */
     char *host_id;            /* this machine, for local_copy; "" means machine-id + boot id */
+    int relay;                /* enum rf_relay: the coordinator plans with relays (issue 14) */
     int verify;               /* enum rf_verify */
     int heartbeat_ms;
     int peer_timeout_ms;      /* a peer silent this long is dead; > heartbeat_ms */

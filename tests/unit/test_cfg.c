@@ -93,6 +93,7 @@ Test(cfg, defaults_of_publisherd)
     cr_assert_eq(c.staging_mib, 256);
     cr_assert_eq(c.direct_min_kib, 1024);
     cr_assert_eq(c.verify, RF_VERIFY_SAMPLE);
+    cr_assert_eq(c.relay, RF_RELAY_OFF);
     cr_assert_eq(c.heartbeat_ms, 1000);
     cr_assert_eq(c.peer_timeout_ms, 10000);
     cr_assert_eq(c.refit_timeout_s, 600);
@@ -133,6 +134,7 @@ Test(cfg, file_with_sections_comments_quotes_and_indentation)
                "index = 3\n"
                "status_listen = \"\"\n"
                "verify = full\n"
+               "relay = on\n"
                "log_level = debug\n"
                "staging_mib = 1024\n");
     cr_assert_eq(LOAD("--log-level=debug"), 0, "%s", err.msg);
@@ -150,6 +152,7 @@ Test(cfg, file_with_sections_comments_quotes_and_indentation)
     cr_assert_eq(c.index, 3);
     cr_assert_str_eq(c.status_listen, "");
     cr_assert_eq(c.verify, RF_VERIFY_FULL);
+    cr_assert_eq(c.relay, RF_RELAY_ON);
     cr_assert_eq(c.log_level, RF_LOG_DEBUG);
     cr_assert_eq(c.staging_mib, 1024);
 }
@@ -204,6 +207,8 @@ static struct bad_case bad_cases[] = {
       "@:1: 'staging_mib' must be an integer between 1 and 65536, got '12MiB'" },
     { 0, "verify = ful\n", NULL, -EINVAL,
       "@:1: 'verify' must be one of off, sample, full; got 'ful'" },
+    { 0, "relay = yes\n", NULL, -EINVAL, "@:1: 'relay' must be one of off, on; got 'yes'" },
+    { 1, "", "--relay=1", -EINVAL, "--relay: 'relay' must be one of off, on; got '1'" },
     { 0, "coordinator = maybe\n", NULL, -EINVAL,
       "@:1: 'coordinator' must be true or false (yes/no, on/off, 1/0), got 'maybe'" },
     { 0, "data_listen = 10.0.0.1\n", NULL, -EINVAL,
@@ -438,6 +443,8 @@ Test(cfg, help_lists_every_key_with_type_and_default)
     cr_assert_not_null(strstr(out, "  staging_mib = INT 1..65536  (default: 256)\n"
                                    "      Staging budget per GPU and round, MiB:"), "%s", out);
     cr_assert_not_null(strstr(out, "  verify = off|sample|full  (default: sample)\n"), "%s", out);
+    cr_assert_not_null(strstr(out, "  relay = off|on  (default: off)\n"
+                                   "      Relays (read by the coordinator)"), "%s", out);
     cr_assert_not_null(strstr(out, "  status_listen = HOST:PORT or \"\"  (default: "
                                    "127.0.0.1:9464)\n"), "%s", out);
     cr_assert_not_null(strstr(out, "  node = STRING  (default: \"\")\n"), "%s", out);
