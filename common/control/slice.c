@@ -393,13 +393,15 @@ static int push_frame(Refit__PlanSlice ***out, size_t *nout, size_t *cap, Refit_
     return 0;
 }
 
+/* Member m's side of plan message seq: send says which end it is (a publisher always sends;
+ * a receiver receives, and sends the relays it forwards, whose transfers' sources are its own
+ * destination pieces, so piece ids translate through the member's one piece base either way). */
 static Refit__SliceMsg *slice_msg_new(const rf_plan *plan, const rf_slice_map *map, uint32_t m,
-                                      uint32_t seq, const uint32_t *rank)
+                                      uint32_t seq, const uint32_t *rank, bool send)
 {
     const rf_plan_msg *pm = rf_plan_msg_at(plan, seq);
     const rf_slice_member *me = &map->members[m];
     const rf_inv *inv = rf_plan_inv(plan);
-    bool send = me->side == RF_SRC;
     Refit__SliceMsg *sm = malloc(sizeof(*sm));
     uint32_t k;
 
@@ -474,13 +476,19 @@ int rf_slice_build(const rf_plan *plan, const rf_slice_map *map, uint32_t m,
         free(rank);
         return -ENOMEM;
     }
-    for (i = 0; i < nmsgs; i++) {
-        const rf_plan_msg *pm = rf_plan_msg_at(plan, i);
-        uint32_t ep = me->side == RF_SRC ? pm->src_ep : pm->dst_ep;
+    for (i = 0; i < nmsgs * 2; i++) {
+        /* Each message twice: its sending end, then its receiving end. A publisher is only
+         * ever the first; a receiver the second, and the first of the relays it forwards (a
+         * relay between two endpoints of one receiver is in its slice twice). */
+        const rf_plan_msg *pm = rf_plan_msg_at(plan, i / 2);
+        bool send = i % 2 == 0;
+        uint32_t ep = send ? pm->src_ep : pm->dst_ep;
         Refit__SliceMsg *sm;
 
         if (ep < me->ep_base || ep >= me->ep_base + me->nep)
             continue;
+        if (send != (me->side == RF_SRC) && !(send && pm->relay != 0))
+            continue; /* only a relay has a receiver at its sending end */
         if (pm->kind == RF_PLAN_LOCAL && me->side == RF_SRC)
             continue; /* the receiver's daemon copies it */
         if (cur->n_msgs > 0 && cur_xfers + pm->count > max_xfers) {
@@ -506,7 +514,7 @@ int rf_slice_build(const rf_plan *plan, const rf_slice_map *map, uint32_t m,
             cur->msgs = n;
             cur_msgs_cap = ncap;
         }
-        sm = slice_msg_new(plan, map, m, i, rank);
+        sm = slice_msg_new(plan, map, m, i / 2, rank, send);
         if (!sm) {
             rc = -ENOMEM;
             goto fail;
@@ -708,6 +716,16 @@ int rf_slice_job_add(rf_slice_job *j, const Refit__PlanSlice *frame, const rf_in
             const Refit__SliceXfer *sx = sm->xfers[k];
 
             rc = resolve_item(sm, sx, sx->piece, local, side, bases, &xm->items[k], err);
+            /* A relay reads what this daemon installed; memory only its engine's process
+             * maps (an in-process region, no base here) cannot be forwarded. */
+            if (rc == 0 && sm->send && side == RF_DST && xm->items[k].base == NULL)
+                rc = rf_err_set(err, -EOPNOTSUPP, "plan slice message %u relays %s from "
+                                "local endpoint %u, whose memory is in-process in its engine "
+                                "(MEM_INPROC) and cannot be read by this daemon; run the "
+                                "coordinator with relay = off, or register shareable memory",
+                                sm->seq,
+                                rf_inv_tensor(local, xm->items[k].piece.tensor)->name,
+                                sm->local_ep);
             if (rc == 0 && is_local) {
                 const rf_slice_src *src = &srcs[sm->peer];
 
@@ -740,6 +758,8 @@ int rf_slice_msg_from_plan(const rf_plan *plan, uint32_t mi, rf_side side,
 {
     const rf_inv *inv = rf_plan_inv(plan);
     const rf_plan_msg *pm = rf_plan_msg_at(plan, mi);
+    /* A relay's sending end reads destination pieces. */
+    rf_side pside = pm->relay ? RF_DST : side;
 
     *out = (rf_xfer_msg){.seq = mi, .round = pm->round, .kind = pm->kind,
                          .send = side == RF_SRC, .peer = peer, .bytes = pm->bytes,
@@ -754,7 +774,7 @@ int rf_slice_msg_from_plan(const rf_plan *plan, uint32_t mi, rf_side side,
         rf_xfer_item *it = &out->items[k];
         const rf_tensor *t;
 
-        rf_inv_piece(inv, side, side == RF_SRC ? x->src : x->dst, &it->piece);
+        rf_inv_piece(inv, pside, side == RF_SRC ? x->src : x->dst, &it->piece);
         t = rf_inv_tensor(inv, it->piece.tensor);
         it->base = bases[it->piece.region];
         it->ndim = t->ndim;
@@ -804,7 +824,7 @@ int rf_slice_local_job_from_plan(const rf_plan *plan, uint8_t *const *bases, rf_
             const rf_tensor *t;
 
             rf_inv_piece(inv, RF_DST, x->dst, &d->piece);
-            rf_inv_piece(inv, RF_SRC, x->src, &sr->piece);
+            rf_inv_piece(inv, pm->relay ? RF_DST : RF_SRC, x->src, &sr->piece);
             t = rf_inv_tensor(inv, d->piece.tensor);
             d->base = bases[d->piece.region];
             sr->base = bases[sr->piece.region];

@@ -55,7 +55,8 @@ typedef struct rf_slice_peer {
 
 /* A publisher's messages of kind RF_PLAN_LOCAL are left out of its slice (the receiver's
  * daemon copies them); a receiver's carry each transfer's source piece in the publisher's
- * local ids. ranks: every member's endpoints that have network messages, numbered in global
+ * local ids. A receiver's slice also holds the relays it forwards (rf_plan_msg.relay; send =
+ * true, pieces its own destination pieces: it sends bytes it received earlier in the refit). ranks: every member's endpoints that have network messages, numbered in global
  * endpoint order, form the NCCL world. */
 int rf_slice_build(const rf_plan *plan, const rf_slice_map *map, uint32_t m,
                    const rf_slice_peer *peers, uint64_t generation, uint32_t max_xfers,
@@ -93,7 +94,9 @@ typedef struct rf_slice_src {
 
 void rf_slice_job_init(rf_slice_job *j);
 /* srcs: one entry per peer of the slice (frame->n_peers), or NULL for a slice without local
- * messages; a local message whose peer has no source (inv NULL) is an error. */
+ * messages; a local message whose peer has no source (inv NULL) is an error. A relay sent
+ * from memory this daemon has not mapped (bases[region] NULL: an engine's in-process region)
+ * is refused with -EOPNOTSUPP. */
 int rf_slice_job_add(rf_slice_job *j, const Refit__PlanSlice *frame, const rf_inv *local,
                      rf_side side, uint8_t *const *bases, const rf_slice_src *srcs,
                      rf_err *err);
@@ -101,7 +104,7 @@ void rf_slice_job_reset(rf_slice_job *j);
 
 /* Without daemons (a process that drives a plan's transports itself: benchmarks, tests): one
  * side of plan message mi as a transport message. Items point into bases[region of the piece
- * on that side]; peer is the caller's index of the other side's transport; ep and peer_ep are
+ * on that side] (a relay's RF_SRC side is its source's destination pieces); peer is the caller's index of the other side's transport; ep and peer_ep are
  * the plan's endpoint ids. out->items is malloc'd (free it). -ENOMEM. */
 int rf_slice_msg_from_plan(const rf_plan *plan, uint32_t mi, rf_side side,
                            uint8_t *const *bases, uint32_t peer, rf_xfer_msg *out, rf_err *err);

@@ -528,3 +528,167 @@ Test(slice, local_copies_go_to_the_receivers_slice_with_their_source_pieces)
     rf_inv_free(g);
     rf_slice_map_free(&map);
 }
+
+/* Relays: one trainer (tp=1) feeds four engine replicas (tp=1 each, a receiverd each). With
+ * relays on, a receiver's slice holds the relays it forwards (send = true, items in its own
+ * destination pieces, resolved against its own memory) beside what it receives; a
+ * publisher's slice is what the plan has it send. Every message is in exactly two slices'
+ * jobs, and an engine's in-process memory (no base in the daemon) cannot be a relay's
+ * source: the slice is refused, naming it. */
+#define RELAY_MEM 5
+
+Test(slice, a_receivers_slice_holds_the_relays_it_forwards)
+{
+    static const member_def rdefs[RELAY_MEM] = {
+        {RF_SRC, 0, 1, "tp=1"}, {RF_DST, 0, 1, "tp=1"}, {RF_DST, 0, 1, "tp=1"},
+        {RF_DST, 0, 1, "tp=1"}, {RF_DST, 0, 1, "tp=1"},
+    };
+    rf_inv *rlocal[RELAY_MEM];
+    Refit__Inventory *rwire[RELAY_MEM];
+    rf_side rsides[RELAY_MEM];
+    rf_slice_peer peers[RELAY_MEM];
+    uint8_t **bases[RELAY_MEM], **gbases;
+    rf_slice_map map = {0};
+    rf_plan_opts opts;
+    rf_plan *plan = NULL;
+    rf_inv *g = NULL;
+    rf_err err = {0};
+    uint64_t sent = 0, recvd = 0, relayed = 0;
+    uint32_t msgs_seen = 0, m;
+    bool refused = false;
+
+    for (m = 0; m < RELAY_MEM; m++) {
+        Refit__Inventory msg;
+
+        rsides[m] = rdefs[m].side;
+        rlocal[m] = member_inv(&rdefs[m]);
+        cr_assert_eq(rf_slice_inv_pack(rlocal[m], rsides[m], 1, &msg), 0);
+        rwire[m] = through_wire(&msg);
+        rf_slice_inv_msg_free(&msg);
+    }
+    cr_assert_eq(rf_slice_merge(rwire, rsides, RELAY_MEM, &g, &map, &err), 0, "%s", err.msg);
+    rf_plan_opts_default(&opts);
+    opts.staging_bytes = 1 << 20;
+    opts.direct_min_bytes = 64 << 10;
+    opts.relay = 1;
+    cr_assert_eq(rf_plan_build(g, &opts, &plan, &err), 0, "%s", err.msg);
+    cr_assert_gt(rf_plan_stats_get(plan)->relay_messages, 0, "the plan relays nothing");
+    cr_assert_lt(rf_plan_stats_get(plan)->source_bytes, rf_plan_stats_get(plan)->dst_bytes);
+    gbases = calloc(rf_inv_nregions(g), sizeof(*gbases));
+    for (m = 0; m < RELAY_MEM; m++) {
+        peers[m] = (rf_slice_peer){.daemon_id = 100 + m, .data_addr = "",
+                                   .role = rsides[m] == RF_SRC ? REFIT__ROLE__ROLE_PUBLISHER
+                                                               : REFIT__ROLE__ROLE_RECEIVER};
+        bases[m] = calloc(rf_inv_nregions(rlocal[m]), sizeof(*bases[m]));
+        for (uint32_t r = 0; r < rf_inv_nregions(rlocal[m]); r++) {
+            bases[m][r] = (uint8_t *)(uintptr_t)(((uint64_t)(m + 1) << 32) + 4096 * (r + 1));
+            gbases[map.members[m].region_base + r] = bases[m][r];
+        }
+    }
+    for (m = 0; m < RELAY_MEM; m++) {
+        Refit__PlanSlice **frames = NULL;
+        rf_slice_job job;
+        uint64_t want_sends = 0, want_recvs = 0, sends = 0, recvs = 0;
+        size_t n = 0;
+
+        for (uint32_t i = 0; i < rf_plan_nmsgs(plan); i++) {
+            const rf_plan_msg *pm = rf_plan_msg_at(plan, i);
+
+            want_sends += map.ep_member[pm->src_ep] == m;
+            want_recvs += map.ep_member[pm->dst_ep] == m;
+        }
+        cr_assert_eq(rf_slice_build(plan, &map, m, peers, 1, 300, NULL, &frames, &n), 0);
+        rf_slice_job_init(&job);
+        for (size_t f = 0; f < n; f++) {
+            Refit__PlanSlice *back = frame_through_wire(frames[f]);
+
+            cr_assert_eq(rf_slice_job_add(&job, back, rlocal[m], rsides[m], bases[m], NULL,
+                                          &err), 0, "member %u frame %zu: %s", m, f, err.msg);
+            /* The same frame with the memory of a relay's source in-process: refused. */
+            for (size_t i = 0; i < back->n_msgs && !refused; i++) {
+                const Refit__SliceMsg *sm = back->msgs[i];
+                if (!sm->send || rsides[m] != RF_DST)
+                    continue;
+                {
+                    rf_piece p;
+                    rf_slice_job scratch;
+                    uint8_t *saved;
+
+                    rf_inv_piece(rlocal[m], RF_DST, sm->xfers[0]->piece, &p);
+                    saved = bases[m][p.region];
+                    bases[m][p.region] = NULL;
+                    rf_slice_job_init(&scratch);
+                    cr_assert_eq(rf_slice_job_add(&scratch, back, rlocal[m], RF_DST, bases[m],
+                                                  NULL, &err), -EOPNOTSUPP);
+                    cr_assert(strstr(err.msg, "in-process in its engine (MEM_INPROC)"), "%s",
+                              err.msg);
+                    cr_assert(strstr(err.msg, "relay = off"), "%s", err.msg);
+                    rf_slice_job_reset(&scratch);
+                    bases[m][p.region] = saved;
+                    refused = true;
+                }
+            }
+            refit__plan_slice__free_unpacked(back, NULL);
+            rf_slice_msg_free(frames[f]);
+        }
+        free(frames);
+        cr_assert(job.complete);
+        cr_assert_eq(rf_xfer_job_check(&job.job, RELAY_MEM, &err), 0, "member %u: %s", m,
+                     err.msg);
+        for (uint32_t i = 0; i < job.job.nmsgs; i++) {
+            const rf_xfer_msg *xm = &job.job.msgs[i];
+            const rf_plan_msg *pm = rf_plan_msg_at(plan, xm->seq);
+            rf_xfer_msg want;
+
+            cr_assert_eq(map.ep_member[xm->send ? pm->src_ep : pm->dst_ep], m);
+            cr_assert_eq(xm->peer, map.ep_member[xm->send ? pm->dst_ep : pm->src_ep]);
+            if (rsides[m] == RF_SRC)
+                cr_assert(xm->send && !pm->relay, "a publisher got seq %u", xm->seq);
+            else if (xm->send)
+                cr_assert(pm->relay, "receiver %u sends seq %u, which is no relay", m, xm->seq);
+            /* The sending end of a relay reads this member's own destination memory. */
+            cr_assert_eq(rf_slice_msg_from_plan(plan, xm->seq, xm->send ? RF_SRC : RF_DST,
+                                                gbases, xm->peer, &want, &err), 0);
+            cr_assert_eq(xm->round, want.round);
+            cr_assert_eq(xm->bytes, want.bytes);
+            cr_assert_eq(xm->nitems, want.nitems);
+            for (uint32_t k = 0; k < xm->nitems; k++) {
+                cr_assert_eq(xm->items[k].base, want.items[k].base,
+                             "seq %u item %u lies in another region", xm->seq, k);
+                cr_assert_eq(xm->items[k].piece.offset, want.items[k].piece.offset);
+                cr_assert(rf_box_equal(&xm->items[k].box, &want.items[k].box,
+                                       xm->items[k].ndim));
+                cr_assert_eq(xm->items[k].msg_off, want.items[k].msg_off);
+            }
+            free(want.items);
+            if (xm->send) {
+                sends++;
+                sent += xm->bytes;
+                relayed += pm->relay ? xm->bytes : 0;
+            } else {
+                recvs++;
+                recvd += xm->bytes;
+            }
+            msgs_seen++;
+        }
+        cr_assert_eq(sends, want_sends, "member %u", m);
+        cr_assert_eq(recvs, want_recvs, "member %u", m);
+        if (rsides[m] == RF_SRC)
+            cr_assert_eq(sends, rf_plan_nmsgs(plan) - rf_plan_stats_get(plan)->relay_messages);
+        rf_slice_job_reset(&job);
+    }
+    cr_assert(refused, "no relay send was tried with in-process memory");
+    cr_assert_eq(msgs_seen, 2 * rf_plan_nmsgs(plan));
+    cr_assert_eq(sent, rf_plan_stats_get(plan)->dst_bytes);
+    cr_assert_eq(recvd, rf_plan_stats_get(plan)->dst_bytes);
+    cr_assert_eq(relayed, rf_plan_stats_get(plan)->relay_bytes);
+    for (m = 0; m < RELAY_MEM; m++) {
+        free(bases[m]);
+        refit__inventory__free_unpacked(rwire[m], NULL);
+        rf_inv_free(rlocal[m]);
+    }
+    free(gbases);
+    rf_plan_free(plan);
+    rf_inv_free(g);
+    rf_slice_map_free(&map);
+}
