@@ -292,6 +292,47 @@ void rf_xfer__staging(rf_xfer_core *t, uint64_t bytes)
         t->result.peak_staging = bytes;
 }
 
+static void order_advance(rf_xfer_order *o)
+{
+    while (o->recv_lo < o->nrounds && o->recv_left[o->recv_lo] == 0)
+        o->recv_lo++;
+}
+
+int rf_xfer__order_init(rf_xfer_order *o, const rf_xfer_job *job)
+{
+    bool sends = false, recvs = false;
+
+    memset(o, 0, sizeof(*o));
+    o->nrounds = job->nrounds;
+    o->recv_left = calloc(job->nrounds ? job->nrounds : 1, sizeof(*o->recv_left));
+    if (!o->recv_left)
+        return -ENOMEM;
+    for (uint32_t i = 0; i < job->nmsgs; i++) {
+        const rf_xfer_msg *m = &job->msgs[i];
+
+        sends |= m->send;
+        recvs |= !m->send;
+        if (!m->send)
+            o->recv_left[m->round]++;
+    }
+    o->gated = sends && recvs;
+    order_advance(o);
+    return 0;
+}
+
+void rf_xfer__order_recv_done(rf_xfer_order *o, uint32_t round)
+{
+    assert(round < o->nrounds && o->recv_left[round] > 0);
+    o->recv_left[round]--;
+    order_advance(o);
+}
+
+void rf_xfer__order_free(rf_xfer_order *o)
+{
+    free(o->recv_left);
+    memset(o, 0, sizeof(*o));
+}
+
 bool rf_xfer__digest_begin(rf_xfer_core *t, const rf_xfer_msg *m, rf_xfer_digest *d)
 {
     uint8_t seq[4];

@@ -119,6 +119,29 @@ static inline int rf_xfer__wake_fd(const rf_xfer_core *t)
     return t->wake_fd;
 }
 
+/* Relays (plan.h's ordering rule): a daemon that both receives and sends in one job (a
+ * receiverd forwarding what it received) sends a message of round r only once every message
+ * it receives in rounds < r is complete, its bytes in destination memory. A job that only
+ * sends or only receives (publishers, receivers without relays) is not gated: its rounds
+ * overlap as the backend allows. Worker thread. */
+typedef struct rf_xfer_order {
+    uint32_t *recv_left; /* per round: receives not complete yet */
+    uint32_t nrounds;
+    uint32_t recv_lo;    /* the first round with a receive not complete; nrounds when none */
+    bool gated;          /* the job sends and receives */
+} rf_xfer_order;
+
+/* -ENOMEM (nothing held), else 0. */
+int rf_xfer__order_init(rf_xfer_order *o, const rf_xfer_job *job);
+/* A receive of round `round` is complete. */
+void rf_xfer__order_recv_done(rf_xfer_order *o, uint32_t round);
+void rf_xfer__order_free(rf_xfer_order *o);
+/* Whether sends of round `round` may start. */
+static inline bool rf_xfer__order_send_ok(const rf_xfer_order *o, uint32_t round)
+{
+    return !o->gated || round <= o->recv_lo;
+}
+
 /* The verification digest (xfer.h, rf_xfer_result): BLAKE2b-256 of the message's seq as 4
  * bytes little-endian and its first rf_xfer_msg_digest_bytes payload bytes, XORed into the
  * digest of its direction. rf_xfer__digest_begin returns false when the job's verify setting

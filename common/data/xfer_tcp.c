@@ -136,6 +136,7 @@ typedef struct jstate {
     uint64_t arena_size;   /* staging this job uses */
     uint64_t staging_now;
     uint32_t left;         /* messages not done */
+    rf_xfer_order order;   /* a relay's sends wait for its receives of earlier rounds */
 } jstate;
 
 typedef struct tcp {
@@ -241,6 +242,7 @@ static void js_free(jstate *s)
     free(s->round_first);
     free(s->round_left);
     free(s->round_bytes);
+    rf_xfer__order_free(&s->order);
     memset(s, 0, sizeof(*s));
 }
 
@@ -269,7 +271,8 @@ static int js_init(jstate *s, const rf_xfer_job *job, uint32_t npeers)
     s->round_left = calloc(nr ? nr : 1, sizeof(uint32_t));
     s->round_bytes = calloc(nr ? nr : 1, sizeof(uint64_t));
     if (!s->send_first || !s->send_cur || !s->send_idx || !s->recv_open || !s->recv_seq ||
-        !s->state || !s->staging || !s->round_first || !s->round_left || !s->round_bytes)
+        !s->state || !s->staging || !s->round_first || !s->round_left || !s->round_bytes ||
+        rf_xfer__order_init(&s->order, job) < 0)
         return -ENOMEM;
     for (i = 0; i < n; i++) {
         const rf_xfer_msg *m = &job->msgs[i];
@@ -517,8 +520,10 @@ static int msg_done(tcp *t, uint32_t i)
     s->state[i] = MSG_DONE;
     s->round_left[m->round]--;
     s->left--;
-    if (!m->send)
+    if (!m->send) {
         s->recv_open[m->peer]--;
+        rf_xfer__order_recv_done(&s->order, m->round);
+    }
     return window_update(t);
 }
 
@@ -648,12 +653,16 @@ static int prepare_send(tcp *t, conn *c, uint32_t i)
     return 0;
 }
 
-/* The next message for this connection when its round is open. */
+/* The next message for this connection when its round is open and, for a relay, the
+ * receives of the rounds before it are in: it reads the memory they wrote. */
 static int64_t next_send(const jstate *s, uint32_t p)
 {
-    uint32_t k = s->send_first[p] + s->send_cur[p];
+    uint32_t k = s->send_first[p] + s->send_cur[p], r;
 
-    if (k >= s->send_first[p + 1] || s->job->msgs[s->send_idx[k]].round >= s->hi)
+    if (k >= s->send_first[p + 1])
+        return -1;
+    r = s->job->msgs[s->send_idx[k]].round;
+    if (r >= s->hi || !rf_xfer__order_send_ok(&s->order, r))
         return -1;
     return s->send_idx[k];
 }

@@ -2440,3 +2440,299 @@ Test(xfer_check, ipv6_listener)
     uv_run(&loop, UV_RUN_DEFAULT);
     cr_assert_eq(uv_loop_close(&loop), 0);
 }
+
+/* ---- relays: a daemon that receives and forwards ------------------------------------------- */
+
+/* A real plan with relays: qwen3 shrunk, one trainer (daemon 0) and three engine replicas
+ * (daemons 1-3), a staging budget small enough for many rounds. Every destination byte lands,
+ * twice over, the replicas forward what they received (their sent bytes are the plan's relay
+ * bytes), and the digests of relayed messages cancel like any other. */
+Test(xfer_relay, qwen3_one_trainer_three_replicas_relaying)
+{
+    rf_inv *inv = rf_inv_new();
+    rf_plan_opts o = {.staging_bytes = 1 << 20, .direct_min_bytes = 16 << 10, .relay = 1};
+    rf_xfer_job jobs[MAXD], *jp[MAXD];
+    const rf_plan_stats *st;
+    rf_plan *pl = NULL;
+    cluster c;
+    world w;
+    rf_err err;
+
+    shrunk_qwen3("tp=1", "tp=1,dp=3", inv);
+    cr_assert_eq(rf_inv_nendpoints(inv), 4);
+    cr_assert_eq(rf_plan_build(inv, &o, &pl, &err), 0, "%s", err.msg);
+    st = rf_plan_stats_get(pl);
+    cr_assert_gt(st->relay_messages, 0, "the plan relays nothing");
+    cr_assert_gt(rf_plan_nrounds(pl), 2);
+    cluster_alloc(&c, inv);
+    world_open(&w, 4);
+    for (uint64_t v = 1; v <= 2; v++) {
+        uint64_t relayed = 0;
+
+        fill_sources(&c, v);
+        jobs_from_plan(pl, &o, (uint32_t[]){0, 1, 2, 3}, 4, c.bases, v, RF_VERIFY_FULL, jobs);
+        for (int d = 0; d < 4; d++)
+            jp[d] = &jobs[d];
+        world_run(&w, jp);
+        for (int d = 0; d < 4; d++) {
+            cr_assert_eq(w.res[d].code, 0, "daemon %d: %s", d, w.res[d].error);
+            if (d > 0)
+                relayed += w.res[d].bytes_sent;
+        }
+        cr_assert_eq(w.res[0].bytes_sent, st->source_bytes);
+        cr_assert_eq(relayed, st->relay_bytes);
+        cr_assert_gt(relayed, 0);
+        check_destinations(&c, v);
+        digests_agree(&w);
+        for (int d = 0; d < 4; d++)
+            job_free(&jobs[d]);
+    }
+    world_close(&w);
+    cluster_free(&c);
+    rf_plan_free(pl);
+    rf_inv_free(inv);
+}
+
+/* The rest of a fake peer's payload from byte `from` (a segment boundary) on, each segment
+ * with its tag. */
+static void fake_payload_from(fconn *f, const uint8_t *p, uint64_t bytes, uint64_t from)
+{
+    for (uint64_t off = from; off < bytes; off += SEG_LEN) {
+        uint64_t seg = bytes - off < SEG_LEN ? bytes - off : SEG_LEN;
+        uint8_t tag[TAG_LEN];
+
+        ftag(f, p + off, seg, tag);
+        write_all(f->fd, p + off, seg);
+        write_all(f->fd, tag, sizeof(tag));
+    }
+}
+
+/* Relays by hand: peer 0 is a fake trainer the test drives (a socket speaking the data
+ * protocol), daemon 1 the relay, daemon 2 the relay's receiver. */
+#define RL_N (1u << 20)
+
+static struct {
+    uint8_t *src, *src2; /* what the fake trainer sends: seq 0, seq 2 */
+    fconn a;
+    uint64_t held;       /* bytes of seq 0 sent before the gate */
+    uint32_t watch;      /* the daemon whose progress poke_relay waits on */
+    uint64_t watch_bytes;
+    bool fired;
+} rl;
+
+/* Once daemon 1's job runs: the fake trainer sends seq 0's header and its first rl.held bytes
+ * (whole segments), and holds the rest. */
+static void poke_relay_start(world *w)
+{
+    bool accepted;
+
+    rl.a = auth_dial(addr_of(w, 1), KEY_A, 0, 1, &accepted);
+    cr_assert(accepted, "the fake trainer's hello was not accepted");
+    fake_header(&rl.a, 0x46584652u, 0, 9, RL_N);
+    fake_payload(&rl.a, rl.src, RL_N, rl.held);
+}
+
+/* A relay sends round 1 only once its receive of round 0 is complete. The fake trainer sends
+ * half of seq 0 and holds the rest (the gate): the receiver's job runs to its deadline with
+ * nothing of seq 1 arrived (a relay that sent at once would have sent the relay's memory as it
+ * was, 0xee, and the receiver's job would have ended done). Then the trainer sends the rest
+ * and the receiver, run again, gets exactly what the relay received; the relay's digests
+ * (received seq 0, sent seq 1) are those of the trainer's bytes. */
+Test(xfer_relay, a_relays_send_waits_for_its_receive)
+{
+    uint8_t *bmem = malloc(RL_N), *cmem = malloc(RL_N);
+    uint8_t want_recv[RF_XFER_DIGEST_BYTES] = {0}, want_sent[RF_XFER_DIGEST_BYTES] = {0};
+    rf_xfer_item bi = item1d(bmem, RL_N, 0, RL_N, 0), ci = item1d(cmem, RL_N, 0, RL_N, 0);
+    rf_xfer_msg bm[2], cm;
+    rf_xfer_job bj, cj;
+    rf_err err;
+    world w;
+
+    memset(&rl, 0, sizeof(rl));
+    rl.src = malloc(RL_N);
+    cr_assert(bmem && cmem && rl.src);
+    for (uint64_t i = 0; i < RL_N; i++)
+        rl.src[i] = xd_pattern(3, i, 0, 9);
+    memset(bmem, 0xee, RL_N);
+    memset(cmem, 0xee, RL_N);
+    rl.held = RL_N / 2;
+    bm[0] = (rf_xfer_msg){.seq = 0, .round = 0, .kind = RF_PLAN_DIRECT, .send = false,
+                          .peer = 0, .bytes = RL_N, .nitems = 1, .items = &bi};
+    bm[1] = (rf_xfer_msg){.seq = 1, .round = 1, .kind = RF_PLAN_DIRECT, .send = true,
+                          .peer = 2, .bytes = RL_N, .nitems = 1, .items = &bi};
+    cm = bm[1];
+    cm.send = false;
+    cm.peer = 1;
+    cm.items = &ci;
+    bj = (rf_xfer_job){.version = 9, .nrounds = 2, .nmsgs = 2, .msgs = bm, .timeout_s = 20,
+                       .verify = RF_VERIFY_FULL};
+    cj = bj;
+    cj.nmsgs = 1;
+    cj.msgs = &cm;
+    cj.timeout_s = 0.5;
+    world_open(&w, 3);
+
+    /* The gate closed: the receiver's job ends at its deadline, the relay's runs on. */
+    memset(w.got, 0, sizeof(w.got));
+    cr_assert_eq(rf_xfer_run(w.t[1], &bj, on_done, &w, &err), 0, "%s", err.msg);
+    cr_assert_eq(rf_xfer_run(w.t[2], &cj, on_done, &w, &err), 0, "%s", err.msg);
+    w.pending = 1;
+    w.poke_fn = poke_relay_start;
+    uv_timer_start(&w.poke, on_poke, 1, 0);
+    uv_timer_start(&w.guard, on_guard, 30000, 0);
+    uv_run(&w.loop, UV_RUN_DEFAULT);
+    cr_assert(w.got[2] && !w.got[1]);
+    cr_assert_eq(w.res[2].code, -ETIMEDOUT, "%d %s", w.res[2].code, w.res[2].error);
+    cr_assert(strstr(w.res[2].error, "receiving message seq 1 (round 1) from peer 1") &&
+              strstr(w.res[2].error, "0 of 1048576 bytes moved"), "%s", w.res[2].error);
+    cr_assert_eq(w.res[2].bytes_recv, 0);
+    for (uint64_t i = 0; i < RL_N; i++)
+        cr_assert_eq(cmem[i], 0xee, "byte %llu of the receiver's memory written while the relay "
+                     "had half its receive", (unsigned long long)i);
+
+    /* The gate open: the rest of seq 0, and the receiver again. */
+    fake_payload_from(&rl.a, rl.src, RL_N, rl.held);
+    cj.timeout_s = 20;
+    w.got[2] = false;
+    cr_assert_eq(rf_xfer_run(w.t[2], &cj, on_done, &w, &err), 0, "%s", err.msg);
+    w.pending = 2;
+    uv_run(&w.loop, UV_RUN_DEFAULT);
+    uv_timer_stop(&w.guard);
+    cr_assert_eq(w.res[1].code, 0, "%s", w.res[1].error);
+    cr_assert_eq(w.res[2].code, 0, "%s", w.res[2].error);
+    cr_assert_eq(w.res[1].bytes_recv, RL_N);
+    cr_assert_eq(w.res[1].bytes_sent, RL_N);
+    cr_assert(memcmp(bmem, rl.src, RL_N) == 0, "the relay's memory is not what it received");
+    cr_assert(memcmp(cmem, rl.src, RL_N) == 0, "the relay sent other bytes than it received");
+    digest_ref(0, rl.src, RL_N, want_recv);
+    digest_ref(1, rl.src, RL_N, want_sent);
+    cr_assert(memcmp(w.res[1].digest_recv, want_recv, sizeof(want_recv)) == 0);
+    cr_assert(memcmp(w.res[1].digest_sent, want_sent, sizeof(want_sent)) == 0);
+    cr_assert(memcmp(w.res[2].digest_recv, want_sent, sizeof(want_sent)) == 0);
+    close(rl.a.fd);
+    world_close(&w);
+    free(rl.src);
+    free(bmem);
+    free(cmem);
+}
+
+/* Until daemon rl.watch has moved rl.watch_bytes, then once: the fake trainer dies inside
+ * seq 2. */
+static void poke_relay_kill(world *w)
+{
+    if (rl.fired || rf_xfer_progress(w->t[rl.watch]) < rl.watch_bytes)
+        return;
+    rl.fired = true;
+    uv_timer_stop(&w->poke);
+    close(rl.a.fd);
+    rl.a.fd = -1;
+}
+
+static void poke_relay_two(world *w)
+{
+    poke_relay_start(w);
+    /* seq 2, the second message of the same connection: 1000 bytes, then silence. */
+    fake_header(&rl.a, 0x46584652u, 2, 9, RL_N);
+    fake_payload(&rl.a, rl.src2, RL_N, 1000);
+    w->poke_fn = poke_relay_kill;
+    uv_timer_start(&w->poke, on_poke, 1, 1);
+}
+
+/* A relay whose own source dies while it forwards: the relay has passed on round 0's bytes
+ * (its receiver got seq 1 whole, which the test waits for), is receiving seq 2 and holds seq
+ * 3 back for it. The fake trainer dies inside seq 2: the relay's job fails naming seq 2 and
+ * the trainer, and its receiver's job fails too (the relay drops its connections), naming
+ * seq 3 and the relay; nothing of seq 3 is installed. Then the three run a good relay job. */
+Test(xfer_relay, a_relay_that_fails_mid_forward_fails_the_job)
+{
+    uint8_t *bmem = malloc(2 * RL_N), *cmem = malloc(2 * RL_N);
+    rf_xfer_item b0 = item1d(bmem, 2 * RL_N, 0, RL_N, 0);
+    rf_xfer_item b1 = item1d(bmem, 2 * RL_N, RL_N, RL_N, 0);
+    rf_xfer_item c0 = item1d(cmem, 2 * RL_N, 0, RL_N, 0);
+    rf_xfer_item c1 = item1d(cmem, 2 * RL_N, RL_N, RL_N, 0);
+    rf_xfer_msg bm[4], cm[2];
+    rf_xfer_job bj, cj;
+    world w;
+
+    memset(&rl, 0, sizeof(rl));
+    rl.src = malloc(RL_N);
+    rl.src2 = malloc(RL_N);
+    cr_assert(bmem && cmem && rl.src && rl.src2);
+    for (uint64_t i = 0; i < RL_N; i++) {
+        rl.src[i] = xd_pattern(4, i, 0, 9);
+        rl.src2[i] = xd_pattern(5, i, 0, 9);
+    }
+    memset(bmem, 0xee, 2 * RL_N);
+    memset(cmem, 0xee, 2 * RL_N);
+    rl.held = RL_N;
+    rl.watch = 2;
+    rl.watch_bytes = RL_N;
+    bm[0] = (rf_xfer_msg){.seq = 0, .round = 0, .kind = RF_PLAN_DIRECT, .send = false,
+                          .peer = 0, .bytes = RL_N, .nitems = 1, .items = &b0};
+    bm[1] = (rf_xfer_msg){.seq = 1, .round = 1, .kind = RF_PLAN_DIRECT, .send = true,
+                          .peer = 2, .bytes = RL_N, .nitems = 1, .items = &b0};
+    bm[2] = (rf_xfer_msg){.seq = 2, .round = 1, .kind = RF_PLAN_DIRECT, .send = false,
+                          .peer = 0, .bytes = RL_N, .nitems = 1, .items = &b1};
+    bm[3] = (rf_xfer_msg){.seq = 3, .round = 2, .kind = RF_PLAN_DIRECT, .send = true,
+                          .peer = 2, .bytes = RL_N, .nitems = 1, .items = &b1};
+    cm[0] = bm[1];
+    cm[0].send = false;
+    cm[0].peer = 1;
+    cm[0].items = &c0;
+    cm[1] = bm[3];
+    cm[1].send = false;
+    cm[1].peer = 1;
+    cm[1].items = &c1;
+    bj = (rf_xfer_job){.version = 9, .nrounds = 3, .nmsgs = 4, .msgs = bm, .timeout_s = 20,
+                       .verify = RF_VERIFY_FULL};
+    cj = bj;
+    cj.nmsgs = 2;
+    cj.msgs = cm;
+    world_open(&w, 3);
+    world_run_poke(&w, (rf_xfer_job *[]){NULL, &bj, &cj}, poke_relay_two, 1);
+    cr_assert(rl.fired, "the jobs ended before the relay forwarded seq 1");
+    cr_assert_eq(w.res[1].code, -ECONNRESET, "%d %s", w.res[1].code, w.res[1].error);
+    cr_assert(strstr(w.res[1].error, "seq 2") && strstr(w.res[1].error, "peer 0") &&
+              strstr(w.res[1].error, "1000 of"), "%s", w.res[1].error);
+    cr_assert_lt(w.res[2].code, 0, "the relay's receiver committed without seq 3");
+    cr_assert(strstr(w.res[2].error, "seq 3") && strstr(w.res[2].error, "peer 1"), "%s",
+              w.res[2].error);
+    cr_assert_eq(w.res[2].bytes_recv, RL_N);
+    cr_assert(memcmp(cmem, rl.src, RL_N) == 0, "seq 1 forwarded other bytes");
+    for (uint64_t i = RL_N; i < 2 * RL_N; i++)
+        cr_assert_eq(cmem[i], 0xee, "byte %llu of seq 3 installed after the relay failed",
+                     (unsigned long long)i);
+
+    /* The same three daemons, a whole relay job: the trainer is a real transport now. */
+    {
+        uint8_t *amem = malloc(2 * RL_N);
+        rf_xfer_item a0 = item1d(amem, 2 * RL_N, 0, RL_N, 0);
+        rf_xfer_item a1 = item1d(amem, 2 * RL_N, RL_N, RL_N, 0);
+        rf_xfer_msg am[2] = {bm[0], bm[2]};
+        rf_xfer_job aj = bj;
+
+        cr_assert_not_null(amem);
+        for (uint64_t i = 0; i < 2 * RL_N; i++)
+            amem[i] = xd_pattern(6, i, 0, 10);
+        for (int k = 0; k < 2; k++) {
+            am[k].send = true;
+            am[k].peer = 1;
+        }
+        am[0].items = &a0;
+        am[1].items = &a1;
+        aj.version = bj.version = cj.version = 10;
+        aj.nmsgs = 2;
+        aj.msgs = am;
+        world_run(&w, (rf_xfer_job *[]){&aj, &bj, &cj});
+        for (int d = 0; d < 3; d++)
+            cr_assert_eq(w.res[d].code, 0, "daemon %d: %s", d, w.res[d].error);
+        cr_assert(memcmp(cmem, amem, 2 * RL_N) == 0);
+        digests_agree(&w);
+        free(amem);
+    }
+    world_close(&w);
+    free(rl.src);
+    free(rl.src2);
+    free(bmem);
+    free(cmem);
+}
