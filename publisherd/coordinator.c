@@ -271,6 +271,8 @@ static void commit_refit(rf_coord *c)
         if (c->m[i].done_transfer_s > transfer)
             transfer = c->m[i].done_transfer_s;
     }
+    /* A receiver's Done counts the bytes it relayed as well: installed once, sent again. */
+    bytes = bytes > c->stats.relay_bytes ? bytes - c->stats.relay_bytes : 0;
     if (c->cfg->verify != RF_VERIFY_OFF) {
         for (k = 0; k < RF_XFER_DIGEST_BYTES && x[k] == 0; k++)
             ;
@@ -532,6 +534,13 @@ static void build_after(uv_work_t *w, int status)
             "rounds, %llu bytes", id, c->plan_seconds, c->stats.tensors,
             (unsigned long long)c->stats.transfers, (unsigned long long)c->stats.messages,
             (unsigned long long)c->stats.rounds, (unsigned long long)c->stats.dst_bytes);
+    if (c->stats.relay_messages > 0)
+        RF_INFO("plan %.16s relays %llu bytes in %llu messages (depth %u, fanout %u): "
+                "trainers send %llu of %llu bytes", id,
+                (unsigned long long)c->stats.relay_bytes,
+                (unsigned long long)c->stats.relay_messages, c->stats.relay_depth,
+                c->stats.relay_fanout, (unsigned long long)c->stats.source_bytes,
+                (unsigned long long)c->stats.dst_bytes);
     rf_metric_set(c->m_tensors, c->stats.tensors);
     rf_metric_set(c->m_transfers, (double)c->stats.transfers);
     c->plan_ready = true;
@@ -972,13 +981,17 @@ void rf_coord_status(json_t *status, void *arg)
     }
     if (c->plan_ready)
         rf_plan_id_to_hex(c->plan_id, id);
-    plan = json_pack("{s:s, s:b, s:i, s:I, s:I, s:I, s:I, s:I, s:I, s:f}", "id", id, "ready",
+    plan = json_pack("{s:s, s:b, s:i, s:I, s:I, s:I, s:I, s:I, s:I, s:f, s:I, s:I, s:i}",
+                     "id", id, "ready",
                      c->plan_ready, "tensors", (int)c->stats.tensors, "transfers",
                      (json_int_t)c->stats.transfers, "messages", (json_int_t)c->stats.messages,
                      "rounds", (json_int_t)c->stats.rounds, "dst_bytes",
                      (json_int_t)c->stats.dst_bytes, "direct_bytes",
                      (json_int_t)c->stats.direct_bytes, "max_sender_bytes",
-                     (json_int_t)c->stats.max_sender_bytes, "build_s", c->plan_seconds);
+                     (json_int_t)c->stats.max_sender_bytes, "build_s", c->plan_seconds,
+                     "relay_bytes", (json_int_t)c->stats.relay_bytes, "relay_messages",
+                     (json_int_t)c->stats.relay_messages, "relay_depth",
+                     (int)c->stats.relay_depth);
     last = json_pack("{s:I, s:s, s:I, s:f, s:f, s:f, s:f}", "version",
                      (json_int_t)c->last.version, "result", c->last.result[0] ? c->last.result
                      : "none", "bytes", (json_int_t)c->last.bytes, "publish_quorum_s",

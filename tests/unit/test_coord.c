@@ -928,3 +928,116 @@ Test(coord, a_wildcard_data_address_becomes_the_members_reachable_one)
     for (uint32_t m = 0; m < NMEM; m++)
         cr_assert_str_eq(ps->peers[m]->data_addr, want[m], "member %u", m);
 }
+
+/* ---- relays --------------------------------------------------------------------------------- */
+
+/* The plan document's field (cluster.plan.key) or the last refit's. */
+static json_int_t st_sub(const char *obj, const char *key)
+{
+    json_t *st = cluster();
+    json_int_t v = json_integer_value(
+        json_object_get(json_object_get(json_object_get(st, "cluster"), obj), key));
+
+    json_decref(st);
+    return v;
+}
+
+/* Messages of the receiver's plan slice (sent since mark) that it sends, and those it
+ * receives. */
+static void recv_slice_sides(size_t mark, size_t *sends, size_t *recvs)
+{
+    *sends = *recvs = 0;
+    for (size_t i = mark; i < H.nout; i++) {
+        const Refit__PlanSlice *ps;
+
+        if (H.out[i].member != RECV0 ||
+            H.out[i].env->body_case != REFIT__ENVELOPE__BODY_PLAN_SLICE)
+            continue;
+        ps = H.out[i].env->plan_slice;
+        for (size_t k = 0; k < ps->n_msgs; k++) {
+            *sends += ps->msgs[k]->send;
+            *recvs += !ps->msgs[k]->send;
+        }
+    }
+}
+
+/* relay = on reaches the planner: the receiver holds two engine replicas (tp=1, dp=2), and
+ * with relays one forwards to the other what the trainers sent it (its slice has messages it
+ * sends, the plan document counts them); the refit's bytes are what the receivers installed,
+ * not what they installed and forwarded. Losing the relaying receiver mid-refit aborts. With
+ * relay = off (the default) the same cluster plans no relay. */
+static void relay_cluster(bool on)
+{
+    rf_inv *inv = test_member_inv(H.model, "tp=1,dp=2", RF_DST, 0, 2);
+    size_t mark, sends, recvs;
+    json_int_t dst, relayed;
+    const Refit__Envelope *e;
+
+    rf_slice_inv_msg_free(&H.inv[RECV0]);
+    cr_assert_eq(rf_slice_inv_pack(inv, RF_DST, H.inv_gen[RECV0], &H.inv[RECV0]), 0);
+    rf_inv_free(inv);
+    if (on)
+        start_coord("--staging-mib", "1", "--relay", "on", NULL);
+    else
+        start_coord("--staging-mib", "1", NULL);
+    mark = H.nout;
+    cluster_up();
+    recv_slice_sides(mark, &sends, &recvs);
+    dst = st_sub("plan", "dst_bytes");
+    relayed = st_sub("plan", "relay_bytes");
+    cr_assert_gt(recvs, 0);
+    if (!on) {
+        cr_assert_eq(st_sub("plan", "relay_messages"), 0);
+        cr_assert_eq(relayed, 0);
+        cr_assert_eq(sends, 0, "a receiver sends without relays");
+        return;
+    }
+    cr_assert_gt(st_sub("plan", "relay_messages"), 0, "relay = on planned no relay");
+    cr_assert_gt(st_sub("plan", "relay_depth"), 0);
+    cr_assert_gt(relayed, 0);
+    cr_assert_lt(relayed, dst);
+    cr_assert_eq((json_int_t)sends, st_sub("plan", "relay_messages"),
+                 "the receiver's slice lacks relays it forwards");
+    /* A refit: the receiver's Done counts what it installed and what it forwarded. */
+    start(1);
+    {
+        Refit__Envelope env = REFIT__ENVELOPE__INIT;
+        Refit__Done d = REFIT__DONE__INIT;
+        uint8_t digest[32] = {0};
+
+        done(0, 1, true, 0, NULL);
+        done(1, 1, true, 0, NULL);
+        d.version = 1;
+        d.ok = true;
+        d.error = "";
+        d.bytes = (uint64_t)(dst + relayed);
+        d.digest.data = digest;
+        d.digest.len = 32;
+        env.body_case = REFIT__ENVELOPE__BODY_DONE;
+        env.done = &d;
+        rf_coord__envelope(H.c, RECV0, &env);
+    }
+    cr_assert_eq(st_int("committed"), 1);
+    cr_assert_eq(st_sub("last_refit", "bytes"), dst, "the refit's bytes count relays twice");
+    /* The relay dies mid-refit: the version aborts, nothing commits. */
+    idle(RECV0, true, 1);
+    start(2);
+    done(0, 2, true, 0, NULL);
+    rf_coord__member_down(H.c, &H.peers[RECV0], "connection reset");
+    e = last(0, REFIT__ENVELOPE__BODY_ABORT);
+    cr_assert_not_null(e, "losing the relaying receiver mid-refit did not abort");
+    cr_assert_eq(e->abort->version, 2);
+    cr_assert_eq(count(0, REFIT__ENVELOPE__BODY_COMMIT), 1);
+    done(1, 2, false, 0, "aborted");
+    cr_assert_eq(st_int("committed"), 1);
+}
+
+Test(coord, relay_on_plans_relays_into_the_receivers_slice)
+{
+    relay_cluster(true);
+}
+
+Test(coord, relay_off_plans_none)
+{
+    relay_cluster(false);
+}
