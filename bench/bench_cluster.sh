@@ -9,8 +9,9 @@
 # receivers. REFITS refits, each published only once the last one was committed and every
 # engine verified it (so no refit shares the CPUs with the clients' fill and check). Per refit:
 #   measured  Start -> Commit at the coordinator (its status, last_refit.start_to_commit_s)
-#   floor     the network's ingress floor: the most bytes any receiver took in (its status,
-#             last_refit.paths.network.bytes) / RATE
+#   floor     the network's ingress floor: the most bytes any receiver took in (what its
+#             /metrics count as received in the refit: refit_bytes_total{direction="received"};
+#             a relaying receiver's forwarded bytes leave it, they are not ingress) / RATE
 #   predicted refitctl plan --explain with the same model, layouts, staging and direct size, at
 #             RATE per GPU with one GPU per node (RATE divided among a node's GPUs otherwise),
 #             printed above the table
@@ -72,8 +73,9 @@ bc_worlds() {
 
 # bc_status V NP SOCKETS...: one line for refit V from the daemons' status (the first NP sockets
 # are the publishers', the coordinator's first, then the receivers'): bytes transfer_s
-# start_to_commit_s max_receiver_bytes max_publisher_bytes (what the busiest receiverd took in and
-# publisherd sent over the network); fails unless the coordinator's last refit is V, committed.
+# start_to_commit_s max_receiver_bytes max_publisher_bytes (what the busiest receiverd and
+# publisherd moved over the network; a relaying receiverd's count holds what it sent too, so
+# bc_cluster replaces the receivers' figure with what they received); fails unless the coordinator's last refit is V, committed.
 bc_status() {
     REFITCTL="$BIN/refitctl" python3 -S - "$@" <<'PY'
 import json, os, subprocess, sys
@@ -118,6 +120,7 @@ bc_wrong() {
 bc_cluster() {
     local name=$1 np=$2 nr=$3 rate=$4 margs=$5 src=$6 dst=$7 refits=$8
     local model=${margs%% *} worlds ws wd sp rp i a b v link0 link1 lmax row wrong w n socks
+    local rx0 rx1 rxmax n0
     worlds=$(bc_worlds "$model" "$src" "$dst")
     ws=${worlds% *} wd=${worlds#* }
     [ -n "$worlds" ] || fail "refitctl plan does not take model $model, src $src, dst $dst"
@@ -152,6 +155,7 @@ for x in cl['members']) and cl['plan']['ready']"
     : > "$E2E_DIR/rows.txt"
     for ((v = 1; v <= refits; v++)); do
         link0=$(bc_pub_link_max "$np")
+        rx0=$(bc_recv_bytes "$nr")
         echo $v > "$E2E_DIR/gate"
         wait_for "$E2E_DIR/pub0.log" "refit $v committed" $((CLIENT_TIMEOUT_MS / 1000))
         link1=$(bc_pub_link_max "$np")
@@ -163,6 +167,17 @@ for x in cl['members']) and cl['plan']['ready']"
             [ "$w" = "?" ] && w=1
             wrong=$((wrong + w))
         done
+        # The floor's bytes: the most one receiverd took in during this refit (read once its
+        # engines saw the commit, so its counters are in).
+        rx1=$(bc_recv_bytes "$nr")
+        rxmax=0
+        for n in $rx1; do
+            a=${n%:*} b=${n#*:}
+            for n0 in $rx0; do [ "${n0%:*}" = "$a" ] && b=$((b - ${n0#*:})); done
+            [ $b -gt $rxmax ] && rxmax=$b
+        done
+        [ $rxmax -gt 0 ] || fail "no receiverd counted bytes received in refit $v (its /metrics)"
+        row=$(echo "$row" | awk -v rx=$rxmax '{$4 = rx; print}')
         lmax=0
         for n in $link1; do
             a=${n%:*} b=${n#*:}
@@ -172,6 +187,16 @@ for x in cl['members']) and cl['plan']['ready']"
         echo "$v $row $lmax $wrong" >> "$E2E_DIR/rows.txt"
     done
     wait_ok $(for ((i = 0; i < np; i++)); do echo t$i; done) $(for ((i = 0; i < nr; i++)); do echo e$i; done)
+}
+
+# bc_recv_bytes NR: "index:bytes" of the payload bytes each receiverd received so far (its
+# /metrics, summed over peers).
+bc_recv_bytes() {
+    local i
+    for ((i = 0; i < $1; i++)); do
+        echo "$i:$(nc_metric recv $i 'refit_bytes_total\{.*direction="received".*\}' |
+            python3 -S -c 'import sys; print(int(sum(float(x) for x in sys.stdin.read().split())))')"
+    done
 }
 
 # bc_pub_link_max NP: "index:bytes" of each publisher's uplink counter.
