@@ -92,6 +92,10 @@ int rf_install_plan_add(rf_install_plan *p, const rf_registry *reg, const Refit_
         const Refit__SliceMsg *sm = ps->msgs[i];
 
         uids[i] = rf_registry_endpoint_owner(reg, sm->local_ep);
+        /* A relay out of an engine's memory stays in the daemon's part, which refuses it
+         * naming the endpoint (slice.c: the daemon cannot read that memory). */
+        if (sm->send)
+            uids[i] = 0;
         if (uids[i] == 0) {
             rest->msgs[nrest++] = ps->msgs[i];
         } else if (sm->kind != RF_PLAN_LOCAL) {
@@ -172,6 +176,7 @@ struct rf_install {
     inst_state *st;
     uint32_t nst;
     uint32_t left;        /* installers of the run not answered yet */
+    uint32_t total;       /* installers of the run */
     uint64_t version;
     bool running, aborting;
     rf_install_done_cb cb;
@@ -348,6 +353,7 @@ int rf_install_run(rf_install *in, const rf_install_plan *p, uint64_t version, i
     if (in->left == 0)
         return rf_err_set(err, in->res.code, "%s", in->res.error);
     in->version = version;
+    in->total = in->left;
     in->running = true;
     in->aborting = false;
     in->cb = cb;
@@ -355,6 +361,18 @@ int rf_install_run(rf_install *in, const rf_install_plan *p, uint64_t version, i
     if (in->res.code < 0)
         rf_install_abort(in);
     return 1;
+}
+
+bool rf_install_running(const rf_install *in, uint64_t *version, uint32_t *installers,
+                        uint32_t *unanswered, bool *aborting)
+{
+    if (in == NULL || !in->running)
+        return false;
+    *version = in->version;
+    *installers = in->total;
+    *unanswered = in->left;
+    *aborting = in->aborting;
+    return true;
 }
 
 void rf_install_tick(rf_install *in)

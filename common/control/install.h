@@ -8,6 +8,7 @@
 #ifndef RF_INSTALL_H
 #define RF_INSTALL_H
 
+#include <stdbool.h>
 #include <stdint.h>
 
 #include <uv.h>
@@ -60,6 +61,10 @@ void rf_install_abort(rf_install *in);
 /* Gives up the installers that did not answer an abort in time: call it every second or so
  * (the daemon's tick). */
 void rf_install_tick(rf_install *in);
+/* For status: whether a run is in flight, its version, its installers and how many of them
+ * have not answered yet, and whether it is being aborted. false with nothing running. */
+bool rf_install_running(const rf_install *in, uint64_t *version, uint32_t *installers,
+                        uint32_t *unanswered, bool *aborting);
 /* The registry's callbacks, forwarded by the daemon. */
 void rf_install_on_done(rf_install *in, uint64_t uid, const Refit__Rpc__InstallDone *m);
 void rf_install_on_lost(rf_install *in, uint64_t uid, const char *why);

@@ -69,6 +69,8 @@ struct rf_node {
         struct path_stat path[2]; /* PATH_NET, PATH_LOCAL */
     } last;
     char last_error[256];
+    char slice_error[256];    /* why the slice of plan refused_plan was refused */
+    uint8_t refused_plan[RF_PLAN_ID_BYTES];
 
     rf_node_status_hook status_hook;
     void *status_arg;
@@ -560,9 +562,14 @@ static void on_start(rf_node *n, const Refit__Start *s)
     if (!n->slice.complete || n->slice_stale || s->plan_id.len != RF_PLAN_ID_BYTES ||
         memcmp(s->plan_id.data, n->slice.plan_id, RF_PLAN_ID_BYTES) != 0 ||
         n->slice.generation != rf_registry_generation(n->reg) || !rf_registry_complete(n->reg)) {
-        snprintf(msg, sizeof(msg), "Start(%llu) names a plan this daemon does not hold (its "
-                 "inventory changed or the slice is incomplete); the coordinator replans",
-                 (unsigned long long)s->version);
+        if (n->slice_error[0] && s->plan_id.len == RF_PLAN_ID_BYTES &&
+            memcmp(s->plan_id.data, n->refused_plan, RF_PLAN_ID_BYTES) == 0)
+            snprintf(msg, sizeof(msg), "Start(%llu): this daemon refused the plan: %s",
+                     (unsigned long long)s->version, n->slice_error);
+        else
+            snprintf(msg, sizeof(msg), "Start(%llu) names a plan this daemon does not hold "
+                     "(its inventory changed or the slice is incomplete); the coordinator "
+                     "replans", (unsigned long long)s->version);
         send_done(n, s->version, NULL, msg);
         return;
     }
@@ -816,6 +823,10 @@ static void on_slice(rf_node *n, const Refit__PlanSlice *ps)
     if (rc < 0) {
         RF_ERROR("plan slice refused: %s", err.msg);
         set_error(n, err.msg);
+        /* Start of this plan says why, for the trainers waiting on it. */
+        snprintf(n->slice_error, sizeof(n->slice_error), "%s", err.msg);
+        if (ps->plan_id.len == RF_PLAN_ID_BYTES)
+            memcpy(n->refused_plan, ps->plan_id.data, RF_PLAN_ID_BYTES);
         rf_slice_job_reset(&n->next);
         rf_install_plan_reset(&n->inext);
         return;
@@ -955,6 +966,9 @@ json_t *rf_node_status(rf_node *n)
 {
     json_t *st = json_object(), *reg = rf_registry_status(n->reg), *last;
     char plan[RF_PLAN_ID_HEX] = "";
+    uint64_t iv;
+    uint32_t inst_n, inst_left;
+    bool inst_ab;
 
     if (n->slice.complete)
         rf_plan_id_to_hex(n->slice.plan_id, plan);
@@ -980,6 +994,13 @@ json_t *rf_node_status(rf_node *n)
             (json_int_t)(rf_xfer_progress(n->xfer) + (n->lxfer ? rf_xfer_progress(n->lxfer) : 0)),
             "bytes_total", (json_int_t)(n->slice.bytes + n->slice.lbytes),
             "elapsed_s", now_s() - n->t_start));
+    if (rf_install_running(n->inst, &iv, &inst_n, &inst_left, &inst_ab))
+        /* Engines' own installers copy: the bytes they did show once they answer. */
+        json_object_set_new(st, "installing", json_pack("{s:I, s:I, s:I, s:b}", "version",
+                            (json_int_t)iv, "installers", (json_int_t)inst_n, "unanswered",
+                            (json_int_t)inst_left, "aborting", inst_ab));
+    else
+        json_object_set_new(st, "installing", json_null());
     last = json_pack("{s:I, s:s, s:I, s:f, s:f, s:f, s:I}", "version",
                      (json_int_t)n->last.version, "result", n->last.result, "bytes",
                      (json_int_t)n->last.bytes, "wait_s", n->last.wait_s, "transfer_s",

@@ -1,0 +1,153 @@
+#!/bin/bash
+# In-process installs under faults (issue #12, items 4 and 5): engines whose memory no daemon
+# can map (refit-sim-engine --inproc) install with their own librefit installer, and
+#  - a trainer, an engine or the receiverd killed (-9) while the installers copy: the test
+#    proves the kill landed mid-install (the receiverd's status showed the version's installs
+#    running with no installer answered yet, and its log says the version failed, not moved;
+#    a kill that missed is retried with the next version); the version aborts, nothing
+#    commits, and the next refit with the victim back commits with every byte verified;
+#  - an engine stopped (SIGSTOP) mid-install while the version is aborted (its trainer
+#    killed): its installer cannot answer the abort, the receiverd gives it up after
+#    RF_INSTALL_ABORT_WAIT_S and the version ends aborted; once continued, the same engine
+#    takes the next refit (its plan sent again) with every byte verified;
+#  - trainers on another host (another host_id): the plan would send bytes over the network
+#    into in-process memory, which the receiverd refuses, naming the engine; nothing commits.
+# qwen3-0.6b at full size with verify = full: the installers' digests of both sides make an
+# install last seconds, long enough to catch.
+. "$(dirname "$0")/lib.sh"
+E2E_LOCAL_COPY=auto
+E2E_COMMON="$E2E_COMMON --verify full"
+E2E_PUBLISHERS=1 E2E_RECEIVERS=1
+M="--model qwen3-0.6b"
+
+# mid_install V: waits until the engines' installers run version V and none answered yet;
+# 1 when V committed or failed first (the install was missed).
+mid_install() {
+    st_check "$E2E_DIR/recv0.sock" 60 "version $1 being installed" \
+        '(s["installing"] and s["installing"]["version"] == '"$1"' and
+  s["installing"]["unanswered"] == s["installing"]["installers"] > 0) or
+s["last_refit"]["version"] >= '"$1" > /dev/null &&
+        st_check "$E2E_DIR/recv0.sock" 0 "install in flight" \
+            's["installing"] and s["installing"]["version"] == '"$1" > /dev/null
+}
+
+# gone SOCKET: waits until the daemon on SOCKET has no client left.
+gone() {
+    st_wait "$1" 30 "the killed clients of $1 gone" 's["clients"]["connected_clients"] == 0'
+}
+
+aborted() {
+    st_wait "$E2E_DIR/pub0.sock" 60 "$2: version $1 aborted, $(($1 - 1)) stays" \
+        'cl["committed"] == '"$(($1 - 1))"' and cl["last_refit"]["version"] == '"$1"' and
+cl["last_refit"]["result"] == "aborted"'
+}
+
+start_pair() {
+    start_publisher 0 2
+    start_receiver 0 4
+    echo 1 > "$E2E_DIR/go"
+    start_engine eng 0 $M --layout tp=4 --versions 100 --inproc
+    start_trainer tr 0 $M --layout tp=2 --versions 100 --publish-when "$E2E_DIR/go"
+    st_committed 120 1 clean "$E2E_DIR/pub0.sock" "$E2E_DIR/recv0.sock"
+    grep -q "in-process installs: 4 engines" "$E2E_DIR/recv0.log" ||
+        fail "the engines did not install in their own process"
+}
+
+kill_scenario() {
+    local victim=$1 v caught="" pid
+    e2e_new_cluster "$victim"
+    start_pair
+    for v in 2 3 4 5 6; do
+        echo "$v" > "$E2E_DIR/go"
+        mid_install "$v" || { st_committed 60 "$v" "$E2E_DIR/pub0.sock"; continue; }
+        case $victim in
+            trainer) pid=$tr_PID ;; engine) pid=$eng_PID ;; receiverd) pid=$RECV0_PID ;;
+        esac
+        kill -9 "$pid"
+        if [ "$victim" = receiverd ]; then
+            wait_for "$E2E_DIR/pub0.log" "aborting the refit of version $v" 60
+            grep -q "version $v failed\|version $v: moved" "$E2E_DIR/recv0.log" || caught=$v
+        else
+            wait_for "$E2E_DIR/recv0.log" "version $v failed\|version $v: moved" 60
+            grep -q "version $v failed" "$E2E_DIR/recv0.log" && caught=$v
+        fi
+        break
+    done
+    [ -n "$caught" ] || fail "$victim: no kill landed mid-install in 5 versions"
+    v=$caught
+    aborted "$v" "$victim killed mid-install"
+    kill -9 "$eng_PID" "$tr_PID" 2>/dev/null
+    gone "$E2E_DIR/pub0.sock"
+    if [ "$victim" = receiverd ]; then
+        start_receiver 0 4
+    else
+        gone "$E2E_DIR/recv0.sock"
+    fi
+    start_engine eng2 0 $M --layout tp=4 --start "$((v + 1))" --versions 1 --inproc
+    start_trainer tr2 0 $M --layout tp=2 --start "$((v + 1))" --versions 1
+    wait_ok tr2 eng2
+    grep -q "version $((v + 1)) committed.*0 wrong" "$E2E_DIR/eng2.log" || fail "$victim: not verified"
+    st_committed 30 "$((v + 1))" "$E2E_DIR/pub0.sock" "$E2E_DIR/recv0.sock"
+    echo "ok: $victim killed mid-install of version $v: aborted, version $((v + 1)) committed after it"
+}
+
+# An installer that cannot answer the abort (its engine stopped) is given up; continued, the
+# same engine takes the next refit.
+stopped_scenario() {
+    local v caught=""
+    e2e_new_cluster stopped
+    start_pair
+    for v in 2 3 4 5 6; do
+        echo "$v" > "$E2E_DIR/go"
+        mid_install "$v" || { st_committed 60 "$v" "$E2E_DIR/pub0.sock"; continue; }
+        kill -STOP "$eng_PID"
+        # Stopped before its installer answered? Otherwise the next version tries again.
+        if st_check "$E2E_DIR/recv0.sock" 0 "installer unanswered" \
+            's["installing"] and s["installing"]["version"] == '"$v"' and
+s["installing"]["unanswered"] > 0' > /dev/null; then
+            caught=$v
+            break
+        fi
+        kill -CONT "$eng_PID"
+        st_committed 60 "$v" "$E2E_DIR/pub0.sock"
+    done
+    [ -n "$caught" ] || fail "stopped: no engine stopped mid-install in 5 versions"
+    v=$caught
+    kill -9 "$tr_PID"
+    wait_for "$E2E_DIR/recv0.log" "no answer to the abort of version $v" 60
+    aborted "$v" "engine stopped mid-install, its installer given up"
+    grep -q "version $v: moved" "$E2E_DIR/recv0.log" && fail "stopped: version $v moved"
+    kill -CONT "$eng_PID"
+    # The engine still waits for version v (never committed); a new trainer publishes v + 1.
+    gone "$E2E_DIR/pub0.sock"
+    start_trainer tr2 0 $M --layout tp=2 --start "$((v + 1))" --versions 1
+    wait_ok tr2
+    st_committed 60 "$((v + 1))" "$E2E_DIR/pub0.sock" "$E2E_DIR/recv0.sock"
+    wait_for "$E2E_DIR/eng.log" "version $((v + 1)) committed.*0 wrong" 60
+    echo "ok: engine stopped mid-install of version $v: given up, aborted; continued, it took version $((v + 1))"
+}
+
+# Trainers on another host: bytes into in-process memory would cross the network.
+remote_scenario() {
+    e2e_new_cluster remote
+    start_publisher 0 2 --host-id trainers-host
+    start_receiver 0 4 --host-id engines-host
+    start_engine eng 0 $M --shrink 8 --layout tp=4 --versions 1 --inproc
+    start_trainer tr 0 $M --shrink 8 --layout tp=2 --versions 1
+    wait_for "$E2E_DIR/recv0.log" "plan slice refused: .*over the network into the in-process memory of engine" 60
+    st_wait "$E2E_DIR/recv0.sock" 30 "the refusal in the receiverd's status" \
+        '"in-process memory of engine" in s["last_error"] and s["committed"] == 0'
+    st_wait "$E2E_DIR/pub0.sock" 60 "remote: nothing committed" \
+        'cl["committed"] == 0 and cl["last_refit"]["version"] == 1 and
+cl["last_refit"]["result"] == "aborted"'
+    # The trainer is told why its version did not go out.
+    wait_for "$E2E_DIR/tr.log" "refused the plan: .*in-process memory of engine" 30
+    kill -9 "$eng_PID" "$tr_PID" 2>/dev/null
+    echo "ok: network bytes into in-process memory refused, naming the engine; nothing committed"
+}
+
+for s in ${*:-trainer engine receiverd stopped remote}; do
+    case $s in
+        stopped) stopped_scenario ;; remote) remote_scenario ;; *) kill_scenario "$s" ;;
+    esac
+done
