@@ -111,6 +111,9 @@ typedef struct nccl {
     jstate js;
     /* The running job's rounds: [lo, hi) enqueued and not retired, at most window of them. */
     uint32_t lo, hi, window;
+    /* The job both sends and receives (a relay, plan.h's ordering rule): a GPU's sends of
+     * round r wait on the GPU for its round r - 1 to end, scatter included. */
+    bool relay_order;
     _Atomic uint64_t mem_now, mem_peak;
     rf_xfer_nccl_tuning tune; /* read by the worker; changed only while none runs */
     uint64_t world_gen;       /* bumped by set_world: a kept jstate of another world is void */
@@ -572,6 +575,17 @@ out:
     return fail(t, rc, "%s: %s", what, err.msg);
 }
 
+/* Whether local GPU g sends anything in round r. */
+static bool round_sends(const nccl *t, uint32_t r, uint32_t g)
+{
+    const jstate *s = &t->js;
+
+    for (uint32_t i = s->round_first[r]; i < s->round_first[r + 1]; i++)
+        if (s->job->msgs[i].send && s->mgpu[i] == g)
+            return true;
+    return false;
+}
+
 /* Enqueues round r on every local GPU: gather, the group of sends and receives, scatter.
  * Its staging half was last used by round r - 2 (and by round r - 1 when the two do not fit
  * side by side): the gather stream waits for those rounds' last event on this GPU, which
@@ -594,7 +608,10 @@ static int enqueue_round(nccl *t, uint32_t r)
         CUDA_TRY(&err, cudaSetDevice(G->dev));
         if (r >= 2)
             CUDA_TRY(&err, cudaStreamWaitEvent(G->s_pack, G->ev_done[(r - 2) % SLOTS], 0));
-        if (r >= 1 && !s->pair_ok[r - 1])
+        /* A relay sends in round r what this GPU received in earlier rounds: its gather and
+         * wire (which waits for the gather's event) start once round r - 1's scatter, the
+         * last of those writes (the streams run in order), has ended. */
+        if (r >= 1 && (!s->pair_ok[r - 1] || (t->relay_order && round_sends(t, r, g))))
             CUDA_TRY(&err, cudaStreamWaitEvent(G->s_pack, G->ev_done[(r - 1) % SLOTS], 0));
         range_of(s, true, r, g, &a, &n);
         rf_copy_cuda_buf_set_blocks(G->gbuf[h], t->tune.copy_blocks);
@@ -745,6 +762,15 @@ static int nccl_start(rf_xfer_core *base)
     if ((rc = js_prepare(t, job)) < 0 || (rc = arenas_reserve(t)) < 0)
         return rc;
     t->lo = t->hi = 0;
+    {
+        bool sends = false, recvs = false;
+
+        for (uint32_t i = 0; i < job->nmsgs; i++) {
+            sends |= job->msgs[i].send;
+            recvs |= !job->msgs[i].send;
+        }
+        t->relay_order = sends && recvs;
+    }
     /* Verification reads a retired round's staging on the host, so nothing may be enqueued
      * over it before then: two rounds at most, and only neighbours that fit side by side. */
     t->window = job->verify != RF_VERIFY_OFF ? 2 : t->tune.window ? t->tune.window : SLOTS;
