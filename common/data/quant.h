@@ -1,0 +1,134 @@
+/* common/data/quant.h - FP8 (float8_e4m3fn) quantization of bf16/fp16/fp32 matrices: the one
+ * definition of the arithmetic (issue 15), its host implementation, and the shard checks the
+ * planner makes. A CUDA version must give the same bytes; what it must match is written here.
+ *
+ * THE CONTRACT (every implementation, host or GPU, and the torch reference follow it)
+ *
+ * Input. Elements are bf16, fp16 or fp32, upcast exactly to fp32 (bf16: bits << 16; fp16:
+ * the exact IEEE widening, subnormals included). All arithmetic below is IEEE fp32 with
+ * round-to-nearest-even and no flush-to-zero: a CUDA kernel is built without --use_fast_math
+ * or -ftz=true, and its divisions are IEEE ones (`/` under the default -prec-div=true, or
+ * __fdiv_rn); x / scale is a division, never a multiplication by a reciprocal.
+ *
+ * Blocks. The block grid starts at the matrix's origin [0, 0]; a 2-D matrix is rows x cols,
+ * row-major (the weight's [out_features, in_features]).
+ *   RF_QUANT_BLOCK   br x bc blocks (default 128 x 128: DeepSeek-V3's and Qwen3-FP8's
+ *                    `weight_scale_inv`). Scales are fp32, laid out
+ *                    [ceil(rows / br), ceil(cols / bc)]; blocks at the bottom and right edges
+ *                    are partial and cover only the elements that exist.
+ *   RF_QUANT_CHANNEL one fp32 scale per row (output channel) over the whole row; scales
+ *                    [rows, 1].
+ *   RF_QUANT_TENSOR  one fp32 scale for the whole matrix; scales [1, 1].
+ *   RF_QUANT_MXFP8   OCP MX v1.0 MXFP8 (E4M3 elements): 1 x 32 blocks along the last dim
+ *                    (the last block of a row is partial when cols % 32 != 0); one E8M0
+ *                    scale byte per block, laid out [rows, ceil(cols / 32)].
+ *
+ * amax. amax = max |x| over the FINITE elements of the block, in fp32; NaN and +-Inf do not
+ * count. A block with no finite element (or only zeros) has amax = 0.
+ *
+ * fp32 scales (block, channel, tensor).
+ *   scale = amax / 448.0f                          (fp32 division; 448 = E4M3's largest value)
+ *   if (scale == 0.0f) scale = 1.0f
+ * The second line covers amax == 0 (all zeros, or no finite element), and also an fp32 source
+ * whose amax is below 448 * 2^-150 (~6.3e-43), where amax / 448 underflows to 0; bf16 and
+ * fp16 sources never underflow here (their smallest magnitudes are 2^-133 and 2^-24). The
+ * scale is what is stored (DeepSeek's `weight_scale_inv`): dequantized x = e4m3(q) * scale.
+ *
+ * MXFP8 scales. With amax > 0, e = floor(log2(amax)) - 8 (8 = emax of E4M3), computed exactly
+ * from amax's fp32 bits: for a normal amax its unbiased exponent, for a subnormal one
+ * -149 + the index of its highest set mantissa bit (no libm log2). e is clamped to
+ * [-127, 127] (only -127 can bind: floor(log2) of an fp32 lies in [-149, 127]). The scale is
+ * 2^e, its E8M0 byte e + 127 (0..246; byte 255, E8M0's NaN, is never produced). amax == 0
+ * gives byte 127 (scale 1.0). As in OCP MX v1.0, amax / 2^e lies in [256, 512) (unclamped e): the
+ * elements of a block above 448 * 2^e are clamped to 448 (that is the spec's choice, kept).
+ *
+ * Elements. For each x of a block with scale s (fp32 scale, or 2^e as an fp32 value, which
+ * for e = -127 is the subnormal 2^-127):
+ *   v = x / s                                       (fp32 division)
+ *   v = v < -448 ? -448 : v > 448 ? 448 : v         (NaN stays NaN, +-Inf becomes +-448)
+ *   q = isnan(v) ? 0x7F : rf_quant_e4m3_from_float(v)
+ * So a finite x and +-Inf give a finite q (+-Inf gives 0x7E / 0xFE), -0 gives 0x80, and every
+ * NaN gives 0x7F whatever its sign: the sign of a NaN does not survive a division on every
+ * device (CUDA returns the canonical NaN 0x7FFFFFFF), so the contract does not keep it.
+ */
+#ifndef RF_QUANT_H
+#define RF_QUANT_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "err.h"
+#include "layout.h"
+
+typedef enum rf_quant_kind {
+    RF_QUANT_BLOCK = 1,
+    RF_QUANT_CHANNEL,
+    RF_QUANT_TENSOR,
+    RF_QUANT_MXFP8,
+} rf_quant_kind;
+
+/* A format. br x bc is BLOCK's block (1..2^31 each); the other kinds ignore them
+ * (rf_quant_fmt_parse sets MXFP8's to 1 x 32, CHANNEL's and TENSOR's to 0 x 0). */
+typedef struct rf_quant_fmt {
+    int kind; /* rf_quant_kind */
+    uint32_t br, bc;
+} rf_quant_fmt;
+
+#define RF_QUANT_E4M3_MAX 448.0f
+#define RF_QUANT_MX_BLOCK 32u
+
+/* "block" (128x128), "block:<br>x<bc>" (decimal, 1..2^31 each), "channel", "tensor",
+ * "mxfp8". 0, or -EINVAL with err naming the text. */
+int rf_quant_fmt_parse(const char *s, rf_quant_fmt *out, rf_err *err);
+/* The name rf_quant_fmt_parse reads back ("block:128x128", "mxfp8"); what snprintf returns. */
+int rf_quant_fmt_format(const rf_quant_fmt *f, char *buf, size_t len);
+/* The scales' shape for a rows x cols matrix; 0, or -EINVAL for a malformed format. */
+int rf_quant_scale_shape(const rf_quant_fmt *f, uint64_t rows, uint64_t cols, uint64_t *srows,
+                         uint64_t *scols, rf_err *err);
+/* The scales' dtype: RF_DT_FP32, or RF_DT_UINT8 (E8M0) for MXFP8. */
+rf_dtype rf_quant_scale_dtype(const rf_quant_fmt *f);
+
+/* fp32 -> float8_e4m3fn, round to nearest even. It is the same algorithm, bit for bit, as
+ * PyTorch's c10::detail::fp8e4m3fn_from_fp32_value (c10/util/Float8_e4m3fn.h): |v| >= 480
+ * (and Inf, NaN) gives 0x7F (NaN), |v| < 2^-6 goes through the denormal path (an fp32
+ * addition of 2^14), the sign bit is ORed in. No saturation: 465 gives NaN; quantization
+ * clamps before calling it. */
+uint8_t rf_quant_e4m3_from_float(float v);
+/* float8_e4m3fn -> fp32, exact; 0x7F and 0xFF decode to NaN (of that sign). */
+float rf_quant_e4m3_to_float(uint8_t q);
+/* The fp32 scale of a block with this amax (see the contract). */
+float rf_quant_scale_of(float amax);
+/* The E8M0 byte of an MXFP8 block with this amax (finite, >= 0), and its value 2^(byte-127). */
+uint8_t rf_quant_e8m0_of(float amax);
+float rf_quant_e8m0_to_float(uint8_t e);
+
+/* Quantizes the rows x cols matrix at src (elements of src_dt: RF_DT_BF16, RF_DT_FP16 or
+ * RF_DT_FP32; row r starts src_row_stride elements after row r - 1) into q (row stride
+ * q_row_stride bytes) and its scales (the shape of rf_quant_scale_shape, row stride
+ * scale_row_stride scale elements: fp32, or bytes for MXFP8), the block grid starting at
+ * the matrix's origin. Each stride must be at least its row's length (where there is more
+ * than one row). An empty matrix does nothing. 0, or -EINVAL (nothing written) for a
+ * malformed format, another dtype, a short stride or a NULL buffer; err says which. */
+int rf_quant_host(const rf_quant_fmt *f, rf_dtype src_dt, const void *src, int64_t src_row_stride,
+                  uint64_t rows, uint64_t cols, uint8_t *q, int64_t q_row_stride, void *scales,
+                  int64_t scale_row_stride, rf_err *err);
+
+/* The inverse for tests and verification: out[r, c] = e4m3(q[r, c]) * scale of its block, in
+ * fp32 (out's row stride in floats). Same checks and errors as rf_quant_host. */
+int rf_quant_dequant_host(const rf_quant_fmt *f, const uint8_t *q, int64_t q_row_stride,
+                          const void *scales, int64_t scale_row_stride, uint64_t rows,
+                          uint64_t cols, float *out, int64_t out_row_stride, rf_err *err);
+
+/* Whether the box [row0, row0 + rows) x [col0, col0 + cols) of a grows x gcols matrix can be
+ * quantized by itself (rf_quant_host on the box alone gives the global result): every edge
+ * falls on a block boundary of the global grid or on the matrix's end. BLOCK: row edges on
+ * multiples of br, column edges on multiples of bc; CHANNEL: any rows, all columns; TENSOR:
+ * the whole matrix; MXFP8: any rows, column edges on multiples of 32. Its scales are then the
+ * box [row0 / br, ceil((row0 + rows) / br)) x [col0 / bc, ceil((col0 + cols) / bc)) of the
+ * global scales (CHANNEL: rows [row0, row0 + rows); TENSOR: the one scale). 0, or -EINVAL
+ * with err naming the box, the matrix and the grid (an empty box, or one outside the matrix,
+ * is refused too). */
+int rf_quant_box_ok(const rf_quant_fmt *f, uint64_t grows, uint64_t gcols, uint64_t row0,
+                    uint64_t col0, uint64_t rows, uint64_t cols, rf_err *err);
+
+#endif
