@@ -421,7 +421,7 @@ int refit_region_memfd(refit_client *c, int fd, uint64_t size, uint32_t *region)
 
 int refit__register_region(refit_client *c, const char *device, int kind, const void *handle,
                            size_t handle_len, uint64_t offset, uint64_t size, int passfd,
-                           uint32_t *region)
+                           uint64_t vmm_base, uint32_t *region)
 {
     Refit__Rpc__Request req = REFIT__RPC__REQUEST__INIT;
     Refit__Rpc__RegisterRegion m = REFIT__RPC__REGISTER_REGION__INIT;
@@ -432,6 +432,7 @@ int refit__register_region(refit_client *c, const char *device, int kind, const 
     m.offset = offset;
     m.device = (char *)device;
     m.kind = (Refit__Rpc__MemKind)kind;
+    m.vmm_base = vmm_base;
     if (handle != NULL) {
         m.ipc_handle.data = (uint8_t *)(uintptr_t)handle;
         m.ipc_handle.len = handle_len;
@@ -448,7 +449,7 @@ int refit__register_region(refit_client *c, const char *device, int kind, const 
 
 int refit__register_vmm_chunks(refit_client *c, const char *device, uint64_t offset,
                                uint64_t size, const uint64_t *chunk_sizes, const int *fds,
-                               size_t n, uint32_t *region)
+                               size_t n, uint64_t vmm_base, uint32_t *region)
 {
     Refit__Rpc__Request req = REFIT__RPC__REQUEST__INIT;
     Refit__Rpc__RegisterRegion m = REFIT__RPC__REGISTER_REGION__INIT;
@@ -473,6 +474,7 @@ int refit__register_vmm_chunks(refit_client *c, const char *device, uint64_t off
     m.offset = offset;
     m.device = (char *)device;
     m.kind = REFIT__RPC__MEM_KIND__MEM_CUDA_VMM_FD;
+    m.vmm_base = vmm_base;
     m.n_chunks = n;
     m.chunks = chp;
     req.body_case = REFIT__RPC__REQUEST__BODY_REGISTER_REGION;
@@ -498,7 +500,7 @@ int refit_region_memfd_at(refit_client *c, int fd, uint64_t offset, uint64_t siz
      * without MFD_ALLOW_SEALING fails here and the daemon's answer says so. */
     (void)fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK);
     return refit__register_region(c, "host", REFIT__RPC__MEM_KIND__MEM_MEMFD, NULL, 0, offset,
-                                  size, fd, region);
+                                  size, fd, 0, region);
 }
 
 int refit__register_inproc(refit_client *c, const char *device, void *ptr, uint64_t size,
@@ -513,7 +515,7 @@ int refit__register_inproc(refit_client *c, const char *device, void *ptr, uint6
         return fail(c, -EINVAL, "in-process regions are for engines: a trainer's memory must "
                     "be shareable (refit_alloc_host, refit_region_memfd, refit_region_cuda)");
     rc = refit__register_region(c, device, REFIT__RPC__MEM_KIND__MEM_INPROC, NULL, 0, 0, size,
-                                -1, region);
+                                -1, 0, region);
     if (rc == 0)
         rc = refit__region_mode_set(c, *region, ptr, strcmp(device, "host") != 0, why);
     return rc;

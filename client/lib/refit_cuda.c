@@ -26,8 +26,8 @@
 
 /* Exports the VMM allocation h holding [ptr, ptr + size) (mapped at base) as an fd. */
 static int export_vmm(refit_client *c, const rf_cu_api *cu, CUmemGenericAllocationHandle h,
-                      const char *uuid, uint64_t asize, uint64_t off, uint64_t size,
-                      uint32_t *region)
+                      const char *uuid, CUdeviceptr base, uint64_t asize, uint64_t off,
+                      uint64_t size, uint32_t *region)
 {
     CUmemAllocationProp prop;
     uint8_t le[8];
@@ -48,8 +48,9 @@ static int export_vmm(refit_client *c, const rf_cu_api *cu, CUmemGenericAllocati
     /* The daemon can only map the allocation whole and cannot ask its size: send it. */
     for (int i = 0; i < 8; i++)
         le[i] = (uint8_t)(asize >> (8 * i));
+    /* base names the allocation to the daemon: every region of it shares one mapping. */
     rc = refit__register_region(c, uuid, REFIT__RPC__MEM_KIND__MEM_CUDA_VMM_FD, le, sizeof(le),
-                                off, size, fd, region);
+                                off, size, fd, (uint64_t)base, region);
     goto done;
 out:
     rc = refit__fail(c, rc, "exporting a CUDA VMM allocation on %s: %s", uuid, err.msg);
@@ -141,7 +142,7 @@ static int export_vmm_span(refit_client *c, const rf_cu_api *cu, CUdeviceptr ptr
         at = b + len;
     }
     rc = refit__register_vmm_chunks(c, uuid, (uint64_t)(ptr - base), size, sizes, fds, n,
-                                    region);
+                                    (uint64_t)base, region);
     goto done;
 out:
     rc = refit__fail(c, rc, "exporting the CUDA VMM allocations of GPU range %p + %" PRIu64
@@ -261,7 +262,7 @@ int refit_region_cuda(refit_client *c, const void *devptr, uint64_t size, uint32
         goto done;
     }
     if (cu->cuMemRetainAllocationHandle(&h, (void *)(uintptr_t)ptr) == CUDA_SUCCESS) {
-        rc = export_vmm(c, cu, h, uuid, asize, (uint64_t)(ptr - base), size, region);
+        rc = export_vmm(c, cu, h, uuid, base, asize, (uint64_t)(ptr - base), size, region);
         cu->cuMemRelease(h);
         if (rc == -ENOTSUP)
             rc = inproc_fallback(c, uuid, devptr, size, region);
@@ -269,7 +270,8 @@ int refit_region_cuda(refit_client *c, const void *devptr, uint64_t size, uint32
     }
     CU_TRY(&err, cu->cuIpcGetMemHandle(&ih, base));
     rc = refit__register_region(c, uuid, REFIT__RPC__MEM_KIND__MEM_CUDA_IPC, ih.reserved,
-                                sizeof(ih.reserved), (uint64_t)(ptr - base), size, -1, region);
+                                sizeof(ih.reserved), (uint64_t)(ptr - base), size, -1, 0,
+                                region);
     goto done;
 out:
     rc = refit__fail(c, rc, "cannot export GPU memory at %p: %s", devptr, err.msg);

@@ -16,15 +16,16 @@ int refit__fail(refit_client *c, int code, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
 
 /* Sends RegisterRegion (kind: refit.rpc.MemKind) with passfd as SCM_RIGHTS when >= 0 and
- * handle as ipc_handle; *region gets the new id. */
+ * handle as ipc_handle; *region gets the new id. vmm_base: for cuda_vmm_fd, where this
+ * process maps the allocation (its regions then share the daemon's one mapping), else 0. */
 int refit__register_region(refit_client *c, const char *device, int kind, const void *handle,
                            size_t handle_len, uint64_t offset, uint64_t size, int passfd,
-                           uint32_t *region);
-/* RegisterRegion of kind cuda_vmm_fd made of n allocations mapped back to back, fds[i] sent for
- * chunk_sizes[i], in order. */
+                           uint64_t vmm_base, uint32_t *region);
+/* RegisterRegion of kind cuda_vmm_fd made of n allocations mapped back to back from vmm_base
+ * in this process, fds[i] sent for chunk_sizes[i], in order. */
 int refit__register_vmm_chunks(refit_client *c, const char *device, uint64_t offset,
                                uint64_t size, const uint64_t *chunk_sizes, const int *fds,
-                               size_t n, uint32_t *region);
+                               size_t n, uint64_t vmm_base, uint32_t *region);
 
 /* refit_connect without the check of kind (the installer's own connection). */
 int refit__connect(const char *socket_path, const char *name, int rank, int kind,

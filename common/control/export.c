@@ -358,6 +358,10 @@ static int build(const xchg *x, const Refit__Rpc__Response *r, Refit__Inventory 
         d->kind = (rf_mem_kind)g->kind;
         d->size = g->size;
         d->offset = g->offset;
+        if (d->kind == RF_MEM_CUDA_VMM_FD && g->vmm_base != 0 && g->owner != 0) {
+            d->vmm_base = g->vmm_base;
+            d->owner = g->owner;
+        }
         d->device = strdup(g->device);
         if (g->handle.len > 0 && (h = malloc(g->handle.len)) != NULL)
             memcpy(h, g->handle.data, g->handle.len);

@@ -30,7 +30,9 @@ typedef struct rf_export {
     rf_inv *inv;             /* its local inventory, its local ids (tensor/region/piece) */
     uint32_t nregions;
     rf_mem_desc *regions;    /* per local region id; device strings, handle bytes, chunk
-                                arrays and fds owned by the export (fd -1 when none) */
+                                arrays and fds owned by the export (fd -1 when none); a VMM
+                                region's owner is its trainer's number in the publisherd, which
+                                an importer replaces by one of its own (rf_srcmap does) */
 } rf_export;
 
 /* Connects to the publisherd's socket as a peer client, proves the cluster key (key, key_len

@@ -42,6 +42,8 @@ typedef struct reg_region {
     rf_mem_chunk *chunks; /* cuda_vmm_fd over several allocations: each with its received fd,
                              owned; NULL when none */
     uint32_t nchunks;
+    uint64_t vmm_base;   /* cuda_vmm_fd: where its client maps the allocation (0: not said) */
+    uint64_t owner;      /* its client's uid, named in the export beside vmm_base */
     uint32_t inv_id;     /* in the live inventory */
     uint32_t scratch_id; /* in the seal check's scratch inventory */
     bool inproc;         /* MEM_INPROC: not mapped here (ref NULL); its engine installs */
@@ -95,6 +97,7 @@ typedef struct reg_client {
     /* In-process install: an engine with MEM_INPROC regions gets a token at Seal, which its
      * installer connection (a CLIENT_INSTALLER of the same process) presents to attach. */
     uint64_t uid;                 /* unique in this registry, never 0 */
+    uint64_t mem_owner;           /* its rf_mem_desc.owner: its VMM regions share mappings */
     uint8_t token[RF_REGISTRY_TOKEN_BYTES];
     bool has_token;
     struct reg_client *installer; /* engine: its attached installer */
@@ -444,6 +447,7 @@ static void on_connect(rf_rpc_conn *conn, void *ud)
     c->conn = conn;
     c->memfd_fd = -1;
     c->uid = ++r->next_uid;
+    c->mem_owner = rf_mem_owner_new();
     c->next = r->clients;
     if (r->clients)
         r->clients->prev = c;
@@ -835,6 +839,10 @@ static void do_region(rf_registry *r, reg_client *c, uint64_t id,
     d.fd = fd;
     d.chunks = chunks;
     d.nchunks = nchunks;
+    if (d.kind == RF_MEM_CUDA_VMM_FD) {
+        d.vmm_base = m->vmm_base;
+        d.owner = c->mem_owner;
+    }
     rc = rf_mem_import(r->mem, &d, &ref, &err);
     if (rc < 0) {
         rf_rpc_conn_reply(c->conn, id, rc, "region %u: %s", c->nregions, err.msg);
@@ -861,6 +869,8 @@ static void do_region(rf_registry *r, reg_client *c, uint64_t id,
     rg.handle_len = d.handle_len;
     rg.chunks = chunks;
     rg.nchunks = (uint32_t)nchunks;
+    rg.vmm_base = d.vmm_base;
+    rg.owner = c->uid;
     /* The region owns the received descriptor from here: kept to export it again. A region
      * of the same memfd as the client's last one shares that one's (regions of a client go
      * together, in client_free). */
@@ -1269,6 +1279,10 @@ static void export_reply(rf_registry *r, reg_client *c, uint64_t id, int chan)
         er[i].handle.data = tab[i]->handle;
         er[i].handle.len = tab[i]->handle_len;
         er[i].has_fd = tab[i]->fd >= 0 || tab[i]->nchunks > 0;
+        if (tab[i]->vmm_base != 0) {
+            er[i].vmm_base = tab[i]->vmm_base;
+            er[i].owner = tab[i]->owner;
+        }
         if (tab[i]->nchunks > 0) {
             er[i].chunks = calloc(tab[i]->nchunks, sizeof(*er[i].chunks));
             chunk_msgs = calloc(tab[i]->nchunks, sizeof(*chunk_msgs));

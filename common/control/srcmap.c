@@ -99,7 +99,8 @@ void rf_srcmap_free(rf_srcmap *m)
 
 static int entry_load(rf_srcmap *m, src_entry *e, const char *path, rf_err *err)
 {
-    uint32_t i, n;
+    uint64_t (*own)[2] = NULL; /* the publisherd's owner numbers -> this process's */
+    uint32_t i, n, nown = 0;
     int rc;
 
     rc = m->signer.fn ? rf_export_fetch_signed(path, &m->signer, m->timeout_s, &e->exp, err)
@@ -117,6 +118,33 @@ static int entry_load(rf_srcmap *m, src_entry *e, const char *path, rf_err *err)
     e->bases = calloc(n ? n : 1, sizeof(*e->bases));
     if (!e->refs || !e->bases)
         return rf_err_set(err, -ENOMEM, "out of memory mapping the trainers of %s", path);
+    /* A trainer's VMM regions of one allocation share a mapping: their publisherd numbers the
+     * trainer (owner), which becomes a number of this process, new for each export, so a
+     * trainer that came back with other allocations at the same addresses never meets the
+     * mappings of its last life. Trainers are few: a short table. */
+    for (i = 0; i < n; i++) {
+        rf_mem_desc *d = &e->exp->regions[i];
+        uint32_t j;
+
+        if (d->owner == 0)
+            continue;
+        for (j = 0; j < nown && own[j][0] != d->owner; j++)
+            ;
+        if (j == nown) {
+            uint64_t (*no)[2] = realloc(own, (nown + 1) * sizeof(*own));
+
+            if (no == NULL) {
+                free(own);
+                return rf_err_set(err, -ENOMEM, "out of memory mapping the trainers of %s",
+                                  path);
+            }
+            own = no;
+            own[nown][0] = d->owner;
+            own[nown++][1] = rf_mem_owner_new();
+        }
+        d->owner = own[j][1];
+    }
+    free(own);
     for (i = 0; i < n; i++) {
         rf_err ierr = {0};
 

@@ -117,6 +117,13 @@ const char *rf_mem_kind_name(rf_mem_kind kind)
     }
 }
 
+uint64_t rf_mem_owner_new(void)
+{
+    static uint64_t last;
+
+    return __atomic_add_fetch(&last, 1, __ATOMIC_RELAXED);
+}
+
 rf_mem_cache *rf_mem_cache_new(void)
 {
     return calloc(1, sizeof(rf_mem_cache));

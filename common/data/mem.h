@@ -40,7 +40,19 @@ typedef struct rf_mem_desc {
      * back (fd and handle unused), so offset and size may run across them. */
     const rf_mem_chunk *chunks;
     size_t nchunks;
+    /* cuda_vmm_fd: where the client maps the (first) allocation, and who the client is (a
+     * number from rf_mem_owner_new, unique in this process). With both non-zero, regions of
+     * the same owner, base and allocations share one mapping: a trainer's thousands of
+     * tensors in one VMM allocation map it once, not once each (each mapping reserves the
+     * allocation's whole size of address space). The pair is the client's own word: it can
+     * only name its own allocations, never reach another client's mapping. Zero: a mapping of
+     * its own. */
+    uint64_t vmm_base;
+    uint64_t owner;
 } rf_mem_desc;
+
+/* A number for rf_mem_desc.owner, never 0, never given twice in this process. */
+uint64_t rf_mem_owner_new(void);
 
 /* One imported shared object, as an implementation fills it. */
 typedef struct rf_mem_map {

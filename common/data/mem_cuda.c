@@ -210,12 +210,14 @@ static int vmm_chunks(const rf_mem_desc *d, rf_mem_chunk *one, const rf_mem_chun
     return 0;
 }
 
-/* Every region of this kind gets a mapping of its own. The fds of cuMemExportToShareableHandle
- * are anonymous-inode files: every one of them has the same st_dev/st_ino (seen with driver
- * 580: two allocations on two GPUs collided), so nothing in the fd identifies the allocation,
- * and a key the client chose would let it alias another client's mapping. Mapping the same
- * allocation twice costs address space only. A region over several allocations is one object
- * by the same rule: its own key, all its chunks mapped together. */
+/* The fds of cuMemExportToShareableHandle are anonymous-inode files: every one of them has the
+ * same st_dev/st_ino (seen with driver 580: two allocations on two GPUs collided), so nothing in
+ * the fd identifies the allocation. A region whose client named its allocation (owner and
+ * vmm_base, rf_mem_desc) shares the mapping of that client's other regions of it: the key is
+ * the pair and the allocations' count and size. Any other region gets a mapping of its own (a
+ * serial), which costs address space only: the allocation's whole size each, so a few thousand
+ * regions of one large allocation would run out of it. A region over several allocations is one
+ * object by the same rule, all its chunks mapped together. */
 static uint64_t vmm_serial;
 
 static int vmm_key(const rf_mem_desc *d, uint8_t *key, size_t *key_len, rf_err *err)
@@ -223,7 +225,7 @@ static int vmm_key(const rf_mem_desc *d, uint8_t *key, size_t *key_len, rf_err *
     const rf_mem_chunk *ch;
     rf_mem_chunk one;
     struct stat st;
-    uint64_t total, serial;
+    uint64_t total, serial, w[4];
     size_t n;
     int rc;
 
@@ -233,9 +235,21 @@ static int vmm_key(const rf_mem_desc *d, uint8_t *key, size_t *key_len, rf_err *
         if (fstat(ch[i].fd, &st) < 0)
             return rf_err_set(err, -errno, "fstat of the VMM descriptor of allocation %zu of "
                               "%zu: %s", i, n, strerror(errno));
+    if (d->owner != 0 && d->vmm_base != 0) {
+        w[0] = d->owner;
+        w[1] = d->vmm_base;
+        w[2] = (uint64_t)n;
+        w[3] = total;
+        _Static_assert(1 + sizeof(w) <= RF_MEM_KEY_MAX, "a named allocation's key fits");
+        key[0] = 'N';
+        memcpy(key + 1, w, sizeof(w));
+        *key_len = 1 + sizeof(w);
+        return 0;
+    }
     serial = __atomic_add_fetch(&vmm_serial, 1, __ATOMIC_RELAXED);
-    memcpy(key, &serial, sizeof(serial));
-    *key_len = sizeof(serial);
+    key[0] = 'S';
+    memcpy(key + 1, &serial, sizeof(serial));
+    *key_len = 1 + sizeof(serial);
     return 0;
 }
 

@@ -4,10 +4,10 @@
 # cannot put two ranks on one GPU ("Duplicate GPU detected"); the receiverd copies straight from
 # trainer memory (CUDA IPC / VMM fds fetched from the publisherd) into engine memory. Every
 # installed byte verified after every commit:
-#   qwen3-4b tp=2 -> tp=4 (cudaMalloc), qwen3-30b-a3b tp=2,ep=2 -> tp=4 (full size), qwen3-4b
-#   with VMM allocations on both sides, and with 2 MiB VMM allocations mapped back to back
-#   (tensors spanning several, as with expandable segments); then a trainer killed mid-copy (verify = full, so a copy
-#   lasts seconds): aborted, the next refit commits.
+#   qwen3-4b tp=2 -> tp=4 (cudaMalloc), qwen3-30b-a3b tp=2,ep=2 -> tp=4 (full size, cudaMalloc
+#   and VMM), qwen3-4b with VMM allocations on both sides, and with 2 MiB VMM allocations mapped
+#   back to back (tensors spanning several, as with expandable segments); then a trainer killed
+#   mid-copy (verify = full, so a copy lasts seconds): aborted, the next refit commits.
 . "$(dirname "$0")/../e2e/lib.sh"
 if ! nvidia-smi -L >/dev/null 2>&1; then
     echo "skipped: no CUDA device"
@@ -44,9 +44,14 @@ s["last_refit"]["paths"]["local"]["bytes"] == s["last_refit"]["bytes"] > 0'
     mv "$E2E_DIR/recv0.log" "$E2E_DIR/${name}_recv0.log"
 }
 
-want() { case " ${GPU_CASES:-q4b q30b vmm vmmchunk inproc kill} " in *" $1 "*) return 0 ;; esac; return 1; }
+want() { case " ${GPU_CASES:-q4b q30b q30vmm vmm vmmchunk inproc kill} " in *" $1 "*) return 0 ;; esac; return 1; }
 want q4b && run_case q4b qwen3-4b tp=2 tp=4 5 2 4
 want q30b && run_case q30b qwen3-30b-a3b tp=2,ep=2 tp=4 3 2 4
+# The same on VMM allocations (cuMemCreate with POSIX fds, as PyTorch's expandable segments):
+# thousands of regions per allocation, each allocation mapped once per client; the daemons'
+# copies then run at in-process speed (CUDA IPC mappings of cudaMalloc memory run the copy
+# kernel at about a third of it: bench/RESULTS.md).
+want q30vmm && run_case q30vmm qwen3-30b-a3b tp=2,ep=2 tp=4 3 2 4 --cuda-vmm
 want vmm && run_case vmm qwen3-4b tp=2 tp=4 3 2 4 --cuda-vmm
 # Engines whose memory cannot be exported (VMM allocations without a handle type, as sleep-mode
 # allocators make them): librefit installs in the engine's process (issue #12 item 4).

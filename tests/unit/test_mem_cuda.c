@@ -178,6 +178,79 @@ Test(mem_cuda, vmm_fd_export_import_reads_back, .init = need_gpu)
     free(back);
 }
 
+/* Regions of one VMM allocation that their client named (owner, vmm_base) share one mapping:
+ * a trainer's thousands of tensors in one pool would otherwise reserve the pool's size of
+ * address space each. Another owner, another base or an unnamed region maps its own. */
+Test(mem_cuda, vmm_named_allocation_mapped_once, .init = need_gpu)
+{
+    CUmemGenericAllocationHandle h;
+    size_t len = 4u << 20;
+    CUdeviceptr va = vmm_alloc(&len, true, &h);
+    uint8_t *src = malloc(len), *back = malloc(4096);
+    rf_mem_cache *mc = rf_mem_cache_new();
+    rf_mem_ref *r[6] = {0};
+    uint64_t me = rf_mem_owner_new(), other = rf_mem_owner_new();
+    char u[RF_CUDA_UUID_MAX];
+    rf_err err = {0};
+    uint8_t le[8];
+    int fd = -1;
+
+    cr_assert_neq(me, 0);
+    cr_assert_neq(me, other);
+    cr_assert_eq(rf_mem_cuda_init(&err), 0, "%s", err.msg);
+    uuid0(u);
+    for (size_t i = 0; i < len; i++)
+        src[i] = (uint8_t)(i * 13 + 1);
+    cr_assert_eq(cudaMemcpy((void *)va, src, len, cudaMemcpyHostToDevice), cudaSuccess);
+    cr_assert_eq(cu->cuMemExportToShareableHandle(&fd, h,
+                                                  CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0),
+                 CUDA_SUCCESS);
+    for (int i = 0; i < 8; i++)
+        le[i] = (uint8_t)((uint64_t)len >> (8 * i));
+    rf_mem_desc d = {.kind = RF_MEM_CUDA_VMM_FD, .device = u, .size = 4096, .offset = 0,
+                     .fd = fd, .handle = le, .handle_len = 8, .vmm_base = (uint64_t)va,
+                     .owner = me};
+    for (int k = 0; k < 3; k++) {
+        d.offset = (uint64_t)k * 65536 + 7;
+        cr_assert_eq(rf_mem_import(mc, &d, &r[k], &err), 0, "%s", err.msg);
+        cr_assert_eq(cudaMemcpy(back, rf_mem_ref_base(r[k]), 4096, cudaMemcpyDeviceToHost),
+                     cudaSuccess);
+        cr_assert(memcmp(back, src + d.offset, 4096) == 0, "region %d reads differently", k);
+    }
+    cr_assert_eq(rf_mem_cache_count(mc), 1, "three regions of one named allocation: %zu maps",
+                 rf_mem_cache_count(mc));
+    /* The shared mapping still checks each region's range. */
+    d.offset = len - 100;
+    cr_assert_eq(rf_mem_import(mc, &d, &r[5], &err), -EINVAL);
+    cr_assert(strstr(err.msg, "smaller than the region claimed"), "%s", err.msg);
+    /* Another client naming the same address, or the same client without a name: their own. */
+    d.offset = 0;
+    d.owner = other;
+    cr_assert_eq(rf_mem_import(mc, &d, &r[3], &err), 0, "%s", err.msg);
+    d.owner = me;
+    d.vmm_base = 0;
+    cr_assert_eq(rf_mem_import(mc, &d, &r[4], &err), 0, "%s", err.msg);
+    cr_assert_eq(rf_mem_cache_count(mc), 3);
+    /* The mapping lives until its last region goes. */
+    rf_mem_release(mc, r[0]);
+    rf_mem_release(mc, r[1]);
+    cr_assert_eq(rf_mem_cache_count(mc), 3);
+    cr_assert_eq(cudaMemcpy(back, rf_mem_ref_base(r[2]), 4096, cudaMemcpyDeviceToHost),
+                 cudaSuccess);
+    cr_assert(memcmp(back, src + 2 * 65536 + 7, 4096) == 0);
+    rf_mem_release(mc, r[2]);
+    rf_mem_release(mc, r[3]);
+    rf_mem_release(mc, r[4]);
+    cr_assert_eq(rf_mem_cache_count(mc), 0);
+    rf_mem_cache_free(mc);
+    close(fd);
+    cu->cuMemUnmap(va, len);
+    cu->cuMemAddressFree(va, len);
+    cu->cuMemRelease(h);
+    free(src);
+    free(back);
+}
+
 Test(mem_cuda, import_refusals, .init = need_gpu)
 {
     rf_mem_cache *mc = rf_mem_cache_new();
