@@ -12,7 +12,11 @@
  *   bench_gpu local [GPUs: 1 | 2; default 1] [models: all | 4b | 30b]
  *     trainer shards and engine buffers in one process (engine on GPU 0, trainer on GPU 0, or
  *     on GPU 1 with 2: peer copies), against the same-GPU cudaMemcpy ceiling of the same bytes
- *     and a per-box copy baseline; first the kernel/copy-engine threshold.
+ *     and a per-box copy baseline; first the kernel/copy-engine threshold. With
+ *     BENCH_LOCAL_MEM=carve each endpoint's regions lie in one allocation, as a trainer's or
+ *     an engine's do; with BENCH_LOCAL_MEM=ipc that allocation is made by a child process and
+ *     opened here by CUDA IPC, as a receiverd sees cudaMalloc memory (1 GPU only).
+ *     BENCH_LOG=debug prints the local transport's per-batch account.
  *   bench_gpu local-host [threads, comma list; default 1,0 (0: auto)]
  *     a qwen3-0.6b refit in host memory against one thread's memcpy of the same bytes. */
 #include <stdio.h>
@@ -246,6 +250,9 @@ static int local_host(const char *threads)
 }
 
 #ifdef RF_HAVE_CUDA
+#include <sys/wait.h>
+#include <unistd.h>
+
 #include <cuda_runtime_api.h>
 #include <nccl.h>
 #include <uv.h>
@@ -254,6 +261,7 @@ static int local_host(const char *threads)
 #include "copy_cuda.h"
 #include "drv_cuda.h"
 #include "layout.h"
+#include "log.h"
 #include "model.h"
 #include "plan.h"
 #include "xfer.h"
@@ -285,6 +293,12 @@ static double now_s(void)
 
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+static void die(const char *what)
+{
+    fprintf(stderr, "bench_gpu: %s\n", what);
+    exit(1);
 }
 
 static void die_err(const char *what, const rf_err *e)
@@ -352,6 +366,13 @@ typedef struct setup {
     uint32_t **tpieces[2];   /* per side, per tensor: piece ids */
     uint32_t *tnp[2];
     uint64_t tmp_bytes;      /* largest per-tensor sum of piece bytes */
+    /* BENCH_LOCAL_MEM=carve|ipc: the regions of each endpoint carved from one allocation (as
+     * trainers and engines hold them), made here or by a child process that exports it over
+     * CUDA IPC (as the daemons see them); blocks[] is what to free or close. */
+    uint8_t *blocks[256];
+    uint32_t nblocks;
+    FILE *ipc_child;         /* the child's stdin: it exits when this closes */
+    pid_t ipc_pid;
 } setup;
 
 /* Folds every source endpoint into endpoint 0 (GPU 0), every destination one into endpoint 1
@@ -510,8 +531,18 @@ static void setup_alloc(setup *S)
 
 static void setup_free(setup *S)
 {
-    for (uint32_t r = 0; r < S->nregions; r++)
+    for (uint32_t r = 0; S->nblocks == 0 && r < S->nregions; r++)
         cudaFree(S->bases[r]);
+    for (uint32_t b = 0; b < S->nblocks; b++) {
+        if (S->ipc_child)
+            cudaIpcCloseMemHandle(S->blocks[b]);
+        else
+            cudaFree(S->blocks[b]);
+    }
+    if (S->ipc_child) {
+        fclose(S->ipc_child);
+        waitpid(S->ipc_pid, NULL, 0);
+    }
     for (int g = 0; g < 2; g++)
         cudaFree(S->tile[g]);
     cudaFree(S->store);
@@ -940,13 +971,124 @@ static double conventional(setup *S, p2p *p)
 
 /* ---- (d) same-host refits through the local transport ----------------------------------------- */
 
+/* The child of BENCH_LOCAL_MEM=ipc: allocations of the sizes in argv on GPU 0, their IPC handles
+ * in hex on stdout, then it waits for stdin to close. */
+static int ipc_alloc_main(int argc, char **argv)
+{
+    for (int i = 2; i < argc; i++) {
+        cudaIpcMemHandle_t h;
+        void *p;
+
+        CK(cudaSetDevice(0));
+        CK(cudaMalloc(&p, strtoull(argv[i], NULL, 10)));
+        CK(cudaIpcGetMemHandle(&h, p));
+        for (size_t k = 0; k < sizeof(h); k++)
+            printf("%02x", ((unsigned char *)&h)[k]);
+        printf("\n");
+    }
+    fflush(stdout);
+    while (getchar() != EOF)
+        ;
+    return 0;
+}
+
+/* Regions carved per endpoint from one allocation each (see setup.blocks). */
+static void local_alloc_carved(setup *S, bool ipc)
+{
+    uint32_t nep = rf_inv_nendpoints(S->inv);
+    uint64_t *size = calloc(nep, sizeof(*size)), *off = calloc(S->nregions, sizeof(*off));
+    uint8_t **base = calloc(nep, sizeof(*base));
+    char path[4096];
+    int pin[2];
+
+    if (!size || !off || !base || nep > 256)
+        die("bench: out of memory, or more than 256 endpoints, carving regions");
+    for (uint32_t r = 0; r < S->nregions; r++) {
+        const rf_region *rg = rf_inv_region(S->inv, r);
+
+        off[r] = size[rg->endpoint];
+        size[rg->endpoint] += (rg->size + 255) & ~255ull;
+        if (rf_inv_endpoint(S->inv, rg->endpoint)->side == RF_SRC)
+            S->src_bytes += rg->size;
+        else
+            S->dst_bytes += rg->size;
+    }
+    if (ipc) {
+        ssize_t n = readlink("/proc/self/exe", path, sizeof(path) - 1);
+        int pout[2];
+        pid_t pid;
+        FILE *out;
+
+        if (n < 0 || pipe(pin) < 0 || pipe(pout) < 0)
+            die("bench: readlink or pipe failed");
+        path[n] = 0;
+        pid = fork();
+        if (pid < 0)
+            die("bench: fork failed");
+        if (pid == 0) {
+            /* Straight to exec: nothing of this process's CUDA state is touched here. */
+            char **av = calloc(nep + 3, sizeof(*av));
+
+            av[0] = path;
+            av[1] = (char *)"ipc-alloc";
+            for (uint32_t e = 0; e < nep; e++) {
+                av[2 + e] = malloc(24);
+                snprintf(av[2 + e], 24, "%llu", (unsigned long long)(size[e] ? size[e] : 256));
+            }
+            dup2(pin[0], 0);
+            dup2(pout[1], 1);
+            close(pin[1]);
+            close(pout[0]);
+            execv(path, av);
+            _exit(127);
+        }
+        close(pin[0]);
+        close(pout[1]);
+        S->ipc_pid = pid;
+        S->ipc_child = fdopen(pin[1], "w");
+        out = fdopen(pout[0], "r");
+        for (uint32_t e = 0; e < nep; e++) {
+            char hex[2 * sizeof(cudaIpcMemHandle_t) + 2];
+            cudaIpcMemHandle_t h;
+
+            if (!fgets(hex, sizeof(hex), out))
+                die("bench: the IPC allocator said nothing");
+            for (size_t k = 0; k < sizeof(h); k++) {
+                unsigned v;
+
+                if (sscanf(hex + 2 * k, "%2x", &v) != 1)
+                    die("bench: the IPC allocator's handle is not hex");
+                ((unsigned char *)&h)[k] = (unsigned char)v;
+            }
+            CK(cudaIpcOpenMemHandle((void **)&base[e], h, cudaIpcMemLazyEnablePeerAccess));
+            S->blocks[S->nblocks++] = base[e];
+        }
+        fclose(out);
+    } else {
+        for (uint32_t e = 0; e < nep; e++) {
+            CK(cudaMalloc((void **)&base[e], size[e] ? size[e] : 256));
+            S->blocks[S->nblocks++] = base[e];
+        }
+    }
+    for (uint32_t r = 0; r < S->nregions; r++)
+        S->bases[r] = base[rf_inv_region(S->inv, r)->endpoint] + off[r];
+    printf("#   regions carved from %u allocations (%s)\n", nep, ipc ? "made by a child process, "
+           "opened here by CUDA IPC" : "made here");
+    free(size);
+    free(off);
+    free(base);
+}
+
 /* Regions: destinations on GPU 0, sources on src_gpu; the pattern tile on every GPU used. */
 static void local_alloc(setup *S, int src_gpu)
 {
     uint8_t *host = malloc(TILE);
+    const char *how = getenv("BENCH_LOCAL_MEM");
 
     S->bases = calloc(S->nregions, sizeof(*S->bases));
-    for (uint32_t r = 0; r < S->nregions; r++) {
+    if (how && src_gpu == 0)
+        local_alloc_carved(S, strcmp(how, "ipc") == 0);
+    for (uint32_t r = 0; S->nblocks == 0 && r < S->nregions; r++) {
         const rf_region *rg = rf_inv_region(S->inv, r);
         bool src = rf_inv_endpoint(S->inv, rg->endpoint)->side == RF_SRC;
 
@@ -1248,6 +1390,9 @@ static void local_case(const char *model, const char *src, const char *dst, int 
     lrun_open(&w, true);
     local_clear(&S);
     cold = lrun_once(&w, &job, 1);
+    /* The daemons check a slice's job once, when it is installed (rf_xfer_job.checked); so do
+     * the warm runs here, which otherwise spent ~10 ms of a 30B refit re-checking 75k items. */
+    job.checked = true;
     rf_xfer_local_stats(w.t, &a0, NULL, NULL);
     for (int it = 0; it < iters; it++) {
         double t = lrun_once(&w, &job, 2 + (uint64_t)it);
@@ -1363,12 +1508,17 @@ int main(int argc, char **argv)
         {"qwen3-30b-a3b", "tp=2,ep=4", "tp=4"},
         {"qwen3-4b", "tp=2,dp=2", "tp=4"},
     };
-    int ndev = 0, devs[2] = {0, 1};
+    int ndev = 0, devs[2] = {0, 1}, lvl;
     p2p p;
     double ceiling;
 
+    /* BENCH_LOG=debug shows the transports' own accounts (the local GPU job's batches). */
+    if (getenv("BENCH_LOG") && rf_log_level_parse(getenv("BENCH_LOG"), &lvl) == 0)
+        rf_log_set_level(lvl);
     if (argc > 1 && strcmp(argv[1], "local") == 0)
         return local_main(argc, argv);
+    if (argc > 1 && strcmp(argv[1], "ipc-alloc") == 0)
+        return ipc_alloc_main(argc, argv);
     if (argc > 1 && strcmp(argv[1], "local-host") == 0)
         return local_host(argc > 2 ? argv[2] : "1,0");
     setenv("NCCL_NVLS_ENABLE", "0", 1);

@@ -71,6 +71,8 @@ typedef struct vwin {
     uint64_t span;
 } vwin;
 
+enum { BS_CE = 5, BS_PAIRS, BS_MINRUN, BS_DONE_NS, BS_N };
+
 /* A base pointer's device, found once per pointer. */
 typedef struct pdev {
     uintptr_t p;
@@ -95,6 +97,10 @@ typedef struct gplan {
     vwin *wins;
     uint32_t *bwin;             /* nbatches + 1: windows of each batch */
     uint64_t bytes;
+    /* For the debug log, per batch: bytes through the kernel by access width (1, 2, 4, 8, 16
+     * bytes: [0..4]), through the copy engines, the kernel's pairs, its shortest run, and in
+     * the running job the ns since its start at which the batch was seen done. */
+    uint64_t (*bstat)[BS_N];
 } gplan;
 
 struct rf_xfer_lgpu {
@@ -105,6 +111,9 @@ struct rf_xfer_lgpu {
     gplan pl;
     const rf_xfer_job *job;
     uint32_t lo, hi; /* batches [lo, hi) enqueued and not retired */
+    /* Where a job's time went, for the debug log: since its start, the plan's build, the
+     * launches, the digests (both sides) and the end of the last batch. */
+    double t0, t_plan, t_launch, t_verify, t_copied;
 };
 
 #define fail(t, ...) rf_xfer__fail(&(t)->base, __VA_ARGS__)
@@ -299,6 +308,7 @@ static void plan_free(rf_xfer_local *t)
     free(pl->segs);
     free(pl->wins);
     free(pl->bwin);
+    free(pl->bstat);
     memset(pl, 0, sizeof(*pl));
 }
 
@@ -429,6 +439,23 @@ static int verify_msg(rf_xfer_local *t, gplan *pl, vbuild *vb, uint32_t i, uint6
     return 0;
 }
 
+/* A kernel pair in a batch's debug counts: its bytes under the widest access its addresses
+ * allow (as the kernel chooses it), one more pair, the shortest run. */
+static void stat_pair(uint64_t st[BS_N], const rf_copy_pair_flat *f)
+{
+    uint64_t a = f->run | (uintptr_t)f->src | (uintptr_t)f->dst;
+    int w = 0;
+
+    for (int k = 0; k < f->n; k++)
+        a |= (uint64_t)f->sstr[k] | (uint64_t)f->dstr[k];
+    while (w < 4 && (a & ((2ull << w) - 1)) == 0)
+        w++;
+    st[w] += f->bytes;
+    st[BS_PAIRS]++;
+    if (st[BS_MINRUN] == 0 || f->run < st[BS_MINRUN])
+        st[BS_MINRUN] = f->run;
+}
+
 /* Derives the plan of execution of the running job. */
 static int plan_build(rf_xfer_local *t)
 {
@@ -499,15 +526,16 @@ static int plan_build(rf_xfer_local *t)
     pl->ofirst = calloc((size_t)pl->nbatches * pl->ndev + 1, sizeof(uint64_t));
     pl->ocount = calloc((size_t)pl->nbatches * pl->ndev + 1, sizeof(uint64_t));
     pl->bwin = calloc((size_t)pl->nbatches + 1, sizeof(uint32_t));
+    pl->bstat = calloc((size_t)pl->nbatches + 1, sizeof(*pl->bstat));
     kp = calloc(pl->ndev, sizeof(*kp));
     kn = calloc(pl->ndev, sizeof(*kn));
     kcap = calloc(pl->ndev, sizeof(*kcap));
     on = calloc(pl->ndev, sizeof(*on));
     ocap = calloc(pl->ndev, sizeof(*ocap));
-    for (int j = 0; j < 7; j++)
+    for (int j = 0; j < 8; j++)
         rf_xfer__local_alloc(t, 0);
     if (!pl->kplan || !pl->ops || !pl->kfirst || !pl->kcount || !pl->ofirst || !pl->ocount ||
-        !pl->bwin || !kp || !kn || !kcap || !on || !ocap) {
+        !pl->bwin || !pl->bstat || !kp || !kn || !kcap || !on || !ocap) {
         rc = fail(t, -ENOMEM, "out of memory planning %u local messages", job->nmsgs);
         goto out;
     }
@@ -539,6 +567,7 @@ static int plan_build(rf_xfer_local *t)
                     if ((rc = grow(t, (void **)&pl->ops[d], &ocap[d], on[d] + 1,
                                    sizeof(ceop))) < 0)
                         goto out;
+                    pl->bstat[b][BS_CE] += f.bytes;
                     pl->ops[d][on[d]++] = (ceop){
                         .src = f.src, .dst = f.dst, .width = f.run,
                         .height = f.n == 0 ? 1 : (uint64_t)f.ext[0],
@@ -548,6 +577,7 @@ static int plan_build(rf_xfer_local *t)
                     if ((rc = grow(t, (void **)&kp[d], &kcap[d], kn[d] + 1, sizeof(p))) < 0)
                         goto out;
                     kp[d][kn[d]++] = p;
+                    stat_pair(pl->bstat[b], &f);
                 }
             }
         }
@@ -661,11 +691,14 @@ static int enqueue(rf_xfer_local *t, uint32_t b)
     gplan *pl = &g->pl;
     rf_err err = {0};
     uint32_t d = 0;
+    double t0 = rf_xfer__now();
     int rc = 0;
 
     if (pl->verify != RF_VERIFY_OFF &&
         (rc = digest_wins(t, pl->bwin[b], pl->bwin[b + 1], false)) < 0)
         return rc;
+    g->t_verify += rf_xfer__now() - t0;
+    t0 = rf_xfer__now();
     for (d = 0; d < pl->ndev; d++) {
         gdev *G = &g->devs[d];
         size_t x = (size_t)b * pl->ndev + d;
@@ -687,6 +720,7 @@ static int enqueue(rf_xfer_local *t, uint32_t b)
         }
         CUDA_TRY(&err, cudaEventRecord(G->ev[b % SLOTS], G->s));
     }
+    g->t_launch += rf_xfer__now() - t0;
 out:
     if (rc < 0)
         fail(t, rc, "enqueuing local copies of messages seq %u to %u on GPU %d: %s",
@@ -737,9 +771,15 @@ int rf_xfer__lgpu_start(rf_xfer_local *t)
         for (uint32_t i = 0; i < g->pcap; i++)
             g->ptab[i].dev = -1;
         g->pcount = 0;
+        g->t0 = rf_xfer__now();
         if ((rc = plan_build(t)) < 0)
             return rc;
+        g->t_plan = rf_xfer__now() - g->t0;
+    } else {
+        g->t_plan = 0;
     }
+    g->t0 = rf_xfer__now() - g->t_plan;
+    g->t_launch = g->t_verify = g->t_copied = 0;
     if (job->verify != RF_VERIFY_OFF)
         for (uint32_t d = 0; d < g->pl.ndev; d++)
             if ((rc = dev_verify_ready(t, &g->devs[d])) < 0)
@@ -753,6 +793,7 @@ int rf_xfer__lgpu_progress(rf_xfer_local *t, double wait_s)
 {
     rf_xfer_lgpu *g = t->g;
     gplan *pl = &g->pl;
+    double tv;
     int rc;
 
     (void)wait_s;
@@ -770,9 +811,13 @@ int rf_xfer__lgpu_progress(rf_xfer_local *t, double wait_s)
             nap();
         return rc;
     }
+    g->t_copied = rf_xfer__now() - g->t0;
+    pl->bstat[g->lo][BS_DONE_NS] = (uint64_t)(g->t_copied * 1e9);
+    tv = rf_xfer__now();
     if (pl->verify != RF_VERIFY_OFF &&
         (rc = digest_wins(t, pl->bwin[g->lo], pl->bwin[g->lo + 1], true)) < 0)
         return rc;
+    g->t_verify += rf_xfer__now() - tv;
     for (uint32_t i = pl->bmsg[g->lo]; i < pl->bmsg[g->lo + 1]; i++)
         rf_xfer__moved(&t->base, &g->job->msgs[i]);
     g->lo++;
@@ -815,6 +860,24 @@ void rf_xfer__lgpu_finish(rf_xfer_local *t, int rc)
         cudaGetLastError();
         RF_WARN("local job of version %llu failed: %s",
                 (unsigned long long)t->base.job->version, t->base.result.error);
+    }
+    else
+        RF_DEBUG("local GPU job of version %llu: %llu bytes in %u batches on %u GPUs, %.2f ms: "
+                 "plan %.2f ms%s, launches %.2f ms, digests %.2f ms, last batch ended at "
+                 "%.2f ms", (unsigned long long)t->base.job->version,
+                 (unsigned long long)t->base.result.bytes_recv, g->pl.nbatches, g->pl.ndev,
+                 (rf_xfer__now() - g->t0) * 1e3, g->t_plan * 1e3,
+                 g->t_plan > 0 ? " (built)" : " (kept)", g->t_launch * 1e3,
+                 g->t_verify * 1e3, g->t_copied * 1e3);
+    for (uint32_t b = 0; rc == 0 && rf_log_get_level() >= RF_LOG_DEBUG && b < g->pl.nbatches;
+         b++) {
+        const uint64_t *st = g->pl.bstat[b];
+
+        RF_DEBUG("  batch %u: done at %.2f ms; kernel %llu pairs (shortest run %llu B), MB by "
+                 "access width 1/2/4/8/16 B: %.1f/%.1f/%.1f/%.1f/%.1f; copy engines %.1f MB", b,
+                 (double)st[BS_DONE_NS] / 1e6, (unsigned long long)st[BS_PAIRS],
+                 (unsigned long long)st[BS_MINRUN], st[0] / 1e6, st[1] / 1e6, st[2] / 1e6,
+                 st[3] / 1e6, st[4] / 1e6, st[BS_CE] / 1e6);
     }
     if (rc < 0 || t->base.job->plan_key == 0)
         plan_free(t);
