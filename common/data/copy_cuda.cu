@@ -124,25 +124,58 @@ __global__ void copy_kernel(const dev_desc *d, uint32_t n, uint64_t chunks, uint
     }
 }
 
+/* Where byte o of a pair's row-major packing lies in its source and its destination. */
+__device__ __forceinline__ void pair_addr(const dev_pair &x, uint64_t o, uint64_t *sa,
+                                          uint64_t *da)
+{
+    uint64_t r = udiv(o, x.run);
+    uint64_t within = o - r * x.run;
+    uint64_t s = x.src + within, d = x.dst + within;
+
+    for (int k = (int)x.n - 1; k >= 0; k--) {
+        uint64_t e = (uint64_t)x.ext[k];
+        uint64_t q = udiv(r, e);
+        uint64_t i = r - q * e;
+
+        s += i * (uint64_t)x.sstr[k];
+        d += i * (uint64_t)x.dstr[k];
+        r = q;
+    }
+    *sa = s;
+    *da = d;
+}
+
+/* Loads each thread keeps in flight before it stores them: a pair's two sides never overlap (a
+ * local copy goes from trainer memory into engine memory), so its loads may run ahead of its
+ * stores, and a thread that waited for each load before the next moved 1.5-1.7 TB/s on an H200
+ * where 4 in flight come nearer the ceiling (bench_gpu local). */
+#define PAIR_ILP 4
+
 template <typename T>
 __device__ __forceinline__ void move_pair(const dev_pair &x, uint64_t lo, uint64_t hi)
 {
-    const uint64_t v = sizeof(T);
+    const uint64_t v = sizeof(T), step = (uint64_t)blockDim.x * v;
+    uint64_t o = lo + threadIdx.x * v;
 
-    for (uint64_t o = lo + threadIdx.x * v; o < hi; o += (uint64_t)blockDim.x * v) {
-        uint64_t r = udiv(o, x.run);
-        uint64_t within = o - r * x.run;
-        uint64_t sa = x.src + within, da = x.dst + within;
+    for (; o + (PAIR_ILP - 1) * step < hi; o += PAIR_ILP * step) {
+        T val[PAIR_ILP];
+        uint64_t da[PAIR_ILP];
 
-        for (int k = (int)x.n - 1; k >= 0; k--) {
-            uint64_t e = (uint64_t)x.ext[k];
-            uint64_t q = udiv(r, e);
-            uint64_t i = r - q * e;
+#pragma unroll
+        for (int u = 0; u < PAIR_ILP; u++) {
+            uint64_t sa;
 
-            sa += i * (uint64_t)x.sstr[k];
-            da += i * (uint64_t)x.dstr[k];
-            r = q;
+            pair_addr(x, o + u * step, &sa, &da[u]);
+            val[u] = *reinterpret_cast<const T *>(sa);
         }
+#pragma unroll
+        for (int u = 0; u < PAIR_ILP; u++)
+            *reinterpret_cast<T *>(da[u]) = val[u];
+    }
+    for (; o < hi; o += step) {
+        uint64_t sa, da;
+
+        pair_addr(x, o, &sa, &da);
         *reinterpret_cast<T *>(da) = *reinterpret_cast<const T *>(sa);
     }
 }
