@@ -5,7 +5,12 @@ convention). After each committed version it runs its forward pass against the f
 compares the prompt's logits with the trainer's (torch.equal) and generates a few tokens
 greedily, then lets the next version in.
 
-  engine.py --socket RECEIVERD.sock --dir DIR [--versions N] [--tp T] [--model M --shrink S]"""
+With --device cuda:N (the GPU mode) the ranks' buffers are CUDA tensors on that GPU and the
+forward pass is HF transformers' Qwen3ForCausalLM, the trainer's own, with its parameters
+replaced by views into the fused buffers (hf_qwen3.EngineModel; tp=2 gathers what spans ranks).
+
+  engine.py --socket RECEIVERD.sock --dir DIR [--versions N] [--tp T] [--model M --shrink S]
+            [--device cuda:N]"""
 
 import argparse
 import os
@@ -127,11 +132,12 @@ class VllmWeights:
         return out[:, :self.vocab]  # a last shard's padding rows, were there any
 
 
-def generate(cfg, w, tokens, n):
-    """n tokens, greedily (the whole sequence again each step: no KV cache in this example)."""
+def generate(forward, tokens, n):
+    """n tokens, greedily (the whole sequence again each step: no KV cache in this example);
+    forward(tokens) gives the logits."""
     out = []
     for _ in range(n):
-        logits = qwen3.forward(cfg, w, torch.cat([tokens, torch.tensor(out, dtype=tokens.dtype)]))
+        logits = forward(torch.cat([tokens, torch.tensor(out, dtype=tokens.dtype)]))
         out.append(int(logits[-1].argmax()))
     return out
 
@@ -150,15 +156,29 @@ def main():
     ap.add_argument("--row-parallel", choices=["gather", "allreduce"], default="gather",
                     help="o_proj/down_proj as one GEMM over the gathered shards (bitwise "
                     "equal to the trainer's) or as vLLM's all-reduce of partial sums (not)")
+    ap.add_argument("--device", default="cpu", help="cpu (memfd arenas, qwen3.py's forward) or "
+                    "cuda:N (CUDA buffers, transformers' forward on views of them)")
     args = ap.parse_args()
     torch.set_num_threads(1)  # as the trainer: the same GEMM work split
     cfg = qwen3.Config(args.model, args.shrink)
     print(f"engine: {cfg}, vllm tp={args.tp}", flush=True)
+    gpu = args.device != "cpu"
+    timeout_ms = 60000
+    if gpu:
+        import hf_qwen3 as hq  # transformers and CUDA: only here
+        if args.row_parallel != "gather":
+            sys.exit("engine: --row-parallel allreduce is the CPU example's; the GPU mode runs "
+                     "HF's forward pass (o_proj/down_proj whole)")
+        dev = hq.setup_cuda(args.device, "engine")
+        timeout_ms = hq.TIMEOUT_MS
     layout = f"tp={args.tp}"
     ranks = []
     for r in range(args.tp):
         module = VllmRank(cfg, args.tp)
-        rt.share_module(module)
+        if gpu:
+            module.to(dev)
+        else:
+            rt.share_module(module)
         c = refit.Client(refit.ENGINE, name=f"example-engine-tp{r}", rank=r, socket=args.socket)
         info = rt.register_module(c, module, "vllm", layout, r, args.model, args.shrink)
         # Gated: the daemon installs the next version only after consumed(), so the weights
@@ -168,25 +188,38 @@ def main():
         print(f"engine rank {r}: registered {info['params']} parameters, {info['pieces']} "
               f"pieces in {info['regions']} region(s)", flush=True)
         ranks.append((module, c))
-    w = VllmWeights(cfg, [m for m, _ in ranks], allreduce=args.row_parallel == "allreduce")
+    if gpu:
+        hf = hq.EngineModel(cfg, [m for m, _ in ranks], dev)
+        forward, refresh = hf.logits, hf.refresh
+        how = "HF forward on views of the fused buffers"
+        print(f"engine: {hq.describe(hf.model)} on {dev}: {hf.views} parameters are views into "
+              f"the ranks' buffers, {len(hf.gathers)} gathered from {args.tp} ranks per version",
+              flush=True)
+    else:
+        w = VllmWeights(cfg, [m for m, _ in ranks], allreduce=args.row_parallel == "allreduce")
+        forward, refresh = (lambda t: qwen3.forward(cfg, w, t)), (lambda: None)
+        how = f"row-parallel layers by {args.row_parallel}"
     prompt = qwen3.prompt(cfg)
     bad = v = 0
     while v < args.versions:
         # The version the daemon committed, which these buffers hold: the next one, since the
         # engine is gated and the trainer publishes each; a later one were it to skip some.
-        v = max(c.wait_version(v + 1, 60000) for _, c in ranks)
+        v = max(c.wait_version(v + 1, timeout_ms) for _, c in ranks)
         t0 = time.monotonic()
         with torch.no_grad():
-            logits = qwen3.forward(cfg, w, prompt)
+            refresh()
+            logits = forward(prompt)
             ref = torch.load(os.path.join(args.dir, f"v{v}.pt"))
             equal = torch.equal(logits, ref["logits"])
-            tokens = generate(cfg, w, prompt, args.generate)
+            tokens = generate(forward, prompt, args.generate)
+            if gpu:
+                torch.cuda.synchronize(dev)  # done reading before the next version may land
         print(f"version {v}: trainer loss {ref['loss']:.4f} | engine generated {tokens} | "
               f"logits equal (torch.equal): {equal} | {time.monotonic() - t0:.2f} s", flush=True)
         if not equal:
             diff = (logits - ref["logits"]).abs().max().item()
             print(f"engine: version {v}: logits differ from the trainer's by up to {diff:.3g} "
-                  f"(row-parallel layers by {args.row_parallel}); either refit moved wrong "
+                  f"({how}); either refit moved wrong "
                   "bytes or the two forward passes do different float math", flush=True)
             bad += 1
         for _, c in ranks:

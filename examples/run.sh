@@ -7,7 +7,12 @@
 # equal bit for bit; exits 0 only when every version's are (the engine exits 1 otherwise).
 #   examples/run.sh [VERSIONS]      env: BUILD (build dir, default build), PYTHON, TP (2),
 #                                   SHRINK (8), ENGINE_ARGS (more engine.py flags), KEEP=1
-#                                   keeps the work directory (kept on failure), TMPDIR
+#                                   keeps the work directory (kept on failure), TMPDIR,
+#                                   DEVICE (cpu; cuda:N: the GPU mode, below)
+# DEVICE=cuda:N: both processes on that GPU (colocated), the trainer HF transformers'
+# Qwen3ForCausalLM under FSDP2, the engine's buffers CUDA tensors that transformers' forward
+# pass reads through views; the daemons move bytes with transport = nccl (every byte a
+# same-GPU copy, local_copy = auto).
 set -u
 HERE=$(cd "$(dirname "$0")" && pwd)
 ROOT=$(cd "$HERE/.." && pwd)
@@ -24,6 +29,22 @@ if ! "$PY" -c "import torch" 2>/dev/null; then
     echo "examples/run.sh: $PY cannot import torch; install python3-torch (scripts/deps.sh)" \
          "or set PYTHON to a python3 that has it" >&2
     exit 2
+fi
+DEVICE=${DEVICE:-cpu}
+if [ "$DEVICE" != cpu ]; then
+    if ! "$PY" -c '
+import sys, torch, transformers
+from transformers import Qwen3ForCausalLM
+try:
+    from torch.distributed.fsdp import fully_shard
+except ImportError:
+    from torch.distributed._composable.fsdp import fully_shard
+sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+        echo "examples/run.sh: DEVICE=$DEVICE needs a $PY with CUDA torch (FSDP2's fully_shard)" \
+             "and HF transformers (Qwen3ForCausalLM); unset DEVICE for the CPU example" >&2
+        exit 2
+    fi
+    export NCCL_NVLS_ENABLE=0
 fi
 export REFIT_LIB=$BIN/librefit.so
 DIR=$(mktemp -d "${TMPDIR:-/tmp}/refit-example.XXXXXX")
@@ -47,6 +68,7 @@ PORT=$("$PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0))
 print(s.getsockname()[1])')
 COMMON="--cluster-key-file $DIR/cluster.key --coordinator-addr 127.0.0.1:$PORT
  --publishers 1 --receivers 1 --status-listen 127.0.0.1:0"
+[ "$DEVICE" != cpu ] && COMMON="$COMMON --transport nccl"
 "$BIN/refit-publisherd" $COMMON --coordinator --index 0 --clients 1 \
     --socket "$DIR/publisherd.sock" > "$DIR/publisherd.log" 2>&1 &
 PIDS="$PIDS $!"
@@ -54,6 +76,11 @@ PIDS="$PIDS $!"
     --socket "$DIR/receiverd.sock" > "$DIR/receiverd.log" 2>&1 &
 PIDS="$PIDS $!"
 ARGS="--dir $DIR --versions $VERSIONS --shrink ${SHRINK:-8}"
+WHERE=""
+if [ "$DEVICE" != cpu ]; then
+    ARGS="$ARGS --device $DEVICE"
+    WHERE=" (on $DEVICE: transformers + FSDP2 trainer, HF forward on the engine's buffers)"
+fi
 "$PY" "$HERE/engine.py" --socket "$DIR/receiverd.sock" --tp "${TP:-2}" $ARGS \
     ${ENGINE_ARGS:-} > "$DIR/engine.log" 2>&1 &
 ENG=$!
@@ -74,8 +101,8 @@ check_exit "$first" $?
 second=$ENG; [ "$first" = $ENG ] && second=$TRN
 wait "$second"
 check_exit "$second" $?
-grep -h "registered\|: qwen" "$DIR/trainer.log" "$DIR/engine.log"
+grep -h "registered\|: qwen\|: transformers" "$DIR/trainer.log" "$DIR/engine.log"
 grep "^version" "$DIR/engine.log"
 grep -o "version [0-9]*: moved .*" "$DIR/receiverd.log" | sed 's/^/receiverd: /'
 echo "ok: $VERSIONS versions refit from the trainer (hf) to the engine (vllm tp=${TP:-2});" \
-     "logits equal bit for bit after each"
+     "logits equal bit for bit after each$WHERE"

@@ -5,10 +5,18 @@ with refit.torch ("hf" convention), as versions 1..N. Before each publish it wri
 and the fp32 logits of the fixed prompt under the published weights to DIR/vN.pt, which the
 engine compares with its own.
 
-  trainer.py --socket PUBLISHERD.sock --dir DIR [--versions N] [--model M --shrink S]"""
+With --device cuda:N (the GPU mode, train_hf below) the model is HF transformers'
+Qwen3ForCausalLM instead, its fp32 master sharded by FSDP2 (fully_shard on a 1-rank device
+mesh, NCCL) and trained with AdamW on that GPU; the bf16 copy it publishes is a DTensor per
+parameter with the master's placements, registered through refit.torch's DTensor support, and
+the logits of vN.pt come from the same HF forward pass (hf_qwen3.py) on views of that copy.
+
+  trainer.py --socket PUBLISHERD.sock --dir DIR [--versions N] [--model M --shrink S]
+             [--device cuda:N]"""
 
 import argparse
 import os
+import sys
 import time
 
 import torch
@@ -126,17 +134,21 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--socket", required=True)
     ap.add_argument("--dir", required=True, help="where vN.pt (loss and logits) are written")
-    ap.add_argument("--versions", type=int, default=3e-3)
+    ap.add_argument("--versions", type=int, default=3)
     ap.add_argument("--model", default="qwen3-0.6b")
-    ap.add_argument("--shrink", type=int, default=3e-3)
+    ap.add_argument("--shrink", type=int, default=8)
     ap.add_argument("--lr", type=float, default=1e-2)
     ap.add_argument("--steps", type=int, default=2, help="optimizer steps per version")
+    ap.add_argument("--device", default="cpu", help="cpu (plain torch, memfd arena) or cuda:N "
+                    "(transformers + FSDP2 on that GPU)")
     args = ap.parse_args()
     # One thread: the engine's GEMMs must split their work as these do (and two cores are
     # shared by both processes and the daemons).
     torch.set_num_threads(1)
     cfg = qwen3.Config(args.model, args.shrink)
     print(f"trainer: {cfg}", flush=True)
+    if args.device != "cpu":
+        return train_hf(args, cfg)
 
     master = Qwen3ForCausalLM(cfg, torch.float32)
     init_(master, 1234)
@@ -170,6 +182,90 @@ def main():
             c.wait_released(v, 60000)
             print(f"trainer: version {v}: loss {loss.item():.4f}, published and released "
                   f"({time.monotonic() - t0:.2f} s)", flush=True)
+
+
+def train_hf(args, cfg):
+    """The GPU mode: transformers' Qwen3ForCausalLM (fp32 master, the CPU example's init) on
+    args.device, FSDP2 over a 1-rank mesh, AdamW; publishes a bf16 DTensor copy of its shards."""
+    import hf_qwen3 as hq  # transformers, FSDP2 and CUDA: only here
+    who = "trainer"
+    dev = hq.setup_cuda(args.device, who)
+    dist, init_device_mesh, fully_shard, DTensor = hq.fsdp2_api(who)
+    store = os.path.join(os.path.abspath(args.dir), "trainer-pg.store")
+    try:
+        dist.init_process_group("nccl", init_method=f"file://{store}", rank=0, world_size=1,
+                                device_id=dev)
+    except TypeError:  # torch < 2.3: no device_id
+        dist.init_process_group("nccl", init_method=f"file://{store}", rank=0, world_size=1)
+    mesh = init_device_mesh("cuda", (1,), mesh_dim_names=("dp",))
+
+    master = hq.build(cfg, "cpu", torch.float32, who)
+    init_(master, 1234)  # the CPU example's initial weights (HF names there too)
+    master.to(dev)
+    for layer in master.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(master, mesh=mesh)
+    master.train()
+    opt = torch.optim.AdamW(master.parameters(), lr=args.lr, weight_decay=0.0)
+
+    def shards():
+        named = dict(master.named_parameters())
+        for name, p in named.items():
+            if not isinstance(p, DTensor):
+                sys.exit(f"trainer: FSDP2 left parameter {name} a {type(p).__name__}, not a "
+                         "DTensor (not sharded?)")
+        return named
+
+    # What a trainer of FSDP2 ranks publishes: a bf16 shard beside each fp32 master shard,
+    # with the same placements, so every rank registers (and refit reads) only its own box.
+    published = {}
+    for name, p in shards().items():
+        local = torch.empty_like(p.to_local(), dtype=torch.bfloat16)
+        published[name] = DTensor.from_local(local, p.device_mesh, p.placements,
+                                             run_check=False, shape=p.shape, stride=p.stride())
+    # The published bytes in an HF module (views, no copy: on one rank a shard is the whole
+    # tensor), for the logits of vN.pt through the same forward pass as the engine's.
+    ref = hq.build(cfg, dev, torch.bfloat16, who).eval()
+    locals_ = {}
+    for name, t in published.items():
+        if tuple(t.to_local().shape) != tuple(t.shape):
+            sys.exit(f"trainer: {name}: this rank's shard {tuple(t.to_local().shape)} is not the "
+                     f"whole {tuple(t.shape)}; the example's trainer runs one rank")
+        locals_[name] = t.to_local()
+    hq.bind_all(ref, cfg, locals_)
+    placements = sorted({str(tuple(t.placements)) for t in published.values()})
+    print(f"trainer: {hq.describe(master)} on {dev}, FSDP2 fully_shard over mesh "
+          f"{tuple(mesh.shape)}, placements {', '.join(placements)}", flush=True)
+    data = batch(cfg).to(dev)
+    prompt = qwen3.prompt(cfg)
+
+    with refit.Client(refit.TRAINER, name="example-trainer", rank=0, socket=args.socket) as c:
+        info = rt.register_module(c, published, "hf", "", 0, args.model, args.shrink)
+        c.seal()
+        print(f"trainer: registered {info['params']} parameters (bf16 DTensors), "
+              f"{info['pieces']} pieces in {info['regions']} region(s)", flush=True)
+        for v in range(1, args.versions + 1):
+            t0 = time.monotonic()
+            for _ in range(args.steps):
+                opt.zero_grad()
+                out = master(input_ids=data[:, :-1], use_cache=False).logits
+                loss = F.cross_entropy(out.reshape(-1, out.shape[-1]).float(),
+                                       data[:, 1:].reshape(-1))
+                loss.backward()
+                opt.step()
+            with torch.no_grad():
+                for name, p in shards().items():
+                    published[name].to_local().copy_(p.to_local())
+                torch.cuda.synchronize(dev)  # the bytes refit reads are written
+                logits = hq.logits(ref, prompt, dev)
+            tmp = os.path.join(args.dir, f".v{v}.pt")
+            torch.save({"version": v, "loss": loss.item(), "logits": logits}, tmp)
+            os.rename(tmp, os.path.join(args.dir, f"v{v}.pt"))
+            c.publish(v)
+            c.wait_released(v, hq.TIMEOUT_MS)
+            print(f"trainer: version {v}: loss {loss.item():.4f}, published and released "
+                  f"({time.monotonic() - t0:.2f} s)", flush=True)
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
