@@ -106,6 +106,24 @@ static CUdeviceptr vmm_alloc(size_t *len, bool posix, CUmemGenericAllocationHand
     return va;
 }
 
+/* Fills the allocation at va with a pattern (kept in src) and exports it: its fd, and in le
+ * its size as librefit sends it. */
+static int vmm_fill_export(CUdeviceptr va, CUmemGenericAllocationHandle h, size_t len,
+                           uint8_t *src, unsigned mul, uint8_t le[8])
+{
+    int fd = -1;
+
+    for (size_t i = 0; i < len; i++)
+        src[i] = (uint8_t)(i * mul + 3);
+    cr_assert_eq(cudaMemcpy((void *)va, src, len, cudaMemcpyHostToDevice), cudaSuccess);
+    cr_assert_eq(cu->cuMemExportToShareableHandle(&fd, h,
+                                                  CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0),
+                 CUDA_SUCCESS);
+    for (int i = 0; i < 8; i++)
+        le[i] = (uint8_t)((uint64_t)len >> (8 * i));
+    return fd;
+}
+
 Test(mem_cuda, vmm_fd_export_import_reads_back, .init = need_gpu)
 {
     CUmemGenericAllocationHandle h;
@@ -120,15 +138,8 @@ Test(mem_cuda, vmm_fd_export_import_reads_back, .init = need_gpu)
 
     cr_assert_eq(rf_mem_cuda_init(&err), 0, "%s", err.msg);
     uuid0(u);
-    for (size_t i = 0; i < len; i++)
-        src[i] = (uint8_t)(i * 7 + 3);
-    cr_assert_eq(cudaMemcpy((void *)va, src, len, cudaMemcpyHostToDevice), cudaSuccess);
-    cr_assert_eq(cu->cuMemExportToShareableHandle(&fd, h,
-                                                  CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0),
-                 CUDA_SUCCESS);
     uint8_t le[8];
-    for (int i = 0; i < 8; i++)
-        le[i] = (uint8_t)((uint64_t)len >> (8 * i));
+    fd = vmm_fill_export(va, h, len, src, 7, le);
     rf_mem_desc d = {.kind = RF_MEM_CUDA_VMM_FD, .device = u, .size = 8192, .offset = 12345,
                      .fd = fd, .handle = le, .handle_len = 8};
     cr_assert_eq(rf_mem_import(mc, &d, &r1, &err), 0, "%s", err.msg);
@@ -199,14 +210,7 @@ Test(mem_cuda, vmm_named_allocation_mapped_once, .init = need_gpu)
     cr_assert_neq(me, other);
     cr_assert_eq(rf_mem_cuda_init(&err), 0, "%s", err.msg);
     uuid0(u);
-    for (size_t i = 0; i < len; i++)
-        src[i] = (uint8_t)(i * 13 + 1);
-    cr_assert_eq(cudaMemcpy((void *)va, src, len, cudaMemcpyHostToDevice), cudaSuccess);
-    cr_assert_eq(cu->cuMemExportToShareableHandle(&fd, h,
-                                                  CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0),
-                 CUDA_SUCCESS);
-    for (int i = 0; i < 8; i++)
-        le[i] = (uint8_t)((uint64_t)len >> (8 * i));
+    fd = vmm_fill_export(va, h, len, src, 13, le);
     rf_mem_desc d = {.kind = RF_MEM_CUDA_VMM_FD, .device = u, .size = 4096, .offset = 0,
                      .fd = fd, .handle = le, .handle_len = 8, .vmm_base = (uint64_t)va,
                      .owner = me};
