@@ -525,6 +525,7 @@ typedef struct builder {
      * (fully written) at the end of round ready[unit]. */
     bool relay;
     uint64_t rchunk;   /* largest chunk */
+    uint64_t rmsg;     /* largest packed message */
     uint64_t rcap;     /* a replica relays only while its sends stay within this */
     uint32_t cur_unit; /* the unit emit tags transfers with; NO_UNIT for none */
     uint32_t *wunit;   /* per transfer in build order */
@@ -841,7 +842,8 @@ static int msg_for(builder *b, uint32_t src_ep, uint32_t dst_ep, rf_plan_kind ki
             open = *slot64;
         }
     }
-    if (open && b->mb[open - 1].bytes + bytes <= b->half) {
+    /* With relays, a packed message holds at most rmsg (plan_with_relays). */
+    if (open && b->mb[open - 1].bytes + bytes <= (b->rmsg ? b->rmsg : b->half)) {
         *out = &b->mb[open - 1];
         return 0;
     }
@@ -1593,6 +1595,15 @@ static int plan_with_relays(builder *b, rf_err *err)
     int rc = 0;
 
     b->rchunk = b->half < RF_PLAN_RELAY_CHUNK ? b->half : RF_PLAN_RELAY_CHUNK;
+    /* A packed message of a few trainers holds a chunk at most, so that a round (schedule) can
+     * hold a little for every replica and their relays of the next one are even; with many
+     * trainers, a round mixes many of their messages anyway, and messages of up to
+     * RF_PLAN_RELAY_FANOUT trainers' chunks (at most half the budget) keep their number down
+     * (deepseek-v3: 3.6 million messages of one chunk against 0.54 million). */
+    b->rmsg = b->rchunk *
+              (b->nsrc_ep > RF_PLAN_RELAY_FANOUT ? b->nsrc_ep / RF_PLAN_RELAY_FANOUT : 1);
+    if (b->rmsg > b->half)
+        b->rmsg = b->half;
     if ((uint64_t)b->ndst_node * b->ndst_node <= linkmat_max) {
         b->rlinkmat = calloc((uint64_t)b->ndst_node * b->ndst_node + 1, sizeof(uint64_t));
         if (b->rlinkmat == NULL)
@@ -1688,6 +1699,13 @@ typedef struct sched {
     uint64_t *mkey;    /* sort keys */
     uint64_t **use;    /* per endpoint: bytes in each round */
     uint64_t **duse;   /* with relays: direct bytes per endpoint and round, apart */
+    uint64_t **lsend, **lrecv; /* with relays: bytes each endpoint sends, receives per round */
+    uint64_t lcap;     /* with relays: what a relay may bring a round's lsend, lrecv to */
+    uint64_t *tcap;    /* with relays: what the trainers' messages may bring a round's lsend
+                        * (tcap[2e]) and lrecv (tcap[2e + 1]) of endpoint e to */
+    uint64_t *lhint;   /* with relays: [4e + k], no round before it is open (has more than a
+                        * 16th of the cap left) for endpoint e's trainer sends (k = 0),
+                        * receives (1), relay sends (2), relay receives (3) */
     uint64_t *usecap;
     uint64_t *hint;    /* per endpoint: no round before this one has room left */
     uint32_t ne, R;    /* endpoints, rounds */
@@ -1733,13 +1751,67 @@ static int extend_rounds(const builder *b, sched *s, uint64_t R, rf_err *err)
             return sched_nomem(b, err);
         memset(s->use[e] + old, 0, (s->usecap[e] - old) * sizeof(uint64_t));
         if (s->duse) {
-            if (grow((void **)&s->duse[e], &cap, R, sizeof(uint64_t)))
+            uint64_t c2 = old, c3 = old;
+            if (grow((void **)&s->duse[e], &cap, R, sizeof(uint64_t)) ||
+                grow((void **)&s->lsend[e], &c2, R, sizeof(uint64_t)) ||
+                grow((void **)&s->lrecv[e], &c3, R, sizeof(uint64_t)))
                 return sched_nomem(b, err);
             memset(s->duse[e] + old, 0, (cap - old) * sizeof(uint64_t));
+            memset(s->lsend[e] + old, 0, (c2 - old) * sizeof(uint64_t));
+            memset(s->lrecv[e] + old, 0, (c3 - old) * sizeof(uint64_t));
         }
     }
     s->R = (uint32_t)R;
     return 0;
+}
+
+/* With relays, the rounds the trainers' messages spread over: enough that the busiest
+ * endpoint sends or receives about RF_PLAN_RELAY_FANOUT chunks a round (relays included);
+ * s->lcap becomes that endpoint's bytes over those rounds, with some slack. A relay forwards a
+ * round's bytes in a later round (the ordering rule), so a round is the pipeline's step: with
+ * the few rounds that staging alone asks for (two for a 1 GiB model with 128 MiB halves), the
+ * last round's relays run after every trainer byte is out and the refit takes ~1.6x its
+ * floor (bench/RESULTS.md, the namespace cluster). At most RELAY_ROUNDS_MAX rounds (a tail
+ * of 1/256 is small enough; more rounds cost plan time and memory). RELAY_STEP: the
+ * step in chunks at the busiest endpoint; TCAP_SLACK: what a trainer's message may add to a
+ * round beyond its ends' even share (tcap); a relay may go 1/RELAY_SLACK and a chunk beyond the
+ * busiest endpoint's even share (lcap). */
+#define RELAY_STEP RF_PLAN_RELAY_FANOUT
+#define TCAP_SLACK (b->rchunk / 4)
+#define RELAY_SLACK 16
+#define RELAY_SCAN 16
+#define RELAY_ROUNDS_MAX 256
+static uint64_t relay_rounds(const builder *b, sched *s)
+{
+    const rf_plan *pl = b->plan;
+    uint64_t most = 0, step, R;
+
+    for (uint32_t e = 0; e < pl->nendpoints; e++) {
+        if (pl->sent[e] > most)
+            most = pl->sent[e];
+        if (pl->recv[e] > most)
+            most = pl->recv[e];
+    }
+    step = (uint64_t)RELAY_STEP * (b->rchunk ? b->rchunk : RF_PLAN_RELAY_CHUNK);
+    R = (most + step - 1) / step;
+    R = R < 1 ? 1 : R > RELAY_ROUNDS_MAX ? RELAY_ROUNDS_MAX : R;
+    s->lcap = most / R + most / R / RELAY_SLACK + b->rchunk;
+    /* What the trainers send an endpoint, spread evenly over the rounds: the replicas then
+     * hold about as much new in every round, so that their relays of the next one are even. */
+    s->tcap = calloc(2 * (uint64_t)s->ne + 1, sizeof(uint64_t));
+    s->lhint = calloc(4 * (uint64_t)s->ne + 1, sizeof(uint64_t));
+    if (s->tcap == NULL || s->lhint == NULL) {
+        free(s->tcap);
+        s->tcap = NULL;
+        return 0;
+    }
+    for (uint64_t i = 0; i < s->nm; i++) {
+        s->tcap[2 * (uint64_t)s->m[i].src_ep] += s->m[i].bytes;
+        s->tcap[2 * (uint64_t)s->m[i].dst_ep + 1] += s->m[i].bytes;
+    }
+    for (uint64_t e = 0; e < 2 * (uint64_t)s->ne; e++)
+        s->tcap[e] = s->tcap[e] / R + TCAP_SLACK;
+    return R;
 }
 
 /* A packed message goes, first fit, into the earliest round from `from` on where it fits
@@ -1764,6 +1836,10 @@ static int place_packed_one(builder *b, sched *s, rf_plan_msg *m, uint64_t from,
     m->round = (uint32_t)r;
     use[se][r] += m->bytes;
     use[de][r] += m->bytes;
+    if (s->lsend) {
+        s->lsend[se][r] += m->bytes;
+        s->lrecv[de][r] += m->bytes;
+    }
     while (hint[se] < s->R && use[se][hint[se]] >= b->half)
         hint[se]++;
     while (hint[de] < s->R && use[de][hint[de]] >= b->half)
@@ -1793,8 +1869,18 @@ static int place_packed(builder *b, sched *s, rf_err *err)
         return sched_nomem(b, err);
     if (b->relay) {
         s->duse = calloc((uint64_t)s->ne + 1, sizeof(*s->duse));
-        if (s->duse == NULL)
+        s->lsend = calloc((uint64_t)s->ne + 1, sizeof(*s->lsend));
+        s->lrecv = calloc((uint64_t)s->ne + 1, sizeof(*s->lrecv));
+        if (s->duse == NULL || s->lsend == NULL || s->lrecv == NULL)
             return sched_nomem(b, err);
+        if (s->nm > 0) {
+            rc = extend_rounds(b, s, relay_rounds(b, s), err);
+            if (rc == 0 && s->tcap == NULL)
+                rc = sched_nomem(b, err);
+            if (rc)
+                return rc;
+        }
+        return 0; /* place_sources places them */
     }
     for (uint64_t i = 0; i < s->nm; i++) {
         if (m[i].kind != RF_PLAN_PACKED)
@@ -1834,10 +1920,114 @@ static int place_direct_one(const builder *b, sched *s, rf_plan_msg *m, uint64_t
     use = duse ? duse : use;
     use[se][best] += m->bytes;
     use[de][best] += m->bytes;
+    if (s->lsend) {
+        s->lsend[se][best] += m->bytes;
+        s->lrecv[de][best] += m->bytes;
+    }
     return 0;
 }
 
-static int place_direct(const builder *b, sched *s, rf_err *err)
+/* With relays, a message goes, first fit, into the earliest round from `from` on where its
+ * source sends and its destination receives at most lcap bytes with it (a relay) or tcap (a
+ * trainer's message), or where neither end has anything yet; packed, where it also fits under
+ * half the budget on both ends. A relay forwards as soon as its link has room, so that the
+ * rounds stay about equal and few are left once the trainers are done. */
+static int place_relay_one(builder *b, sched *s, rf_plan_msg *m, uint64_t from, rf_err *err)
+{
+    uint32_t se = m->src_ep, de = m->dst_ep;
+    bool packed = m->kind == RF_PLAN_PACKED;
+    uint64_t r, scap = m->relay ? s->lcap : s->tcap[2 * se];
+    uint64_t rcap = m->relay ? s->lcap : s->tcap[2 * de + 1];
+    uint64_t *hs = &s->lhint[4 * (uint64_t)se + (m->relay ? 2 : 0)];
+    uint64_t *hr = &s->lhint[4 * (uint64_t)de + (m->relay ? 3 : 1)];
+    uint64_t end, best = UINT64_MAX, bover = UINT64_MAX;
+    int rc;
+
+    /* Rounds nearly full on either end are passed for good, and a message that fits none of
+     * the RELAY_SCAN rounds from there goes where it overflows its caps least: the scan stays
+     * short (deepseek-v3 has millions of messages over thousands of rounds). */
+    while (*hs < s->R && s->lsend[se][*hs] + scap / 16 >= scap)
+        (*hs)++;
+    while (*hr < s->R && s->lrecv[de][*hr] + rcap / 16 >= rcap)
+        (*hr)++;
+    r = from > *hs ? from : *hs;
+    if (*hr > r)
+        r = *hr;
+    if (packed && s->hint[se] > r)
+        r = s->hint[se];
+    if (packed && s->hint[de] > r)
+        r = s->hint[de];
+    end = r + RELAY_SCAN < s->R ? r + RELAY_SCAN : s->R;
+    for (; r < end; r++) {
+        uint64_t ls = s->lsend[se][r], lr = s->lrecv[de][r], over;
+        if (packed && (s->use[se][r] + m->bytes > b->half || s->use[de][r] + m->bytes > b->half))
+            continue;
+        if ((ls + m->bytes <= scap && lr + m->bytes <= rcap) || (ls == 0 && lr == 0))
+            break;
+        over = ls + m->bytes > scap ? ls + m->bytes - scap : 0;
+        if (lr + m->bytes > rcap && lr + m->bytes - rcap > over)
+            over = lr + m->bytes - rcap;
+        if (over < bover) {
+            bover = over;
+            best = r;
+        }
+    }
+    if (r == end && end < s->R)
+        r = best != UINT64_MAX ? best : end;
+    if (packed)
+        return place_packed_one(b, s, m, r, err);
+    rc = extend_rounds(b, s, r + 1, err);
+    if (rc)
+        return rc;
+    m->round = (uint32_t)r;
+    s->duse[se][r] += m->bytes;
+    s->duse[de][r] += m->bytes;
+    s->lsend[se][r] += m->bytes;
+    s->lrecv[de][r] += m->bytes;
+    return 0;
+}
+
+/* With relays, the trainers' messages, packed and direct, each first fit under tcap (and the
+ * staging half), taken across endpoint pairs in turn: by how far into its pair's bytes a
+ * message starts (creation order holds a pair's messages together). So every round holds
+ * about as much for every replica, and its relays in the next round are even too. */
+static int place_sources(builder *b, sched *s, rf_err *err)
+{
+    uint64_t n = s->nm, *key = malloc((n + 1) * sizeof(*key));
+    uint32_t *idx = malloc((n + 1) * sizeof(*idx));
+    int rc = 0;
+
+    if (key == NULL || idx == NULL) {
+        rc = sched_nomem(b, err);
+        goto out;
+    }
+    for (uint64_t i = 0, j; i < n; i = j) {
+        uint64_t tot = 0, cum = 0;
+        for (j = i; j < n && s->m[j].src_ep == s->m[i].src_ep && s->m[j].dst_ep == s->m[i].dst_ep;
+             j++)
+            tot += s->m[j].bytes;
+        for (uint64_t k = i; k < j; k++) {
+            key[k] = tot ? (uint64_t)(((unsigned __int128)cum << 32) / tot) : 0;
+            idx[k] = (uint32_t)k;
+            cum += s->m[k].bytes;
+        }
+    }
+    if (radix_sort(key, idx, n, 33)) {
+        rc = sched_nomem(b, err);
+        goto out;
+    }
+    for (uint64_t i = 0; i < n && rc == 0; i++) {
+        rf_plan_msg *m = &s->m[idx[i]];
+        if (m->kind == RF_PLAN_PACKED || m->kind == RF_PLAN_DIRECT)
+            rc = place_relay_one(b, s, m, 0, err);
+    }
+out:
+    free(key);
+    free(idx);
+    return rc;
+}
+
+static int place_direct(builder *b, sched *s, rf_err *err)
 {
     int rc;
 
@@ -1846,6 +2036,8 @@ static int place_direct(const builder *b, sched *s, rf_err *err)
         if (rc)
             return rc;
     }
+    if (s->tcap)
+        return place_sources(b, s, err);
     for (uint64_t i = 0; i < s->nm; i++) {
         if (s->m[i].kind != RF_PLAN_DIRECT)
             continue;
@@ -1928,7 +2120,7 @@ static int place_relays(builder *b, sched *s, rf_err *err)
                     else if (linktab_slot(&opentab, pair, &slot))
                         goto nomem;
                     /* An open message of this round only: built here, so past first. */
-                    if (*slot > first && s->m[*slot - 1].bytes + x->bytes <= b->half)
+                    if (*slot > first && s->m[*slot - 1].bytes + x->bytes <= b->rmsg)
                         m = &s->m[*slot - 1];
                 }
                 if (m == NULL) {
@@ -1952,8 +2144,7 @@ static int place_relays(builder *b, sched *s, rf_err *err)
                 m->count++;
             }
             for (uint64_t k = first; k < s->nm; k++) {
-                rc = s->m[k].kind == RF_PLAN_DIRECT ? place_direct_one(b, s, &s->m[k], f, err)
-                                                    : place_packed_one(b, s, &s->m[k], f, err);
+                rc = place_relay_one(b, s, &s->m[k], f, err);
                 if (rc)
                     goto out;
             }
@@ -2103,8 +2294,18 @@ out:
         if (s.duse)
             free(s.duse[e]);
     }
+    for (uint32_t e = 0; e < s.ne; e++) {
+        if (s.lsend)
+            free(s.lsend[e]);
+        if (s.lrecv)
+            free(s.lrecv[e]);
+    }
     free(s.use);
     free(s.duse);
+    free(s.lsend);
+    free(s.lrecv);
+    free(s.tcap);
+    free(s.lhint);
     free(s.usecap);
     free(s.hint);
     return rc;
