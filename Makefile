@@ -115,6 +115,8 @@ UNIT_BINS := $(patsubst tests/unit/%.c,$(BUILD)/tests/%,$(wildcard tests/unit/te
 # What the unit tests share that is no test itself (the reference plan executor, copy_ref.c).
 TEST_LIB_O:= $(patsubst %.c,$(BUILD)/%.o,$(filter-out tests/unit/test_%.c,$(wildcard tests/unit/*.c)))
 BENCH_BINS:= $(patsubst bench/%.c,$(BUILD)/bench/%,$(wildcard bench/bench_*.c))
+# Programs the GPU test scripts run (tests/gpu/*.c, e.g. fp8_dump), built with the CUDA parts.
+GPU_TEST_BINS := $(if $(filter 1,$(HAVE_CUDA)),$(patsubst tests/gpu/%.c,$(BUILD)/tests/%,$(wildcard tests/gpu/*.c)))
 
 BINS := $(if $(PUB_O),$(BUILD)/refit-publisherd) $(if $(RECV_O),$(BUILD)/refit-receiverd) \
         $(if $(LIBREFIT_O),$(BUILD)/librefit.so) $(if $(CTL_O),$(BUILD)/refitctl) $(SIM_BINS)
@@ -123,7 +125,7 @@ BINS := $(if $(PUB_O),$(BUILD)/refit-publisherd) $(if $(RECV_O),$(BUILD)/refit-r
         fuzz-long fuzz-corpus
 # Objects are never intermediates: keep them, so a second make (or make install) relinks nothing.
 .SECONDARY:
-all: $(LIBCOMMON) $(BINS) $(UNIT_BINS) $(BENCH_BINS)
+all: $(LIBCOMMON) $(BINS) $(UNIT_BINS) $(BENCH_BINS) $(GPU_TEST_BINS)
 
 deps:
 	$(Q)scripts/deps.sh
@@ -193,6 +195,13 @@ $(BUILD)/tests/test_coord: $(BUILD)/tests/unit/test_coord.o $(BUILD)/publisherd/
 $(BUILD)/bench/%: $(BUILD)/bench/%.o $(LIBREFIT_O) $(LIBCOMMON)
 	@echo "  LD      $@"
 	$(Q)$(CC) $(SAN_LDFLAGS) -o $@ $^ $(LDFLAGS) $(LDLIBS) $(RF_LDLIBS)
+
+ifneq ($(GPU_TEST_BINS),)
+$(GPU_TEST_BINS): $(BUILD)/tests/%: $(BUILD)/tests/gpu/%.o $(LIBCOMMON)
+	@mkdir -p $(dir $@)
+	@echo "  LD      $@"
+	$(Q)$(CC) $(SAN_LDFLAGS) -o $@ $^ $(LDFLAGS) $(LDLIBS) $(RF_LDLIBS)
+endif
 
 # A hung test fails instead of stalling the run: limits far above any test's normal time.
 UNIT_TIMEOUT_S ?= 300

@@ -1,0 +1,37 @@
+/* common/data/quant_cuda.h - FP8 (float8_e4m3fn) quantization on the GPU: the arithmetic of
+ * common/data/quant.h (its contract), giving byte for byte what rf_quant_host gives, read from
+ * and written to GPU memory. */
+#ifndef RF_QUANT_CUDA_H
+#define RF_QUANT_CUDA_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include <cuda_runtime_api.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#include "err.h"
+#include "quant.h"
+
+/* rf_quant_host on the GPU: the same arguments with the same meaning (src_row_stride in source
+ * elements, q_row_stride in bytes, scale_row_stride in scale elements), except that src, q and
+ * scales are memory of the current device (or memory it can access), and the work is enqueued
+ * on stream s of the current device and this returns before it is done. The same checks and
+ * errors as rf_quant_host (-EINVAL, nothing enqueued, err says which), plus -EINVAL for a src
+ * or scales pointer not aligned to its element size (a GPU faults on a misaligned access).
+ * CUDA failures come back as negative errnos with CUDA's message. An empty matrix enqueues
+ * nothing. TENSOR accumulates its amax in the one scale itself before it turns it into the
+ * scale: until the stream has passed this work, that scale holds neither. */
+int rf_quant_cuda_quantize(const rf_quant_fmt *f, rf_dtype src_dt, const void *src,
+                           int64_t src_row_stride, uint64_t rows, uint64_t cols, uint8_t *q,
+                           int64_t q_row_stride, void *scales, int64_t scale_row_stride,
+                           cudaStream_t s, rf_err *err);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif
