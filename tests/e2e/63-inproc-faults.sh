@@ -63,15 +63,36 @@ kill_scenario() {
         case $victim in
             trainer) pid=$tr_PID ;; engine) pid=$eng_PID ;; receiverd) pid=$RECV0_PID ;;
         esac
+        # E2E_MISS_FIRST=1: the first kill comes after the copies ended, on purpose, to run the
+        # retry below (a run of this test by hand; CI leaves it unset).
+        [ -n "${E2E_MISS_FIRST:-}" ] && [ "$v" = 2 ] &&
+            wait_for "$E2E_DIR/recv0.log" "version $v: moved" 60
         kill -9 "$pid"
         if [ "$victim" = receiverd ]; then
-            wait_for "$E2E_DIR/pub0.log" "aborting the refit of version $v" 60
-            grep -q "version $v failed\|version $v: moved" "$E2E_DIR/recv0.log" || caught=$v
+            wait_for "$E2E_DIR/pub0.log" "aborting the refit of version $v\|refit $v committed" 60
+            grep -q "aborting the refit of version $v" "$E2E_DIR/pub0.log" &&
+                ! grep -q "version $v failed\|version $v: moved" "$E2E_DIR/recv0.log" && caught=$v
         else
             wait_for "$E2E_DIR/recv0.log" "version $v failed\|version $v: moved" 60
             grep -q "version $v failed" "$E2E_DIR/recv0.log" && caught=$v
         fi
-        break
+        [ -n "$caught" ] && break
+        # The copies ended before the kill took effect (a killed trainer's memory stays mapped
+        # in the installers, so its copies run on to the end): the version settles, the victim
+        # comes back, and the next version tries again.
+        echo "the $victim's kill came after version $v moved: again with version $((v + 1))"
+        st_wait "$E2E_DIR/pub0.sock" 60 "version $v settled" \
+            'cl["last_refit"]["version"] >= '"$v"' and not cl.get("version_in_flight")'
+        case $victim in
+            trainer)
+                start_trainer tr 0 $M --layout tp=2 --start "$((v + 1))" --versions 100 \
+                    --publish-when "$E2E_DIR/go" ;;
+            engine)
+                gone "$E2E_DIR/recv0.sock"
+                start_engine eng 0 $M --layout tp=4 --start "$((v + 1))" --versions 100 \
+                    --inproc ;;
+            receiverd) start_receiver 0 4 ;;
+        esac
     done
     [ -n "$caught" ] || fail "$victim: no kill landed mid-install in 5 versions"
     v=$caught
