@@ -947,3 +947,180 @@ Test(quant, accepted_box_quantizes_alone)
     cr_expect_eq(fbits(sb[0]), fbits(s[1 * 3 + 2]));
     cr_expect_eq(fbits(sb[1]), fbits(s[2 * 3 + 2]));
 }
+
+/* ---- the vectorized paths against the scalar original ---- */
+
+/* rf_quant_host with its loops' compilation chosen (quant.c): 0 plain C, 1 AVX2, 2 AVX-512. */
+int rf_quant__host_isa(int isa, const rf_quant_fmt *f, rf_dtype src_dt, const void *src,
+                       int64_t src_row_stride, uint64_t rows, uint64_t cols, uint8_t *q,
+                       int64_t q_row_stride, void *scales, int64_t scale_row_stride, rf_err *err);
+
+/* rf_quant_host as first written: one element at a time, c10's branchy e4m3 conversion. */
+static float orig_load(rf_dtype dt, const void *p, uint64_t i)
+{
+    if (dt == RF_DT_FP32)
+        return ((const float *)p)[i];
+    uint16_t h = ((const uint16_t *)p)[i];
+    if (dt == RF_DT_BF16)
+        return bitsf((uint32_t)h << 16);
+    uint32_t s = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 0x1F, m = h & 0x3FF;
+    if (e == 0x1F)
+        return bitsf(s | 0x7F800000u | (m << 13));
+    if (e == 0)
+        return bitsf(s | fbits((float)m * 0x1p-24f));
+    return bitsf(s | ((e + 127 - 15) << 23) | (m << 13));
+}
+
+static uint8_t orig_e4m3(float f)
+{
+    uint32_t bits = fbits(f), sign = bits & 0x80000000u, r;
+
+    bits ^= sign;
+    if (bits >= 1087u << 20)
+        r = 0x7F;
+    else if (bits < 121u << 23)
+        r = fbits(bitsf(bits) + bitsf(141u << 23)) - (141u << 23);
+    else
+        r = (bits + ((uint32_t)(7 - 127) << 23) + 0x7FFFF + ((bits >> 20) & 1)) >> 20;
+    return (uint8_t)(r | (sign >> 24));
+}
+
+static void quant_ref(const rf_quant_fmt *f, rf_dtype dt, const void *src, int64_t ss,
+                      uint64_t rows, uint64_t cols, uint8_t *q, int64_t qs, void *scales,
+                      int64_t scs)
+{
+    uint64_t br = f->kind == RF_QUANT_BLOCK ? f->br : f->kind == RF_QUANT_TENSOR ? rows : 1;
+    uint64_t bc = f->kind == RF_QUANT_BLOCK ? f->bc : f->kind == RF_QUANT_MXFP8 ? 32 : cols;
+    size_t es = rf_dtype_size(dt);
+
+    for (uint64_t r0 = 0, i = 0; r0 < rows; r0 += br, i++)
+        for (uint64_t c0 = 0, j = 0; c0 < cols; c0 += bc, j++) {
+            uint64_t r1 = r0 + br < rows ? r0 + br : rows, c1 = c0 + bc < cols ? c0 + bc : cols;
+            float amax = 0.0f, s;
+
+            for (uint64_t r = r0; r < r1; r++)
+                for (uint64_t c = c0; c < c1; c++) {
+                    float a = fabsf(orig_load(dt, (const char *)src + r * (uint64_t)ss * es, c));
+                    if (isfinite(a) && a > amax)
+                        amax = a;
+                }
+            if (f->kind == RF_QUANT_MXFP8) {
+                uint8_t e = rf_quant_e8m0_of(amax);
+                ((uint8_t *)scales)[(int64_t)i * scs + (int64_t)j] = e;
+                s = rf_quant_e8m0_to_float(e);
+            } else {
+                s = rf_quant_scale_of(amax);
+                ((float *)scales)[(int64_t)i * scs + (int64_t)j] = s;
+            }
+            for (uint64_t r = r0; r < r1; r++)
+                for (uint64_t c = c0; c < c1; c++) {
+                    uint32_t b = fbits(orig_load(dt, (const char *)src + r * (uint64_t)ss * es,
+                                                 c) / s);
+                    uint32_t sign = b & 0x80000000u, a = b ^ sign;
+                    q[r * (uint64_t)qs + c] =
+                        a > 0x7F800000u ? 0x7F : orig_e4m3(bitsf((a > 0x43E00000u ? 0x43E00000u
+                                                                               : a) | sign));
+                }
+        }
+}
+
+/* Every compilation this CPU runs against quant_ref on one matrix: every byte and scale, and
+ * nothing written in the strides' padding. */
+static void check_isas(const char *fs, rf_dtype dt, uint64_t rows, uint64_t cols, int64_t ss,
+                       int64_t qs, int64_t extra_scs, const void *x)
+{
+    rf_quant_fmt f = fmt(fs);
+    uint64_t sr, sc;
+    size_t se;
+    uint8_t *q, *qr, *s, *sref;
+    int64_t scs;
+    int ran = 0;
+
+    cr_assert_eq(rf_quant_scale_shape(&f, rows, cols, &sr, &sc, NULL), 0);
+    se = f.kind == RF_QUANT_MXFP8 ? 1 : 4;
+    scs = (int64_t)sc + extra_scs;
+    q = malloc(rows * (uint64_t)qs);
+    qr = malloc(rows * (uint64_t)qs);
+    s = malloc(sr * (uint64_t)scs * se);
+    sref = malloc(sr * (uint64_t)scs * se);
+    cr_assert(q && qr && s && sref);
+    memset(qr, 0xA5, rows * (uint64_t)qs);
+    memset(sref, 0xA5, sr * (uint64_t)scs * se);
+    quant_ref(&f, dt, x, ss, rows, cols, qr, qs, sref, scs);
+    for (int isa = 0; isa < 3; isa++) {
+        rf_err err = {0};
+        int rc;
+
+        memset(q, 0xA5, rows * (uint64_t)qs);
+        memset(s, 0xA5, sr * (uint64_t)scs * se);
+        rc = rf_quant__host_isa(isa, &f, dt, x, ss, rows, cols, q, qs, s, scs, &err);
+        if (rc == -ENOTSUP)
+            break;
+        cr_assert_eq(rc, 0, "%s", err.msg);
+        ran++;
+        for (uint64_t i = 0; i < rows * (uint64_t)qs; i++)
+            cr_assert_eq(q[i], qr[i], "isa %d, %s %s %lux%lu (strides %ld, %ld): byte [%lu, %lu] "
+                         "0x%02x, want 0x%02x", isa, fs, rf_dtype_name(dt), (unsigned long)rows,
+                         (unsigned long)cols, (long)ss, (long)qs, (unsigned long)(i / (uint64_t)qs),
+                         (unsigned long)(i % (uint64_t)qs), q[i], qr[i]);
+        cr_assert_eq(memcmp(s, sref, sr * (uint64_t)scs * se), 0, "isa %d, %s %s %lux%lu: scales",
+                     isa, fs, rf_dtype_name(dt), (unsigned long)rows, (unsigned long)cols);
+    }
+    cr_assert_geq(ran, 1);
+    free(q);
+    free(qr);
+    free(s);
+    free(sref);
+}
+
+Test(quant, vector_paths_match_the_original_on_random_matrices)
+{
+    const char *fs[] = {"block", "block:3x5", "block:1x64", "block:2x48", "block:7x16",
+                        "block:1x32", "block:4x1", "channel", "tensor", "mxfp8"};
+    const rf_dtype dts[] = {RF_DT_BF16, RF_DT_FP16, RF_DT_FP32};
+    /* Odd shapes: single elements, one row, one column, widths around the 16/32/64-element
+     * steps and the 2 KB panels, and a tensor block past the prefetch's 256 KB. */
+    const uint64_t shapes[][2] = {{1, 1},   {1, 17},  {3, 15},   {2, 31},   {5, 33},
+                                  {129, 1}, {7, 64},  {9, 65},   {4, 1000}, {130, 257},
+                                  {3, 1025}, {2, 4097}, {300, 520}};
+    const int64_t pads[][2] = {{0, 0}, {3, 1}, {1, 16}};
+
+    for (size_t a = 0; a < sizeof(fs) / sizeof(fs[0]); a++)
+        for (size_t b = 0; b < 3; b++)
+            for (size_t c = 0; c < sizeof(shapes) / sizeof(shapes[0]); c++) {
+                uint64_t rows = shapes[c][0], cols = shapes[c][1];
+                const int64_t *pd = pads[(a + b + c) % 3];
+                int64_t ss = (int64_t)cols + pd[0], qs = (int64_t)cols + pd[1];
+                size_t es = rf_dtype_size(dts[b]);
+                void *x = malloc(rows * (uint64_t)ss * es);
+                int k = (int)(rnd() % 40) - 20;
+
+                cr_assert(x);
+                for (int64_t i = 0; i < (int64_t)rows * ss; i++)
+                    rand_elem(dts[b], x, i, k);
+                check_isas(fs[a], dts[b], rows, cols, ss, qs, (int64_t)(c % 2), x);
+                free(x);
+            }
+}
+
+/* Every 16-bit pattern as bf16 and fp16 (and the fp32 of each bf16), in rows that mix
+ * magnitudes, through every format. */
+Test(quant, vector_paths_match_the_original_on_every_16_bit_pattern)
+{
+    const char *fs[] = {"block", "block:1x128", "block:2x48", "channel", "tensor", "mxfp8"};
+    static uint16_t h[65536];
+    static uint32_t w[65536];
+
+    for (uint32_t i = 0; i < 65536; i++) {
+        /* A bit permutation, so that each block holds patterns of many exponents. */
+        uint16_t v = (uint16_t)((i * 40503u) & 0xFFFF);
+        h[i] = v;
+        w[i] = (uint32_t)v << 16 | (i & 0xFFFF);
+    }
+    for (size_t a = 0; a < sizeof(fs) / sizeof(fs[0]); a++) {
+        check_isas(fs[a], RF_DT_BF16, 256, 256, 256, 256, 0, h);
+        check_isas(fs[a], RF_DT_FP16, 256, 256, 256, 256, 0, h);
+        check_isas(fs[a], RF_DT_FP32, 256, 256, 256, 256, 0, w);
+        check_isas(fs[a], RF_DT_BF16, 1, 65536, 65536, 65536, 0, h);
+    }
+}
