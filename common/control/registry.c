@@ -1460,6 +1460,7 @@ static void do_installer_attach(rf_registry *r, reg_client *c, uint64_t id,
     }
     e->installer = c;
     c->engine = e;
+    rf_rpc_conn_set_max_output(c->conn, RF_REGISTRY_INSTALLER_OUTPUT);
     rf_rpc_conn_reply(c->conn, id, 0, "attached to engine '%s'", e->name);
     check_complete(r);
 }

@@ -103,6 +103,11 @@ uint64_t rf_registry_endpoint_owner(const rf_registry *r, uint32_t endpoint);
  * (*ids malloc'd). -ENOENT when it left. */
 int rf_registry_client_regions(const rf_registry *r, uint64_t uid, uint32_t **ids, size_t *n,
                                rf_err *err);
+/* The unread output an attached installer's connection may hold: its engine's part of a plan is
+ * pushed at once (inventory, region map, slice frames of up to 100k transfers each), which for
+ * a large engine is more than a client's RF_RPC_MAX_OUTPUT. The installer is librefit's thread
+ * in an engine this registry authenticated (same pid, Seal's token), and it reads as it goes. */
+#define RF_REGISTRY_INSTALLER_OUTPUT (1ull << 30)
 /* Pushes m to the installer of engine uid: -ENOENT (the engine left), -ENOTCONN (no installer
  * attached), or the connection's error, each with a message. */
 int rf_registry_install_push(rf_registry *r, uint64_t uid, const Refit__Rpc__Install *m,

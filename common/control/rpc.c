@@ -50,6 +50,7 @@ struct rf_rpc_conn {
     unsigned nfds;
     uint8_t *out;
     size_t out_len, out_cap, out_off;
+    size_t max_output; /* 0: RF_RPC_MAX_OUTPUT */
     bool announced; /* on_connect was called, so on_close is owed */
     bool closing;
     bool failed; /* a send failed: closed by the reaper */
@@ -274,6 +275,11 @@ static void conn_fail(rf_rpc_conn *c)
         uv_timer_start(&c->srv->reaper, reaper_cb, 0, 0);
 }
 
+void rf_rpc_conn_set_max_output(rf_rpc_conn *c, size_t bytes)
+{
+    c->max_output = bytes;
+}
+
 int rf_rpc_conn_send(rf_rpc_conn *c, const Refit__Rpc__Response *resp)
 {
     uint8_t *frame = NULL;
@@ -285,7 +291,7 @@ int rf_rpc_conn_send(rf_rpc_conn *c, const Refit__Rpc__Response *resp)
     rc = rf_wire_pack(&resp->base, &frame, &len);
     if (rc < 0)
         goto out;
-    if (c->out_len + len > RF_RPC_MAX_OUTPUT) {
+    if (c->out_len + len > (c->max_output ? c->max_output : RF_RPC_MAX_OUTPUT)) {
         /* The peer stopped reading; holding more would let one client eat the daemon. */
         rc = -ENOBUFS;
         conn_fail(c);

@@ -69,8 +69,13 @@ void rf_rpc_server_close(rf_rpc_server *s);
 const char *rf_rpc_server_path(const rf_rpc_server *s);
 
 /* Queues a response (written as soon as the socket takes it). -EPIPE on a closing
- * connection; a client that lets more than RF_RPC_MAX_OUTPUT pile up is closed (-ENOBUFS). */
+ * connection; a client that lets more than RF_RPC_MAX_OUTPUT (or the connection's own limit)
+ * pile up is closed (-ENOBUFS). */
 int rf_rpc_conn_send(rf_rpc_conn *c, const Refit__Rpc__Response *resp);
+/* The unread output this connection may hold before it is cut, for a peer the daemon pushes
+ * more to than it asked for (an engine's installer takes a whole plan at once); 0 restores
+ * RF_RPC_MAX_OUTPUT. */
+void rf_rpc_conn_set_max_output(rf_rpc_conn *c, size_t bytes);
 /* Sends {id, code, message}. */
 int rf_rpc_conn_reply(rf_rpc_conn *c, uint64_t id, int code, const char *fmt, ...)
     __attribute__((format(printf, 4, 5)));

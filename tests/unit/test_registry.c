@@ -1065,6 +1065,63 @@ static void set_key(void *arg)
 
 /* In-process install: an engine's MEM_INPROC region, the install token of its Seal, and every
  * refusal of the installer's requests. */
+/* An engine's part of a plan goes to its installer at once: more than a client's
+ * RF_RPC_MAX_OUTPUT, unread while it is pushed (installer_out_room). */
+typedef struct big_push {
+    int rc;
+    rf_err err;
+} big_push;
+
+#define BIG_PUSHES 40
+#define BIG_PUSH_BYTES (1u << 20)
+
+static void push_big(void *arg)
+{
+    Refit__Rpc__Install m = REFIT__RPC__INSTALL__INIT;
+    Refit__Rpc__InstallPlan ip = REFIT__RPC__INSTALL_PLAN__INIT;
+    big_push *b = arg;
+    uint8_t *frame = calloc(1, BIG_PUSH_BYTES);
+    uint64_t uid = rf_registry_endpoint_owner(H.reg, 0);
+
+    m.body_case = REFIT__RPC__INSTALL__BODY_PLAN;
+    m.plan = &ip;
+    ip.slice.data = frame;
+    ip.slice.len = BIG_PUSH_BYTES;
+    b->rc = uid ? 0 : -ENOENT;
+    for (int i = 0; i < BIG_PUSHES && b->rc == 0; i++)
+        b->rc = rf_registry_install_push(H.reg, uid, &m, &b->err);
+    free(frame);
+}
+
+static int count_push(void *ctx, const uint8_t *b, uint32_t len)
+{
+    Refit__Rpc__Response *r = refit__rpc__response__unpack(NULL, len, b);
+
+    if (r && r->install && r->install->plan && r->install->plan->slice.len == BIG_PUSH_BYTES)
+        (*(int *)ctx)++;
+    refit__rpc__response__free_unpacked(r, NULL);
+    return 0;
+}
+
+static void big_push_arrives(int ins)
+{
+    big_push b = {0};
+    rf_wire_reader rd;
+    uint8_t *buf = malloc(1 << 16);
+    ssize_t n = 0;
+    int got = 0;
+
+    cr_assert_gt((size_t)BIG_PUSHES * BIG_PUSH_BYTES, RF_RPC_MAX_OUTPUT);
+    test_loop_run(&H.l, push_big, &b);
+    cr_assert_eq(b.rc, 0, "pushing %u MiB to an unread installer: %s", BIG_PUSHES, b.err.msg);
+    rf_wire_reader_init(&rd, 0);
+    while (got < BIG_PUSHES && (n = recv(ins, buf, 1 << 16, 0)) > 0)
+        cr_assert_eq(rf_wire_reader_feed(&rd, buf, (size_t)n, count_push, &got), 0);
+    rf_wire_reader_reset(&rd);
+    free(buf);
+    cr_assert_eq(got, BIG_PUSHES, "the installer got %d of %d pushes", got, BIG_PUSHES);
+}
+
 Test(registry, inproc_regions_and_installer_refusals)
 {
     Refit__Rpc__Request q = REFIT__RPC__REQUEST__INIT;
@@ -1173,6 +1230,7 @@ Test(registry, inproc_regions_and_installer_refusals)
     at.token.data = token;
     q.id = 11;
     expect_raw(ins, &q, 0, "attached to engine");
+    big_push_arrives(ins);
     q.id = 12;
     expect_raw(ins, &q, -EISCONN, "already attached");
     cr_assert_eq(rf_rpc_dial(H.path, &ins2, NULL), 0);
