@@ -578,6 +578,23 @@ static AVX512_AI __m512i quant16_f(__m512 x, __m512 vs)
     return _mm512_ternarylogic_epi32(nor, sgn, _mm512_set1_epi32(0x80), 0xF8);
 }
 
+/* quant16_f's magnitude part for |x| (x / s and |x| / s differ only in sign): the byte of
+ * min(|x| / s, 448), which a NaN makes 0x7E; the caller ORs in the sign and NaN's low bit. */
+static AVX512_AI __m512i quant16_abs(__m512 ax, __m512 vs)
+{
+    __m512i a = _mm512_castps_si512(_mm512_div_ps(ax, vs)), sum, nor;
+    __mmask16 sub, odd;
+
+    a = _mm512_min_epu32(a, _mm512_set1_epi32(0x43E00000));
+    sum = _mm512_castps_si512(_mm512_add_ps(_mm512_castsi512_ps(a),
+                                            _mm512_castsi512_ps(_mm512_set1_epi32(141 << 23))));
+    odd = _mm512_test_epi32_mask(a, _mm512_set1_epi32(1 << 20));
+    nor = _mm512_add_epi32(a, _mm512_set1_epi32((int)(((uint32_t)(7 - 127) << 23) + 0x7FFFF)));
+    nor = _mm512_srli_epi32(_mm512_mask_add_epi32(nor, odd, nor, _mm512_set1_epi32(1)), 20);
+    sub = _mm512_cmplt_epu32_mask(a, _mm512_set1_epi32(121 << 23));
+    return _mm512_mask_and_epi32(nor, sub, sum, _mm512_set1_epi32(0xFF));
+}
+
 static AVX512_AI __m512i quant16(rf_dtype dt, const void *p, __mmask16 k, __m512 vs)
 {
     return quant16_f(load16(dt, p, k), vs);
@@ -605,15 +622,28 @@ static AVX512_AI __m512i quant64(rf_dtype dt, int pairs, const void *p, __m512 v
 
     if (dt == RF_DT_BF16 && pairs) {
         const __m512i order = _mm512_setr_epi64(0, 2, 4, 6, 1, 3, 5, 7);
+        const __m512i abs = _mm512_set1_epi16(0x7FFF), inf = _mm512_set1_epi16(0x7F80);
         __m512i x = _mm512_loadu_si512(p), y = _mm512_loadu_si512((const char *)p + 64);
-        __m512i z = _mm512_setzero_si512();
-        __m512i r0 = quant16_f(_mm512_castsi512_ps(_mm512_unpacklo_epi16(z, x)), v0);
-        __m512i r1 = quant16_f(_mm512_castsi512_ps(_mm512_unpackhi_epi16(z, x)), v0);
-        __m512i r2 = quant16_f(_mm512_castsi512_ps(_mm512_unpacklo_epi16(z, y)), v2);
-        __m512i r3 = quant16_f(_mm512_castsi512_ps(_mm512_unpackhi_epi16(z, y)), v2);
+        __m512i z = _mm512_setzero_si512(), ax = _mm512_and_si512(x, abs);
+        __m512i ay = _mm512_and_si512(y, abs), sx, sy;
+        __m512i r0 = quant16_abs(_mm512_castsi512_ps(_mm512_unpacklo_epi16(z, ax)), v0);
+        __m512i r1 = quant16_abs(_mm512_castsi512_ps(_mm512_unpackhi_epi16(z, ax)), v0);
+        __m512i r2 = quant16_abs(_mm512_castsi512_ps(_mm512_unpacklo_epi16(z, ay)), v2);
+        __m512i r3 = quant16_abs(_mm512_castsi512_ps(_mm512_unpackhi_epi16(z, ay)), v2);
+        __mmask32 nx = _mm512_cmpgt_epu16_mask(ax, inf), ny = _mm512_cmpgt_epu16_mask(ay, inf);
 
+        /* What each byte gets ORed in, in the packs' order: 0x80 for a negative number, 0x01
+         * for a NaN (whose |x| / s clamped to 448, 0x7E, and whose sign is dropped). */
+        sx = _mm512_mask_mov_epi16(
+            _mm512_maskz_mov_epi16(_mm512_movepi16_mask(x) & ~nx, _mm512_set1_epi16(0x80)), nx,
+            _mm512_set1_epi16(0x01));
+        sy = _mm512_mask_mov_epi16(
+            _mm512_maskz_mov_epi16(_mm512_movepi16_mask(y) & ~ny, _mm512_set1_epi16(0x80)), ny,
+            _mm512_set1_epi16(0x01));
         return _mm512_permutexvar_epi64(
-            order, _mm512_packus_epi16(_mm512_packus_epi32(r0, r1), _mm512_packus_epi32(r2, r3)));
+            order, _mm512_or_si512(_mm512_packus_epi16(_mm512_packus_epi32(r0, r1),
+                                                       _mm512_packus_epi32(r2, r3)),
+                                   _mm512_packus_epi16(sx, sy)));
     }
     return pack64(quant16(dt, p, 0xFFFF, v0), quant16(dt, (const char *)p + 16 * es, 0xFFFF, v1),
                   quant16(dt, (const char *)p + 32 * es, 0xFFFF, v2),
@@ -669,6 +699,43 @@ static AVX512_AI uint32_t reduce_max(rf_dtype dt, __m512i acc)
 #define PANEL_BYTES 2048u
 #define PANEL_MAX 64u
 
+/* The scales of n blocks from their amax bits ab, 16 at a time: s as fp32 values, stored at
+ * out as fp32 or (mx) E8M0 bytes. The same as rf_quant_scale_of (an IEEE division) and
+ * rf_quant_e8m0_of, whose byte for a finite amax >= 0 with fp32 exponent field E is 127 for
+ * amax 0, else max(E - 8, 0) (E - 8 <= 246; a subnormal amax has E = 0 and gives 0). */
+static AVX512_AI void panel_scales(rf_dtype dt, int mx, const uint32_t *ab, uint64_t n, float *s,
+                                   char *out)
+{
+    for (uint64_t b = 0; b < n; b += 16) {
+        __mmask16 k = n - b >= 16 ? 0xFFFF : (__mmask16)((1u << (n - b)) - 1);
+        __m512i u = _mm512_maskz_loadu_epi32(k, ab + b);
+        __m512 amax = dt == RF_DT_FP32   ? _mm512_castsi512_ps(u)
+                      : dt == RF_DT_BF16 ? _mm512_castsi512_ps(_mm512_slli_epi32(u, 16))
+                                         : _mm512_cvtph_ps(_mm512_cvtepi32_epi16(u));
+        __m512i a = _mm512_castps_si512(amax);
+        __m512 v;
+
+        if (mx) {
+            __m512i e = _mm512_max_epi32(_mm512_sub_epi32(_mm512_srli_epi32(a, 23),
+                                                          _mm512_set1_epi32(8)),
+                                         _mm512_setzero_si512());
+
+            e = _mm512_mask_mov_epi32(e, _mm512_cmpeq_epi32_mask(a, _mm512_setzero_si512()),
+                                      _mm512_set1_epi32(127));
+            v = _mm512_castsi512_ps(_mm512_mask_mov_epi32(
+                _mm512_slli_epi32(e, 23), _mm512_cmpeq_epi32_mask(e, _mm512_setzero_si512()),
+                _mm512_set1_epi32(0x00400000)));
+            _mm_mask_storeu_epi8(out + b, k, _mm512_cvtepi32_epi8(e));
+        } else {
+            v = _mm512_div_ps(amax, _mm512_set1_ps(RF_QUANT_E4M3_MAX));
+            v = _mm512_mask_mov_ps(v, _mm512_cmp_ps_mask(v, _mm512_setzero_ps(), _CMP_EQ_OQ),
+                                   _mm512_set1_ps(1.0f));
+            _mm512_mask_storeu_ps((float *)out + b, k, v);
+        }
+        _mm512_mask_storeu_ps(s + b, k, v);
+    }
+}
+
 static AVX512_AI void run_avx512_dt(rf_dtype dt, const job *jb)
 {
     const size_t es = dt == RF_DT_FP32 ? 4 : 2;
@@ -685,14 +752,14 @@ static AVX512_AI void run_avx512_dt(rf_dtype dt, const job *jb)
             uint8_t *qb = jb->q + (int64_t)r0 * jb->qs + (int64_t)c0;
             prefetch pf = next_panel(jb, i, j0, g, es);
             __m512i acc[PANEL_MAX];
+            uint32_t ab[PANEL_MAX];
             float s[PANEL_MAX], s16[PANEL_MAX];
             /* Whole vectors of 16 in one block each, so that a step of 64 needs no mask: by
              * vector, their scales s16. */
             int vec = ng == 1 || (jb->bc % 16 == 0 && width <= 16 * PANEL_MAX);
             int pairs = ng == 1 || jb->bc % 32 == 0;
 
-            for (uint64_t b = 0; b < ng; b++)
-                acc[b] = _mm512_setzero_si512();
+            /* The first row sets the lanes, the others raise them (no zeroing of acc). */
             for (uint64_t r = 0; r < nr; r++) {
                 const char *h = base + (int64_t)r * jb->ss;
 
@@ -702,22 +769,13 @@ static AVX512_AI void run_avx512_dt(rf_dtype dt, const job *jb)
                         _mm_prefetch(pf.p + (int64_t)r * pf.ss + c, _MM_HINT_T0);
                 for (uint64_t b = 0, cb = 0; b < ng; b++, cb += jb->bc)
                     acc[b] = amax_row(dt, h + cb * es, width - cb < jb->bc ? width - cb : jb->bc,
-                                      acc[b]);
+                                      r == 0 ? _mm512_setzero_si512() : acc[b]);
             }
-            for (uint64_t b = 0; b < ng; b++) {
-                float amax = bits_to_f(dt, reduce_max(dt, acc[b]));
-                int64_t si = (int64_t)i * jb->scs + (int64_t)(j0 + b);
-
-                if (jb->mx) {
-                    uint8_t e = rf_quant_e8m0_of(amax);
-
-                    ((uint8_t *)jb->scales)[si] = e;
-                    s[b] = rf_quant_e8m0_to_float(e);
-                } else {
-                    s[b] = rf_quant_scale_of(amax);
-                    ((float *)jb->scales)[si] = s[b];
-                }
-            }
+            for (uint64_t b = 0; b < ng; b++)
+                ab[b] = reduce_max(dt, acc[b]);
+            panel_scales(dt, jb->mx, ab, ng, s,
+                         (char *)jb->scales + ((int64_t)i * jb->scs + (int64_t)j0) *
+                                                  (jb->mx ? 1 : 4));
             if (vec && ng > 1)
                 for (uint64_t b = 0, v = 0; b < ng; b++)
                     for (uint64_t e = 0; e < jb->bc && v < width / 16; e += 16)
