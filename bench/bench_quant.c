@@ -117,11 +117,6 @@ static void quant_ref(const rf_quant_fmt *f, rf_dtype dt, const void *src, int64
 
 /* ---- the benchmark ---- */
 
-/* rf_quant_host with its loops' compilation chosen (quant.c): 0 plain C, 1 AVX2, 2 AVX-512,
- * -1 the best this CPU runs (what rf_quant_host uses). */
-int rf_quant__host_isa(int isa, const rf_quant_fmt *f, rf_dtype src_dt, const void *src,
-                       int64_t src_row_stride, uint64_t rows, uint64_t cols, uint8_t *q,
-                       int64_t q_row_stride, void *scales, int64_t scale_row_stride, rf_err *err);
 static int isa = -1;
 
 typedef struct mat {

@@ -112,6 +112,12 @@ float rf_quant_e8m0_to_float(uint8_t e);
 int rf_quant_host(const rf_quant_fmt *f, rf_dtype src_dt, const void *src, int64_t src_row_stride,
                   uint64_t rows, uint64_t cols, uint8_t *q, int64_t q_row_stride, void *scales,
                   int64_t scale_row_stride, rf_err *err);
+/* rf_quant_host with the compilation of its loops chosen: 0 plain C, 1 AVX2, 2 AVX-512, -1 the
+ * best this CPU runs (what rf_quant_host uses); -ENOTSUP for one this CPU lacks. For the test
+ * and the bench, which run each path against the scalar original. */
+int rf_quant__host_isa(int isa, const rf_quant_fmt *f, rf_dtype src_dt, const void *src,
+                       int64_t src_row_stride, uint64_t rows, uint64_t cols, uint8_t *q,
+                       int64_t q_row_stride, void *scales, int64_t scale_row_stride, rf_err *err);
 
 /* The inverse for tests and verification: out[r, c] = e4m3(q[r, c]) * scale of its block, in
  * fp32 (out's row stride in floats). Same checks and errors as rf_quant_host. */

@@ -950,10 +950,6 @@ Test(quant, accepted_box_quantizes_alone)
 
 /* ---- the vectorized paths against the scalar original ---- */
 
-/* rf_quant_host with its loops' compilation chosen (quant.c): 0 plain C, 1 AVX2, 2 AVX-512. */
-int rf_quant__host_isa(int isa, const rf_quant_fmt *f, rf_dtype src_dt, const void *src,
-                       int64_t src_row_stride, uint64_t rows, uint64_t cols, uint8_t *q,
-                       int64_t q_row_stride, void *scales, int64_t scale_row_stride, rf_err *err);
 
 /* rf_quant_host as first written: one element at a time, c10's branchy e4m3 conversion. */
 static float orig_load(rf_dtype dt, const void *p, uint64_t i)
