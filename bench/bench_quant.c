@@ -1,15 +1,15 @@
 /* bench/bench_quant.c - host FP8 quantization benchmark (issue 15): rf_quant_host on a
  * qwen3-30b-a3b-shaped set of bf16 (or fp16/fp32) matrices for each format, in GB/s of input,
  * beside single-thread memcpy of the same input bytes and of the bytes written (fp8 + scales),
- * every output byte and scale checked against a kept copy of the original scalar code. */
+ * every output byte and scale checked against a kept copy of the original scalar code
+ * (tests/unit/quant_ref.c). */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
 
 #include "quant.h"
-
-/* ---- the reference: rf_quant_host as first written (scalar, one element at a time) ---- */
+#include "../tests/unit/quant_ref.h"
 
 static inline uint32_t f2u(float f)
 {
@@ -26,96 +26,6 @@ static inline float u2f(uint32_t u)
     memcpy(&f, &u, sizeof(f));
     return f;
 }
-
-static float ref_bf16(uint16_t h)
-{
-    return u2f((uint32_t)h << 16);
-}
-
-static float ref_fp16(uint16_t h)
-{
-    uint32_t s = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 0x1F, m = h & 0x3FF;
-    uint32_t normal = s | ((e + 127 - 15) << 23) | (m << 13);
-    uint32_t special = s | UINT32_C(0x7F800000) | (m << 13);
-    uint32_t sub = s | f2u((float)m * 0x1p-24f);
-
-    return u2f(e == 0x1F ? special : e == 0 ? sub : normal);
-}
-
-static float ref_load(rf_dtype dt, const void *p, uint64_t i)
-{
-    if (dt == RF_DT_BF16)
-        return ref_bf16(((const uint16_t *)p)[i]);
-    if (dt == RF_DT_FP16)
-        return ref_fp16(((const uint16_t *)p)[i]);
-    return ((const float *)p)[i];
-}
-
-/* c10's fp8e4m3fn_from_fp32_value, as quant.c first wrote it. */
-static uint8_t ref_e4m3(float f)
-{
-    uint32_t bits = f2u(f), sign = bits & UINT32_C(0x80000000), r;
-
-    bits ^= sign;
-    if (bits >= UINT32_C(1087) << 20)
-        r = 0x7F;
-    else if (bits < UINT32_C(121) << 23)
-        r = f2u(u2f(bits) + u2f(UINT32_C(141) << 23)) - (UINT32_C(141) << 23);
-    else
-        r = (bits + ((uint32_t)(7 - 127) << 23) + 0x7FFFF + ((bits >> 20) & 1)) >> 20;
-    return (uint8_t)(r | (sign >> 24));
-}
-
-static uint8_t ref_quant_one(float x, float s)
-{
-    uint32_t b = f2u(x / s), sign = b & UINT32_C(0x80000000), a = b ^ sign;
-
-    if (a > UINT32_C(0x7F800000))
-        return 0x7F;
-    a = a > UINT32_C(0x43E00000) ? UINT32_C(0x43E00000) : a;
-    return ref_e4m3(u2f(a | sign));
-}
-
-static void quant_ref(const rf_quant_fmt *f, rf_dtype dt, const void *src, int64_t ss,
-                      uint64_t rows, uint64_t cols, uint8_t *q, int64_t qs, void *scales,
-                      int64_t scs)
-{
-    uint64_t br = f->kind == RF_QUANT_BLOCK ? f->br : f->kind == RF_QUANT_TENSOR ? rows : 1;
-    uint64_t bc = f->kind == RF_QUANT_BLOCK ? f->bc : f->kind == RF_QUANT_MXFP8 ? 32 : cols;
-    size_t es = rf_dtype_size(dt);
-
-    for (uint64_t r0 = 0, i = 0; r0 < rows; r0 += br, i++) {
-        for (uint64_t c0 = 0, j = 0; c0 < cols; c0 += bc, j++) {
-            uint64_t r1 = r0 + br < rows ? r0 + br : rows, c1 = c0 + bc < cols ? c0 + bc : cols;
-            float amax = 0.0f, s;
-
-            for (uint64_t r = r0; r < r1; r++)
-                for (uint64_t c = c0; c < c1; c++) {
-                    float v = ref_load(dt, (const char *)src + r * (uint64_t)ss * es, c);
-                    uint32_t a = f2u(v) & UINT32_C(0x7FFFFFFF);
-
-                    if (a < UINT32_C(0x7F800000) && u2f(a) > amax)
-                        amax = u2f(a);
-                }
-            if (f->kind == RF_QUANT_MXFP8) {
-                uint8_t e = rf_quant_e8m0_of(amax);
-
-                ((uint8_t *)scales)[(int64_t)i * scs + (int64_t)j] = e;
-                s = rf_quant_e8m0_to_float(e);
-            } else {
-                s = rf_quant_scale_of(amax);
-                ((float *)scales)[(int64_t)i * scs + (int64_t)j] = s;
-            }
-            for (uint64_t r = r0; r < r1; r++)
-                for (uint64_t c = c0; c < c1; c++)
-                    q[r * (uint64_t)qs + c] =
-                        ref_quant_one(ref_load(dt, (const char *)src + r * (uint64_t)ss * es, c),
-                                      s);
-        }
-    }
-}
-
-/* ---- the benchmark ---- */
 
 static int isa = -1;
 
@@ -207,7 +117,7 @@ static int run_ref(const rf_quant_fmt *f, rf_dtype dt, const mat *m, int nm, con
         uint64_t sr, scols;
 
         rf_quant_scale_shape(f, m[k].rows, m[k].cols, &sr, &scols, NULL);
-        quant_ref(f, dt, src + m[k].src_off, (int64_t)m[k].cols, m[k].rows, m[k].cols,
+        rf_quant_ref(f, dt, src + m[k].src_off, (int64_t)m[k].cols, m[k].rows, m[k].cols,
                   q + m[k].q_off, (int64_t)m[k].cols, sc + m[k].s_off, (int64_t)scols);
     }
     return 0;

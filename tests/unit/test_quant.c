@@ -10,6 +10,7 @@
 #include <string.h>
 
 #include "quant.h"
+#include "quant_ref.h"
 
 static uint32_t fbits(float f)
 {
@@ -951,76 +952,7 @@ Test(quant, accepted_box_quantizes_alone)
 /* ---- the vectorized paths against the scalar original ---- */
 
 
-/* rf_quant_host as first written: one element at a time, c10's branchy e4m3 conversion. */
-static float orig_load(rf_dtype dt, const void *p, uint64_t i)
-{
-    if (dt == RF_DT_FP32)
-        return ((const float *)p)[i];
-    uint16_t h = ((const uint16_t *)p)[i];
-    if (dt == RF_DT_BF16)
-        return bitsf((uint32_t)h << 16);
-    uint32_t s = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 0x1F, m = h & 0x3FF;
-    if (e == 0x1F)
-        return bitsf(s | 0x7F800000u | (m << 13));
-    if (e == 0)
-        return bitsf(s | fbits((float)m * 0x1p-24f));
-    return bitsf(s | ((e + 127 - 15) << 23) | (m << 13));
-}
-
-static uint8_t orig_e4m3(float f)
-{
-    uint32_t bits = fbits(f), sign = bits & 0x80000000u, r;
-
-    bits ^= sign;
-    if (bits >= 1087u << 20)
-        r = 0x7F;
-    else if (bits < 121u << 23)
-        r = fbits(bitsf(bits) + bitsf(141u << 23)) - (141u << 23);
-    else
-        r = (bits + ((uint32_t)(7 - 127) << 23) + 0x7FFFF + ((bits >> 20) & 1)) >> 20;
-    return (uint8_t)(r | (sign >> 24));
-}
-
-static void quant_ref(const rf_quant_fmt *f, rf_dtype dt, const void *src, int64_t ss,
-                      uint64_t rows, uint64_t cols, uint8_t *q, int64_t qs, void *scales,
-                      int64_t scs)
-{
-    uint64_t br = f->kind == RF_QUANT_BLOCK ? f->br : f->kind == RF_QUANT_TENSOR ? rows : 1;
-    uint64_t bc = f->kind == RF_QUANT_BLOCK ? f->bc : f->kind == RF_QUANT_MXFP8 ? 32 : cols;
-    size_t es = rf_dtype_size(dt);
-
-    for (uint64_t r0 = 0, i = 0; r0 < rows; r0 += br, i++)
-        for (uint64_t c0 = 0, j = 0; c0 < cols; c0 += bc, j++) {
-            uint64_t r1 = r0 + br < rows ? r0 + br : rows, c1 = c0 + bc < cols ? c0 + bc : cols;
-            float amax = 0.0f, s;
-
-            for (uint64_t r = r0; r < r1; r++)
-                for (uint64_t c = c0; c < c1; c++) {
-                    float a = fabsf(orig_load(dt, (const char *)src + r * (uint64_t)ss * es, c));
-                    if (isfinite(a) && a > amax)
-                        amax = a;
-                }
-            if (f->kind == RF_QUANT_MXFP8) {
-                uint8_t e = rf_quant_e8m0_of(amax);
-                ((uint8_t *)scales)[(int64_t)i * scs + (int64_t)j] = e;
-                s = rf_quant_e8m0_to_float(e);
-            } else {
-                s = rf_quant_scale_of(amax);
-                ((float *)scales)[(int64_t)i * scs + (int64_t)j] = s;
-            }
-            for (uint64_t r = r0; r < r1; r++)
-                for (uint64_t c = c0; c < c1; c++) {
-                    uint32_t b = fbits(orig_load(dt, (const char *)src + r * (uint64_t)ss * es,
-                                                 c) / s);
-                    uint32_t sign = b & 0x80000000u, a = b ^ sign;
-                    q[r * (uint64_t)qs + c] =
-                        a > 0x7F800000u ? 0x7F : orig_e4m3(bitsf((a > 0x43E00000u ? 0x43E00000u
-                                                                               : a) | sign));
-                }
-        }
-}
-
-/* Every compilation this CPU runs against quant_ref on one matrix: every byte and scale, and
+/* Every compilation this CPU runs against rf_quant_ref on one matrix: every byte and scale, and
  * nothing written in the strides' padding. */
 static void check_isas(const char *fs, rf_dtype dt, uint64_t rows, uint64_t cols, int64_t ss,
                        int64_t qs, int64_t extra_scs, const void *x)
@@ -1042,7 +974,7 @@ static void check_isas(const char *fs, rf_dtype dt, uint64_t rows, uint64_t cols
     cr_assert(q && qr && s && sref);
     memset(qr, 0xA5, rows * (uint64_t)qs);
     memset(sref, 0xA5, sr * (uint64_t)scs * se);
-    quant_ref(&f, dt, x, ss, rows, cols, qr, qs, sref, scs);
+    rf_quant_ref(&f, dt, x, ss, rows, cols, qr, qs, sref, scs);
     for (int isa = 0; isa < 3; isa++) {
         rf_err err = {0};
         int rc;
