@@ -1002,7 +1002,7 @@ static void local_alloc_carved(setup *S, bool ipc)
     int pin[2];
 
     if (!size || !off || !base || nep > 256)
-        die("bench: out of memory, or more than 256 endpoints, carving regions");
+        die("out of memory, or more than 256 endpoints, carving regions");
     for (uint32_t r = 0; r < S->nregions; r++) {
         const rf_region *rg = rf_inv_region(S->inv, r);
 
@@ -1020,11 +1020,11 @@ static void local_alloc_carved(setup *S, bool ipc)
         FILE *out;
 
         if (n < 0 || pipe(pin) < 0 || pipe(pout) < 0)
-            die("bench: readlink or pipe failed");
+            die("readlink or pipe failed");
         path[n] = 0;
         pid = fork();
         if (pid < 0)
-            die("bench: fork failed");
+            die("fork failed");
         if (pid == 0) {
             /* Straight to exec: nothing of this process's CUDA state is touched here. */
             char **av = calloc(nep + 3, sizeof(*av));
@@ -1052,12 +1052,12 @@ static void local_alloc_carved(setup *S, bool ipc)
             cudaIpcMemHandle_t h;
 
             if (!fgets(hex, sizeof(hex), out))
-                die("bench: the IPC allocator said nothing");
+                die("the IPC allocator said nothing");
             for (size_t k = 0; k < sizeof(h); k++) {
                 unsigned v;
 
                 if (sscanf(hex + 2 * k, "%2x", &v) != 1)
-                    die("bench: the IPC allocator's handle is not hex");
+                    die("the IPC allocator's handle is not hex");
                 ((unsigned char *)&h)[k] = (unsigned char)v;
             }
             CK(cudaIpcOpenMemHandle((void **)&base[e], h, cudaIpcMemLazyEnablePeerAccess));
