@@ -1810,6 +1810,10 @@ json_t *rf_registry_status(const rf_registry *r)
                                                                           : "daemon"));
             if (has_inproc(c))
                 json_object_set_new(j, "installer_attached", json_boolean(c->installer));
+            /* A gated engine holds the next install back until it consumed the last. */
+            json_object_set_new(j, "gated", json_boolean(c->gated));
+            if (c->gated)
+                json_object_set_new(j, "consumed", json_integer((json_int_t)c->consumed));
         }
         if (j)
             json_array_append_new(arr, j);

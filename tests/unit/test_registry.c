@@ -784,8 +784,31 @@ static void read_consumed(void *arg)
     *(uint64_t *)arg = rf_registry_consumed(H.reg);
 }
 
+/* "name:gated:consumed " or "name:ungated " per engine of the status, in its order. */
+static void read_gates(void *arg)
+{
+    json_t *st = rf_registry_status(H.reg), *cl;
+    char *out = arg;
+    size_t i, len = 0;
+
+    cr_assert_not_null(st);
+    out[0] = '\0';
+    json_array_foreach(json_object_get(st, "clients"), i, cl) {
+        const char *name = json_string_value(json_object_get(cl, "name"));
+
+        if (json_is_true(json_object_get(cl, "gated")))
+            len += (size_t)snprintf(out + len, 256 - len, "%s:gated:%lld ", name,
+                                    (long long)json_integer_value(json_object_get(cl, "consumed")));
+        else
+            len += (size_t)snprintf(out + len, 256 - len, "%s:%s ", name,
+                                    json_object_get(cl, "consumed") ? "consumed?" : "ungated");
+    }
+    json_decref(st);
+}
+
 Test(registry, gated_engines_hold_installs_until_consumed)
 {
+    char gates[256];
     int64_t sh[1] = {16}, s0[1] = {0}, s1[1] = {8}, ext[1] = {8};
     refit_client *e0, *e1, *t;
     notify_args n;
@@ -820,6 +843,9 @@ Test(registry, gated_engines_hold_installs_until_consumed)
     test_loop_wait(&H.l, &H.n_consumed, 2);
     cr_assert_eq(H.consumed, 1);
     FAILS(refit_consumed(e0, 0), e0, -EINVAL, "in order");
+    /* The status says which engine holds the next install back, and at which version. */
+    test_loop_run(&H.l, read_gates, gates);
+    cr_assert_str_eq(gates, "e1:ungated e0:gated:1 ", "%s", gates);
 
     /* A gated engine that leaves no longer holds anyone back. */
     refit_close(e0);
