@@ -10,7 +10,6 @@
 #include <stdio.h>
 #include <string.h>
 
-#define BLOCK_MAX (UINT32_C(1) << 31)
 
 static inline uint32_t f2u(float f)
 {
@@ -270,133 +269,6 @@ static AI void quant_row(rf_dtype dt, const char *p, uint64_t n, float s, uint8_
         quant_chunk(dt, p + c * es, s, q + c);
     for (uint64_t c = nfull; c < n; c++)
         q[c] = quant_one(load_f(dt, p, c), s);
-}
-
-static int check_fmt(const rf_quant_fmt *f, rf_err *err)
-{
-    if (f == NULL)
-        return rf_err_set(err, -EINVAL, "quantization format is missing (NULL)");
-    if (f->kind < RF_QUANT_BLOCK || f->kind > RF_QUANT_MXFP8 ||
-        (f->kind == RF_QUANT_BLOCK && (f->br == 0 || f->bc == 0 || f->br > BLOCK_MAX ||
-                                       f->bc > BLOCK_MAX)))
-        return rf_err_set(err, -EINVAL, "malformed quantization format (kind %d, block %" PRIu32
-                          "x%" PRIu32 "): build it with rf_quant_fmt_parse", f->kind, f->br, f->bc);
-    return 0;
-}
-
-/* The block of format f on a rows x cols matrix (channel: a row; tensor: the matrix). */
-static void grid(const rf_quant_fmt *f, uint64_t rows, uint64_t cols, uint64_t *br, uint64_t *bc)
-{
-    switch (f->kind) {
-    case RF_QUANT_BLOCK:
-        *br = f->br;
-        *bc = f->bc;
-        break;
-    case RF_QUANT_CHANNEL:
-        *br = 1;
-        *bc = cols;
-        break;
-    case RF_QUANT_TENSOR:
-        *br = rows;
-        *bc = cols;
-        break;
-    default:
-        *br = 1;
-        *bc = RF_QUANT_MX_BLOCK;
-        break;
-    }
-}
-
-static uint64_t ceil_div(uint64_t a, uint64_t b)
-{
-    return b == 0 ? 0 : a / b + (a % b != 0);
-}
-
-int rf_quant_fmt_parse(const char *s, rf_quant_fmt *out, rf_err *err)
-{
-    uint64_t dim[2] = {0, 0};
-    const char *p;
-
-    if (s == NULL)
-        s = "";
-    memset(out, 0, sizeof(*out));
-    if (strcmp(s, "block") == 0) {
-        *out = (rf_quant_fmt){RF_QUANT_BLOCK, 128, 128};
-        return 0;
-    }
-    if (strcmp(s, "channel") == 0) {
-        out->kind = RF_QUANT_CHANNEL;
-        return 0;
-    }
-    if (strcmp(s, "tensor") == 0) {
-        out->kind = RF_QUANT_TENSOR;
-        return 0;
-    }
-    if (strcmp(s, "mxfp8") == 0) {
-        *out = (rf_quant_fmt){RF_QUANT_MXFP8, 1, RF_QUANT_MX_BLOCK};
-        return 0;
-    }
-    if (strncmp(s, "block:", 6) != 0)
-        return rf_err_set(err, -EINVAL, "unknown quantization format \"%s\": expected block, "
-                          "block:<rows>x<cols>, channel, tensor or mxfp8", s);
-    p = s + 6;
-    for (int k = 0; k < 2; k++) {
-        const char *d = p;
-
-        while (*p >= '0' && *p <= '9' && dim[k] <= BLOCK_MAX)
-            dim[k] = dim[k] * 10 + (uint64_t)(*p++ - '0');
-        if (p == d || dim[k] == 0 || dim[k] > BLOCK_MAX || *p != (k == 0 ? 'x' : '\0'))
-            return rf_err_set(err, -EINVAL, "quantization format \"%s\": the block must be "
-                              "<rows>x<cols>, each a number 1..%" PRIu32 " (block:128x128)", s,
-                              BLOCK_MAX);
-        p++;
-    }
-    *out = (rf_quant_fmt){RF_QUANT_BLOCK, (uint32_t)dim[0], (uint32_t)dim[1]};
-    return 0;
-}
-
-int rf_quant_fmt_format(const rf_quant_fmt *f, char *buf, size_t len)
-{
-    if (check_fmt(f, NULL) < 0)
-        return snprintf(buf, len, "?");
-    switch (f->kind) {
-    case RF_QUANT_BLOCK:
-        return snprintf(buf, len, "block:%" PRIu32 "x%" PRIu32, f->br, f->bc);
-    case RF_QUANT_CHANNEL:
-        return snprintf(buf, len, "channel");
-    case RF_QUANT_TENSOR:
-        return snprintf(buf, len, "tensor");
-    default:
-        return snprintf(buf, len, "mxfp8");
-    }
-}
-
-int rf_quant_scale_shape(const rf_quant_fmt *f, uint64_t rows, uint64_t cols, uint64_t *srows,
-                         uint64_t *scols, rf_err *err)
-{
-    uint64_t br, bc;
-    int rc = check_fmt(f, err);
-
-    if (rc < 0)
-        return rc;
-    if (f->kind == RF_QUANT_TENSOR) {
-        *srows = *scols = 1;
-        return 0;
-    }
-    if (f->kind == RF_QUANT_CHANNEL) {
-        *srows = rows;
-        *scols = 1;
-        return 0;
-    }
-    grid(f, rows, cols, &br, &bc);
-    *srows = ceil_div(rows, br);
-    *scols = ceil_div(cols, bc);
-    return 0;
-}
-
-rf_dtype rf_quant_scale_dtype(const rf_quant_fmt *f)
-{
-    return f->kind == RF_QUANT_MXFP8 ? RF_DT_UINT8 : RF_DT_FP32;
 }
 
 /* The checks rf_quant_host and rf_quant_dequant_host share; fills the scale shape. */
@@ -871,7 +743,7 @@ int rf_quant__host_isa(int isa, const rf_quant_fmt *f, rf_dtype src_dt, const vo
                     scale_row_stride, &srows, &scols, err);
     if (rc < 0 || rows == 0 || cols == 0)
         return rc;
-    grid(f, rows, cols, &br, &bc);
+    rf_quant_fmt_block(f, rows, cols, &br, &bc);
     jb = (job){.dt = src_dt, .mx = f->kind == RF_QUANT_MXFP8, .src = src,
                .ss = src_row_stride * (int64_t)es, .qs = q_row_stride, .scs = scale_row_stride,
                .rows = rows, .cols = cols, .br = br, .bc = bc, .srows = srows, .scols = scols,
@@ -910,7 +782,7 @@ int rf_quant_dequant_host(const rf_quant_fmt *f, const uint8_t *q, int64_t q_row
 
     if (rc < 0 || rows == 0 || cols == 0)
         return rc;
-    grid(f, rows, cols, &br, &bc);
+    rf_quant_fmt_block(f, rows, cols, &br, &bc);
     for (uint64_t r = 0; r < rows; r++) {
         for (uint64_t c = 0; c < cols; c++) {
             int64_t si = (int64_t)(r / br) * scale_row_stride + (int64_t)(c / bc);
@@ -922,46 +794,5 @@ int rf_quant_dequant_host(const rf_quant_fmt *f, const uint8_t *q, int64_t q_row
                 rf_quant_e4m3_to_float(q[(int64_t)r * q_row_stride + (int64_t)c]) * s;
         }
     }
-    return 0;
-}
-
-int rf_quant_box_ok(const rf_quant_fmt *f, uint64_t grows, uint64_t gcols, uint64_t row0,
-                    uint64_t col0, uint64_t rows, uint64_t cols, rf_err *err)
-{
-    char fs[64];
-    uint64_t br, bc, r1 = row0 + rows, c1 = col0 + cols;
-    int rc = check_fmt(f, err);
-
-    if (rc < 0)
-        return rc;
-    rf_quant_fmt_format(f, fs, sizeof(fs));
-    if (rows == 0 || cols == 0 || row0 > grows || rows > grows - row0 || col0 > gcols ||
-        cols > gcols - col0)
-        return rf_err_set(err, -EINVAL, "quantization box [%" PRIu64 ":%" PRIu64 ", %" PRIu64 ":%"
-                          PRIu64 "] is empty or outside the %" PRIu64 "x%" PRIu64 " matrix",
-                          row0, r1, col0, c1, grows, gcols);
-    grid(f, grows, gcols, &br, &bc);
-    if (f->kind == RF_QUANT_TENSOR && (rows != grows || cols != gcols))
-        return rf_err_set(err, -EINVAL, "quantization box [%" PRIu64 ":%" PRIu64 ", %" PRIu64 ":%"
-                          PRIu64 "] is part of the %" PRIu64 "x%" PRIu64 " matrix, whose format "
-                          "tensor has one scale for the whole matrix: only the whole matrix can be "
-                          "quantized", row0, r1, col0, c1, grows, gcols);
-    if (f->kind == RF_QUANT_CHANNEL && cols != gcols)
-        return rf_err_set(err, -EINVAL, "quantization box [%" PRIu64 ":%" PRIu64 ", %" PRIu64 ":%"
-                          PRIu64 "] of the %" PRIu64 "x%" PRIu64 " matrix splits its rows; format "
-                          "channel has one scale per row: the box must span all %" PRIu64
-                          " columns", row0, r1, col0, c1, grows, gcols, gcols);
-    if (row0 % br != 0 || (r1 % br != 0 && r1 != grows))
-        return rf_err_set(err, -EINVAL, "quantization box [%" PRIu64 ":%" PRIu64 ", %" PRIu64 ":%"
-                          PRIu64 "] of the %" PRIu64 "x%" PRIu64 " matrix cuts the %" PRIu64 "x%"
-                          PRIu64 " blocks of format %s: its row edges must fall on multiples of %"
-                          PRIu64 " or on the matrix's end (%" PRIu64 ")", row0, r1, col0, c1,
-                          grows, gcols, br, bc, fs, br, grows);
-    if (col0 % bc != 0 || (c1 % bc != 0 && c1 != gcols))
-        return rf_err_set(err, -EINVAL, "quantization box [%" PRIu64 ":%" PRIu64 ", %" PRIu64 ":%"
-                          PRIu64 "] of the %" PRIu64 "x%" PRIu64 " matrix cuts the %" PRIu64 "x%"
-                          PRIu64 " blocks of format %s: its column edges must fall on multiples "
-                          "of %" PRIu64 " or on the matrix's end (%" PRIu64 ")", row0, r1, col0,
-                          c1, grows, gcols, br, bc, fs, bc, gcols);
     return 0;
 }

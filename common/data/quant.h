@@ -59,34 +59,7 @@
 
 #include "err.h"
 #include "layout.h"
-
-typedef enum rf_quant_kind {
-    RF_QUANT_BLOCK = 1,
-    RF_QUANT_CHANNEL,
-    RF_QUANT_TENSOR,
-    RF_QUANT_MXFP8,
-} rf_quant_kind;
-
-/* A format. br x bc is BLOCK's block (1..2^31 each); the other kinds ignore them
- * (rf_quant_fmt_parse sets MXFP8's to 1 x 32, CHANNEL's and TENSOR's to 0 x 0). */
-typedef struct rf_quant_fmt {
-    int kind; /* rf_quant_kind */
-    uint32_t br, bc;
-} rf_quant_fmt;
-
-#define RF_QUANT_E4M3_MAX 448.0f
-#define RF_QUANT_MX_BLOCK 32u
-
-/* "block" (128x128), "block:<br>x<bc>" (decimal, 1..2^31 each), "channel", "tensor",
- * "mxfp8". 0, or -EINVAL with err naming the text. */
-int rf_quant_fmt_parse(const char *s, rf_quant_fmt *out, rf_err *err);
-/* The name rf_quant_fmt_parse reads back ("block:128x128", "mxfp8"); what snprintf returns. */
-int rf_quant_fmt_format(const rf_quant_fmt *f, char *buf, size_t len);
-/* The scales' shape for a rows x cols matrix; 0, or -EINVAL for a malformed format. */
-int rf_quant_scale_shape(const rf_quant_fmt *f, uint64_t rows, uint64_t cols, uint64_t *srows,
-                         uint64_t *scols, rf_err *err);
-/* The scales' dtype: RF_DT_FP32, or RF_DT_UINT8 (E8M0) for MXFP8. */
-rf_dtype rf_quant_scale_dtype(const rf_quant_fmt *f);
+#include "quant_fmt.h"
 
 /* fp32 -> float8_e4m3fn, round to nearest even. It is the same algorithm, bit for bit, as
  * PyTorch's c10::detail::fp8e4m3fn_from_fp32_value (c10/util/Float8_e4m3fn.h): |v| >= 480
@@ -124,17 +97,5 @@ int rf_quant__host_isa(int isa, const rf_quant_fmt *f, rf_dtype src_dt, const vo
 int rf_quant_dequant_host(const rf_quant_fmt *f, const uint8_t *q, int64_t q_row_stride,
                           const void *scales, int64_t scale_row_stride, uint64_t rows,
                           uint64_t cols, float *out, int64_t out_row_stride, rf_err *err);
-
-/* Whether the box [row0, row0 + rows) x [col0, col0 + cols) of a grows x gcols matrix can be
- * quantized by itself (rf_quant_host on the box alone gives the global result): every edge
- * falls on a block boundary of the global grid or on the matrix's end. BLOCK: row edges on
- * multiples of br, column edges on multiples of bc; CHANNEL: any rows, all columns; TENSOR:
- * the whole matrix; MXFP8: any rows, column edges on multiples of 32. Its scales are then the
- * box [row0 / br, ceil((row0 + rows) / br)) x [col0 / bc, ceil((col0 + cols) / bc)) of the
- * global scales (CHANNEL: rows [row0, row0 + rows); TENSOR: the one scale). 0, or -EINVAL
- * with err naming the box, the matrix and the grid (an empty box, or one outside the matrix,
- * is refused too). */
-int rf_quant_box_ok(const rf_quant_fmt *f, uint64_t grows, uint64_t gcols, uint64_t row0,
-                    uint64_t col0, uint64_t rows, uint64_t cols, rf_err *err);
 
 #endif

@@ -1,6 +1,7 @@
 /* common/model/layout.c - dtypes, boxes, the compact inventory of tensors/endpoints/regions/pieces, and
  * the geometry of a piece in memory (byte offsets, contiguous runs, DTensor placements). */
 #include "layout.h"
+#include "quant_fmt.h"
 
 #include <inttypes.h>
 #include <stdio.h>
@@ -204,6 +205,9 @@ struct rf_inv {
 
     piece_rec *pieces[2];
     uint32_t npieces[2], cap_pieces[2];
+
+    rf_quant_decl *quants; /* FP8 scale declarations, id i + 1 at [i] */
+    uint32_t nquants, cap_quants;
 };
 
 /* Grows *arr (of elements of size esz) so that it holds at least need elements. */
@@ -281,6 +285,7 @@ void rf_inv_free(rf_inv *inv)
     free(inv->regions);
     free(inv->geoms);
     free(inv->geom_hash);
+    free(inv->quants);
     for (int side = 0; side < 2; side++)
         if (inv->pieces[side])
             munmap(inv->pieces[side], (size_t)inv->cap_pieces[side] * sizeof(piece_rec));
@@ -729,6 +734,123 @@ static bool piece_extent_bytes(const rf_box *b, const int64_t *strides, int ndim
     return true;
 }
 
+/* ---- FP8 pieces (issue 15) ---------------------------------------------------------------- */
+
+int rf_inv_add_quant(rf_inv *inv, const rf_quant_decl *q, uint32_t *id, rf_err *err)
+{
+    rf_quant_fmt f = {q->kind, q->br, q->bc};
+    int rc = rf_quant_fmt_check(&f, err);
+
+    if (rc < 0)
+        return rc;
+    for (int d = 0; d < RF_MAX_DIMS; d++)
+        if (q->scale_strides[d] < 0)
+            return rf_err_set(err, -EINVAL, "FP8 scales have negative stride %" PRId64 " on dim "
+                              "%d", q->scale_strides[d], d);
+    if (grow((void **)&inv->quants, &inv->cap_quants, inv->nquants + 1, sizeof(*q)) < 0)
+        return rf_err_set(err, -ENOMEM, "out of memory adding FP8 scales");
+    inv->quants[inv->nquants++] = *q;
+    *id = inv->nquants;
+    return 0;
+}
+
+uint32_t rf_inv_nquants(const rf_inv *inv) { return inv->nquants; }
+
+const rf_quant_decl *rf_inv_quant(const rf_inv *inv, uint32_t id)
+{
+    return id >= 1 && id <= inv->nquants ? &inv->quants[id - 1] : NULL;
+}
+
+size_t rf_inv_piece_esize(const rf_inv *inv, const rf_piece *p)
+{
+    return p->quant ? 1 : rf_dtype_size(inv->tensors[p->tensor].dtype);
+}
+
+void rf_inv_scale_box(const rf_quant_decl *q, int ndim, const int64_t *shape, const rf_box *sub,
+                      rf_box *out)
+{
+    rf_quant_fmt f = {q->kind, q->br, q->bc};
+    uint64_t b[2];
+
+    *out = *sub;
+    rf_quant_fmt_block(&f, (uint64_t)shape[ndim - 2], (uint64_t)shape[ndim - 1], &b[0], &b[1]);
+    for (int k = 0; k < 2; k++) {
+        int d = ndim - 2 + k;
+        int64_t lo = sub->start[d] / (int64_t)b[k];
+        int64_t hi = (sub->start[d] + sub->extent[d] + (int64_t)b[k] - 1) / (int64_t)b[k];
+
+        out->start[d] = lo;
+        out->extent[d] = hi - lo;
+    }
+}
+
+void rf_inv_quant_scales(const rf_inv *inv, const rf_piece *p, rf_piece *out)
+{
+    const rf_quant_decl *q = rf_inv_quant(inv, p->quant);
+    const rf_tensor *t = &inv->tensors[p->tensor];
+
+    memset(out, 0, sizeof(*out));
+    out->tensor = p->tensor;
+    out->region = q->scale_region;
+    out->offset = q->scale_offset;
+    rf_inv_scale_box(q, t->ndim, t->shape, &p->box, &out->box);
+    for (int d = 0; d < t->ndim; d++)
+        out->strides[d] = q->scale_strides[d];
+}
+
+/* An FP8 piece: a destination, of a bf16/fp16/fp32 tensor of at least 2 dims, whose box lies
+ * on the format's grid, with its scales inside a region of its endpoint. */
+static int check_quant_piece(const rf_inv *inv, const rf_piece *p, const rf_tensor *t,
+                             rf_side side, rf_err *err)
+{
+    const rf_quant_decl *q = rf_inv_quant(inv, p->quant);
+    rf_quant_fmt f;
+    rf_piece sc;
+    uint64_t last = 0, end;
+    size_t ses;
+    int nd = t->ndim, rc;
+
+    if (q == NULL)
+        return rf_err_set(err, -EINVAL, "piece of %s names FP8 scales %u, the inventory holds %u",
+                          t->name, p->quant, inv->nquants);
+    f = (rf_quant_fmt){q->kind, q->br, q->bc};
+    if (side != RF_DST)
+        return rf_err_set(err, -EINVAL, "piece of %s is FP8-quantized, which only engines' "
+                          "pieces can be (trainers register the weights they compute)", t->name);
+    if (t->dtype != RF_DT_BF16 && t->dtype != RF_DT_FP16 && t->dtype != RF_DT_FP32)
+        return rf_err_set(err, -EINVAL, "piece of %s is FP8-quantized from %s: only bf16, fp16 "
+                          "and fp32 tensors are quantized", t->name, rf_dtype_name(t->dtype));
+    if (nd < 2)
+        return rf_err_set(err, -EINVAL, "piece of %s is FP8-quantized, but the tensor has %d "
+                          "dim: a quantized weight has rows and columns", t->name, nd);
+    if (p->strides[nd - 1] != 1)
+        return rf_err_set(err, -EINVAL, "FP8 piece of %s has stride %" PRId64 " on its last dim: "
+                          "its rows must be contiguous (stride 1)", t->name, p->strides[nd - 1]);
+    rc = rf_quant_box_ok(&f, (uint64_t)t->shape[nd - 2], (uint64_t)t->shape[nd - 1],
+                         (uint64_t)p->box.start[nd - 2], (uint64_t)p->box.start[nd - 1],
+                         (uint64_t)p->box.extent[nd - 2], (uint64_t)p->box.extent[nd - 1], err);
+    if (rc < 0) {
+        rf_err_wrap(err, "FP8 piece of %s: ", t->name);
+        return rc;
+    }
+    if (q->scale_region >= inv->nregions ||
+        inv->regions[q->scale_region].endpoint != inv->regions[p->region].endpoint)
+        return rf_err_set(err, -EINVAL, "FP8 piece of %s keeps its scales in region %u, which is "
+                          "not a region of the piece's own GPU", t->name, q->scale_region);
+    rf_inv_quant_scales(inv, p, &sc);
+    ses = rf_dtype_size(rf_quant_scale_dtype(&f));
+    for (int d = 0; d < nd; d++)
+        if (sc.strides[d] == 0 && sc.box.extent[d] != 1)
+            return rf_err_set(err, -EINVAL, "FP8 scales of %s have stride 0 on dim %d of %" PRId64
+                              " blocks: scales would share memory", t->name, d, sc.box.extent[d]);
+    if (!piece_extent_bytes(&sc.box, sc.strides, nd, ses, &last) ||
+        __builtin_add_overflow(sc.offset, last, &end) || end >= inv->regions[sc.region].size)
+        return rf_err_set(err, -EINVAL, "FP8 scales of %s lie outside their region (size %" PRIu64
+                          ", offset %" PRIu64 ")", t->name, inv->regions[sc.region].size,
+                          sc.offset);
+    return 0;
+}
+
 int rf_inv_add_piece(rf_inv *inv, const rf_piece *p, uint32_t *id, rf_err *err)
 {
     char bs[200], ss[160];
@@ -768,6 +890,11 @@ int rf_inv_add_piece(rf_inv *inv, const rf_piece *p, uint32_t *id, rf_err *err)
         }
     }
     esize = rf_dtype_size(t->dtype);
+    if (p->quant != 0) {
+        if ((rc = check_quant_piece(inv, p, t, side, err)) < 0)
+            return rc;
+        esize = 1;
+    }
     for (int k = 0; k < 2 && gid == UINT32_MAX; k++) {
         const struct recent_geom *c = &inv->recent[k];
         const geom *cg;
@@ -835,7 +962,8 @@ int rf_inv_add_piece(rf_inv *inv, const rf_piece *p, uint32_t *id, rf_err *err)
     if (rc < 0)
         return BOX_STR(), rf_err_set(err, rc, "out of memory adding piece %s %s", t->name, bs);
     inv->pieces[side][inv->npieces[side]] = (piece_rec){
-        .tensor = p->tensor, .region = p->region, .geom = gid, .offset = p->offset};
+        .tensor = p->tensor, .region = p->region, .geom = gid, .quant = p->quant,
+        .offset = p->offset};
     if (id)
         *id = inv->npieces[side];
     inv->npieces[side]++;
@@ -861,6 +989,7 @@ void rf_inv_piece(const rf_inv *inv, rf_side side, uint32_t id, rf_piece *out)
     out->offset = r->offset;
     out->box = g->box;
     memcpy(out->strides, g->strides, sizeof(out->strides));
+    out->quant = r->quant;
 }
 
 uint32_t rf_inv_piece_tensor(const rf_inv *inv, rf_side side, uint32_t id)
@@ -893,7 +1022,8 @@ size_t rf_inv_memory(const rf_inv *inv)
            (size_t)inv->cap_endpoints * sizeof(rf_endpoint) +
            (size_t)inv->cap_regions * sizeof(rf_region) +
            (size_t)inv->cap_geoms * sizeof(geom) + (size_t)inv->geom_hash_cap * sizeof(uint32_t) +
-           ((size_t)inv->cap_pieces[0] + inv->cap_pieces[1]) * sizeof(piece_rec);
+           ((size_t)inv->cap_pieces[0] + inv->cap_pieces[1]) * sizeof(piece_rec) +
+           (size_t)inv->cap_quants * sizeof(rf_quant_decl);
 }
 
 /* ---- piece geometry ---------------------------------------------------------------------- */
@@ -1256,6 +1386,8 @@ int rf_inv_fold_sides(const rf_inv *in, rf_inv **out, rf_err *err)
         rc = rf_inv_add_region(f, rf_inv_endpoint(in, rg->endpoint)->side == RF_SRC ? 0 : 1,
                                rg->size, &id, err);
     }
+    for (uint32_t q = 1; q <= rf_inv_nquants(in) && rc == 0; q++)
+        rc = rf_inv_add_quant(f, rf_inv_quant(in, q), &id, err);
     for (int side = 0; side < 2 && rc == 0; side++) {
         for (uint32_t i = 0; i < rf_inv_npieces(in, (rf_side)side) && rc == 0; i++) {
             rf_piece p;

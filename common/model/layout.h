@@ -87,7 +87,25 @@ typedef struct rf_piece {
     uint64_t offset;
     rf_box box;
     int64_t strides[RF_MAX_DIMS];
+    uint32_t quant;  /* 0: stored as the tensor's dtype; else a destination piece stored as
+                        float8_e4m3fn (1 byte an element, same offset and strides) with the
+                        scales of rf_inv_quant(inv, quant) (issue 15) */
 } rf_piece;
+
+/* How an FP8 destination piece keeps its scales (issue 15). The piece's matrix is its box's
+ * last two dims (rows x cols of the weight; leading dims, a MoE weight's experts, each one
+ * matrix); fmt's block grid starts at the tensor's origin, and the piece's box must lie on it
+ * (rf_quant_box_ok for each matrix of the box). The scales of the piece's blocks lie in
+ * scale_region (on the piece's endpoint) at scale_offset, scale_strides elements of the
+ * format's scale dtype apart per dim of the block grid: dims before the last two are the box's
+ * own (one scale grid per leading index), the last two count blocks from the box's first. */
+typedef struct rf_quant_decl {
+    int kind;          /* rf_quant_kind (quant_fmt.h); br x bc the block of RF_QUANT_BLOCK */
+    uint32_t br, bc;
+    uint32_t scale_region;
+    uint64_t scale_offset;
+    int64_t scale_strides[RF_MAX_DIMS];
+} rf_quant_decl;
 
 /* The inventory: tensors, endpoints, regions and pieces of both sides. Pieces are stored
  * compactly (box and strides interned, 24 bytes a piece) because a DeepSeek-V3 engine side
@@ -129,6 +147,21 @@ int rf_inv_add_region(rf_inv *inv, uint32_t endpoint, uint64_t size, uint32_t *i
  * the box and the region size. The side is the region's endpoint's side. */
 int rf_inv_add_piece(rf_inv *inv, const rf_piece *p, uint32_t *id, rf_err *err);
 
+/* Adds an FP8 scale declaration for pieces to name (rf_piece.quant = *id, from 1). The format
+ * is checked here (rf_quant_fmt_check), the rest with each piece that names it. */
+int rf_inv_add_quant(rf_inv *inv, const rf_quant_decl *q, uint32_t *id, rf_err *err);
+uint32_t rf_inv_nquants(const rf_inv *inv); /* ids 1..nquants */
+const rf_quant_decl *rf_inv_quant(const rf_inv *inv, uint32_t id);
+/* The size in bytes of one stored element of piece p (1 for an FP8 piece). */
+size_t rf_inv_piece_esize(const rf_inv *inv, const rf_piece *p);
+/* The block-grid box of the scales of `sub` (a block-aligned box of a tensor of shape, ndim
+ * >= 2): leading dims as sub's, the last two in blocks of q's grid from the tensor's origin. */
+void rf_inv_scale_box(const rf_quant_decl *q, int ndim, const int64_t *shape, const rf_box *sub,
+                      rf_box *out);
+/* The scales of FP8 piece p as a piece of their own: box rf_inv_scale_box of p->box, region,
+ * offset and strides of its declaration, quant 0. */
+void rf_inv_quant_scales(const rf_inv *inv, const rf_piece *p, rf_piece *out);
+
 /* Checks that no two destination pieces write the same bytes of one region (exact, also for
  * strided pieces whose spans interleave). Run once when an inventory is sealed; -EINVAL
  * naming both pieces' tensors and boxes. */
@@ -156,13 +189,13 @@ uint32_t rf_inv_piece_region(const rf_inv *inv, rf_side side, uint32_t id);
 uint32_t rf_inv_piece_endpoint(const rf_inv *inv, rf_side side, uint32_t id);
 /* Raw read-only access to the compact store, for loops over millions of pieces (the planner,
  * the plan digest). A record names the piece's tensor, region, interned geometry (box and
- * strides, shared by every piece with the same ones) and offset; pad_ is always 0, so records
- * of equal pieces are equal bytes. The records of a side are valid until a piece is added. */
+ * strides, shared by every piece with the same ones), offset and quant (rf_piece.quant), so
+ * records of equal pieces are equal bytes. The records of a side are valid until a piece is added. */
 typedef struct rf_piece_rec {
     uint32_t tensor;
     uint32_t region;
     uint32_t geom;
-    uint32_t pad_;
+    uint32_t quant;
     uint64_t offset;
 } rf_piece_rec;
 
