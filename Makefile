@@ -196,9 +196,6 @@ $(BUILD)/bench/%: $(BUILD)/bench/%.o $(LIBREFIT_O) $(LIBCOMMON)
 	@echo "  LD      $@"
 	$(Q)$(CC) $(SAN_LDFLAGS) -o $@ $^ $(LDFLAGS) $(LDLIBS) $(RF_LDLIBS)
 
-# bench_quant checks its fast paths against the scalar original the unit tests keep.
-$(BUILD)/bench/bench_quant: $(BUILD)/tests/unit/quant_ref.o
-
 ifneq ($(GPU_TEST_BINS),)
 $(GPU_TEST_BINS): $(BUILD)/tests/%: $(BUILD)/tests/gpu/%.o $(LIBCOMMON)
 	@mkdir -p $(dir $@)

@@ -2,14 +2,14 @@
  * qwen3-30b-a3b-shaped set of bf16 (or fp16/fp32) matrices for each format, in GB/s of input,
  * beside single-thread memcpy of the same input bytes and of the bytes written (fp8 + scales),
  * every output byte and scale checked against a kept copy of the original scalar code
- * (tests/unit/quant_ref.c). */
+ * (common/data/quant_ref.c). */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
 
 #include "quant.h"
-#include "../tests/unit/quant_ref.h"
+#include "quant_ref.h"
 
 static inline uint32_t f2u(float f)
 {

@@ -1,5 +1,6 @@
-/* tests/unit/quant_ref.h - the scalar original of rf_quant_host (tests/unit/quant_ref.c), the
- * reference for test_quant and bench_quant. */
+/* common/data/quant_ref.h - the scalar reference of the FP8 arithmetic (quant.h): rf_quant_host's
+ * original, one element at a time, which test_quant, bench_quant and the simulated engine's
+ * verification (sim/) hold the fast paths and the daemons' installed bytes to. */
 #ifndef RF_QUANT_REF_H
 #define RF_QUANT_REF_H
 

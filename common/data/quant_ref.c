@@ -1,5 +1,6 @@
-/* tests/unit/quant_ref.c - rf_quant_host as first written, one element at a time with c10's
- * branchy e4m3 conversion: the oracle test_quant and bench_quant hold the fast paths to. */
+/* common/data/quant_ref.c - rf_quant_host as first written, one element at a time with c10's
+ * branchy e4m3 conversion: the scalar reference test_quant, bench_quant and the simulated
+ * engine's verification hold the fast paths and the installed bytes to. */
 #include "quant_ref.h"
 
 #include <string.h>
