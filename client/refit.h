@@ -4,6 +4,7 @@
 #ifndef REFIT_H
 #define REFIT_H
 
+#include <stddef.h>
 #include <stdint.h>
 
 #ifdef __cplusplus
@@ -80,6 +81,31 @@ REFIT_API int refit_region_mode(refit_client *c, uint32_t region, const char **w
 REFIT_API int refit_add_piece(refit_client *c, const char *tensor, int dtype, int ndim,
                               const int64_t *shape, uint32_t region, uint64_t offset,
                               const int64_t *start, const int64_t *extent, const int64_t *strides);
+/* Engines serving FP8 (issue 15): registers a piece that holds the box of tensor (dtype: the
+ * tensor's as trainers register it, bf16, fp16 or fp32) as float8_e4m3fn, quantized during each
+ * refit in format: "block" (128x128 blocks, fp32 scales: DeepSeek-V3's and Qwen3-FP8's
+ * weight_scale_inv), "block:<rows>x<cols>", "channel" (one fp32 scale per row), "tensor" (one
+ * for the whole tensor) or "mxfp8" (1x32 blocks, E8M0 scale bytes); the arithmetic is
+ * common/data/quant.h's. The FP8 elements lie at offset bytes in region, strides elements apart
+ * (NULL: row-major over the box; the last dim's stride must be 1); the scales of the box's
+ * blocks lie at scale_offset bytes in scale_region (a region of this client on the same GPU),
+ * scale_strides elements apart per dim of the box's block grid (NULL: row-major over it). The
+ * tensor needs at least 2 dims: its last two are the matrix, leading dims (experts) each a
+ * matrix of their own. The box must lie on the format's grid (block edges, whole rows for
+ * channel, the whole tensor for tensor); the message names an edge that does not. */
+REFIT_API int refit_add_piece_fp8(refit_client *c, const char *tensor, int dtype, int ndim,
+                                  const int64_t *shape, uint32_t region, uint64_t offset,
+                                  const int64_t *start, const int64_t *extent,
+                                  const int64_t *strides, const char *format,
+                                  uint32_t scale_region, uint64_t scale_offset,
+                                  const int64_t *scale_strides);
+/* The shape of the scales of an FP8 piece of box extent `extent` starting at `start` of a
+ * tensor of `shape` in format (the block grid of the box: leading dims as extent's), into
+ * scale_shape (ndim entries); their element size is 4 (fp32), 1 for mxfp8. 0, or -EINVAL
+ * for an unknown format. */
+REFIT_API int refit_fp8_scale_shape(const char *format, int ndim, const int64_t *shape,
+                                    const int64_t *start, const int64_t *extent,
+                                    int64_t *scale_shape, size_t *scale_esize);
 /* Ends registration: the daemon checks the pieces as a whole. */
 REFIT_API int refit_seal(refit_client *c);
 

@@ -15,6 +15,7 @@
 #include <unistd.h>
 
 #include "layout.h"
+#include "quant_fmt.h"
 #include "refit_int.h"
 #include "rpc.h"
 #include "wire.h"
@@ -586,6 +587,94 @@ out:
     return rc;
 }
 
+/* Row-major strides over extent (ndim checked). */
+static void row_major(int ndim, const int64_t *extent, int64_t *out)
+{
+    int64_t s = 1;
+
+    for (int d = ndim - 1; d >= 0; d--) {
+        out[d] = s;
+        s *= extent[d] > 0 ? extent[d] : 1;
+    }
+}
+
+int refit_fp8_scale_shape(const char *format, int ndim, const int64_t *shape,
+                          const int64_t *start, const int64_t *extent, int64_t *scale_shape,
+                          size_t *scale_esize)
+{
+    rf_quant_fmt f;
+    rf_quant_decl q = {0};
+    rf_box b, sb;
+
+    if (format == NULL || shape == NULL || start == NULL || extent == NULL ||
+        scale_shape == NULL || ndim < 2 || ndim > RF_MAX_DIMS ||
+        rf_quant_fmt_parse(format, &f, NULL) < 0)
+        return -EINVAL;
+    q.kind = f.kind;
+    q.br = f.br;
+    q.bc = f.bc;
+    for (int d = 0; d < RF_MAX_DIMS; d++) {
+        b.start[d] = d < ndim ? start[d] : 0;
+        b.extent[d] = d < ndim ? extent[d] : 1;
+    }
+    rf_inv_scale_box(&q, ndim, shape, &b, &sb);
+    for (int d = 0; d < ndim; d++)
+        scale_shape[d] = sb.extent[d];
+    if (scale_esize)
+        *scale_esize = rf_dtype_size(rf_quant_scale_dtype(&f));
+    return 0;
+}
+
+int refit_add_piece_fp8(refit_client *c, const char *tensor, int dtype, int ndim,
+                        const int64_t *shape, uint32_t region, uint64_t offset,
+                        const int64_t *start, const int64_t *extent, const int64_t *strides,
+                        const char *format, uint32_t scale_region, uint64_t scale_offset,
+                        const int64_t *scale_strides)
+{
+    Refit__Rpc__Request req = REFIT__RPC__REQUEST__INIT;
+    Refit__Rpc__RegisterPiece m = REFIT__RPC__REGISTER_PIECE__INIT;
+    int64_t dense[RF_MAX_DIMS], sdense[RF_MAX_DIMS], sshape[RF_MAX_DIMS];
+    rf_quant_fmt f;
+    rf_err err = {0};
+
+    if (c == NULL || tensor == NULL || shape == NULL || start == NULL || extent == NULL ||
+        format == NULL)
+        return fail(c, -EINVAL, "refit_add_piece_fp8: needs a client, a tensor name, shape, "
+                    "start, extent and a format");
+    if (ndim < 2 || ndim > RF_MAX_DIMS)
+        return fail(c, -EINVAL, "tensor %s: an FP8 piece has 2 to %d dims (rows and columns, "
+                    "experts before them), not %d", tensor, RF_MAX_DIMS, ndim);
+    if (dtype < 0)
+        return fail(c, -EINVAL, "tensor %s: unknown dtype %d", tensor, dtype);
+    if (rf_quant_fmt_parse(format, &f, &err) < 0)
+        return fail(c, -EINVAL, "tensor %s: %s", tensor, err.msg);
+    if (strides == NULL) {
+        row_major(ndim, extent, dense);
+        strides = dense;
+    }
+    if (scale_strides == NULL) {
+        refit_fp8_scale_shape(format, ndim, shape, start, extent, sshape, NULL);
+        row_major(ndim, sshape, sdense);
+        scale_strides = sdense;
+    }
+    m.tensor = (char *)tensor;
+    m.dtype = (uint32_t)dtype;
+    m.n_shape = m.n_start = m.n_extent = m.n_strides = m.n_scale_strides = (size_t)ndim;
+    m.shape = (int64_t *)shape;
+    m.start = (int64_t *)start;
+    m.extent = (int64_t *)extent;
+    m.strides = (int64_t *)strides;
+    m.region = region;
+    m.offset = offset;
+    m.quant = (char *)format;
+    m.scale_region = scale_region;
+    m.scale_offset = scale_offset;
+    m.scale_strides = (int64_t *)scale_strides;
+    req.body_case = REFIT__RPC__REQUEST__BODY_REGISTER_PIECE;
+    req.register_piece = &m;
+    return simple(c, &req, 30000);
+}
+
 int refit_add_piece(refit_client *c, const char *tensor, int dtype, int ndim,
                     const int64_t *shape, uint32_t region, uint64_t offset,
                     const int64_t *start, const int64_t *extent, const int64_t *strides)
@@ -593,7 +682,6 @@ int refit_add_piece(refit_client *c, const char *tensor, int dtype, int ndim,
     Refit__Rpc__Request req = REFIT__RPC__REQUEST__INIT;
     Refit__Rpc__RegisterPiece m = REFIT__RPC__REGISTER_PIECE__INIT;
     int64_t dense[RF_MAX_DIMS];
-    int d;
 
     if (c == NULL || tensor == NULL || shape == NULL || start == NULL || extent == NULL)
         return fail(c, -EINVAL, "refit_add_piece: needs a client, a tensor name, shape, start "
@@ -605,12 +693,7 @@ int refit_add_piece(refit_client *c, const char *tensor, int dtype, int ndim,
         return fail(c, -EINVAL, "tensor %s: unknown dtype %d", tensor, dtype);
     if (strides == NULL) {
         /* Row-major over the box: the common case of a piece stored densely. */
-        int64_t s = 1;
-
-        for (d = ndim - 1; d >= 0; d--) {
-            dense[d] = s;
-            s *= extent[d] > 0 ? extent[d] : 1;
-        }
+        row_major(ndim, extent, dense);
         strides = dense;
     }
     m.tensor = (char *)tensor;

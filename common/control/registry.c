@@ -15,6 +15,7 @@
 #include <sodium.h>
 
 #include "export.h"
+#include "quant_fmt.h"
 #include "refit.pb-c.h"
 #include "rpc.h"
 #include "slice.h"
@@ -58,6 +59,8 @@ typedef struct reg_piece {
     uint64_t offset;
     rf_box box;
     int64_t strides[RF_MAX_DIMS];
+    bool fp8;          /* stored as FP8 with the scales of q (scale_region client-local) */
+    rf_quant_decl q;
 } reg_piece;
 
 typedef struct reg_waiter {
@@ -230,6 +233,14 @@ static int add_piece(rf_inv *inv, const reg_client *c, const reg_piece *rp, bool
     p.offset = rp->offset;
     p.box = rp->box;
     memcpy(p.strides, rp->strides, sizeof(p.strides));
+    if (rp->fp8) {
+        const reg_region *sg = &c->regions[rp->q.scale_region];
+        rf_quant_decl q = rp->q;
+
+        q.scale_region = live ? sg->inv_id : sg->scratch_id;
+        if ((rc = rf_inv_add_quant(inv, &q, &p.quant, err)) < 0)
+            return rc;
+    }
     return rf_inv_add_piece(inv, &p, &id, err);
 }
 
@@ -909,6 +920,51 @@ out:
             close(fds[i]);
 }
 
+/* The FP8 part of a RegisterPiece into p; false when refused (answered). */
+static bool fp8_request(reg_client *c, uint64_t id, const Refit__Rpc__RegisterPiece *m,
+                        reg_piece *p)
+{
+    rf_quant_fmt f;
+    rf_err err = {0};
+
+    if (c->kind != REFIT__RPC__CLIENT_KIND__CLIENT_ENGINE) {
+        rf_rpc_conn_reply(c->conn, id, -EINVAL, "FP8 piece of %s from a %s: only engines hold "
+                          "FP8 weights (trainers register what they compute)", m->tensor,
+                          kind_name(c->kind));
+        return false;
+    }
+    if (rf_quant_fmt_parse(m->quant, &f, &err) < 0) {
+        rf_rpc_conn_reply(c->conn, id, -EINVAL, "FP8 piece of %s: %s", m->tensor, err.msg);
+        return false;
+    }
+    if (m->n_scale_strides != m->n_shape) {
+        rf_rpc_conn_reply(c->conn, id, -EINVAL, "FP8 piece of %s has %zu scale strides for %zu "
+                          "dims: one per dim", m->tensor, m->n_scale_strides, m->n_shape);
+        return false;
+    }
+    if (m->scale_region >= c->nregions) {
+        rf_rpc_conn_reply(c->conn, id, -ENOENT, "FP8 piece of %s keeps its scales in unknown "
+                          "region %u (this client registered %u regions)", m->tensor,
+                          m->scale_region, c->nregions);
+        return false;
+    }
+    if (c->regions[m->region].inproc || c->regions[m->scale_region].inproc) {
+        rf_rpc_conn_reply(c->conn, id, -EOPNOTSUPP, "FP8 piece of %s in memory this daemon "
+                          "cannot map (in-process install): its installer does not quantize "
+                          "yet; register shareable memory for FP8 weights", m->tensor);
+        return false;
+    }
+    p->fp8 = true;
+    p->q.kind = f.kind;
+    p->q.br = f.br;
+    p->q.bc = f.bc;
+    p->q.scale_region = m->scale_region;
+    p->q.scale_offset = m->scale_offset;
+    for (size_t d = 0; d < RF_MAX_DIMS; d++)
+        p->q.scale_strides[d] = d < m->n_shape ? m->scale_strides[d] : 0;
+    return true;
+}
+
 static void do_piece(rf_registry *r, reg_client *c, uint64_t id,
                      const Refit__Rpc__RegisterPiece *m)
 {
@@ -945,6 +1001,8 @@ static void do_piece(rf_registry *r, reg_client *c, uint64_t id,
                           m->dtype);
         return;
     }
+    if (m->quant != NULL && m->quant[0] != '\0' && !fp8_request(c, id, m, &p))
+        return;
     p.dtype = (rf_dtype)m->dtype;
     p.ndim = (int)m->n_shape;
     p.region = m->region;

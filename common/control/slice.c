@@ -91,6 +91,18 @@ int rf_slice_inv_pack(const rf_inv *local, rf_side side, uint64_t generation,
         d->strides = dup_dims(p.strides, nd);
         if (!d->start || !d->extent || !d->strides)
             goto nomem;
+        if (p.quant) {
+            const rf_quant_decl *q = rf_inv_quant(local, p.quant);
+
+            d->quant_kind = (uint32_t)q->kind;
+            d->quant_br = q->br;
+            d->quant_bc = q->bc;
+            d->scale_region = q->scale_region;
+            d->scale_offset = q->scale_offset;
+            d->n_scale_strides = (size_t)nd;
+            if (!(d->scale_strides = dup_dims(q->scale_strides, nd)))
+                goto nomem;
+        }
     }
     return 0;
 
@@ -118,6 +130,7 @@ void rf_slice_inv_msg_free(Refit__Inventory *msg)
         free(msg->pieces[i]->start);
         free(msg->pieces[i]->extent);
         free(msg->pieces[i]->strides);
+        free(msg->pieces[i]->scale_strides);
         free(msg->pieces[i]);
     }
     free(msg->tensors);
@@ -138,6 +151,28 @@ void rf_slice_map_free(rf_slice_map *map)
     map->members = NULL;
     map->ep_member = NULL;
     map->nmembers = 0;
+}
+
+/* The FP8 declaration of piece i (description d, nd dims) of member m into p->quant. */
+static int merge_quant(rf_inv *g, const rf_slice_member *mem, uint32_t m, size_t i,
+                       const Refit__PieceDesc *d, const Refit__Inventory *in, int nd,
+                       rf_piece *p, rf_err *err)
+{
+    rf_quant_decl q = {.kind = (int)d->quant_kind, .br = d->quant_br, .bc = d->quant_bc,
+                       .scale_offset = d->scale_offset};
+    int rc;
+
+    if (d->scale_region >= in->n_regions || d->n_scale_strides != (size_t)nd)
+        return rf_err_set(err, -EINVAL, "inventory of daemon %u: FP8 piece %zu of %s names "
+                          "scale region %u of %zu with %zu scale strides for %d dims", m, i,
+                          in->tensors[d->tensor]->name, d->scale_region, in->n_regions,
+                          d->n_scale_strides, nd);
+    q.scale_region = mem->region_base + d->scale_region;
+    for (int k = 0; k < nd; k++)
+        q.scale_strides[k] = d->scale_strides[k];
+    if ((rc = rf_inv_add_quant(g, &q, &p->quant, err)) < 0)
+        rf_err_wrap(err, "inventory of daemon %u: piece %zu: ", m, i);
+    return rc;
 }
 
 /* Adds member m's inventory to the global one; tmap translates its tensor indices. */
@@ -221,6 +256,8 @@ static int merge_one(rf_inv *g, const Refit__Inventory *in, uint32_t m, rf_slice
             p.box.extent[k] = k < nd ? d->extent[k] : 1;
             p.strides[k] = k < nd ? d->strides[k] : 0;
         }
+        if (d->quant_kind != 0 && (rc = merge_quant(g, mem, m, i, d, in, nd, &p, err)) < 0)
+            goto out;
         rc = rf_inv_add_piece(g, &p, &id, err);
         if (rc < 0) {
             rf_err_wrap(err, "inventory of daemon %u: ", m);

@@ -14,6 +14,7 @@
 #include <unistd.h>
 
 #include "macros.h"
+#include "qcopy.h"
 
 typedef struct span {
     uint64_t off, bytes;
@@ -30,9 +31,14 @@ static int span_cmp(const void *a, const void *b)
 static int check_item_of(const rf_xfer_msg *m, const rf_xfer_item *it, uint32_t k,
                          const char *side, rf_err *err)
 {
+    /* The receiving end of an FP8 transfer is the FP8 piece; the sending end (a sent message,
+     * a local message's source items) quantizes. */
+    bool dst = !m->send && side[0] == '\0';
     const char *what;
     char box[160];
     int64_t numel;
+    rf_err qerr = {0};
+    int qrc;
 
     if (it->ndim < 1 || it->ndim > RF_MAX_DIMS || it->esize == 0 || it->esize > 16)
         return rf_err_set(err, -EINVAL, "message seq %u %sitem %u has %d dims and elements of "
@@ -44,7 +50,9 @@ static int check_item_of(const rf_xfer_msg *m, const rf_xfer_item *it, uint32_t 
     else if (rf_box_empty(&it->box, it->ndim) ||
              !rf_box_contains(&it->piece.box, &it->box, it->ndim))
         what = "is empty or outside its local piece: the plan is stale";
-    else if (it->bytes != (uint64_t)numel * it->esize)
+    else if (it->quant.q.kind != 0 && (qrc = rf_qcopy_check(it, dst, &qerr)) < 0)
+        what = qerr.msg;
+    else if (it->quant.q.kind == 0 && it->bytes != (uint64_t)numel * it->esize)
         what = "holds another number of bytes than the item says";
     else if (it->msg_off > m->bytes || it->bytes > m->bytes - it->msg_off)
         what = "lies outside its message's payload";
@@ -72,7 +80,8 @@ static int check_src_item(const rf_xfer_msg *m, uint32_t k, rf_err *err)
 
     if ((rc = check_item_of(m, s, k, "source ", err)) < 0)
         return rc;
-    if (s->ndim == d->ndim && s->esize == d->esize && rf_box_equal(&s->box, &d->box, d->ndim) &&
+    if (s->ndim == d->ndim && (s->esize == d->esize || d->quant.q.kind != 0) &&
+        s->quant.q.kind == d->quant.q.kind && rf_box_equal(&s->box, &d->box, d->ndim) &&
         s->msg_off == d->msg_off && s->bytes == d->bytes)
         return 0;
     rf_box_format(&s->box, s->ndim, sb, sizeof(sb));
@@ -212,6 +221,9 @@ int rf_xfer_job_check(const rf_xfer_job *job, uint32_t npeers, rf_err *err)
                 return rf_err_set(err, -EINVAL, "direct message seq %u must carry exactly one "
                                   "item of its %llu bytes; it has %u", m->seq,
                                   (unsigned long long)m->bytes, m->nitems);
+            if (it->quant.q.kind != 0)
+                return rf_err_set(err, -EINVAL, "direct message seq %u is quantized to FP8, "
+                                  "which only packed and local messages are", m->seq);
             if (!rf_piece_contiguous(&it->piece, it->ndim, it->esize, &it->box, NULL)) {
                 char box[160];
 

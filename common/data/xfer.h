@@ -18,13 +18,27 @@
  * memory is `base` (the mapped start of the piece's region). In a packed message the box's
  * elements lie, row-major and dense, at msg_off in the payload; a direct message has exactly
  * one item, contiguous in local memory, whose bytes are the whole payload. */
+/* An FP8 transfer (issue 15): the destination piece is float8_e4m3fn with scales, and the
+ * sending side quantizes. Its payload at msg_off is the box's FP8 elements, row-major (numel
+ * bytes), then the scales of the box's blocks, row-major over its block grid
+ * (rf_qcopy_bytes); the item's bytes are both. */
+typedef struct rf_xfer_quant {
+    rf_quant_decl q;      /* kind 0: not quantized. Format (kind, br, bc) on both sides; the
+                             scale fields only on the receiving side */
+    rf_dtype dt;          /* the tensor's dtype, quantized from */
+    int64_t rows, cols;   /* the tensor's last two dims: the matrix the grid lies on */
+    uint8_t *scale_base;  /* receiving side: the mapped start of the scales' region */
+    rf_piece scale;       /* receiving side: the piece's scales (rf_inv_quant_scales) */
+} rf_xfer_quant;
+
 typedef struct rf_xfer_item {
     uint8_t *base;
     rf_piece piece;
     int ndim;
-    size_t esize;
+    size_t esize;         /* of the piece's stored elements: 1 for an FP8 destination */
     rf_box box;
     uint64_t msg_off, bytes;
+    rf_xfer_quant quant;
 } rf_xfer_item;
 
 /* One message of the plan, local side. seq is the message's index in the global plan, the

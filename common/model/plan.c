@@ -3,7 +3,9 @@
  * balancing sender and link loads), then groups the transfers into messages per endpoint pair
  * and schedules the network ones in rounds. */
 #include "plan.h"
+#include "quant_fmt.h"
 
+#include <inttypes.h>
 #include <sodium.h>
 #include <stdlib.h>
 #include <string.h>
@@ -351,7 +353,8 @@ static inline uint64_t zz(uint64_t cur, uint64_t prev)
  * encoding is faithful: the table and the records give back every piece exactly. */
 void rf_plan_digest(const rf_inv *inv, const rf_plan_opts *opts, uint8_t out[RF_PLAN_ID_BYTES])
 {
-    static const char tag[] = "refit-plan-v2", hosts_tag[] = "hosts", relay_tag[] = "relay-v1";
+    static const char tag[] = "refit-plan-v2", hosts_tag[] = "hosts", relay_tag[] = "relay-v1",
+                      quant_tag[] = "fp8-v1";
     hbuf hb, *h = &hb;
     uint32_t nt = rf_inv_ntensors(inv), ng = rf_inv_ngeoms(inv);
     const rf_geom *geoms = rf_inv_geoms(inv);
@@ -417,6 +420,25 @@ void rf_plan_digest(const rf_inv *inv, const rf_plan_opts *opts, uint8_t out[RF_
         for (uint32_t k = 0; k < rf_inv_nendpoints(inv); k++)
             hb_u64(h, rf_inv_endpoint(inv, k)->host);
         break;
+    }
+    /* FP8 pieces likewise (issue 15): which pieces, and each declaration, only when any is. */
+    if (rf_inv_nquants(inv) > 0) {
+        const rf_piece_rec *r = rf_inv_piece_recs(inv, RF_DST);
+
+        hb_bytes(h, quant_tag, sizeof(quant_tag));
+        for (uint32_t i = 0; i < rf_inv_npieces(inv, RF_DST); i++)
+            hb_u64(h, r[i].quant);
+        for (uint32_t q = 1; q <= rf_inv_nquants(inv); q++) {
+            const rf_quant_decl *qd = rf_inv_quant(inv, q);
+
+            hb_u64(h, (uint64_t)qd->kind);
+            hb_u64(h, qd->br);
+            hb_u64(h, qd->bc);
+            hb_u64(h, qd->scale_region);
+            hb_u64(h, qd->scale_offset);
+            for (int d = 0; d < RF_MAX_DIMS; d++)
+                hb_u64(h, (uint64_t)qd->scale_strides[d]);
+        }
     }
     /* Relays likewise: a suffix only when on, so a plan without them keeps its id. */
     if (opts->relay) {
@@ -756,7 +778,28 @@ typedef struct dpiece {
     size_t esize;
     const rf_box *box;  /* its box, in the inventory, or a chunk of it (relays) */
     bool whole;         /* box is the piece's own box */
+    const rf_quant_decl *quant; /* an FP8 piece: its format (NULL for none) */
+    int64_t rows, cols; /* with quant: the tensor's matrix (its last two dims) */
 } dpiece;
+
+/* The grid step of FP8 piece dp along dim d: a box edge there must fall on a multiple of it
+ * (or on the matrix's end); 1 for leading dims. */
+static int64_t quant_step(const dpiece *dp, int d)
+{
+    rf_quant_fmt f = {dp->quant->kind, dp->quant->br, dp->quant->bc};
+    uint64_t br, bc;
+
+    if (d < dp->ndim - 2)
+        return 1;
+    rf_quant_fmt_block(&f, (uint64_t)dp->rows, (uint64_t)dp->cols, &br, &bc);
+    return (int64_t)(d == dp->ndim - 2 ? br : bc);
+}
+
+/* A transfer of box into FP8 piece dp from candidate c: the sender quantizes it, so the box
+ * must lie on the format's grid by itself and the source's rows be contiguous; *bytes becomes
+ * what it sends (FP8 elements and scales). */
+static int quant_xfer(const builder *b, const dpiece *dp, const cand *c, const rf_box *box,
+                      uint64_t *bytes, rf_err *err);
 
 static int emit(builder *b, const dpiece *dp, const cand *c, const rf_box *box, uint64_t bytes,
                 bool whole, rf_err *err);
@@ -796,6 +839,24 @@ static int emit_slabs(builder *b, const dpiece *dp, const cand *c, const rf_box 
     while (d < ndim && box->extent[d] == 1)
         d++;
     slab = bytes / (uint64_t)box->extent[d];
+    if (dp->quant) {
+        /* FP8: slabs stay on the format's grid, whole blocks each. */
+        int64_t step = quant_step(dp, d), k = (int64_t)(b->half / slab) / step * step;
+
+        if (k == 0)
+            return rf_err_set(err, -ENOSPC, "plan: a %" PRId64 "-element block row of FP8 "
+                              "tensor %s does not fit half the staging budget (%llu bytes); "
+                              "raise staging", step * (int64_t)(numel(box, ndim) /
+                              (uint64_t)box->extent[d]), rf_inv_tensor(b->inv, dp->tensor)->name,
+                              (unsigned long long)b->half);
+        for (int64_t s = 0; s < box->extent[d]; s += k) {
+            sub.start[d] = box->start[d] + s;
+            sub.extent[d] = box->extent[d] - s < k ? box->extent[d] - s : k;
+            if ((rc = emit(b, dp, c, &sub, numel(&sub, ndim) * dp->esize, false, err)))
+                return rc;
+        }
+        return 0;
+    }
     if (slab <= b->half) {
         int64_t k = (int64_t)(b->half / slab);
         for (int64_t s = 0; s < box->extent[d]; s += k) {
@@ -879,6 +940,8 @@ static int emit(builder *b, const dpiece *dp, const cand *c, const rf_box *box, 
     rf_plan_msg *mm = NULL;
     int rc;
 
+    if (dp->quant && (rc = quant_xfer(b, dp, c, box, &bytes, err)) < 0)
+        return rc;
     if (whole && b->gruns)
         druns = b->gruns[dp->geom];
     else
@@ -888,7 +951,7 @@ static int emit(builder *b, const dpiece *dp, const cand *c, const rf_box *box, 
      * and it needs no staging, so it is never cut into slabs. */
     if (c->local)
         kind = RF_PLAN_LOCAL;
-    else if (bytes >= pl->opts.direct_min_bytes && sruns == 1 && druns == 1)
+    else if (!dp->quant && bytes >= pl->opts.direct_min_bytes && sruns == 1 && druns == 1)
         kind = RF_PLAN_DIRECT;
     else
         kind = RF_PLAN_PACKED;
@@ -931,6 +994,40 @@ static int emit(builder *b, const dpiece *dp, const cand *c, const rf_box *box, 
         pl->st.local_transfers++;
     }
     pl->st.runs += sruns + druns;
+    if (dp->quant) {
+        pl->st.quant_bytes += bytes;
+        pl->st.quant_transfers++;
+    }
+    return 0;
+}
+
+static int quant_xfer(const builder *b, const dpiece *dp, const cand *c, const rf_box *box,
+                      uint64_t *bytes, rf_err *err)
+{
+    rf_quant_fmt f = {dp->quant->kind, dp->quant->br, dp->quant->bc};
+    const char *name = rf_inv_tensor(b->inv, dp->tensor)->name;
+    int nd = dp->ndim, rc;
+    uint64_t sr, sc, nm = 1;
+
+    rc = rf_quant_box_ok(&f, (uint64_t)dp->rows, (uint64_t)dp->cols,
+                         (uint64_t)box->start[nd - 2], (uint64_t)box->start[nd - 1],
+                         (uint64_t)box->extent[nd - 2], (uint64_t)box->extent[nd - 1], err);
+    if (rc < 0) {
+        /* The destination's own box was checked at registration: a source's edge cuts it. */
+        rf_err_wrap(err, "plan: FP8 tensor %s: the trainers' shards cut it into a box that "
+                    "cannot be quantized alone (quantizing on the receiver is not built yet; "
+                    "shard the engine along the trainers' boundaries): ", name);
+        return rc;
+    }
+    if (c->g->strides[nd - 1] != 1)
+        return rf_err_set(err, -EINVAL, "plan: FP8 tensor %s: a trainer's piece has stride %"
+                          PRId64 " on its last dim; quantizing on the sender needs contiguous "
+                          "rows", name, c->g->strides[nd - 1]);
+    rf_quant_scale_shape(&f, (uint64_t)box->extent[nd - 2], (uint64_t)box->extent[nd - 1], &sr,
+                         &sc, NULL);
+    for (int d = 0; d < nd - 2; d++)
+        nm *= (uint64_t)box->extent[d];
+    *bytes = numel(box, nd) + nm * sr * sc * rf_dtype_size(rf_quant_scale_dtype(&f));
     return 0;
 }
 
@@ -1346,6 +1443,14 @@ static int plan_box(builder *b, uint32_t dst, const rf_box *box, bool whole, rf_
     dpiece dp = {.id = dst, .geom = dr->geom, .tensor = dr->tensor, .ep = dst_ep,
                  .node = b->node[dst_ep], .ndim = ti->ndim, .esize = ti->esize,
                  .box = box, .whole = whole};
+
+    if (dr->quant) {
+        const rf_tensor *t = rf_inv_tensor(b->inv, dr->tensor);
+
+        dp.quant = rf_inv_quant(b->inv, dr->quant);
+        dp.rows = t->shape[t->ndim - 2];
+        dp.cols = t->shape[t->ndim - 1];
+    }
     uint64_t lo, hi, ncells = 0;
     int nfull = 0, rc;
 
@@ -2550,6 +2655,17 @@ int rf_plan_build(const rf_inv *inv, const rf_plan_opts *opts, rf_plan **out, rf
         rc = rf_err_set(err, -EINVAL, "plan: relay is %u; give 0 (off) or 1 (relays between "
                         "destination replicas)", opts->relay);
         goto out;
+    }
+    if (opts->relay && rf_inv_nquants(inv) > 0) {
+        const rf_piece_rec *r = rf_inv_piece_recs(inv, RF_DST);
+
+        for (uint32_t i = 0; i < rf_inv_npieces(inv, RF_DST); i++)
+            if (r[i].quant) {
+                rc = rf_err_set(err, -EOPNOTSUPP, "plan: relays cannot forward FP8 pieces yet "
+                                "(tensor %s is one): run the coordinator with relay = off",
+                                rf_inv_tensor(inv, r[i].tensor)->name);
+                goto out;
+            }
     }
     if (sodium_init() < 0) {
         rc = rf_err_set(err, -EIO, "plan: libsodium failed to initialise");

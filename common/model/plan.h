@@ -111,6 +111,10 @@ typedef struct rf_plan_stats {
     uint32_t relay_depth;            /* most hops of any relay */
     uint32_t relay_fanout;           /* most replicas one holder of a chunk feeds */
     uint64_t relay_depth_bytes[RF_PLAN_RELAY_MAX_DEPTH + 1]; /* bytes received per hop count */
+    /* FP8 (issue 15): transfers into FP8 destination pieces, quantized by their sender (the
+     * publisherd gathering them, or the receiverd's local copy); their bytes (FP8 elements
+     * and scales) are also counted on their path above. */
+    uint64_t quant_bytes, quant_transfers;
 } rf_plan_stats;
 
 typedef struct rf_plan rf_plan;

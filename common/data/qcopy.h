@@ -1,0 +1,31 @@
+/* common/data/qcopy.h - FP8 transfers on the host (issue 15): the sending side quantizes a
+ * box of a bf16/fp16/fp32 piece into a transfer's payload (FP8 elements, then scales), the
+ * receiving side installs that payload into an FP8 piece and its scales. The tcp transport
+ * packs and unpacks through staging; the local transport packs into a buffer and unpacks at
+ * once. The arithmetic is rf_quant_host's (quant.h). */
+#ifndef RF_QCOPY_H
+#define RF_QCOPY_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "err.h"
+#include "xfer.h"
+
+/* Payload bytes of a transfer of box (ndim >= 2) into a piece with quantization q of a tensor
+ * whose last two dims are rows x cols; *fp8 (may be NULL) gets the FP8 part's, numel. */
+uint64_t rf_qcopy_bytes(const rf_quant_decl *q, int ndim, int64_t rows, int64_t cols,
+                        const rf_box *box, uint64_t *fp8);
+/* The checks of a quantized item: its format, dtype, bytes; dst: the FP8 piece (esize 1) and
+ * its scales' memory, else the source piece (its dtype's esize, rows contiguous). 0, or
+ * -EINVAL with err saying what is wrong (the caller names the message and item). */
+int rf_qcopy_check(const rf_xfer_item *it, bool dst, rf_err *err);
+/* Quantizes the box of checked source item it into out (it->bytes of them). */
+void rf_qcopy_pack(const rf_xfer_item *it, uint8_t *out);
+/* Writes payload in (it->bytes) into checked destination item it's FP8 piece and scales. */
+void rf_qcopy_unpack(const rf_xfer_item *it, const uint8_t *in);
+/* Reads back what rf_qcopy_unpack wrote, in payload order (for the digest of what was
+ * installed). */
+void rf_qcopy_read(const rf_xfer_item *it, uint8_t *out);
+
+#endif
