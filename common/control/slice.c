@@ -463,6 +463,8 @@ static Refit__SliceMsg *slice_msg_new(const rf_plan *plan, const rf_slice_map *m
         const rf_box *b = rf_plan_box(plan, x->box);
         uint32_t piece = send ? x->src : x->dst;
         int nd = rf_inv_tensor(inv, rf_inv_piece_tensor(inv, me->side, piece))->ndim;
+        /* A relay's source is a destination piece, whose format is no transfer's. */
+        const rf_quant_decl *dq = rf_inv_quant(inv, rf_inv_piece_recs(inv, RF_DST)[x->dst].quant);
         Refit__SliceXfer *sx = malloc(sizeof(*sx));
 
         if (!sx)
@@ -474,6 +476,11 @@ static Refit__SliceMsg *slice_msg_new(const rf_plan *plan, const rf_slice_map *m
             sx->src_piece = x->src - map->members[sm->peer].piece_base;
         sx->msg_off = x->msg_off;
         sx->bytes = x->bytes;
+        if (dq != NULL) {
+            sx->quant_kind = (uint32_t)dq->kind;
+            sx->quant_br = dq->br;
+            sx->quant_bc = dq->bc;
+        }
         sx->n_start = sx->n_extent = (size_t)nd;
         sx->start = dup_dims(b->start, nd);
         sx->extent = dup_dims(b->extent, nd);
@@ -606,6 +613,39 @@ void rf_slice_job_reset(rf_slice_job *j)
     rf_slice_job_init(j);
 }
 
+/* The tensor's dtype and matrix, for a quantized item. */
+static void quant_matrix(const rf_tensor *t, rf_xfer_quant *x)
+{
+    x->dt = t->dtype;
+    x->rows = t->ndim >= 2 ? t->shape[t->ndim - 2] : 0;
+    x->cols = t->ndim >= 2 ? t->shape[t->ndim - 1] : 0;
+}
+
+/* An item into an FP8 piece of inv: its element size, format and scales' memory. */
+static void quant_dst(const rf_inv *inv, const rf_tensor *t, uint8_t *const *bases,
+                      rf_xfer_item *it)
+{
+    it->esize = 1;
+    it->quant.q = *rf_inv_quant(inv, it->piece.quant);
+    quant_matrix(t, &it->quant);
+    rf_inv_quant_scales(inv, &it->piece, &it->quant.scale);
+    it->quant.scale_base = bases[it->quant.scale.region];
+}
+
+/* The source side of a local transfer into FP8 item d quantizes with d's format. */
+static void quant_src_of(const rf_xfer_item *d, rf_xfer_item *s)
+{
+    memset(&s->quant, 0, sizeof(s->quant));
+    if (d->quant.q.kind == 0)
+        return;
+    s->quant.q.kind = d->quant.q.kind;
+    s->quant.q.br = d->quant.q.br;
+    s->quant.q.bc = d->quant.q.bc;
+    s->quant.dt = d->quant.dt;
+    s->quant.rows = d->quant.rows;
+    s->quant.cols = d->quant.cols;
+}
+
 /* One transfer's side of local memory: piece of inv (side), box from the slice. */
 static int resolve_item(const Refit__SliceMsg *sm, const Refit__SliceXfer *sx, uint32_t piece,
                         const rf_inv *inv, rf_side side, uint8_t *const *bases,
@@ -636,6 +676,20 @@ static int resolve_item(const Refit__SliceMsg *sm, const Refit__SliceXfer *sx, u
     it->base = bases[it->piece.region];
     it->msg_off = sx->msg_off;
     it->bytes = sx->bytes;
+    memset(&it->quant, 0, sizeof(it->quant));
+    if (it->piece.quant != 0) {
+        quant_dst(inv, t, bases, it);
+    } else if (sx->quant_kind != 0) {
+        /* The sending end of a transfer into an FP8 piece quantizes it. */
+        it->quant.q.kind = (int)sx->quant_kind;
+        it->quant.q.br = sx->quant_br;
+        it->quant.q.bc = sx->quant_bc;
+        quant_matrix(t, &it->quant);
+    }
+    if (it->piece.quant != 0 && (int)sx->quant_kind != it->quant.q.kind)
+        return rf_err_set(err, -EPROTO, "plan slice message %u moves %s as %s its FP8 piece: "
+                          "the plan is stale", sm->seq, t->name,
+                          sx->quant_kind ? "another format than" : "plain bytes into");
     return 0;
 }
 
@@ -768,6 +822,8 @@ int rf_slice_job_add(rf_slice_job *j, const Refit__PlanSlice *frame, const rf_in
 
                 rc = resolve_item(sm, sx, sx->src_piece, src->inv, RF_SRC, src->bases,
                                   &xm->src_items[k], err);
+                if (rc == 0)
+                    quant_src_of(&xm->items[k], &xm->src_items[k]);
                 if (rc == 0 &&
                     strcmp(rf_inv_tensor(src->inv, xm->src_items[k].piece.tensor)->name,
                            rf_inv_tensor(local, xm->items[k].piece.tensor)->name) != 0)
@@ -819,6 +875,17 @@ int rf_slice_msg_from_plan(const rf_plan *plan, uint32_t mi, rf_side side,
         it->box = *rf_plan_box(plan, x->box);
         it->msg_off = x->msg_off;
         it->bytes = x->bytes;
+        if (!pm->relay && rf_inv_piece_recs(inv, RF_DST)[x->dst].quant != 0) {
+            rf_xfer_item d = {0};
+
+            if (side == RF_DST) {
+                quant_dst(inv, t, bases, it);
+            } else {
+                rf_inv_piece(inv, RF_DST, x->dst, &d.piece);
+                quant_dst(inv, t, bases, &d);
+                quant_src_of(&d, it);
+            }
+        }
     }
     return 0;
 }
@@ -870,6 +937,10 @@ int rf_slice_local_job_from_plan(const rf_plan *plan, uint8_t *const *bases, rf_
             d->box = sr->box = *rf_plan_box(plan, x->box);
             d->msg_off = sr->msg_off = off;
             d->bytes = sr->bytes = x->bytes;
+            if (d->piece.quant != 0) {
+                quant_dst(inv, t, bases, d);
+                quant_src_of(d, sr);
+            }
             off += x->bytes;
         }
         m->bytes = off;

@@ -15,6 +15,7 @@
 
 #include "copy.h"
 #include "macros.h"
+#include "qcopy.h"
 
 #ifdef RF_HAVE_CUDA
 #include "drv_cuda.h"
@@ -58,6 +59,11 @@ typedef struct rf_xfer_lhost {
     uint32_t *mfirst;        /* nmsgs + 1: each message's items in flat */
     unit *units;
     uint32_t nunits;
+    /* Messages with FP8 items (issue 15) go item by item (an FP8 item is quantized whole
+     * into a buffer and installed from it): imode per message, and each flat's item index. */
+    bool *imode;
+    uint32_t *fk;
+    _Atomic int qerr;        /* this job: -ENOMEM from an FP8 item's buffer */
     _Atomic uint64_t *left;  /* per message: bytes not yet copied in this job */
     uint64_t total;
 
@@ -114,6 +120,10 @@ static void plan_free(lhost *h)
     free(h->mfirst);
     free(h->units);
     free(h->left);
+    free(h->imode);
+    free(h->fk);
+    h->imode = NULL;
+    h->fk = NULL;
     h->flat = NULL;
     h->foff = NULL;
     h->mfirst = NULL;
@@ -136,6 +146,24 @@ static int ord_cmp(const void *a, const void *b)
     return x->off < y->off ? -1 : x->off > y->off;
 }
 
+/* The units of item-mode message i (its flats in place): whole items, the head the items
+ * that hold the digested part [0, d). */
+static void item_units(lhost *h, uint32_t i, uint64_t d, uint32_t last)
+{
+    uint32_t e = h->mfirst[i], end = e;
+    uint64_t hi = 0;
+
+    while (end < last && h->foff[end] < d) {
+        hi = h->foff[end] + h->flat[end].bytes;
+        end++;
+    }
+    if (end > e)
+        h->units[h->nunits++] = (unit){.msg = i, .head = true, .lo = 0, .hi = hi};
+    for (; end < last; end++)
+        h->units[h->nunits++] = (unit){.msg = i, .lo = h->foff[end],
+                                       .hi = h->foff[end] + h->flat[end].bytes};
+}
+
 /* Reduces every item pair once (rf_copy_pair_flatten) in packed order, and cuts the messages
  * into units. The job may have been checked long ago (a cached slice): the pairs are checked
  * again here, as the tcp transport checks its items when it reduces them. */
@@ -156,7 +184,7 @@ static int plan_build(rf_xfer_local *t, const rf_xfer_job *job)
 
         nitems += m->nitems;
         maxn = m->nitems > maxn ? m->nitems : maxn;
-        nunits += (d > 0) + (m->bytes - d + CHUNK - 1) / CHUNK;
+        nunits += (d > 0) + (m->bytes - d + CHUNK - 1) / CHUNK + m->nitems;
     }
     if (nunits > UINT32_MAX || nitems > UINT32_MAX)
         return fail(t, -E2BIG, "a local job of %llu items in %llu units of %u MiB; split the "
@@ -166,8 +194,11 @@ static int plan_build(rf_xfer_local *t, const rf_xfer_job *job)
     h->mfirst = counted_malloc(t, ((size_t)job->nmsgs + 1) * sizeof(*h->mfirst));
     h->units = counted_malloc(t, nunits * sizeof(*h->units));
     h->left = counted_malloc(t, job->nmsgs * sizeof(*h->left));
+    h->imode = counted_malloc(t, job->nmsgs * sizeof(*h->imode));
+    h->fk = counted_malloc(t, nitems * sizeof(*h->fk));
     o = malloc(maxn * sizeof(*o));
-    if (!h->flat || !h->foff || !h->mfirst || !h->units || !h->left || !o) {
+    if (!h->flat || !h->foff || !h->mfirst || !h->units || !h->left || !h->imode || !h->fk ||
+        !o) {
         rc = fail(t, -ENOMEM, "out of memory reducing a local job of %llu items",
                   (unsigned long long)nitems);
         goto out;
@@ -178,12 +209,28 @@ static int plan_build(rf_xfer_local *t, const rf_xfer_job *job)
         uint64_t d = rf_xfer_msg_verified(job, m) ? rf_xfer_msg_digest_bytes(job, m) : 0;
 
         h->mfirst[i] = (uint32_t)n;
-        for (k = 0; k < m->nitems; k++)
+        h->imode[i] = false;
+        for (k = 0; k < m->nitems; k++) {
             o[k] = (ord){m->items[k].msg_off, k};
+            h->imode[i] |= m->items[k].quant.q.kind != 0;
+        }
         qsort(o, m->nitems, sizeof(*o), ord_cmp);
         for (k = 0; k < m->nitems; k++) {
             const rf_xfer_item *s = &m->src_items[o[k].k], *dd = &m->items[o[k].k];
 
+            h->fk[n] = o[k].k;
+            if (dd->quant.q.kind != 0) {
+                rf_err_clear(&err);
+                if ((rc = rf_qcopy_check(s, false, &err)) < 0 ||
+                    (rc = rf_qcopy_check(dd, true, &err)) < 0) {
+                    rc = fail(t, rc, "local message seq %u item %u: %s", m->seq, o[k].k,
+                              err.msg);
+                    goto out;
+                }
+                h->flat[n] = (rf_copy_pair_flat){.bytes = dd->bytes};
+                h->foff[n++] = dd->msg_off;
+                continue;
+            }
             rf_copy_desc_set(&p.src, s->base, &s->piece, s->ndim, s->esize, &s->box, 0);
             rf_copy_desc_set(&p.dst, dd->base, &dd->piece, dd->ndim, dd->esize, &dd->box, 0);
             rf_err_clear(&err);
@@ -193,6 +240,11 @@ static int plan_build(rf_xfer_local *t, const rf_xfer_job *job)
             }
             rf_copy_pair_flatten(&p, &h->flat[n]);
             h->foff[n++] = dd->msg_off;
+        }
+        if (h->imode[i]) {
+            item_units(h, i, d, (uint32_t)n);
+            h->total += m->bytes;
+            continue;
         }
         if (d > 0)
             h->units[h->nunits++] = (unit){.msg = i, .head = true, .lo = 0, .hi = d};
@@ -253,6 +305,60 @@ static bool stopping(rf_xfer_local *t)
            rf_xfer__stop(&t->base) != 0;
 }
 
+/* A unit of an item-mode message: its items whole, in payload order; an FP8 item quantized
+ * into a buffer, installed from it and, digested, read back. */
+static void item_unit(rf_xfer_local *t, const unit *u, unsigned slot)
+{
+    lhost *h = t->host;
+    const rf_xfer_msg *m = &h->job->msgs[u->msg];
+    rf_xfer_digest ds, dd;
+    bool dig = u->head;
+
+    if (dig) {
+        if (!rf_xfer__digest_begin(&t->base, m, &ds) || !rf_xfer__digest_begin(&t->base, m, &dd))
+            assert(!"a head unit belongs to a verified message");
+        ds.acc = h->acc[slot][0];
+        dd.acc = h->acc[slot][1];
+    }
+    for (uint32_t e = h->mfirst[u->msg]; e < h->mfirst[u->msg + 1]; e++) {
+        const rf_copy_pair_flat *f = &h->flat[e];
+        const rf_xfer_item *s = &m->src_items[h->fk[e]], *d = &m->items[h->fk[e]];
+        uint8_t *buf;
+
+        if (h->foff[e] < u->lo || h->foff[e] >= u->hi)
+            continue;
+        if (stopping(t))
+            return;
+        if (d->quant.q.kind == 0) {
+            if (dig)
+                rf_copy_pair_visit(f, false, 0, f->bytes, digest_fn, &ds);
+            rf_copy_pair_range(f, 0, f->bytes);
+            if (dig)
+                rf_copy_pair_visit(f, true, 0, f->bytes, digest_fn, &dd);
+            continue;
+        }
+        if ((buf = malloc(d->bytes ? d->bytes : 1)) == NULL) {
+            atomic_store(&h->qerr, -ENOMEM);
+            atomic_store(&h->stop, true);
+            return;
+        }
+        rf_qcopy_pack(s, buf);
+        if (dig)
+            rf_xfer__digest_add(&ds, buf, d->bytes);
+        rf_qcopy_unpack(d, buf);
+        if (dig) {
+            rf_qcopy_read(d, buf);
+            rf_xfer__digest_add(&dd, buf, d->bytes);
+        }
+        free(buf);
+    }
+    if (dig) {
+        rf_xfer__digest_end(&ds);
+        rf_xfer__digest_end(&dd);
+    }
+    atomic_fetch_sub_explicit(&h->left[u->msg], u->hi - u->lo, memory_order_release);
+}
+
 /* Runs unit u on the calling thread (slot: its digest accumulators). */
 static void do_unit(rf_xfer_local *t, const unit *u, unsigned slot)
 {
@@ -260,6 +366,10 @@ static void do_unit(rf_xfer_local *t, const unit *u, unsigned slot)
     const rf_xfer_msg *m = &h->job->msgs[u->msg];
     rf_xfer_digest ds, dd;
 
+    if (h->imode[u->msg]) {
+        item_unit(t, u, slot);
+        return;
+    }
     if (!u->head) {
         msg_range(h, u->msg, u->lo, u->hi, NULL, false);
     } else {
@@ -383,6 +493,7 @@ static int host_start(rf_xfer_local *t)
     for (uint32_t i = 0; i < job->nmsgs; i++)
         atomic_store_explicit(&h->left[i], job->msgs[i].bytes, memory_order_relaxed);
     memset(h->acc, 0, sizeof(h->acc));
+    atomic_store(&h->qerr, 0);
     atomic_store(&h->next, 0);
     atomic_store(&h->stop, false);
     nthreads = threads_for(t, h->total);
@@ -439,6 +550,12 @@ static int host_progress(rf_xfer_local *t, double wait_s)
             break;
     }
     reap(t);
+    if (atomic_load(&h->qerr) < 0) {
+        quiesce(h);
+        return fail(t, atomic_load(&h->qerr), "out of memory for the buffer of an FP8 "
+                    "quantization (the local copy of message seq %u)",
+                    job->msgs[h->reaped < job->nmsgs ? h->reaped : 0].seq);
+    }
     if (h->reaped == job->nmsgs) {
         quiesce(h);
         for (unsigned s = 0; s < RF_XFER_LOCAL_MAX_THREADS; s++) {

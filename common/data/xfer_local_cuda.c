@@ -757,6 +757,8 @@ int rf_xfer__lgpu_start(rf_xfer_local *t)
     rf_xfer_lgpu *g = t->g;
     int rc;
 
+    if ((rc = rf_xfer__no_quant(&t->base, "the GPU local copy")) < 0)
+        return rc;
     if (!g) {
         if (!(g = t->g = calloc(1, sizeof(*g))))
             return fail(t, -ENOMEM, "out of memory for the GPU local transport");

@@ -757,6 +757,8 @@ static int nccl_start(rf_xfer_core *base)
     const rf_xfer_job *job = base->job;
     int rc;
 
+    if ((rc = rf_xfer__no_quant(base, "the nccl transport")) < 0)
+        return rc;
     if ((rc = world_up(t)) < 0)
         return rc;
     if ((rc = js_prepare(t, job)) < 0 || (rc = arenas_reserve(t)) < 0)

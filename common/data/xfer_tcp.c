@@ -21,6 +21,7 @@
 
 #include "addr.h"
 #include "copy.h"
+#include "qcopy.h"
 #include "log.h"
 #include "macros.h"
 
@@ -383,6 +384,14 @@ static int runs_build(tcp *t)
             run_item *r = &t->runs[n++];
             rf_copy_flat f;
 
+            if (it->quant.q.kind != 0) {
+                /* FP8: quantized by the sender, installed with its scales (copy_items). */
+                rf_err_clear(&err);
+                if ((rc = rf_qcopy_check(it, !m->send, &err)) < 0)
+                    return fail(t, rc, "message seq %u item %u: %s", m->seq, k, err.msg);
+                *r = (run_item){.mem = it->base, .soff = it->msg_off, .count = 0, .idx = k};
+                continue;
+            }
             rf_copy_desc_set(&t->desc, it->base, &it->piece, it->ndim, it->esize, &it->box,
                              it->msg_off);
             rf_err_clear(&err);
@@ -414,6 +423,13 @@ static void copy_items(tcp *t, uint32_t i, uint8_t *staging, bool gather)
         if (r->count == 0) {
             const rf_xfer_item *it = &m->items[r->idx];
 
+            if (it->quant.q.kind != 0) {
+                if (gather)
+                    rf_qcopy_pack(it, staging + it->msg_off);
+                else
+                    rf_qcopy_unpack(it, staging + it->msg_off);
+                continue;
+            }
             rf_copy_desc_set(&t->desc, it->base, &it->piece, it->ndim, it->esize, &it->box,
                              it->msg_off);
             rf_copy_run(&t->desc, staging, gather);
