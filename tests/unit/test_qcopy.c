@@ -1,0 +1,390 @@
+/* tests/unit/test_qcopy.c - FP8 engines on the host path (issue 15), from the inventory to the
+ * installed bytes: bf16 trainer shards (rows split in two, experts split) planned into FP8
+ * engine shards (rows in four, one expert each) of every format, run by the local transport
+ * (memfd memory, host 7), and every installed FP8 byte and scale compared with the scalar
+ * reference (rf_quant_ref) of the trainers' bf16 values; the pattern's random bytes include
+ * NaN, Inf, subnormals and values past 448. Also the refusals: an engine box off the grid, a
+ * trainer shard that cuts a block, relays, FP8 pieces on the trainers' side. */
+#include <criterion/criterion.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
+#include <uv.h>
+
+#include "layout.h"
+#include "local_world.h"
+#include "plan.h"
+#include "quant.h"
+#include "quant_ref.h"
+#include "slice.h"
+#include "xfer.h"
+#include "xfer_data.h"
+
+enum { W_ROWS = 256, W_COLS = 384, E_N = 4, E_ROWS = 128, E_COLS = 96 };
+
+typedef struct fixture {
+    rf_inv *inv;
+    uint32_t w, e, n;              /* tensors: a weight, experts, a norm (never FP8) */
+    uint32_t dst_w[4], dst_e[4];   /* destination piece ids */
+    uint8_t **bases;
+    size_t *lens;
+    uint32_t nregions;
+} fixture;
+
+static uint32_t region(fixture *f, uint32_t ep, uint64_t size)
+{
+    rf_err err = {0};
+    uint32_t id;
+
+    cr_assert_eq(rf_inv_add_region(f->inv, ep, size, &id, &err), 0, "%s", err.msg);
+    return id;
+}
+
+/* A dense piece of box (start, extent) in a region of its own. */
+static int add(fixture *f, uint32_t ep, uint32_t tensor, int nd, const int64_t *start,
+               const int64_t *extent, const rf_quant_fmt *q, uint32_t *id, rf_err *err)
+{
+    rf_piece p = {0};
+    int64_t s = 1;
+    uint64_t n = 1;
+
+    for (int d = 0; d < nd; d++)
+        n *= (uint64_t)extent[d];
+    for (int d = RF_MAX_DIMS - 1; d >= 0; d--) {
+        p.box.start[d] = d < nd ? start[d] : 0;
+        p.box.extent[d] = d < nd ? extent[d] : 1;
+        p.strides[d] = d < nd ? s : 0;
+        s *= d < nd ? extent[d] : 1;
+    }
+    p.tensor = tensor;
+    if (q == NULL) {
+        p.region = region(f, ep, n * 2);
+    } else {
+        rf_quant_decl qd = {.kind = q->kind, .br = q->br, .bc = q->bc};
+        rf_box sb;
+        int64_t ss = 1;
+        int64_t shape[RF_MAX_DIMS];
+        const rf_tensor *t = rf_inv_tensor(f->inv, tensor);
+        int rc;
+
+        memcpy(shape, t->shape, sizeof(shape));
+        rf_inv_scale_box(&qd, nd, shape, &p.box, &sb);
+        for (int d = nd - 1; d >= 0; d--) {
+            qd.scale_strides[d] = ss;
+            ss *= sb.extent[d];
+        }
+        p.region = region(f, ep, n);
+        qd.scale_region = region(f, ep, (uint64_t)ss * rf_dtype_size(rf_quant_scale_dtype(q)));
+        if ((rc = rf_inv_add_quant(f->inv, &qd, &p.quant, err)) < 0)
+            return rc;
+    }
+    return rf_inv_add_piece(f->inv, &p, id, err);
+}
+
+/* Trainers: w rows in halves, experts two each, the norm on the first. Engines: w rows in
+ * quarters and one expert each as FP8 in format q (e only when e_only), the norm on each. */
+static void build(fixture *f, const rf_quant_fmt *q, bool e_only)
+{
+    int64_t ws[2] = {W_ROWS, W_COLS}, es[3] = {E_N, E_ROWS, E_COLS}, ns[1] = {W_COLS};
+    uint32_t ep, id;
+    rf_err err = {0};
+
+    memset(f, 0, sizeof(*f));
+    f->inv = rf_inv_new();
+    cr_assert_eq(rf_inv_add_tensor(f->inv, "w.weight", RF_DT_BF16, 2, ws, &f->w, &err), 0);
+    cr_assert_eq(rf_inv_add_tensor(f->inv, "e.weight", RF_DT_BF16, 3, es, &f->e, &err), 0);
+    cr_assert_eq(rf_inv_add_tensor(f->inv, "n.weight", RF_DT_BF16, 1, ns, &f->n, &err), 0);
+    for (int r = 0; r < 2; r++) {
+        int64_t s2[2] = {r * W_ROWS / 2, 0}, x2[2] = {W_ROWS / 2, W_COLS};
+        int64_t s3[3] = {r * 2, 0, 0}, x3[3] = {2, E_ROWS, E_COLS}, s1[1] = {0}, x1[1] = {W_COLS};
+
+        cr_assert_eq(rf_inv_add_endpoint(f->inv, RF_SRC, 0, &ep, &err), 0);
+        cr_assert_eq(rf_inv_set_endpoint_host(f->inv, ep, 7, &err), 0);
+        cr_assert_eq(add(f, ep, f->w, 2, s2, x2, NULL, &id, &err), 0, "%s", err.msg);
+        cr_assert_eq(add(f, ep, f->e, 3, s3, x3, NULL, &id, &err), 0, "%s", err.msg);
+        if (r == 0)
+            cr_assert_eq(add(f, ep, f->n, 1, s1, x1, NULL, &id, &err), 0, "%s", err.msg);
+    }
+    for (int r = 0; r < 4; r++) {
+        int64_t s2[2] = {r * W_ROWS / 4, 0}, x2[2] = {W_ROWS / 4, W_COLS};
+        int64_t s3[3] = {r, 0, 0}, x3[3] = {1, E_ROWS, E_COLS}, s1[1] = {0}, x1[1] = {W_COLS};
+
+        cr_assert_eq(rf_inv_add_endpoint(f->inv, RF_DST, 1, &ep, &err), 0);
+        cr_assert_eq(rf_inv_set_endpoint_host(f->inv, ep, 7, &err), 0);
+        cr_assert_eq(add(f, ep, f->w, 2, s2, x2, e_only ? NULL : q, &f->dst_w[r], &err), 0,
+                     "%s", err.msg);
+        cr_assert_eq(add(f, ep, f->e, 3, s3, x3, q, &f->dst_e[r], &err), 0, "%s", err.msg);
+        cr_assert_eq(add(f, ep, f->n, 1, s1, x1, NULL, &id, &err), 0, "%s", err.msg);
+    }
+    f->nregions = rf_inv_nregions(f->inv);
+    f->bases = calloc(f->nregions, sizeof(*f->bases));
+    f->lens = calloc(f->nregions, sizeof(*f->lens));
+    for (uint32_t r = 0; r < f->nregions; r++) {
+        int fd = memfd_create("refit-test-fp8", MFD_CLOEXEC);
+
+        f->lens[r] = rf_inv_region(f->inv, r)->size + 1;
+        cr_assert(fd >= 0 && ftruncate(fd, (off_t)f->lens[r]) == 0);
+        f->bases[r] = mmap(NULL, f->lens[r], PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+        cr_assert_neq(f->bases[r], MAP_FAILED);
+        close(fd);
+        memset(f->bases[r], 0xee, f->lens[r]);
+    }
+}
+
+static void fixture_free(fixture *f)
+{
+    for (uint32_t r = 0; r < f->nregions; r++)
+        munmap(f->bases[r], f->lens[r]);
+    free(f->bases);
+    free(f->lens);
+    rf_inv_free(f->inv);
+}
+
+/* The trainers' bf16 value (xd_fill's bytes) of element lin of tensor t, version v. */
+static uint16_t src_value(uint32_t t, uint64_t lin, uint64_t v)
+{
+    return (uint16_t)(xd_pattern(t, lin, 0, v) | xd_pattern(t, lin, 1, v) << 8);
+}
+
+/* Compares FP8 piece id with the reference of the trainers' values; returns wrong bytes. */
+static uint64_t check_fp8(const fixture *f, uint32_t id, uint64_t v)
+{
+    rf_piece p, sp;
+    const rf_tensor *t;
+    const rf_quant_decl *qd;
+    rf_quant_fmt q;
+    uint64_t wrong = 0, rows, cols, nm = 1, sr, sc;
+    size_t ses;
+    int nd;
+
+    rf_inv_piece(f->inv, RF_DST, id, &p);
+    cr_assert_neq(p.quant, 0);
+    t = rf_inv_tensor(f->inv, p.tensor);
+    nd = t->ndim;
+    qd = rf_inv_quant(f->inv, p.quant);
+    q = (rf_quant_fmt){qd->kind, qd->br, qd->bc};
+    ses = rf_dtype_size(rf_quant_scale_dtype(&q));
+    rf_inv_quant_scales(f->inv, &p, &sp);
+    rows = (uint64_t)p.box.extent[nd - 2];
+    cols = (uint64_t)p.box.extent[nd - 1];
+    for (int d = 0; d < nd - 2; d++)
+        nm *= (uint64_t)p.box.extent[d];
+    cr_assert_eq(rf_quant_scale_shape(&q, rows, cols, &sr, &sc, NULL), 0);
+    for (uint64_t l = 0; l < nm; l++) {
+        uint16_t *src = malloc(rows * cols * 2);
+        uint8_t *qw = malloc(rows * cols), *sw = malloc(sr * sc * ses);
+        const uint8_t *got = f->bases[p.region] + p.offset + l * rows * cols;
+        const uint8_t *gots = f->bases[sp.region] + sp.offset + l * sr * sc * ses;
+        uint64_t lead = nd == 3 ? (uint64_t)p.box.start[0] + l : 0;
+
+        for (uint64_t r = 0; r < rows; r++)
+            for (uint64_t c = 0; c < cols; c++) {
+                uint64_t gr = (uint64_t)p.box.start[nd - 2] + r;
+                uint64_t lin = (lead * (uint64_t)t->shape[nd - 2] + gr) *
+                               (uint64_t)t->shape[nd - 1] + (uint64_t)p.box.start[nd - 1] + c;
+
+                src[r * cols + c] = src_value(p.tensor, lin, v);
+            }
+        rf_quant_ref(&q, RF_DT_BF16, src, (int64_t)cols, rows, cols, qw, (int64_t)cols, sw,
+                     (int64_t)sc);
+        for (uint64_t b = 0; b < rows * cols; b++)
+            wrong += got[b] != qw[b];
+        for (uint64_t b = 0; b < sr * sc * ses; b++)
+            wrong += gots[b] != sw[b];
+        free(src);
+        free(qw);
+        free(sw);
+    }
+    return wrong;
+}
+
+/* xd_check reads every destination piece as its tensor's dtype, which FP8 pieces are not:
+ * check_plain below applies its rule to the plain ones. */
+static void (*const unused_xd_check)(const rf_inv *, uint8_t *const *, uint64_t, uint64_t *,
+                                     uint64_t *) __attribute__((unused)) = xd_check;
+
+/* Wrong bytes of the destination pieces that are not FP8 (xd_check's rule, plain ones). */
+static uint64_t check_plain(const fixture *f, uint64_t v)
+{
+    uint64_t wrong = 0;
+    uint8_t *mask = NULL;
+
+    for (uint32_t i = 0; i < rf_inv_npieces(f->inv, RF_DST); i++) {
+        rf_piece p;
+        xd_elem e;
+
+        rf_inv_piece(f->inv, RF_DST, i, &p);
+        if (p.quant)
+            continue;
+        mask = calloc(rf_inv_region(f->inv, p.region)->size + 1, 1);
+        e = (xd_elem){.base = f->bases[p.region], .p = &p,
+                      .t = rf_inv_tensor(f->inv, p.tensor), .version = v, .mask = mask};
+        e.esize = rf_dtype_size(e.t->dtype);
+        xd_for_each(e.t, &p.box, xd_check_elem, &e);
+        wrong += e.wrong;
+        free(mask);
+    }
+    return wrong;
+}
+
+static void run_local(fixture *f, const rf_plan *pl, uint64_t version, int verify)
+{
+    rf_xfer_job job;
+    world w;
+    rf_err err = {0};
+    uint8_t zero[RF_XFER_DIGEST_BYTES] = {0};
+
+    memset(&job, 0, sizeof(job));
+    cr_assert_eq(rf_slice_local_job_from_plan(pl, f->bases, &job, &err), 0, "%s", err.msg);
+    job.version = version;
+    job.timeout_s = 30;
+    job.verify = verify;
+    cr_assert_eq(rf_xfer_job_check(&job, 2, &err), 0, "%s", err.msg);
+    xd_fill(f->inv, f->bases, version);
+    world_open(&w, false);
+    world_run(&w, &job, false);
+    cr_assert_eq(w.res.code, 0, "%s", w.res.error);
+    cr_assert_eq(memcmp(w.res.digest_sent, w.res.digest_recv, RF_XFER_DIGEST_BYTES), 0,
+                 "the digests of what was quantized and what was installed differ");
+    if (verify != RF_VERIFY_OFF)
+        cr_assert_neq(memcmp(w.res.digest_sent, zero, sizeof(zero)), 0, "nothing digested");
+    world_close(&w);
+    rf_slice_local_job_free(&job);
+}
+
+static void refit_format(const char *name, bool e_only)
+{
+    rf_quant_fmt q;
+    fixture f;
+    rf_plan *pl = NULL;
+    rf_err err = {0};
+    const rf_plan_stats *st;
+
+    cr_assert_eq(rf_quant_fmt_parse(name, &q, &err), 0, "%s", err.msg);
+    build(&f, &q, e_only);
+    cr_assert_eq(rf_plan_build(f.inv, NULL, &pl, &err), 0, "%s: %s", name, err.msg);
+    st = rf_plan_stats_get(pl);
+    cr_assert_gt(st->quant_transfers, 0, "%s: no FP8 transfer planned", name);
+    cr_assert_eq(st->direct_bytes + st->packed_bytes, 0, "%s: all on one host, all local", name);
+    for (uint64_t v = 1; v <= 2; v++) {
+        uint64_t wrong, fp8_wrong = 0;
+
+        run_local(&f, pl, v, v == 1 ? RF_VERIFY_FULL : RF_VERIFY_SAMPLE);
+        for (int r = 0; r < 4; r++) {
+            if (!e_only)
+                fp8_wrong += check_fp8(&f, f.dst_w[r], v);
+            fp8_wrong += check_fp8(&f, f.dst_e[r], v);
+        }
+        cr_assert_eq(fp8_wrong, 0, "%s version %llu: %llu FP8 bytes or scales differ from the "
+                     "reference", name, (unsigned long long)v, (unsigned long long)fp8_wrong);
+        /* The plain pieces (the norm; w with e_only) hold the trainers' bytes. */
+        wrong = check_plain(&f, v);
+        cr_assert_eq(wrong, 0, "%s version %llu: %llu bytes of plain pieces wrong", name,
+                     (unsigned long long)v, (unsigned long long)wrong);
+    }
+    rf_plan_free(pl);
+    fixture_free(&f);
+}
+
+Test(qcopy, block_format_byte_for_byte) { refit_format("block:32x64", false); }
+Test(qcopy, channel_format_byte_for_byte) { refit_format("channel", false); }
+Test(qcopy, mxfp8_format_byte_for_byte) { refit_format("mxfp8", false); }
+/* One scale for the whole matrix: only the experts, each whole on its engine, can be FP8. */
+Test(qcopy, tensor_format_byte_for_byte) { refit_format("tensor", true); }
+
+/* ---- refusals ------------------------------------------------------------------------------ */
+
+/* w alone: trainers split its rows in ns parts, engines in nd parts as FP8 in format q; the
+ * first piece added that fails stops (its error in err). 0 when all went in. */
+static int small(fixture *f, int ns, int nd, const char *fmt, bool fp8_src, rf_err *err)
+{
+    int64_t ws[2] = {W_ROWS, W_COLS};
+    rf_quant_fmt q;
+    uint32_t ep, id;
+    int rc = 0;
+
+    memset(f, 0, sizeof(*f));
+    f->inv = rf_inv_new();
+    cr_assert_eq(rf_quant_fmt_parse(fmt, &q, err), 0);
+    cr_assert_eq(rf_inv_add_tensor(f->inv, "w.weight", RF_DT_BF16, 2, ws, &f->w, err), 0);
+    for (int side = 0; side < 2 && rc == 0; side++) {
+        int n = side == 0 ? ns : nd;
+
+        for (int r = 0; r < n && rc == 0; r++) {
+            int64_t s2[2] = {r * W_ROWS / n, 0}, x2[2] = {W_ROWS / n, W_COLS};
+
+            cr_assert_eq(rf_inv_add_endpoint(f->inv, side == 0 ? RF_SRC : RF_DST, (uint32_t)side,
+                                             &ep, err), 0);
+            rc = add(f, ep, f->w, 2, s2, x2, side == 1 || fp8_src ? &q : NULL, &id, err);
+        }
+    }
+    return rc;
+}
+
+Test(qcopy, engine_box_off_the_grid_is_refused_at_registration)
+{
+    fixture f;
+    rf_err err = {0};
+
+    /* 64-row shards of 128x128 blocks. */
+    cr_assert_eq(small(&f, 2, 4, "block", false, &err), -EINVAL);
+    cr_assert(strstr(err.msg, "FP8 piece of w.weight") && strstr(err.msg, "cuts the 128x128 "
+              "blocks"), "%s", err.msg);
+    rf_inv_free(f.inv);
+    /* Channel scales need whole rows; tensor the whole matrix. */
+    cr_assert_eq(small(&f, 1, 4, "tensor", false, &err), -EINVAL);
+    cr_assert(strstr(err.msg, "only the whole matrix"), "%s", err.msg);
+    rf_inv_free(f.inv);
+}
+
+Test(qcopy, fp8_pieces_are_for_engines_only)
+{
+    fixture f;
+    rf_err err = {0};
+
+    cr_assert_eq(small(&f, 2, 2, "block:64x64", true, &err), -EINVAL);
+    cr_assert(strstr(err.msg, "only engines' pieces"), "%s", err.msg);
+    rf_inv_free(f.inv);
+}
+
+Test(qcopy, trainer_shards_cutting_a_block_are_refused_at_plan_time)
+{
+    fixture f;
+    rf_plan *pl = NULL;
+    rf_err err = {0};
+
+    /* Engines hold w whole in 256x64 blocks; trainers' 64-row shards cut each block. */
+    cr_assert_eq(small(&f, 4, 1, "block:256x64", false, &err), 0, "%s", err.msg);
+    cr_assert_eq(rf_plan_build(f.inv, NULL, &pl, &err), -EINVAL);
+    cr_assert_null(pl);
+    cr_assert(strstr(err.msg, "FP8 tensor w.weight") &&
+              strstr(err.msg, "cannot be quantized alone") &&
+              strstr(err.msg, "cuts the 256x64 blocks"), "%s", err.msg);
+    rf_inv_free(f.inv);
+    /* The same shards into 64x64 blocks plan. */
+    cr_assert_eq(small(&f, 4, 1, "block:64x64", false, &err), 0, "%s", err.msg);
+    cr_assert_eq(rf_plan_build(f.inv, NULL, &pl, &err), 0, "%s", err.msg);
+    cr_assert_eq(rf_plan_stats_get(pl)->quant_transfers, 4);
+    /* FP8 bytes and 4 x 6 fp32 scales per 64-row shard. */
+    cr_assert_eq(rf_plan_stats_get(pl)->quant_bytes, 4 * (64 * W_COLS + 6 * 4));
+    cr_assert_eq(rf_plan_stats_get(pl)->direct_bytes, 0, "FP8 transfers are never direct");
+    rf_plan_free(pl);
+    rf_inv_free(f.inv);
+}
+
+Test(qcopy, relays_refuse_fp8_pieces)
+{
+    fixture f;
+    rf_plan *pl = NULL;
+    rf_plan_opts o;
+    rf_err err = {0};
+
+    cr_assert_eq(small(&f, 2, 2, "block:64x64", false, &err), 0, "%s", err.msg);
+    rf_plan_opts_default(&o);
+    o.relay = 1;
+    cr_assert_eq(rf_plan_build(f.inv, &o, &pl, &err), -EOPNOTSUPP);
+    cr_assert(strstr(err.msg, "relays cannot forward FP8 pieces yet (tensor w.weight"), "%s",
+              err.msg);
+    rf_inv_free(f.inv);
+}
