@@ -178,7 +178,7 @@ static int grow(void **p, uint32_t *cap, uint32_t need, size_t elem)
 /* Adds a region of client owner to inv. The live inventory has one endpoint per device
  * string for shared memory, and one per device and engine for in-process regions (a local
  * message into one is then that engine's alone); it records the region's mapping. A scratch
- * inventory (the seal check) just needs the region. */
+ * inventory (the seal check) holds one client: an endpoint per device of its regions. */
 static int add_region(rf_registry *r, rf_inv *inv, const reg_client *owner, reg_region *rg,
                       bool live, rf_err *err)
 {
@@ -186,10 +186,17 @@ static int add_region(rf_registry *r, rf_inv *inv, const reg_client *owner, reg_
     uint64_t who = rg->inproc ? owner->uid : 0;
     int rc;
 
-    if (live)
+    if (live) {
         for (ep = 0; ep < nep; ep++)
             if (strcmp(r->ep_device[ep], rg->device) == 0 && r->ep_owner[ep] == who)
                 break;
+    } else {
+        /* The client's earlier regions on the same device share the endpoint here too (an
+         * FP8 piece's scales must lie on its GPU). */
+        for (const reg_region *o = owner->regions; o < rg && ep == nep; o++)
+            if (strcmp(o->device, rg->device) == 0 && o->inproc == rg->inproc)
+                ep = rf_inv_region(inv, o->scratch_id)->endpoint;
+    }
     if (ep == nep) {
         rc = rf_inv_add_endpoint(inv, r->side, r->node, &ep, err);
         if (rc < 0)

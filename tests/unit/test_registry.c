@@ -1312,3 +1312,57 @@ Test(registry, inproc_refused_for_trainers_and_installers_on_the_publisher)
     close(fd2);
     close(fd);
 }
+
+/* FP8 pieces (issue 15): an engine registers one with its scales; each refusal names why. */
+Test(registry, fp8_pieces_and_their_refusals)
+{
+    int64_t sh[2] = {128, 128}, s0[2] = {0, 0}, half[2] = {64, 128}, whole[2] = {128, 128};
+    int64_t ssh[2];
+    size_t ses;
+    refit_client *e;
+    uint32_t r, rs, ri;
+    void *p, *ps, *pi = malloc(128 * 128);
+
+    cr_assert_eq(refit_fp8_scale_shape("block:64x64", 2, sh, s0, whole, ssh, &ses), 0);
+    cr_assert(ssh[0] == 2 && ssh[1] == 2 && ses == 4);
+    cr_assert_eq(refit_fp8_scale_shape("mxfp8", 2, sh, s0, half, ssh, &ses), 0);
+    cr_assert(ssh[0] == 64 && ssh[1] == 4 && ses == 1);
+    cr_assert_eq(refit_fp8_scale_shape("nonsense", 2, sh, s0, half, ssh, &ses), -EINVAL);
+    open_registry(RF_DST, 1);
+    e = conn("e0", 0, REFIT_ENGINE);
+    OK(refit_alloc_host(e, 128 * 128, &p, &r), e);
+    OK(refit_alloc_host(e, 64, &ps, &rs), e);
+    OK(refit_region_inproc(e, pi, 128 * 128, &ri), e);
+    FAILS(refit_add_piece_fp8(e, "w", REFIT_BF16, 2, sh, r, 0, s0, whole, NULL, "block:7",
+                              rs, 0, NULL), e, -EINVAL, "quantization format \"block:7\"");
+    FAILS(refit_add_piece_fp8(e, "w", REFIT_BF16, 2, sh, r, 0, s0, whole, NULL, "block:64x64",
+                              9, 0, NULL), e, -ENOENT, "keeps its scales in unknown region 9");
+    FAILS(refit_add_piece_fp8(e, "w", REFIT_BF16, 2, sh, r, 0, s0, half, NULL, "block",
+                              rs, 0, NULL), e, -EINVAL, "cuts the 128x128 blocks");
+    FAILS(refit_add_piece_fp8(e, "w", REFIT_BF16, 2, sh, r, 0, s0, whole, NULL, "block:64x64",
+                              rs, 60, NULL), e, -EINVAL, "FP8 scales of w lie outside");
+    FAILS(refit_add_piece_fp8(e, "w", REFIT_BF16, 2, sh, ri, 0, s0, whole, NULL, "block:64x64",
+                              rs, 0, NULL), e, -EOPNOTSUPP, "its installer does not quantize");
+    FAILS(refit_add_piece_fp8(e, "w", REFIT_INT32, 2, sh, r, 0, s0, whole, NULL, "block:64x64",
+                              rs, 0, NULL), e, -EINVAL, "quantized from int32");
+    OK(refit_add_piece_fp8(e, "w", REFIT_BF16, 2, sh, r, 0, s0, whole, NULL, "block:64x64", rs,
+                           0, NULL), e);
+    OK(refit_seal(e), e);
+    refit_close(e);
+    free(pi);
+}
+
+Test(registry, fp8_pieces_are_for_engines)
+{
+    int64_t sh[2] = {128, 128}, s0[2] = {0, 0}, whole[2] = {128, 128};
+    refit_client *t;
+    uint32_t r;
+    void *p;
+
+    open_registry(RF_SRC, 1);
+    t = conn("t0", 0, REFIT_TRAINER);
+    OK(refit_alloc_host(t, 128 * 128 * 2, &p, &r), t);
+    FAILS(refit_add_piece_fp8(t, "w", REFIT_BF16, 2, sh, r, 0, s0, whole, NULL, "block:64x64",
+                              r, 0, NULL), t, -EINVAL, "only engines hold FP8 weights");
+    refit_close(t);
+}
