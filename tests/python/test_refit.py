@@ -5,6 +5,7 @@ missing). The library comes from $REFIT_LIB or $BUILD/librefit.so."""
 
 import errno
 import json
+import math
 import os
 import socket
 import struct
@@ -305,6 +306,64 @@ class TestWithDaemons(unittest.TestCase):
             except refit.Error as e:
                 self.fail(f"{e}\n{self.logs_text()}")
             self.assertEqual(struct.unpack_from("<f", dst.mmap, 0)[0], 1000.0)
+
+    def test_5_fp8_engine_refit(self):
+        """A bf16 trainer refits an FP8 engine (block:64x32, scales in the same buffer): every
+        FP8 byte and scale is what the format says, for blocks whose amax gives scales 1, 1/2,
+        1 (all zeros) and 1/16."""
+        table = [448.0, -448.0, 1.0, -1.0, 0.5, 1.5, 2.0, 3.0, 13.0, -2.0 ** -6, 2.0 ** -9,
+                 240.0, -96.0, 0.0, 7.0, 52.0]
+        factor = {(0, 0): 1.0, (0, 1): 0.5, (1, 0): 0.0, (1, 1): 2.0 ** -4}
+        scale = {(0, 0): 1.0, (0, 1): 0.5, (1, 0): 1.0, (1, 1): 2.0 ** -4}
+
+        def e4m3(v):
+            # Exactly representable values only (the table's).
+            sign = 0x80 if math.copysign(1.0, v) < 0 else 0
+            a = abs(v)
+            if a == 0:
+                return sign
+            e = math.floor(math.log2(a))
+            if e < -6:
+                return sign | int(a / 2.0 ** -9)
+            return sign | (e + 7) << 3 | int((a / 2.0 ** e - 1) * 8)
+
+        rows, cols = 128, 64
+        with refit.Client(refit.TRAINER, "py-trainer", 0, socket=self.pub_sock) as tr, \
+                refit.Client(refit.ENGINE, "py-engine", 0, socket=self.recv_sock) as en:
+            src = tr.alloc_host(rows * cols * 2)
+            want = bytearray(rows * cols)
+            for i in range(rows):
+                for j in range(cols):
+                    t = table[(i * cols + j) % len(table)]
+                    x = t * factor[(i // 64, j // 32)]
+                    bits = struct.unpack("<I", struct.pack("<f", x))[0] >> 16
+                    struct.pack_into("<H", src.mmap, (i * cols + j) * 2, bits)
+                    # The zero block keeps the signs: -0 is 0x80.
+                    want[i * cols + j] = e4m3(x / scale[(i // 64, j // 32)])
+            tr.add_piece("model.q", "bf16", [rows, cols], src.region, 0, [0, 0], [rows, cols])
+            tr.seal()
+            sshape, ses = refit.fp8_scale_shape("block:64x32", [rows, cols], [0, 0],
+                                                [rows, cols])
+            self.assertEqual((sshape, ses), ([2, 2], 4))
+            with self.assertRaises(refit.Error):
+                refit.fp8_scale_shape("block:0x3", [rows, cols], [0, 0], [rows, cols])
+            dst = en.alloc_host(rows * cols + 16)
+            en.add_piece_fp8("model.q", "bf16", [rows, cols], dst.region, 0, [0, 0],
+                             [rows, cols], "block:64x32", dst.region, rows * cols)
+            en.seal()
+            tr.publish(3)
+            try:
+                tr.wait_released(3, 20000)
+                self.assertEqual(en.wait_version(3, 20000), 3)
+            except refit.Error as e:
+                self.fail(f"{e}\n{self.logs_text()}")
+            got = bytes(dst.mmap[0:rows * cols])
+            bad = [k for k in range(rows * cols) if got[k] != want[k]]
+            self.assertEqual(bad, [], f"{len(bad)} FP8 bytes differ, first at {bad[:4]}: "
+                             f"{[got[k] for k in bad[:4]]} != {[want[k] for k in bad[:4]]}")
+            scales = struct.unpack_from("<4f", dst.mmap, rows * cols)
+            self.assertEqual(list(scales), [scale[(0, 0)], scale[(0, 1)], scale[(1, 0)],
+                                            scale[(1, 1)]])
 
 
 if __name__ == "__main__":

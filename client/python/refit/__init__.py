@@ -73,6 +73,10 @@ def _load():
         "refit_region_cuda": [c_p, c_p, u64, ctypes.POINTER(u32)],
         "refit_add_piece": [c_p, ctypes.c_char_p, ctypes.c_int, ctypes.c_int, i64p, u32, u64,
                             i64p, i64p, i64p],
+        "refit_add_piece_fp8": [c_p, ctypes.c_char_p, ctypes.c_int, ctypes.c_int, i64p, u32,
+                                u64, i64p, i64p, i64p, ctypes.c_char_p, u32, u64, i64p],
+        "refit_fp8_scale_shape": [ctypes.c_char_p, ctypes.c_int, i64p, i64p, i64p, i64p,
+                                  ctypes.POINTER(ctypes.c_size_t)],
         "refit_seal": [c_p],
         "refit_publish": [c_p, u64],
         "refit_wait_released": [c_p, u64, ctypes.c_int],
@@ -102,6 +106,20 @@ def _load():
 
 def _i64s(values):
     return (ctypes.c_int64 * len(values))(*values)
+
+
+def fp8_scale_shape(fmt, shape, start, extent):
+    """The shape of the scales of an FP8 piece (the box's block grid) in format fmt, and the
+    bytes of one scale (4: fp32; 1: E8M0 for mxfp8)."""
+    n = len(shape)
+    out = (ctypes.c_int64 * n)()
+    es = ctypes.c_size_t()
+    rc = _load().refit_fp8_scale_shape(fmt.encode(), n, _i64s(shape), _i64s(start),
+                                       _i64s(extent), out, ctypes.byref(es))
+    if rc < 0:
+        raise Error(rc, f"FP8 format {fmt!r} on a {n}-dim tensor: expected block, "
+                    "block:<rows>x<cols>, channel, tensor or mxfp8 and 2 dims or more")
+    return list(out), es.value
 
 
 class HostBuffer:
@@ -190,6 +208,26 @@ class Client:
         self._check(self._lib.refit_add_piece(
             self._c, name, dt, n, _i64s(shape), region, offset, _i64s(start),
             _i64s(extent), _i64s(strides) if strides is not None else None))
+
+    def add_piece_fp8(self, tensor, dtype, shape, region, offset, start, extent, fmt,
+                      scale_region, scale_offset, strides=None, scale_strides=None):
+        """Engines serving FP8: registers the box of tensor (dtype: the trainers', bf16, fp16
+        or fp32) stored as float8_e4m3fn (1 byte an element) at offset in region, quantized
+        during each refit in format fmt ("block" = 128x128 with fp32 scales, "block:RxC",
+        "channel", "tensor", "mxfp8"), its scales at scale_offset in scale_region, laid out
+        over the box's block grid (fp8_scale_shape); strides in elements, None for
+        row-major."""
+        dt = DTYPES[dtype] if isinstance(dtype, str) else dtype
+        n = len(shape)
+        if not (len(start) == len(extent) == n) or (strides is not None and len(strides) != n) \
+                or (scale_strides is not None and len(scale_strides) != n):
+            raise Error(-errno.EINVAL, f"tensor {tensor}: shape, start, extent and strides "
+                        "need one value per dim")
+        name = tensor if isinstance(tensor, bytes) else tensor.encode()
+        self._check(self._lib.refit_add_piece_fp8(
+            self._c, name, dt, n, _i64s(shape), region, offset, _i64s(start), _i64s(extent),
+            _i64s(strides) if strides is not None else None, fmt.encode(), scale_region,
+            scale_offset, _i64s(scale_strides) if scale_strides is not None else None))
 
     def seal(self):
         self._check(self._lib.refit_seal(self._c))
