@@ -26,6 +26,11 @@ import refit  # noqa: E402
 PUB = os.path.join(BUILD, "refit-publisherd")
 RECV = os.path.join(BUILD, "refit-receiverd")
 HAVE_LIB = os.path.exists(os.environ["REFIT_LIB"])
+try:
+    import torch
+    HAVE_TORCH = True
+except ImportError:
+    HAVE_TORCH = False
 HAVE_DAEMONS = HAVE_LIB and os.path.exists(PUB) and os.path.exists(RECV)
 
 
@@ -162,6 +167,41 @@ class TestAgainstScriptedDaemon(unittest.TestCase):
                 c.wait_version(5, 5000)
             self.assertEqual(cm.exception.code, -errno.EPROTO)
             self.assertIn("answered the wait for version 5 with version 3", cm.exception.message)
+
+
+FP8_ROWS, FP8_COLS = 128, 64
+FP8_SCALES = [1.0, 0.5, 1.0, 2.0 ** -4]
+
+
+def fp8_case():
+    """A 128x64 bf16 matrix (bytes) of values exactly representable in e4m3 after scaling, and
+    the float8_e4m3fn bytes its block:64x32 quantization gives: blocks with amax 448 (scale 1),
+    224 (scale 1/2), all zeros of both signs (scale 1, -0 is 0x80) and 28 (scale 1/16)."""
+    table = [448.0, -448.0, 1.0, -1.0, 0.5, 1.5, 2.0, 3.0, 13.0, -2.0 ** -6, 2.0 ** -9,
+             240.0, -96.0, 0.0, 7.0, 52.0]
+    factor = [[1.0, 0.5], [0.0, 2.0 ** -4]]
+
+    def e4m3(v):
+        # Exactly representable values only (the table's).
+        sign = 0x80 if math.copysign(1.0, v) < 0 else 0
+        a = abs(v)
+        if a == 0:
+            return sign
+        e = math.floor(math.log2(a))
+        if e < -6:
+            return sign | int(a / 2.0 ** -9)
+        return sign | (e + 7) << 3 | int((a / 2.0 ** e - 1) * 8)
+
+    bf16 = bytearray(FP8_ROWS * FP8_COLS * 2)
+    want = bytearray(FP8_ROWS * FP8_COLS)
+    for i in range(FP8_ROWS):
+        for j in range(FP8_COLS):
+            t = table[(i * FP8_COLS + j) % len(table)]
+            x = t * factor[i // 64][j // 32]
+            bits = struct.unpack("<I", struct.pack("<f", x))[0] >> 16
+            struct.pack_into("<H", bf16, (i * FP8_COLS + j) * 2, bits)
+            want[i * FP8_COLS + j] = e4m3(x / FP8_SCALES[(i // 64) * 2 + j // 32])
+    return bytes(bf16), want
 
 
 @unittest.skipUnless(HAVE_DAEMONS, f"daemons not built in {BUILD}: run make")
@@ -311,35 +351,12 @@ class TestWithDaemons(unittest.TestCase):
         """A bf16 trainer refits an FP8 engine (block:64x32, scales in the same buffer): every
         FP8 byte and scale is what the format says, for blocks whose amax gives scales 1, 1/2,
         1 (all zeros) and 1/16."""
-        table = [448.0, -448.0, 1.0, -1.0, 0.5, 1.5, 2.0, 3.0, 13.0, -2.0 ** -6, 2.0 ** -9,
-                 240.0, -96.0, 0.0, 7.0, 52.0]
-        factor = {(0, 0): 1.0, (0, 1): 0.5, (1, 0): 0.0, (1, 1): 2.0 ** -4}
-        scale = {(0, 0): 1.0, (0, 1): 0.5, (1, 0): 1.0, (1, 1): 2.0 ** -4}
-
-        def e4m3(v):
-            # Exactly representable values only (the table's).
-            sign = 0x80 if math.copysign(1.0, v) < 0 else 0
-            a = abs(v)
-            if a == 0:
-                return sign
-            e = math.floor(math.log2(a))
-            if e < -6:
-                return sign | int(a / 2.0 ** -9)
-            return sign | (e + 7) << 3 | int((a / 2.0 ** e - 1) * 8)
-
-        rows, cols = 128, 64
+        rows, cols = FP8_ROWS, FP8_COLS
         with refit.Client(refit.TRAINER, "py-trainer", 0, socket=self.pub_sock) as tr, \
                 refit.Client(refit.ENGINE, "py-engine", 0, socket=self.recv_sock) as en:
             src = tr.alloc_host(rows * cols * 2)
-            want = bytearray(rows * cols)
-            for i in range(rows):
-                for j in range(cols):
-                    t = table[(i * cols + j) % len(table)]
-                    x = t * factor[(i // 64, j // 32)]
-                    bits = struct.unpack("<I", struct.pack("<f", x))[0] >> 16
-                    struct.pack_into("<H", src.mmap, (i * cols + j) * 2, bits)
-                    # The zero block keeps the signs: -0 is 0x80.
-                    want[i * cols + j] = e4m3(x / scale[(i // 64, j // 32)])
+            bf16, want = fp8_case()
+            src.mmap[0:rows * cols * 2] = bf16
             tr.add_piece("model.q", "bf16", [rows, cols], src.region, 0, [0, 0], [rows, cols])
             tr.seal()
             sshape, ses = refit.fp8_scale_shape("block:64x32", [rows, cols], [0, 0],
@@ -362,8 +379,43 @@ class TestWithDaemons(unittest.TestCase):
             self.assertEqual(bad, [], f"{len(bad)} FP8 bytes differ, first at {bad[:4]}: "
                              f"{[got[k] for k in bad[:4]]} != {[want[k] for k in bad[:4]]}")
             scales = struct.unpack_from("<4f", dst.mmap, rows * cols)
-            self.assertEqual(list(scales), [scale[(0, 0)], scale[(0, 1)], scale[(1, 0)],
-                                            scale[(1, 1)]])
+            self.assertEqual(list(scales), FP8_SCALES)
+
+    @unittest.skipUnless(HAVE_TORCH, "needs torch (python3-torch)")
+    def test_6_fp8_engine_with_refit_torch(self):
+        """The same through refit.torch: register() a bf16 tensor, register_fp8() a uint8 (or
+        float8_e4m3fn) weight and its float32 weight_scale_inv in refit.torch.empty memory."""
+        import refit.torch as rt
+
+        rows, cols = FP8_ROWS, FP8_COLS
+        with refit.Client(refit.TRAINER, "py-trainer", 0, socket=self.pub_sock) as tr, \
+                refit.Client(refit.ENGINE, "py-engine", 0, socket=self.recv_sock) as en:
+            bf16, want = fp8_case()
+            src = rt.empty([rows, cols], torch.bfloat16)
+            src.view(torch.uint8).view(-1)[:] = torch.frombuffer(bytearray(bf16),
+                                                                 dtype=torch.uint8)
+            rt.register(tr, "model.q", src)
+            tr.seal()
+            w = rt.empty([rows, cols], getattr(torch, "float8_e4m3fn", torch.uint8))
+            sc = rt.empty([2, 2], torch.float32)
+            with self.assertRaises(refit.Error) as cm:
+                rt.register_fp8(en, "model.q", w, rt.empty([2, 3], torch.float32), "block:64x32")
+            self.assertIn("needs [2, 2] scales of 4 bytes", cm.exception.message)
+            with self.assertRaises(refit.Error) as cm:
+                rt.register_fp8(en, "model.q", rt.empty([rows, cols], torch.float16), sc,
+                                "block:64x32")
+            self.assertIn("FP8 weights are float8_e4m3fn", cm.exception.message)
+            rt.register_fp8(en, "model.q", w, sc, "block:64x32")
+            en.seal()
+            tr.publish(4)
+            try:
+                tr.wait_released(4, 20000)
+                self.assertEqual(en.wait_version(4, 20000), 4)
+            except refit.Error as e:
+                self.fail(f"{e}\n{self.logs_text()}")
+            got = bytes(w.view(torch.uint8).contiguous().view(-1).tolist())
+            self.assertEqual(got, bytes(want))
+            self.assertEqual(sc.view(-1).tolist(), FP8_SCALES)
 
 
 if __name__ == "__main__":

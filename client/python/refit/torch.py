@@ -339,6 +339,52 @@ def register(client, hf_name, tensor, box=None, global_shape=None):
     return 1
 
 
+def register_fp8(client, hf_name, weight, scale, fmt="block", dtype=torch.bfloat16, box=None,
+                 global_shape=None):
+    """Engines serving FP8: registers weight (float8_e4m3fn, or uint8 where torch has no FP8
+    dtype: the same bytes) as the box of HF tensor hf_name, which the trainers hold in dtype
+    (bfloat16, float16 or float32); each refit quantizes it in fmt ("block" = 128x128 blocks,
+    "block:RxC", "channel", "tensor", "mxfp8") and writes its scales into scale (float32, or
+    uint8 E8M0 for mxfp8), shaped as the box's block grid (refit.fp8_scale_shape: for "block"
+    it is DeepSeek-V3's and Qwen3-FP8's weight_scale_inv). box and global_shape as for
+    register; both tensors in memory refit can move, on one device. Returns 1."""
+    from . import fp8_scale_shape
+
+    what = f"FP8 tensor {hf_name}"
+    for t, name in ((weight, "weight"), (scale, "scale")):
+        _check_tensor(t, f"{what}: its {name}")
+    if weight.element_size() != 1 or weight.is_floating_point() and \
+            str(weight.dtype) != "torch.float8_e4m3fn":
+        raise Error(-errno.EINVAL, f"{what}: the weight is {weight.dtype}; FP8 weights are "
+                    "float8_e4m3fn (uint8 where torch has no FP8 dtype)")
+    if dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise Error(-errno.EINVAL, f"{what}: trainers' dtype {dtype} is not quantized; give "
+                    "bfloat16, float16 or float32")
+    if weight.device != scale.device:
+        raise Error(-errno.EINVAL, f"{what}: weight on {weight.device}, scales on "
+                    f"{scale.device}: both must be on one device")
+    shape = list(weight.shape)
+    if box is None:
+        start, gshape = [0] * len(shape), list(global_shape) if global_shape else shape
+    else:
+        start = [b[0] for b in box]
+        if [b[1] - b[0] for b in box] != shape or global_shape is None:
+            raise Error(-errno.EINVAL, f"{what}: box {box} must have the weight's shape "
+                        f"{shape} and come with global_shape")
+        gshape = list(global_shape)
+    sshape, ses = fp8_scale_shape(fmt, gshape, start, shape)
+    if list(scale.shape) != sshape or scale.element_size() != ses:
+        raise Error(-errno.EINVAL, f"{what}: format {fmt} on box {shape} at {start} needs "
+                    f"{sshape} scales of {ses} bytes; scale is {list(scale.shape)} of "
+                    f"{scale.dtype}")
+    region, base = _region_of(client, weight, what)
+    sregion, sbase = _region_of(client, scale, what)
+    client.add_piece_fp8(hf_name, _TORCH_DTYPES[dtype], gshape, region,
+                         weight.data_ptr() - base, start, shape, fmt, sregion,
+                         scale.data_ptr() - sbase, list(weight.stride()), list(scale.stride()))
+    return 1
+
+
 class Param:
     """One parameter of a layout: its name in the convention, torch dtype, local shape, and
     its pieces: (hf_name, global_shape, start, extent, strides, offset in elements)."""
