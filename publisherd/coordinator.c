@@ -541,6 +541,11 @@ static void build_after(uv_work_t *w, int status)
                 (unsigned long long)c->stats.relay_messages, c->stats.relay_depth,
                 c->stats.relay_fanout, (unsigned long long)c->stats.source_bytes,
                 (unsigned long long)c->stats.dst_bytes);
+    if (c->stats.quant_transfers > 0)
+        RF_INFO("plan %.16s quantizes %llu transfers into FP8 engines on their senders: %llu "
+                "bytes of FP8 elements and scales", id,
+                (unsigned long long)c->stats.quant_transfers,
+                (unsigned long long)c->stats.quant_bytes);
     rf_metric_set(c->m_tensors, c->stats.tensors);
     rf_metric_set(c->m_transfers, (double)c->stats.transfers);
     c->plan_ready = true;
@@ -992,6 +997,10 @@ void rf_coord_status(json_t *status, void *arg)
                      "relay_bytes", (json_int_t)c->stats.relay_bytes, "relay_messages",
                      (json_int_t)c->stats.relay_messages, "relay_depth",
                      (int)c->stats.relay_depth);
+    /* FP8 engines: transfers their senders quantize, and their bytes (elements and scales). */
+    json_object_set_new(plan, "quant_transfers",
+                        json_integer((json_int_t)c->stats.quant_transfers));
+    json_object_set_new(plan, "quant_bytes", json_integer((json_int_t)c->stats.quant_bytes));
     last = json_pack("{s:I, s:s, s:I, s:f, s:f, s:f, s:f}", "version",
                      (json_int_t)c->last.version, "result", c->last.result[0] ? c->last.result
                      : "none", "bytes", (json_int_t)c->last.bytes, "publish_quorum_s",

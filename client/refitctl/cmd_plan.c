@@ -13,6 +13,7 @@
 #include "layout.h"
 #include "model.h"
 #include "plan.h"
+#include "quant_fmt.h"
 
 #define TOP_N 5
 
@@ -45,6 +46,10 @@ static void plan_usage(FILE *f)
             "                      two H200s)\n"
             "  --relay             let engine replicas forward bytes they received to other\n"
             "                      replicas (relays), so trainers send each byte about once\n"
+            "  --fp8 FORMAT        what-if: the engines serve FP8 (block, block:RxC, channel,\n"
+            "                      tensor, mxfp8): every engine piece of a 2-dim-or-more weight\n"
+            "                      whose box lies on the format's grid is FP8, quantized by its\n"
+            "                      sender (the plan refuses trainer shards that cut a block)\n"
             "  --explain           add per-path, per-tensor-class, top sender, receiver and link\n"
             "                      tables, and with --relay the relay structure\n"
             "  --json              print one JSON object instead of text\n"
@@ -69,6 +74,7 @@ typedef struct plan_args {
     double staging_mib, direct_min_mib, link_gbps, local_gbps;
     int gpus_per_node;
     int colocate;  /* engine ranks on the trainers' machines: 0 none, -1 all, else that many */
+    const char *fp8; /* --fp8: the engines' FP8 format, NULL for none */
     int explain, json, relay;
 } plan_args;
 
@@ -117,6 +123,7 @@ static int parse_args(int argc, char **argv, plan_args *a)
         {"local-gbps", required_argument, NULL, 'L'},
         {"explain", no_argument, NULL, 'e'},
         {"relay", no_argument, NULL, 'r'},
+        {"fp8", required_argument, NULL, 'F'},
         {"json", no_argument, NULL, 'j'},
         {"help", no_argument, NULL, 'h'},
         {NULL, 0, NULL, 0},
@@ -171,6 +178,7 @@ static int parse_args(int argc, char **argv, plan_args *a)
             break;
         case 'e': a->explain = 1; break;
         case 'r': a->relay = 1; break;
+        case 'F': a->fp8 = optarg; break;
         case 'j': a->json = 1; break;
         case 'h': plan_usage(stdout); return 0;
         default:
@@ -528,6 +536,7 @@ int rf_ctl_plan(int argc, char **argv)
     double t0, t1, bps, lbps, pred = 0, pred_net = 0, pred_local = 0, ratio;
     rf_plan_time tm;
     char id[RF_PLAN_ID_HEX] = "", b1[32], b2[32], b3[32];
+    uint32_t fp8_pieces = 0;
     int rc;
 
     rf_err_clear(&err);
@@ -554,6 +563,22 @@ int rf_ctl_plan(int argc, char **argv)
         fprintf(stderr, "refitctl plan: placing endpoints on machines: %s\n", err.msg);
         rc = 1;
         goto out;
+    }
+    if (a.fp8) {
+        rf_quant_fmt qf;
+        rf_inv *q8 = NULL;
+
+        if (rf_quant_fmt_parse(a.fp8, &qf, &err) < 0) {
+            fprintf(stderr, "refitctl plan: --fp8: %s\n", err.msg);
+            goto out;
+        }
+        if (rf_quant_inv_fp8(inv, &qf, &q8, &fp8_pieces, &err) < 0) {
+            fprintf(stderr, "refitctl plan: --fp8 %s: %s\n", a.fp8, err.msg);
+            rc = 1;
+            goto out;
+        }
+        rf_inv_free(inv);
+        inv = q8;
     }
     rf_plan_opts_default(&o);
     o.staging_bytes = (uint64_t)(a.staging_mib * 1024 * 1024);
@@ -607,6 +632,9 @@ int rf_ctl_plan(int argc, char **argv)
         JI("local_transfers", st->local_transfers);
         JI("local_bytes", st->local_bytes);
         JI("local_messages", st->local_messages);
+        JI("fp8_pieces", fp8_pieces);
+        JI("quant_transfers", st->quant_transfers);
+        JI("quant_bytes", st->quant_bytes);
         JI("colocated_engines", a.colocate < 0 ? rf_par_world(&pd, RF_DST)
                                 : a.colocate < rf_par_world(&pd, RF_DST) ? a.colocate
                                 : rf_par_world(&pd, RF_DST));
@@ -662,6 +690,12 @@ int rf_ctl_plan(int argc, char **argv)
                "elsewhere\n", a.colocate - 1);
     printf("pieces       %llu source, %llu destination\n", (unsigned long long)st->src_pieces,
            (unsigned long long)st->dst_pieces);
+    if (a.fp8) {
+        fmt_bytes((double)st->quant_bytes, b1, sizeof(b1));
+        printf("fp8          %u engine pieces in %s; %llu transfers, %s of FP8 elements and "
+               "scales, quantized by their senders\n", fp8_pieces, a.fp8,
+               (unsigned long long)st->quant_transfers, b1);
+    }
     fmt_bytes((double)st->direct_bytes, b1, sizeof(b1));
     fmt_bytes((double)st->packed_bytes, b2, sizeof(b2));
     fmt_bytes((double)st->dst_bytes, b3, sizeof(b3));

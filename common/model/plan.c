@@ -1448,6 +1448,7 @@ static int plan_box(builder *b, uint32_t dst, const rf_box *box, bool whole, rf_
         const rf_tensor *t = rf_inv_tensor(b->inv, dr->tensor);
 
         dp.quant = rf_inv_quant(b->inv, dr->quant);
+        dp.esize = 1; /* loads count what goes out: one byte an element, scales aside */
         dp.rows = t->shape[t->ndim - 2];
         dp.cols = t->shape[t->ndim - 1];
     }

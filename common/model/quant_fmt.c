@@ -175,3 +175,82 @@ int rf_quant_box_ok(const rf_quant_fmt *f, uint64_t grows, uint64_t gcols, uint6
                           c1, grows, gcols, br, bc, fs, bc, gcols);
     return 0;
 }
+
+int rf_quant_inv_fp8(const rf_inv *in, const rf_quant_fmt *f, rf_inv **out, uint32_t *nfp8,
+                     rf_err *err)
+{
+    rf_inv *o = rf_inv_new();
+    uint32_t id, n = 0;
+    int rc = rf_quant_fmt_check(f, err);
+
+    *out = NULL;
+    if (rc == 0 && o == NULL)
+        rc = rf_err_set(err, -ENOMEM, "out of memory copying an inventory");
+    for (uint32_t i = 0; rc == 0 && i < rf_inv_ntensors(in); i++) {
+        const rf_tensor *t = rf_inv_tensor(in, i);
+
+        rc = rf_inv_add_tensor(o, t->name, t->dtype, t->ndim, t->shape, &id, err);
+    }
+    for (uint32_t e = 0; rc == 0 && e < rf_inv_nendpoints(in); e++) {
+        const rf_endpoint *ep = rf_inv_endpoint(in, e);
+
+        rc = rf_inv_add_endpoint(o, ep->side, ep->node, &id, err);
+        if (rc == 0)
+            rc = rf_inv_set_endpoint_host(o, id, ep->host, err);
+    }
+    for (uint32_t r = 0; rc == 0 && r < rf_inv_nregions(in); r++)
+        rc = rf_inv_add_region(o, rf_inv_region(in, r)->endpoint, rf_inv_region(in, r)->size,
+                               &id, err);
+    for (int side = 0; rc == 0 && side < 2; side++) {
+        for (uint32_t i = 0; rc == 0 && i < rf_inv_npieces(in, (rf_side)side); i++) {
+            rf_piece p, sp;
+            const rf_tensor *t;
+            rf_quant_decl q = {.kind = f->kind, .br = f->br, .bc = f->bc};
+            uint32_t ep;
+            int nd;
+            int64_t s = 1;
+
+            rf_inv_piece(in, (rf_side)side, i, &p);
+            t = rf_inv_tensor(in, p.tensor);
+            nd = t->ndim;
+            if (side == RF_SRC || nd < 2 ||
+                (t->dtype != RF_DT_BF16 && t->dtype != RF_DT_FP16 && t->dtype != RF_DT_FP32) ||
+                rf_quant_box_ok(f, (uint64_t)t->shape[nd - 2], (uint64_t)t->shape[nd - 1],
+                                (uint64_t)p.box.start[nd - 2], (uint64_t)p.box.start[nd - 1],
+                                (uint64_t)p.box.extent[nd - 2], (uint64_t)p.box.extent[nd - 1],
+                                NULL) < 0) {
+                rc = rf_inv_add_piece(o, &p, &id, err);
+                continue;
+            }
+            /* FP8: the elements dense in a region of their own, the scales in another. */
+            ep = rf_inv_region(in, p.region)->endpoint;
+            for (int d = nd - 1; d >= 0; d--) {
+                p.strides[d] = s;
+                s *= p.box.extent[d];
+            }
+            p.offset = 0;
+            if ((rc = rf_inv_add_region(o, ep, (uint64_t)s, &p.region, err)) < 0)
+                break;
+            rf_inv_scale_box(&q, nd, t->shape, &p.box, &sp.box);
+            s = 1;
+            for (int d = nd - 1; d >= 0; d--) {
+                q.scale_strides[d] = s;
+                s *= sp.box.extent[d];
+            }
+            if ((rc = rf_inv_add_region(o, ep, (uint64_t)s * rf_dtype_size(
+                                            rf_quant_scale_dtype(f)), &q.scale_region, err)) < 0 ||
+                (rc = rf_inv_add_quant(o, &q, &p.quant, err)) < 0)
+                break;
+            rc = rf_inv_add_piece(o, &p, &id, err);
+            n++;
+        }
+    }
+    if (rc < 0) {
+        rf_inv_free(o);
+        return rc;
+    }
+    *out = o;
+    if (nfp8)
+        *nfp8 = n;
+    return 0;
+}

@@ -57,4 +57,12 @@ void rf_quant_fmt_block(const rf_quant_fmt *f, uint64_t rows, uint64_t cols, uin
 int rf_quant_box_ok(const rf_quant_fmt *f, uint64_t grows, uint64_t gcols, uint64_t row0,
                     uint64_t col0, uint64_t rows, uint64_t cols, rf_err *err);
 
+/* A copy of inventory in whose destination pieces of bf16/fp16/fp32 tensors of 2 dims or more
+ * with a box on f's grid are FP8 in format f, as an FP8-serving engine registers them (their
+ * elements dense in a new region, their scales row-major in another, on the piece's
+ * endpoint); the other pieces as they were. *nfp8 (may be NULL) gets how many became FP8. For
+ * planning offline (refitctl plan --fp8). 0, or the error of a piece that does not validate. */
+int rf_quant_inv_fp8(const rf_inv *in, const rf_quant_fmt *f, rf_inv **out, uint32_t *nfp8,
+                     rf_err *err);
+
 #endif
