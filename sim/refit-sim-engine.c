@@ -1,5 +1,6 @@
 /* sim/refit-sim-engine.c - simulated engine ranks: export buffers of a model's engine-side
- * shards to refit-receiverd, then after each committed version check every byte. */
+ * shards to refit-receiverd (bf16 as the trainers', or FP8 with scales), then after each
+ * committed version check every byte. */
 #include <errno.h>
 #include <getopt.h>
 #include <stdio.h>
@@ -29,16 +30,28 @@ static void usage(FILE *f)
             "  --versions K       verify versions until START+K-1 is reached (default 1); a\n"
             "                     later version the daemon committed is checked instead\n"
             "  --timeout-ms T     wait for a version at most T ms (default 120000)\n"
-            "Exits 1 if any installed byte is wrong or a version never commits.\n",
+            "  --fp8 FORMAT       serve FP8: every piece of >= 2 dims whose box lies on the grid\n"
+            "                     of FORMAT (block, block:RxC, channel, tensor, mxfp8) is\n"
+            "                     float8_e4m3fn with its scales, checked against the scalar\n"
+            "                     reference; the others keep the tensor's dtype (host memory)\n"
+            "  --fp8-off-grid     also pieces whose box cuts the grid (the daemon must refuse)\n"
+            "  --fp8-scale-pad N  pad each row of a piece's scales to a multiple of N scales\n"
+            "                     (default 1: dense); the padding must stay untouched\n"
+            "Exits 1 if any installed byte is wrong or a version never commits.\n"
+            "REFIT_SIM_FP8_CORRUPT=element|scale|padding flips one bit of the first FP8 piece\n"
+            "(padding: of its scale rows' padding) before the first check, which must then\n"
+            "count 1 wrong element (a test of the check).\n",
             REFIT_SOCKET_RECEIVER);
 }
 
 int main(int argc, char **argv)
 {
     static const struct option opts[] = {SIM_COMMON_OPTIONS, {"help", 0, 0, 'h'},
-                                         {0, 0, 0, 0}};
+                                         {"fp8", 1, 0, 'F'}, {"fp8-off-grid", 0, 0, 'O'},
+                                         {"fp8-scale-pad", 1, 0, 'P'}, {0, 0, 0, 0}};
+    const char *corrupt = getenv("REFIT_SIM_FP8_CORRUPT");
     uint64_t v, wrong_total = 0;
-    int o, i, status = 1;
+    int o, i, status = 1, checked = 0;
     sim_opts so;
     sim s;
 
@@ -50,12 +63,53 @@ int main(int argc, char **argv)
             usage(stdout);
             return 0;
         }
+        if (o == 'F') {
+            so.fp8 = optarg;
+            continue;
+        }
+        if (o == 'O') {
+            so.fp8_off_grid = 1;
+            continue;
+        }
+        if (o == 'P') {
+            char *end = NULL;
+            unsigned long n = strtoul(optarg, &end, 10);
+
+            if (end == optarg || *end != '\0' || n < 1 || n > 1024) {
+                fprintf(stderr, "--fp8-scale-pad %s: give a number of scales from 1 to 1024\n",
+                        optarg);
+                return 2;
+            }
+            so.fp8_scale_pad = (uint32_t)n;
+            continue;
+        }
         usage(stderr);
         return 2;
     }
     setvbuf(stdout, NULL, _IOLBF, 0);
+    if ((so.fp8_off_grid || so.fp8_scale_pad) && !so.fp8) {
+        fprintf(stderr, "--fp8-off-grid and --fp8-scale-pad go with --fp8 FORMAT\n");
+        return 2;
+    }
+    if (corrupt && strcmp(corrupt, "element") != 0 && strcmp(corrupt, "scale") != 0 &&
+        strcmp(corrupt, "padding") != 0) {
+        fprintf(stderr, "REFIT_SIM_FP8_CORRUPT=%s: give element, scale or padding\n", corrupt);
+        return 2;
+    }
     if (sim_open(&s, RF_DST, &so) < 0)
         return 2;
+    if (s.fp8)
+        printf("engine ranks %d-%d: fp8 %s: %llu pieces FP8 (%llu bytes and %llu bytes of "
+               "scales), %llu pieces kept as their tensor's dtype (%llu bytes)\n", s.first,
+               s.first + s.count - 1, s.fp8_name, (unsigned long long)s.fp8_pieces,
+               (unsigned long long)s.fp8_bytes, (unsigned long long)s.fp8_scale_bytes,
+               (unsigned long long)s.kept_pieces, (unsigned long long)s.kept_bytes);
+    if (corrupt && s.fp8_pieces == 0) {
+        fprintf(stderr, "REFIT_SIM_FP8_CORRUPT: no FP8 piece to corrupt (give --fp8 FORMAT "
+                "with pieces on its grid)\n");
+        sim_close(&s);
+        return 2;
+    }
     sim_fill_garbage(&s);
     if (sim_register(&s, so.timeout_ms) < 0)
         goto out;
@@ -99,8 +153,19 @@ int main(int argc, char **argv)
             printf("engine ranks %d-%d: waited for version %llu, the daemon committed version "
                    "%llu: checking that one\n", s.first, s.first + s.count - 1,
                    (unsigned long long)v, (unsigned long long)reached);
+        if (corrupt && checked == 0 && sim_fp8_corrupt(&s, corrupt) < 0)
+            fprintf(stderr, "REFIT_SIM_FP8_CORRUPT=%s: no FP8 piece has that to flip\n",
+                    corrupt);
         wrong = sim_verify(&s, reached, 5);
         wrong_total += wrong;
+        /* Once: whether the expected FP8 content could show misplaced scales and elements. */
+        if (s.fp8_elems > 0 && checked == 0)
+            printf("engine ranks %d-%d: fp8 check: scales of neighbouring blocks differ in "
+                   "%llu of %llu pairs, %llu of %llu elements quantize to nonzero\n", s.first,
+                   s.first + s.count - 1, (unsigned long long)s.fp8_pairs_differ,
+                   (unsigned long long)s.fp8_pairs, (unsigned long long)s.fp8_elems_nonzero,
+                   (unsigned long long)s.fp8_elems);
+        checked++;
         printf("engine ranks %d-%d: version %llu committed after %.3f s, verified %llu bytes, "
                "%llu wrong elements\n", s.first, s.first + s.count - 1,
                (unsigned long long)reached, sim_now() - t0, (unsigned long long)s.bytes,

@@ -1,6 +1,7 @@
 /* sim/sim.c - simulated clients' shared part: registration of a model's ranks and the
- * (version, tensor, index) pattern. */
+ * (version, tensor, index) pattern; engines' FP8 pieces and their exact check. */
 #include "sim.h"
+#include "quant_ref.h"
 #include "sim_pattern.h"
 #ifdef RF_HAVE_CUDA
 #include "sim_cuda.h"
@@ -109,6 +110,109 @@ int sim_setup(sim *s, rf_side side, const char *model, int shrink, const char *l
     return sim_setup_device(s, side, model, shrink, layout, ranks, socket, SIM_HOST, 0, 0);
 }
 
+/* Whether piece p is registered as FP8: a bf16/fp16/fp32 tensor of >= 2 dims, rows
+ * contiguous, and (unless fp8_off_grid) each matrix of the box on the format's grid. */
+static int fp8_wanted(const sim *s, const rf_piece *p)
+{
+    const rf_tensor *t = rf_model_tensor(s->model, p->tensor);
+    int nd = t->ndim;
+
+    if (!s->fp8 || nd < 2 || p->strides[nd - 1] != 1 ||
+        (t->dtype != RF_DT_BF16 && t->dtype != RF_DT_FP16 && t->dtype != RF_DT_FP32))
+        return 0;
+    return s->fp8_off_grid ||
+           rf_quant_box_ok(&s->fp8_fmt, (uint64_t)t->shape[nd - 2], (uint64_t)t->shape[nd - 1],
+                           (uint64_t)p->box.start[nd - 2], (uint64_t)p->box.start[nd - 1],
+                           (uint64_t)p->box.extent[nd - 2], (uint64_t)p->box.extent[nd - 1],
+                           NULL) == 0;
+}
+
+/* The rank's memory for FP8 pieces, before its regions are placed. A region whose pieces are
+ * all FP8 keeps its layout with 1-byte elements (offsets and size divided by the dtype's size,
+ * strides as they are: a fused qkv_proj stays one buffer); an FP8 piece of a region that also
+ * holds other pieces moves to a region of its own, row-major. The scales of every FP8 piece
+ * go to one more region, each piece's row-major over its block grid (rows padded to
+ * fp8_scale_pad scales), 64-byte aligned. */
+static int fp8_layout(sim *s, sim_rank *r)
+{
+    uint32_t nreg = r->nregions, k, g, scale_region;
+    uint64_t scale_size = 0;
+    size_t ses = rf_dtype_size(rf_quant_scale_dtype(&s->fp8_fmt));
+
+    r->quants = calloc(r->npieces ? r->npieces : 1, sizeof(*r->quants));
+    if (!r->quants)
+        return -ENOMEM;
+    for (g = 0; g < nreg; g++) {
+        int all = 1, any = 0;
+        size_t es = 0;
+
+        for (k = 0; k < r->npieces; k++) {
+            if (r->pieces[k].region != g)
+                continue;
+            es = rf_dtype_size(rf_model_tensor(s->model, r->pieces[k].tensor)->dtype);
+            if (fp8_wanted(s, &r->pieces[k]))
+                any = 1;
+            else
+                all = 0;
+        }
+        if (!any)
+            continue;
+        if (all) {
+            r->regions[g].size /= es;
+            for (k = 0; k < r->npieces; k++)
+                if (r->pieces[k].region == g) {
+                    r->pieces[k].offset /= es;
+                    r->pieces[k].quant = UINT32_MAX; /* numbered below */
+                }
+            continue;
+        }
+        for (k = 0; k < r->npieces; k++) {
+            rf_piece *p = &r->pieces[k];
+            const rf_tensor *t = rf_model_tensor(s->model, p->tensor);
+            int64_t st = 1;
+
+            if (p->region != g || !fp8_wanted(s, p))
+                continue;
+            for (int d = t->ndim - 1; d >= 0; d--) {
+                p->strides[d] = st;
+                st *= p->box.extent[d];
+            }
+            if (sink_region(r, r->nregions, (uint64_t)st) < 0)
+                return -ENOMEM;
+            p->region = r->nregions - 1;
+            p->offset = 0;
+            p->quant = UINT32_MAX;
+        }
+    }
+    scale_region = r->nregions;
+    for (k = 0; k < r->npieces; k++) {
+        rf_piece *p = &r->pieces[k];
+        const rf_tensor *t = rf_model_tensor(s->model, p->tensor);
+        rf_quant_decl *q = &r->quants[r->nquants];
+        int nd = t->ndim, d;
+        rf_box sb;
+
+        if (p->quant != UINT32_MAX)
+            continue;
+        q->kind = s->fp8_fmt.kind;
+        q->br = s->fp8_fmt.br;
+        q->bc = s->fp8_fmt.bc;
+        q->scale_region = scale_region;
+        q->scale_offset = (scale_size + 63) & ~(uint64_t)63;
+        rf_inv_scale_box(q, nd, t->shape, &p->box, &sb);
+        q->scale_strides[nd - 1] = 1;
+        q->scale_strides[nd - 2] = (sb.extent[nd - 1] + s->fp8_scale_pad - 1) /
+                                   s->fp8_scale_pad * s->fp8_scale_pad;
+        for (d = nd - 3; d >= 0; d--)
+            q->scale_strides[d] = q->scale_strides[d + 1] * sb.extent[d + 1];
+        scale_size = q->scale_offset + (uint64_t)(q->scale_strides[0] * sb.extent[0]) * ses;
+        p->quant = ++r->nquants;
+    }
+    if (r->nquants > 0 && sink_region(r, scale_region, scale_size) < 0)
+        return -ENOMEM;
+    return 0;
+}
+
 /* The rank's one allocation: a sealed memfd mapped here, or GPU memory. */
 static int alloc_rank(sim *s, sim_rank *r)
 {
@@ -157,9 +261,21 @@ static int alloc_rank(sim *s, sim_rank *r)
 #endif
 }
 
+static int setup(sim *s, rf_side side, const char *model, int shrink, const char *layout,
+                 const char *ranks, const char *socket, int gpu, int vmm, uint64_t vmm_chunk,
+                 const sim_opts *o);
+
 int sim_setup_device(sim *s, rf_side side, const char *model, int shrink, const char *layout,
                      const char *ranks, const char *socket, int gpu, int vmm,
                      uint64_t vmm_chunk)
+{
+    return setup(s, side, model, shrink, layout, ranks, socket, gpu, vmm, vmm_chunk, NULL);
+}
+
+/* o: the options of FP8 pieces (NULL: none). */
+static int setup(sim *s, rf_side side, const char *model, int shrink, const char *layout,
+                 const char *ranks, const char *socket, int gpu, int vmm, uint64_t vmm_chunk,
+                 const sim_opts *o)
 {
     rf_err err = {0};
     rf_model *m = NULL;
@@ -172,6 +288,16 @@ int sim_setup_device(sim *s, rf_side side, const char *model, int shrink, const 
     s->vmm_chunk = vmm_chunk;
     s->socket = socket;
     s->side = side;
+    if (o && o->fp8) {
+        if (rf_quant_fmt_parse(o->fp8, &s->fp8_fmt, &err) < 0) {
+            fprintf(stderr, "--fp8: %s\n", err.msg);
+            return -1;
+        }
+        s->fp8 = 1;
+        snprintf(s->fp8_name, sizeof(s->fp8_name), "%s", o->fp8);
+        s->fp8_off_grid = o->fp8_off_grid;
+        s->fp8_scale_pad = o->fp8_scale_pad ? o->fp8_scale_pad : 1;
+    }
     if (rf_model_load(model, &m, &err) < 0) {
         fprintf(stderr, "%s\n", err.msg);
         return -1;
@@ -212,6 +338,10 @@ int sim_setup_device(sim *s, rf_side side, const char *model, int shrink, const 
             fprintf(stderr, "rank %d: %s\n", r->rank, err.msg);
             return -1;
         }
+        if (s->fp8 && fp8_layout(s, r) < 0) {
+            fprintf(stderr, "rank %d: out of memory laying out its FP8 pieces\n", r->rank);
+            return -1;
+        }
         /* Regions 256-byte aligned inside the rank's one allocation, like a caching
          * allocator's blocks. */
         r->mem_size = 0;
@@ -224,12 +354,25 @@ int sim_setup_device(sim *s, rf_side side, const char *model, int shrink, const 
         for (k = 0; k < r->nregions; k++)
             r->regions[k].base = r->mem + r->regions[k].offset;
         for (k = 0; k < r->npieces; k++) {
-            const rf_tensor *tn = rf_model_tensor(m, r->pieces[k].tensor);
+            const rf_piece *p = &r->pieces[k];
+            const rf_tensor *tn = rf_model_tensor(m, p->tensor);
+            uint64_t n = (uint64_t)rf_box_numel(&p->box, tn->ndim);
 
-            s->bytes += (uint64_t)rf_box_numel(&r->pieces[k].box, tn->ndim) *
-                        rf_dtype_size(tn->dtype);
+            if (p->quant) {
+                rf_box sb;
+
+                rf_inv_scale_box(&r->quants[p->quant - 1], tn->ndim, tn->shape, &p->box, &sb);
+                s->fp8_pieces++;
+                s->fp8_bytes += n;
+                s->fp8_scale_bytes += (uint64_t)rf_box_numel(&sb, tn->ndim) *
+                                      rf_dtype_size(rf_quant_scale_dtype(&s->fp8_fmt));
+            } else {
+                s->kept_pieces++;
+                s->kept_bytes += n * rf_dtype_size(tn->dtype);
+            }
         }
     }
+    s->bytes = s->fp8_bytes + s->fp8_scale_bytes + s->kept_bytes;
     return 0;
 }
 
@@ -260,10 +403,18 @@ static int register_rank(sim *s, sim_rank *r)
     for (k = 0; k < r->npieces; k++) {
         const rf_piece *p = &r->pieces[k];
         const rf_tensor *t = rf_model_tensor(s->model, p->tensor);
+        const rf_quant_decl *q = p->quant ? &r->quants[p->quant - 1] : NULL;
 
-        rc = refit_add_piece(r->c, t->name, t->dtype, t->ndim, t->shape,
-                             r->regions[p->region].id, p->offset, p->box.start, p->box.extent,
-                             p->strides);
+        if (q)
+            rc = refit_add_piece_fp8(r->c, t->name, t->dtype, t->ndim, t->shape,
+                                     r->regions[p->region].id, p->offset, p->box.start,
+                                     p->box.extent, p->strides, s->fp8_name,
+                                     r->regions[q->scale_region].id, q->scale_offset,
+                                     q->scale_strides);
+        else
+            rc = refit_add_piece(r->c, t->name, t->dtype, t->ndim, t->shape,
+                                 r->regions[p->region].id, p->offset, p->box.start,
+                                 p->box.extent, p->strides);
         if (rc < 0)
             goto fail;
     }
@@ -333,6 +484,7 @@ void sim_close(sim *s)
             close(r->fd);
         free(r->regions);
         free(r->pieces);
+        free(r->quants);
     }
     free(s->ranks);
     free(s->tensor_salt);
@@ -425,8 +577,10 @@ void sim_fill(sim *s, uint64_t version)
             continue;
         }
 #endif
+        /* FP8 pieces are engines' only, which sim_fill never writes. */
         for (k = 0; k < s->ranks[i].npieces; k++)
-            for_rows(s, &s->ranks[i], &s->ranks[i].pieces[k], fill_row, &version);
+            if (!s->ranks[i].pieces[k].quant)
+                for_rows(s, &s->ranks[i], &s->ranks[i].pieces[k], fill_row, &version);
     }
 }
 
@@ -451,6 +605,7 @@ typedef struct verify_ctx {
     int rank;
     uint64_t version, wrong;
     int max_report, reported;
+    uint64_t s_pairs, s_differ, e_count, e_nonzero; /* FP8: see sim.fp8_pairs */
 } verify_ctx;
 
 static void verify_row(void *ctx, uint8_t *addr, uint64_t gidx, int64_t n, size_t es,
@@ -477,9 +632,210 @@ static void verify_row(void *ctx, uint8_t *addr, uint64_t gidx, int64_t n, size_
     }
 }
 
+/* "[a, b, c]" of n coordinates. */
+static const char *coords(char *buf, size_t len, const int64_t *x, int n)
+{
+    size_t o = 0;
+
+    buf[0] = '\0';
+    for (int d = 0; d < n && o < len; d++)
+        o += (size_t)snprintf(buf + o, len - o, "%s%lld", d ? ", " : "[", (long long)x[d]);
+    if (o < len)
+        snprintf(buf + o, len - o, "]");
+    return buf;
+}
+
+/* A scale's bytes for a person: the fp32 value, or the E8M0 byte and its power of two. */
+static const char *scale_str(char *buf, size_t len, const uint8_t *p, int mx)
+{
+    uint32_t u;
+    float f;
+
+    if (mx) {
+        snprintf(buf, len, "e8m0 %02x (2^%d)", p[0], (int)p[0] - 127);
+        return buf;
+    }
+    memcpy(&u, p, sizeof(u));
+    memcpy(&f, p, sizeof(f));
+    snprintf(buf, len, "%08x (%.9g)", (unsigned)u, (double)f);
+    return buf;
+}
+
+/* One FP8 piece: per matrix of its box (one per index of the leading dims), the trainers'
+ * values of the whole matrix at this version, quantized by the scalar reference with the grid
+ * at the box's origin (the box lies on the tensor's grid, so that is the tensor's grid), then
+ * every FP8 byte, every scale and the padding of every scale row compared. */
+static void verify_fp8(verify_ctx *v, const sim_rank *r, const rf_piece *p)
+{
+    const sim *s = v->s;
+    const rf_tensor *t = rf_model_tensor(s->model, p->tensor);
+    const rf_quant_decl *q = &r->quants[p->quant - 1];
+    rf_quant_fmt f = {q->kind, q->br, q->bc};
+    int nd = t->ndim, L = nd - 2, mx = f.kind == RF_QUANT_MXFP8, d;
+    size_t es = rf_dtype_size(t->dtype), ses = rf_dtype_size(rf_quant_scale_dtype(&f));
+    uint64_t rows = (uint64_t)p->box.extent[L], cols = (uint64_t)p->box.extent[L + 1];
+    uint64_t salt = s->tensor_salt[p->tensor], srows, scols;
+    const uint8_t *base = r->regions[p->region].base + p->offset;
+    const uint8_t *sbase = r->regions[q->scale_region].base + q->scale_offset;
+    int64_t lead[RF_MAX_DIMS] = {0}, x[RF_MAX_DIMS];
+    uint8_t *src, *qx, *sx;
+    char at[120], got[48], want[48];
+    rf_box sb;
+
+    rf_inv_scale_box(q, nd, t->shape, &p->box, &sb);
+    srows = (uint64_t)sb.extent[L];
+    scols = (uint64_t)sb.extent[L + 1];
+    src = malloc(rows * cols * es);
+    qx = malloc(rows * cols);
+    sx = malloc(srows * scols * ses);
+    if (!src || !qx || !sx) {
+        fprintf(stderr, "rank %d: %s: out of memory verifying an FP8 piece\n", v->rank,
+                t->name);
+        v->wrong++;
+        goto out;
+    }
+    for (;;) {
+        uint64_t g0 = 0;
+        int64_t off = 0, soff = 0;
+
+        for (d = 0; d < L; d++) {
+            g0 = g0 * (uint64_t)t->shape[d] + (uint64_t)(p->box.start[d] + lead[d]);
+            off += lead[d] * p->strides[d];
+            soff += lead[d] * q->scale_strides[d];
+            x[d] = p->box.start[d] + lead[d];
+        }
+        for (uint64_t i = 0; i < rows; i++) {
+            uint64_t g = (g0 * (uint64_t)t->shape[L] + (uint64_t)p->box.start[L] + i) *
+                         (uint64_t)t->shape[L + 1] + (uint64_t)p->box.start[L + 1];
+
+            for (uint64_t j = 0; j < cols; j++) {
+                uint64_t val = sim_pattern(salt, v->version, g + j);
+
+                memcpy(src + (i * cols + j) * es, &val, es);
+            }
+        }
+        rf_quant_ref(&f, t->dtype, src, (int64_t)cols, rows, cols, qx, (int64_t)cols, sx,
+                     (int64_t)scols);
+        for (uint64_t i = 0; i < srows; i++)
+            for (uint64_t j = 0; j < scols; j++) {
+                const uint8_t *w = sx + (i * scols + j) * ses;
+                const uint8_t *h = sbase + (soff + (int64_t)i * q->scale_strides[L] +
+                                            (int64_t)j * q->scale_strides[L + 1]) * (int64_t)ses;
+
+                if (i * scols + j > 0) {
+                    v->s_pairs++;
+                    v->s_differ += memcmp(w, w - ses, ses) != 0;
+                }
+                if (memcmp(h, w, ses) == 0)
+                    continue;
+                if (v->reported++ < v->max_report) {
+                    x[L] = sb.start[L] + (int64_t)i;
+                    x[L + 1] = sb.start[L + 1] + (int64_t)j;
+                    fprintf(stderr, "rank %d: %s FP8 scale of block %s holds %s, version %llu "
+                            "has %s\n", v->rank, t->name, coords(at, sizeof(at), x, nd),
+                            scale_str(got, sizeof(got), h, mx), (unsigned long long)v->version,
+                            scale_str(want, sizeof(want), w, mx));
+                }
+                v->wrong++;
+            }
+        /* Nothing may write past a scale row: its padding still holds the filler. */
+        for (uint64_t i = 0; q->scale_strides[L + 1] == 1 && i < srows; i++) {
+            const uint8_t *h = sbase + (soff + (int64_t)i * q->scale_strides[L]) * (int64_t)ses;
+
+            for (uint64_t b = scols * ses; b < (uint64_t)q->scale_strides[L] * ses; b++)
+                if (h[b] != 0xee) {
+                    if (v->reported++ < v->max_report)
+                        fprintf(stderr, "rank %d: %s: byte %llu of the padding after FP8 "
+                                "scale row %lld was written (%02x)\n", v->rank, t->name,
+                                (unsigned long long)(b - scols * ses),
+                                (long long)(sb.start[L] + (int64_t)i), h[b]);
+                    v->wrong++;
+                    break;
+                }
+        }
+        for (uint64_t i = 0; i < rows; i++)
+            for (uint64_t j = 0; j < cols; j++) {
+                uint8_t w = qx[i * cols + j];
+                uint8_t h = base[off + (int64_t)i * p->strides[L] +
+                                 (int64_t)j * p->strides[L + 1]];
+
+                v->e_count++;
+                v->e_nonzero += (w & 0x7F) != 0;
+                if (h == w)
+                    continue;
+                if (v->reported++ < v->max_report) {
+                    uint64_t val = 0;
+
+                    memcpy(&val, src + (i * cols + j) * es, es);
+                    x[L] = p->box.start[L] + (int64_t)i;
+                    x[L + 1] = p->box.start[L + 1] + (int64_t)j;
+                    fprintf(stderr, "rank %d: %s FP8 element %s holds %02x, version %llu "
+                            "quantizes to %02x (from %0*llx)\n", v->rank, t->name,
+                            coords(at, sizeof(at), x, nd), h, (unsigned long long)v->version,
+                            w, (int)es * 2, (unsigned long long)val);
+                }
+                v->wrong++;
+            }
+        for (d = L - 1; d >= 0; d--) {
+            if (++lead[d] < p->box.extent[d])
+                break;
+            lead[d] = 0;
+        }
+        if (d < 0)
+            break;
+    }
+out:
+    free(src);
+    free(qx);
+    free(sx);
+}
+
+int sim_fp8_corrupt(sim *s, const char *what)
+{
+    for (int i = 0; i < s->count; i++) {
+        sim_rank *r = &s->ranks[i];
+
+        for (uint32_t k = 0; k < r->npieces; k++) {
+            const rf_piece *p = &r->pieces[k];
+            const rf_quant_decl *q = p->quant ? &r->quants[p->quant - 1] : NULL;
+            const rf_tensor *t = rf_model_tensor(s->model, p->tensor);
+            const char *name = t->name;
+            int L = t->ndim - 2;
+
+            if (!q)
+                continue;
+            if (strcmp(what, "padding") == 0) {
+                rf_quant_fmt f = {q->kind, q->br, q->bc};
+                size_t ses = rf_dtype_size(rf_quant_scale_dtype(&f));
+                rf_box sb;
+
+                rf_inv_scale_box(q, t->ndim, t->shape, &p->box, &sb);
+                if (q->scale_strides[L] <= sb.extent[L + 1])
+                    continue;
+                r->regions[q->scale_region].base[q->scale_offset +
+                                                 (uint64_t)sb.extent[L + 1] * ses] ^= 1;
+                fprintf(stderr, "rank %d: %s: flipped bit 0 of the padding after its first "
+                        "row of FP8 scales\n", r->rank, name);
+            } else if (strcmp(what, "element") == 0) {
+                r->regions[p->region].base[p->offset] ^= 1;
+                fprintf(stderr, "rank %d: %s: flipped bit 0 of its first FP8 element\n",
+                        r->rank, name);
+            } else if (strcmp(what, "scale") == 0) {
+                r->regions[q->scale_region].base[q->scale_offset] ^= 1;
+                fprintf(stderr, "rank %d: %s: flipped bit 0 of its first FP8 scale\n",
+                        r->rank, name);
+            } else {
+                return -1;
+            }
+            return 0;
+        }
+    }
+    return -1;
+}
+
 uint64_t sim_verify(sim *s, uint64_t version, int max_report)
 {
-    verify_ctx v = {s, NULL, 0, version, 0, max_report, 0};
+    verify_ctx v = {s, NULL, 0, version, 0, max_report, 0, 0, 0, 0, 0};
     int i;
     uint32_t k;
 
@@ -514,9 +870,16 @@ uint64_t sim_verify(sim *s, uint64_t version, int max_report)
 #endif
         for (k = 0; k < s->ranks[i].npieces; k++) {
             v.p = &s->ranks[i].pieces[k];
-            for_rows(s, &s->ranks[i], v.p, verify_row, &v);
+            if (v.p->quant)
+                verify_fp8(&v, &s->ranks[i], v.p);
+            else
+                for_rows(s, &s->ranks[i], v.p, verify_row, &v);
         }
     }
+    s->fp8_pairs = v.s_pairs;
+    s->fp8_pairs_differ = v.s_differ;
+    s->fp8_elems = v.e_count;
+    s->fp8_elems_nonzero = v.e_nonzero;
     return v.wrong;
 }
 
@@ -583,13 +946,20 @@ int sim_open(sim *s, rf_side side, sim_opts *o)
             return -1;
         }
     }
+    /* FP8 pieces are checked on the host, in memory the daemon maps (the host copy path and
+     * the TCP transport quantize into it). */
+    if (o->fp8 && (o->inproc || gpu != SIM_HOST)) {
+        fprintf(stderr, "--fp8 works with host memory registered with the daemon only (FP8 is "
+                "the host path for now): drop %s\n", o->inproc ? "--inproc" : "--device/--gpu");
+        return -1;
+    }
 #ifdef RF_HAVE_CUDA
     /* GPU memory no daemon can map: VMM allocations without a shareable handle type. */
     if (o->inproc && gpu != SIM_HOST)
         o->vmm = SIM_VMM_PRIVATE;
 #endif
-    if (sim_setup_device(s, side, o->model, o->shrink, o->layout, o->ranks, o->socket, gpu,
-                         o->vmm, o->vmm_chunk) < 0)
+    if (setup(s, side, o->model, o->shrink, o->layout, o->ranks, o->socket, gpu, o->vmm,
+              o->vmm_chunk, o) < 0)
         return -1;
     s->inproc = o->inproc;
     return 0;

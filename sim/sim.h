@@ -8,6 +8,7 @@
 
 #include "layout.h"
 #include "model.h"
+#include "quant_fmt.h"
 #include "refit.h"
 
 typedef struct sim_region {
@@ -27,7 +28,11 @@ typedef struct sim_rank {
     uint32_t nregions;
     sim_region *regions;
     uint32_t npieces, cap_pieces;
-    rf_piece *pieces; /* region = local region index, tensor = model tensor index */
+    rf_piece *pieces; /* region = local region index, tensor = model tensor index; quant:
+                         0, or an FP8 piece whose scales are quants[quant - 1] (its
+                         scale_region a local region index) */
+    uint32_t nquants;
+    rf_quant_decl *quants;
     int gpu;         /* -1: host memory (the memfd above); else the GPU holding mem */
     void *gpu_state; /* the VMM allocation's handle, when it is one */
 } sim_rank;
@@ -47,6 +52,19 @@ typedef struct sim {
     int inproc;            /* engines: registered in-process (host memory never handed to
                               the daemon; on GPUs VMM without a handle type): librefit's
                               installer writes it */
+    /* Engines serving FP8 (issue 15): pieces of >= 2 dims whose box lies on the format's grid
+     * are registered as float8_e4m3fn with their scales; the others keep the tensor's dtype. */
+    int fp8;
+    rf_quant_fmt fp8_fmt;
+    char fp8_name[40];     /* the format as given, registered so */
+    int fp8_off_grid;      /* also pieces whose box is off the grid (the daemon must refuse) */
+    uint32_t fp8_scale_pad; /* scale rows padded to a multiple of this many scales (1: dense) */
+    uint64_t fp8_pieces, fp8_bytes, fp8_scale_bytes, kept_pieces, kept_bytes;
+    /* What the last sim_verify saw of the expected FP8 content: pairs of neighbouring blocks
+     * (in a matrix, row-major over its blocks) and how many of them differ in scale; elements
+     * and how many are not +-0. A pattern where these are low could not catch misplaced
+     * scales or elements. */
+    uint64_t fp8_pairs, fp8_pairs_differ, fp8_elems, fp8_elems_nonzero;
 } sim;
 
 #define SIM_HOST (-2)
@@ -68,6 +86,9 @@ int sim_setup_device(sim *s, rf_side side, const char *model, int shrink, const 
  * hand each parsed option to sim_opt, then sim_open. */
 typedef struct sim_opts {
     const char *socket, *model, *layout, *ranks, *device, *vmm_chunk_arg;
+    const char *fp8;       /* engines: the FP8 format (NULL: none); not a common option */
+    int fp8_off_grid;
+    uint32_t fp8_scale_pad;
     int shrink, timeout_ms, vmm, inproc;
     uint64_t start, versions, vmm_chunk;
     char gpu_dev[32];
@@ -83,8 +104,9 @@ typedef struct sim_opts {
 void sim_opts_init(sim_opts *o, const char *default_socket);
 /* Takes one option of SIM_COMMON_OPTIONS: 1 if c was one of them, 0 otherwise. */
 int sim_opt(sim_opts *o, int c, const char *arg);
-/* Checks the options (a model, a start >= 1, a known device) and sets the simulation up;
- * -1 when they are bad or the model does not shard so (the reason printed). */
+/* Checks the options (a model, a start >= 1, a known device; FP8 only on host memory the
+ * daemon maps) and sets the simulation up; -1 when they are bad or the model does not shard
+ * so (the reason printed). */
 int sim_open(sim *s, rf_side side, sim_opts *o);
 
 /* Connects every rank, registers its memory and pieces, seals. Retries the connection until
@@ -97,8 +119,15 @@ void sim_close(sim *s);
 void sim_fill(sim *s, uint64_t version);
 void sim_fill_garbage(sim *s);
 /* Checks every byte of every piece against version; returns the number of wrong elements and
- * prints the first few. */
+ * prints the first few. An FP8 piece holds the trainers' values of its box at that version
+ * quantized by rf_quant_ref (common/data/quant_ref.h), each FP8 byte and each scale compared
+ * (one wrong element each), and the padding of its scale rows must be untouched. */
 uint64_t sim_verify(sim *s, uint64_t version, int max_report);
+/* For the test that proves the check: flips bit 0 of the first FP8 element ("element") or of
+ * the first scale ("scale") of the first FP8 piece, or of the first padding byte after a row of
+ * scales ("padding", the first piece whose scale rows are padded); prints what it flipped. -1
+ * if there is no such piece or what is not one of those. */
+int sim_fp8_corrupt(sim *s, const char *what);
 
 double sim_now(void);
 
