@@ -1165,9 +1165,9 @@ static int pieces_share_byte(const rf_inv *inv, uint32_t a, uint32_t b, bool *sh
     ta = &inv->tensors[pa.tensor];
     tb = &inv->tensors[pb.tensor];
     *shared = false;
-    rc = piece_run_starts(&pa, ta->ndim, rf_dtype_size(ta->dtype), &ra, &na, &la);
+    rc = piece_run_starts(&pa, ta->ndim, rf_inv_piece_esize(inv, &pa), &ra, &na, &la);
     if (rc == 0)
-        rc = piece_run_starts(&pb, tb->ndim, rf_dtype_size(tb->dtype), &rb, &nb, &lb);
+        rc = piece_run_starts(&pb, tb->ndim, rf_inv_piece_esize(inv, &pb), &rb, &nb, &lb);
     if (rc < 0)
         goto out;
     /* Runs of one piece do not overlap each other in sane layouts, but a sweep that keeps the
@@ -1246,7 +1246,9 @@ int rf_inv_check_dst_overlap(const rf_inv *inv, rf_err *err)
             const geom *g = &inv->geoms[pr[id].geom];
             uint64_t last = 0;
 
-            piece_extent_bytes(&g->box, g->strides, t->ndim, rf_dtype_size(t->dtype), &last);
+            /* An FP8 piece holds one byte an element. */
+            piece_extent_bytes(&g->box, g->strides, t->ndim,
+                               pr[id].quant ? 1 : rf_dtype_size(t->dtype), &last);
             sp[i] = (span){.lo = pr[id].offset, .hi = pr[id].offset + last, .id = id};
             if (i && cmp_span(&sp[i - 1], &sp[i]) > 0)
                 sorted = false;

@@ -388,3 +388,47 @@ Test(qcopy, relays_refuse_fp8_pieces)
               err.msg);
     rf_inv_free(f.inv);
 }
+
+/* Two FP8 pieces side by side in one region (a fused weight): one byte an element, so they
+ * do not overlap (at the tensor's two bytes they would); one byte further they do. */
+Test(qcopy, fp8_pieces_overlap_at_one_byte_an_element)
+{
+    int64_t sh[2] = {128, 64};
+    rf_quant_decl qd = {.kind = RF_QUANT_BLOCK, .br = 64, .bc = 64, .scale_strides = {1, 1}};
+    rf_inv *inv = rf_inv_new();
+    uint32_t t, ep, r, rs, id;
+    rf_err err = {0};
+    rf_piece p = {0};
+
+    cr_assert_eq(rf_inv_add_tensor(inv, "w", RF_DT_BF16, 2, sh, &t, &err), 0);
+    cr_assert_eq(rf_inv_add_endpoint(inv, RF_DST, 0, &ep, &err), 0);
+    cr_assert_eq(rf_inv_add_region(inv, ep, 128 * 64, &r, &err), 0);
+    cr_assert_eq(rf_inv_add_region(inv, ep, 64, &rs, &err), 0);
+    qd.scale_region = rs;
+    for (int k = 0; k < 2; k++) {
+        p = (rf_piece){.tensor = t, .region = r, .offset = (uint64_t)k * 64 * 64,
+                       .box = {{k * 64, 0}, {64, 64}}, .strides = {64, 1}};
+        qd.scale_offset = (uint64_t)k * 4;
+        cr_assert_eq(rf_inv_add_quant(inv, &qd, &p.quant, &err), 0, "%s", err.msg);
+        cr_assert_eq(rf_inv_add_piece(inv, &p, &id, &err), 0, "%s", err.msg);
+    }
+    cr_assert_eq(rf_inv_check_dst_overlap(inv, &err), 0, "%s", err.msg);
+    rf_inv_free(inv);
+
+    inv = rf_inv_new();
+    cr_assert_eq(rf_inv_add_tensor(inv, "w", RF_DT_BF16, 2, sh, &t, &err), 0);
+    cr_assert_eq(rf_inv_add_endpoint(inv, RF_DST, 0, &ep, &err), 0);
+    cr_assert_eq(rf_inv_add_region(inv, ep, 128 * 64, &r, &err), 0);
+    cr_assert_eq(rf_inv_add_region(inv, ep, 64, &rs, &err), 0);
+    qd.scale_region = rs;
+    for (int k = 0; k < 2; k++) {
+        p = (rf_piece){.tensor = t, .region = r, .offset = (uint64_t)k * (64 * 64 - 1),
+                       .box = {{k * 64, 0}, {64, 64}}, .strides = {64, 1}};
+        qd.scale_offset = (uint64_t)k * 4;
+        cr_assert_eq(rf_inv_add_quant(inv, &qd, &p.quant, &err), 0, "%s", err.msg);
+        cr_assert_eq(rf_inv_add_piece(inv, &p, &id, &err), 0, "%s", err.msg);
+    }
+    cr_assert_eq(rf_inv_check_dst_overlap(inv, &err), -EINVAL);
+    cr_assert(strstr(err.msg, "both write byte 4095"), "%s", err.msg);
+    rf_inv_free(inv);
+}
