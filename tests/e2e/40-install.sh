@@ -29,7 +29,7 @@ soname=$(objdump -p "$P/lib/librefit.so.0" 2>/dev/null | awk '/SONAME/ {print $2
 # librefit exports its API and nothing else: each function refit.h declares (one it forgot to
 # mark REFIT_API stays hidden), and no internal (rf_*, refit__*, protobuf) a program could come
 # to depend on.
-decl='s/^\(REFIT_API \)\{0,1\}[a-z].*[ *]\(refit_[a-z_]*\)(.*/\2/p'
+decl='s/^\(REFIT_API \)\{0,1\}[a-z].*[ *]\(refit_[a-z0-9_]*\)(.*/\2/p'
 api=$(sed -n "$decl" "$P/include/refit.h" | sort)
 [ -n "$api" ] || fail "found no function declaration in the installed refit.h"
 exported=$(nm -D --defined-only "$P/lib/librefit.so.0" | awk '{print $NF}' | sort)
