@@ -11,22 +11,6 @@
 #include "quant.h"
 #include "quant_ref.h"
 
-static inline uint32_t f2u(float f)
-{
-    uint32_t u;
-
-    memcpy(&u, &f, sizeof(u));
-    return u;
-}
-
-static inline float u2f(uint32_t u)
-{
-    float f;
-
-    memcpy(&f, &u, sizeof(f));
-    return f;
-}
-
 static int isa = -1;
 
 typedef struct mat {
@@ -70,7 +54,7 @@ static float weight(void)
 
     if (r % 1024 == 0)
         return 0.0f;
-    return ((float)((r >> 11) % 1000000) / 500000.0f - 1.0f) * u2f((uint32_t)(123 - (r >> 40) % 6)
+    return ((float)((r >> 11) % 1000000) / 500000.0f - 1.0f) * rf_quant_u2f((uint32_t)(123 - (r >> 40) % 6)
                                                                      << 23);
 }
 
@@ -79,10 +63,10 @@ static void put(rf_dtype dt, void *p, uint64_t i, float v)
     if (dt == RF_DT_FP32) {
         ((float *)p)[i] = v;
     } else if (dt == RF_DT_BF16) {
-        ((uint16_t *)p)[i] = (uint16_t)(f2u(v) >> 16);
+        ((uint16_t *)p)[i] = (uint16_t)(rf_quant_f2u(v) >> 16);
     } else {
         /* fp16 by truncation (subnormal results flush to zero; a benchmark input only). */
-        uint32_t u = f2u(v), s = (u >> 16) & 0x8000;
+        uint32_t u = rf_quant_f2u(v), s = (u >> 16) & 0x8000;
         int e = (int)((u >> 23) & 0xFF) - 127 + 15;
         ((uint16_t *)p)[i] = (uint16_t)(e <= 0 ? s : s | (uint32_t)e << 10 | (u >> 13 & 0x3FF));
     }

@@ -625,15 +625,45 @@ int refit_fp8_scale_shape(const char *format, int ndim, const int64_t *shape,
     return 0;
 }
 
+/* The RegisterPiece both calls send: a plain piece (m0 without a format), or an FP8 one (m0
+ * with its format, scale region, offset and strides). strides NULL: row-major over the box. */
+static int send_piece(refit_client *c, const char *tensor, int dtype, int ndim,
+                      const int64_t *shape, uint32_t region, uint64_t offset,
+                      const int64_t *start, const int64_t *extent, const int64_t *strides,
+                      Refit__Rpc__RegisterPiece *m)
+{
+    Refit__Rpc__Request req = REFIT__RPC__REQUEST__INIT;
+    int64_t dense[RF_MAX_DIMS];
+
+    if (dtype < 0)
+        return fail(c, -EINVAL, "tensor %s: unknown dtype %d", tensor, dtype);
+    if (strides == NULL) {
+        /* Row-major over the box: the common case of a piece stored densely. */
+        row_major(ndim, extent, dense);
+        strides = dense;
+    }
+    m->tensor = (char *)tensor;
+    m->dtype = (uint32_t)dtype;
+    m->n_shape = m->n_start = m->n_extent = m->n_strides = (size_t)ndim;
+    m->shape = (int64_t *)shape;
+    m->start = (int64_t *)start;
+    m->extent = (int64_t *)extent;
+    m->strides = (int64_t *)strides;
+    m->region = region;
+    m->offset = offset;
+    req.body_case = REFIT__RPC__REQUEST__BODY_REGISTER_PIECE;
+    req.register_piece = m;
+    return simple(c, &req, 30000);
+}
+
 int refit_add_piece_fp8(refit_client *c, const char *tensor, int dtype, int ndim,
                         const int64_t *shape, uint32_t region, uint64_t offset,
                         const int64_t *start, const int64_t *extent, const int64_t *strides,
                         const char *format, uint32_t scale_region, uint64_t scale_offset,
                         const int64_t *scale_strides)
 {
-    Refit__Rpc__Request req = REFIT__RPC__REQUEST__INIT;
     Refit__Rpc__RegisterPiece m = REFIT__RPC__REGISTER_PIECE__INIT;
-    int64_t dense[RF_MAX_DIMS], sdense[RF_MAX_DIMS], sshape[RF_MAX_DIMS];
+    int64_t sdense[RF_MAX_DIMS], sshape[RF_MAX_DIMS];
     rf_quant_fmt f;
     rf_err err = {0};
 
@@ -644,44 +674,26 @@ int refit_add_piece_fp8(refit_client *c, const char *tensor, int dtype, int ndim
     if (ndim < 2 || ndim > RF_MAX_DIMS)
         return fail(c, -EINVAL, "tensor %s: an FP8 piece has 2 to %d dims (rows and columns, "
                     "experts before them), not %d", tensor, RF_MAX_DIMS, ndim);
-    if (dtype < 0)
-        return fail(c, -EINVAL, "tensor %s: unknown dtype %d", tensor, dtype);
     if (rf_quant_fmt_parse(format, &f, &err) < 0)
         return fail(c, -EINVAL, "tensor %s: %s", tensor, err.msg);
-    if (strides == NULL) {
-        row_major(ndim, extent, dense);
-        strides = dense;
-    }
     if (scale_strides == NULL) {
         refit_fp8_scale_shape(format, ndim, shape, start, extent, sshape, NULL);
         row_major(ndim, sshape, sdense);
         scale_strides = sdense;
     }
-    m.tensor = (char *)tensor;
-    m.dtype = (uint32_t)dtype;
-    m.n_shape = m.n_start = m.n_extent = m.n_strides = m.n_scale_strides = (size_t)ndim;
-    m.shape = (int64_t *)shape;
-    m.start = (int64_t *)start;
-    m.extent = (int64_t *)extent;
-    m.strides = (int64_t *)strides;
-    m.region = region;
-    m.offset = offset;
     m.quant = (char *)format;
     m.scale_region = scale_region;
     m.scale_offset = scale_offset;
+    m.n_scale_strides = (size_t)ndim;
     m.scale_strides = (int64_t *)scale_strides;
-    req.body_case = REFIT__RPC__REQUEST__BODY_REGISTER_PIECE;
-    req.register_piece = &m;
-    return simple(c, &req, 30000);
+    return send_piece(c, tensor, dtype, ndim, shape, region, offset, start, extent, strides, &m);
 }
 
 int refit_add_piece(refit_client *c, const char *tensor, int dtype, int ndim,
                     const int64_t *shape, uint32_t region, uint64_t offset,
                     const int64_t *start, const int64_t *extent, const int64_t *strides)
 {
-    Refit__Rpc__Request req = REFIT__RPC__REQUEST__INIT;
     Refit__Rpc__RegisterPiece m = REFIT__RPC__REGISTER_PIECE__INIT;
-    int64_t dense[RF_MAX_DIMS];
 
     if (c == NULL || tensor == NULL || shape == NULL || start == NULL || extent == NULL)
         return fail(c, -EINVAL, "refit_add_piece: needs a client, a tensor name, shape, start "
@@ -689,25 +701,7 @@ int refit_add_piece(refit_client *c, const char *tensor, int dtype, int ndim,
     if (ndim < 1 || ndim > RF_MAX_DIMS)
         return fail(c, -EINVAL, "tensor %s: ndim %d, 1 to %d are supported", tensor, ndim,
                     RF_MAX_DIMS);
-    if (dtype < 0)
-        return fail(c, -EINVAL, "tensor %s: unknown dtype %d", tensor, dtype);
-    if (strides == NULL) {
-        /* Row-major over the box: the common case of a piece stored densely. */
-        row_major(ndim, extent, dense);
-        strides = dense;
-    }
-    m.tensor = (char *)tensor;
-    m.dtype = (uint32_t)dtype;
-    m.n_shape = m.n_start = m.n_extent = m.n_strides = (size_t)ndim;
-    m.shape = (int64_t *)shape;
-    m.start = (int64_t *)start;
-    m.extent = (int64_t *)extent;
-    m.strides = (int64_t *)strides;
-    m.region = region;
-    m.offset = offset;
-    req.body_case = REFIT__RPC__REQUEST__BODY_REGISTER_PIECE;
-    req.register_piece = &m;
-    return simple(c, &req, 30000);
+    return send_piece(c, tensor, dtype, ndim, shape, region, offset, start, extent, strides, &m);
 }
 
 int refit_seal(refit_client *c)

@@ -10,23 +10,6 @@
 #include <stdio.h>
 #include <string.h>
 
-
-static inline uint32_t f2u(float f)
-{
-    uint32_t u;
-
-    memcpy(&u, &f, sizeof(u));
-    return u;
-}
-
-static inline float u2f(uint32_t u)
-{
-    float f;
-
-    memcpy(&f, &u, sizeof(f));
-    return f;
-}
-
 /* The same algorithm as PyTorch's c10::detail::fp8e4m3fn_from_fp32_value
  * (c10/util/Float8_e4m3fn.h), with its constants, written without branches: both of its
  * paths are computed and one is selected, which gives the same byte for every fp32 (checked
@@ -39,13 +22,13 @@ static inline __attribute__((always_inline)) uint8_t e4m3_from_float(float f)
     /* 2^14: adding it to |f| < 2^-6 leaves the E4M3 subnormal, rounded to nearest even, in
      * the low mantissa bits ((127 - 7) + (23 - 3) + 1 = 141). */
     const uint32_t denorm_mask = UINT32_C(141) << 23;
-    uint32_t bits = f2u(f);
+    uint32_t bits = rf_quant_f2u(f);
     const uint32_t sign = bits & UINT32_C(0x80000000);
     uint32_t denorm, normal, mant_odd;
 
     bits ^= sign;
     /* |f| < 2^-6, the smallest E4M3 normal: the denormal path. */
-    denorm = f2u(u2f(bits) + u2f(denorm_mask)) - denorm_mask;
+    denorm = rf_quant_f2u(rf_quant_u2f(bits) + rf_quant_u2f(denorm_mask)) - denorm_mask;
     /* Otherwise rebias the exponent and add the rounding bias (0x7FFFF, plus one when the
      * kept mantissa is odd: ties go to even). */
     mant_odd = (bits >> 20) & 1;
@@ -66,12 +49,12 @@ float rf_quant_e4m3_to_float(uint8_t q)
     float v;
 
     if (exp == 0xF && mant == 0x7)
-        return u2f(sign | UINT32_C(0x7FC00000));
+        return rf_quant_u2f(sign | UINT32_C(0x7FC00000));
     if (exp == 0) {
         v = (float)mant * 0x1p-9f;
         return sign ? -v : v;
     }
-    return u2f(sign | ((exp - 7 + 127) << 23) | (mant << 20));
+    return rf_quant_u2f(sign | ((exp - 7 + 127) << 23) | (mant << 20));
 }
 
 float rf_quant_scale_of(float amax)
@@ -83,7 +66,7 @@ float rf_quant_scale_of(float amax)
 
 uint8_t rf_quant_e8m0_of(float amax)
 {
-    uint32_t u = f2u(amax) & UINT32_C(0x7FFFFFFF);
+    uint32_t u = rf_quant_f2u(amax) & UINT32_C(0x7FFFFFFF);
     int fl, e;
 
     if (u == 0)
@@ -105,10 +88,10 @@ uint8_t rf_quant_e8m0_of(float amax)
 float rf_quant_e8m0_to_float(uint8_t e)
 {
     if (e == 0xFF)
-        return u2f(UINT32_C(0x7FC00000));
+        return rf_quant_u2f(UINT32_C(0x7FC00000));
     if (e == 0)
-        return u2f(UINT32_C(0x00400000)); /* 2^-127, an fp32 subnormal */
-    return u2f((uint32_t)e << 23);
+        return rf_quant_u2f(UINT32_C(0x00400000)); /* 2^-127, an fp32 subnormal */
+    return rf_quant_u2f((uint32_t)e << 23);
 }
 
 /* The loops below are written once and compiled several times: as plain C (SSE2 on x86-64),
@@ -125,7 +108,7 @@ float rf_quant_e8m0_to_float(uint8_t e)
 
 static AI float bf16_f(uint16_t h)
 {
-    return u2f((uint32_t)h << 16);
+    return rf_quant_u2f((uint32_t)h << 16);
 }
 
 static AI float fp16_f(uint16_t h)
@@ -135,10 +118,10 @@ static AI float fp16_f(uint16_t h)
      * vectorizer takes, where it refuses ternaries as control flow). */
     uint32_t normal = s | ((e + 127 - 15) << 23) | (m << 13);
     uint32_t special = s | UINT32_C(0x7F800000) | (m << 13);
-    uint32_t sub = s | f2u((float)(int32_t)m * 0x1p-24f);
+    uint32_t sub = s | rf_quant_f2u((float)(int32_t)m * 0x1p-24f);
     uint32_t is_special = 0u - (uint32_t)(e == 0x1F), is_sub = 0u - (uint32_t)(e == 0);
 
-    return u2f((special & is_special) | (sub & is_sub) | (normal & ~(is_special | is_sub)));
+    return rf_quant_u2f((special & is_special) | (sub & is_sub) | (normal & ~(is_special | is_sub)));
 }
 
 static AI float load_f(rf_dtype dt, const void *p, uint64_t i)
@@ -158,7 +141,7 @@ static float bits_to_f(rf_dtype dt, uint32_t b)
     case RF_DT_FP16:
         return fp16_f((uint16_t)b);
     default:
-        return u2f(b);
+        return rf_quant_u2f(b);
     }
 }
 
@@ -241,12 +224,12 @@ static AI uint32_t block_amax(rf_dtype dt, const char *p, int64_t ss, uint64_t n
 static AI uint8_t quant_one(float x, float s)
 {
     const uint32_t denorm_mask = UINT32_C(141) << 23;
-    uint32_t b = f2u(x / s), sign = b & UINT32_C(0x80000000), a = b ^ sign;
+    uint32_t b = rf_quant_f2u(x / s), sign = b & UINT32_C(0x80000000), a = b ^ sign;
     uint32_t nan = 0u - (uint32_t)(a > UINT32_C(0x7F800000));
     uint32_t denorm, normal, sub, r;
 
     a = a > UINT32_C(0x43E00000) ? UINT32_C(0x43E00000) : a;
-    denorm = f2u(u2f(a) + u2f(denorm_mask)) - denorm_mask;
+    denorm = rf_quant_f2u(rf_quant_u2f(a) + rf_quant_u2f(denorm_mask)) - denorm_mask;
     normal = (a + ((uint32_t)(7 - 127) << 23) + 0x7FFFF + ((a >> 20) & 1)) >> 20;
     sub = 0u - (uint32_t)(a < (UINT32_C(121) << 23));
     r = ((denorm & sub) | (normal & ~sub)) | (sign >> 24);

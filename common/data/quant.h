@@ -56,10 +56,28 @@
 
 #include <stddef.h>
 #include <stdint.h>
+#include <string.h>
 
 #include "err.h"
 #include "layout.h"
 #include "quant_fmt.h"
+
+/* An fp32's bits and back (exact; for the host implementations and their references). */
+static inline uint32_t rf_quant_f2u(float f)
+{
+    uint32_t u;
+
+    memcpy(&u, &f, sizeof(u));
+    return u;
+}
+
+static inline float rf_quant_u2f(uint32_t u)
+{
+    float f;
+
+    memcpy(&f, &u, sizeof(f));
+    return f;
+}
 
 /* fp32 -> float8_e4m3fn, round to nearest even. It is the same algorithm, bit for bit, as
  * PyTorch's c10::detail::fp8e4m3fn_from_fp32_value (c10/util/Float8_e4m3fn.h): |v| >= 480

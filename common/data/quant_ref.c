@@ -5,25 +5,9 @@
 
 #include <string.h>
 
-static inline uint32_t f2u(float f)
-{
-    uint32_t u;
-
-    memcpy(&u, &f, sizeof(u));
-    return u;
-}
-
-static inline float u2f(uint32_t u)
-{
-    float f;
-
-    memcpy(&f, &u, sizeof(f));
-    return f;
-}
-
 static float ref_bf16(uint16_t h)
 {
-    return u2f((uint32_t)h << 16);
+    return rf_quant_u2f((uint32_t)h << 16);
 }
 
 static float ref_fp16(uint16_t h)
@@ -31,9 +15,9 @@ static float ref_fp16(uint16_t h)
     uint32_t s = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 0x1F, m = h & 0x3FF;
     uint32_t normal = s | ((e + 127 - 15) << 23) | (m << 13);
     uint32_t special = s | UINT32_C(0x7F800000) | (m << 13);
-    uint32_t sub = s | f2u((float)m * 0x1p-24f);
+    uint32_t sub = s | rf_quant_f2u((float)m * 0x1p-24f);
 
-    return u2f(e == 0x1F ? special : e == 0 ? sub : normal);
+    return rf_quant_u2f(e == 0x1F ? special : e == 0 ? sub : normal);
 }
 
 static float ref_load(rf_dtype dt, const void *p, uint64_t i)
@@ -48,13 +32,13 @@ static float ref_load(rf_dtype dt, const void *p, uint64_t i)
 /* c10's fp8e4m3fn_from_fp32_value, as quant.c first wrote it. */
 static uint8_t ref_e4m3(float f)
 {
-    uint32_t bits = f2u(f), sign = bits & UINT32_C(0x80000000), r;
+    uint32_t bits = rf_quant_f2u(f), sign = bits & UINT32_C(0x80000000), r;
 
     bits ^= sign;
     if (bits >= UINT32_C(1087) << 20)
         r = 0x7F;
     else if (bits < UINT32_C(121) << 23)
-        r = f2u(u2f(bits) + u2f(UINT32_C(141) << 23)) - (UINT32_C(141) << 23);
+        r = rf_quant_f2u(rf_quant_u2f(bits) + rf_quant_u2f(UINT32_C(141) << 23)) - (UINT32_C(141) << 23);
     else
         r = (bits + ((uint32_t)(7 - 127) << 23) + 0x7FFFF + ((bits >> 20) & 1)) >> 20;
     return (uint8_t)(r | (sign >> 24));
@@ -62,12 +46,12 @@ static uint8_t ref_e4m3(float f)
 
 static uint8_t ref_quant_one(float x, float s)
 {
-    uint32_t b = f2u(x / s), sign = b & UINT32_C(0x80000000), a = b ^ sign;
+    uint32_t b = rf_quant_f2u(x / s), sign = b & UINT32_C(0x80000000), a = b ^ sign;
 
     if (a > UINT32_C(0x7F800000))
         return 0x7F;
     a = a > UINT32_C(0x43E00000) ? UINT32_C(0x43E00000) : a;
-    return ref_e4m3(u2f(a | sign));
+    return ref_e4m3(rf_quant_u2f(a | sign));
 }
 
 void rf_quant_ref(const rf_quant_fmt *f, rf_dtype dt, const void *src, int64_t ss,
@@ -85,10 +69,10 @@ void rf_quant_ref(const rf_quant_fmt *f, rf_dtype dt, const void *src, int64_t s
             for (uint64_t r = r0; r < r1; r++)
                 for (uint64_t c = c0; c < c1; c++) {
                     float v = ref_load(dt, (const char *)src + r * (uint64_t)ss * es, c);
-                    uint32_t a = f2u(v) & UINT32_C(0x7FFFFFFF);
+                    uint32_t a = rf_quant_f2u(v) & UINT32_C(0x7FFFFFFF);
 
-                    if (a < UINT32_C(0x7F800000) && u2f(a) > amax)
-                        amax = u2f(a);
+                    if (a < UINT32_C(0x7F800000) && rf_quant_u2f(a) > amax)
+                        amax = rf_quant_u2f(a);
                 }
             if (f->kind == RF_QUANT_MXFP8) {
                 uint8_t e = rf_quant_e8m0_of(amax);
