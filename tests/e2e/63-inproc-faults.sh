@@ -21,6 +21,20 @@ E2E_COMMON="$E2E_COMMON --verify full"
 E2E_PUBLISHERS=1 E2E_RECEIVERS=1
 M="--model qwen3-0.6b"
 
+# hold_install V: stops the engine once it consumed version V - 1 (its gate open) and publishes
+# V: the status then shows V's installs running, none answered and not aborting.
+hold_install() {
+    st_wait "$E2E_DIR/recv0.sock" 60 "the engines consumed version $(($1 - 1))" \
+        'all(c.get("consumed", 0) >= '"$(($1 - 1))"' for c in s["clients"]["clients"]
+    if c["kind"] == "engine")'
+    kill -STOP "$eng_PID"
+    echo "$1" > "$E2E_DIR/go"
+    st_wait "$E2E_DIR/recv0.sock" 60 "version $1's installers running, none answered" \
+        's["installing"] and s["installing"]["version"] == '"$1"' and
+s["installing"]["unanswered"] == s["installing"]["installers"] > 0 and
+not s["installing"]["aborting"]'
+}
+
 # gone SOCKET: waits until the daemon on SOCKET has no client left.
 gone() {
     st_wait "$1" 30 "the killed clients of $1 gone" 's["clients"]["connected_clients"] == 0'
@@ -50,13 +64,7 @@ kill_scenario() {
     # Deterministic: the engine is stopped once it consumed version 1 and before version 2 is
     # published, so version 2's installs run and none can answer (the status shows it) when the
     # victim is killed; a surviving engine continues only once the coordinator aborted.
-    st_wait "$E2E_DIR/recv0.sock" 60 "the engines consumed version 1" \
-        'all(c.get("consumed", 0) >= 1 for c in s["clients"]["clients"] if c["kind"] == "engine")'
-    kill -STOP "$eng_PID"
-    echo "$v" > "$E2E_DIR/go"
-    st_wait "$E2E_DIR/recv0.sock" 60 "version $v's installers running, none answered" \
-        's["installing"] and s["installing"]["version"] == '"$v"' and
-s["installing"]["unanswered"] == s["installing"]["installers"] > 0'
+    hold_install "$v"
     case $victim in
         trainer) pid=$tr_PID ;; engine) pid=$eng_PID ;; receiverd) pid=$RECV0_PID ;;
     esac
@@ -97,14 +105,7 @@ stopped_scenario() {
     local v=2
     e2e_new_cluster stopped
     start_pair
-    st_wait "$E2E_DIR/recv0.sock" 60 "the engines consumed version 1" \
-        'all(c.get("consumed", 0) >= 1 for c in s["clients"]["clients"] if c["kind"] == "engine")'
-    kill -STOP "$eng_PID"
-    echo "$v" > "$E2E_DIR/go"
-    st_wait "$E2E_DIR/recv0.sock" 60 "version $v's installers running, none answered" \
-        's["installing"] and s["installing"]["version"] == '"$v"' and
-s["installing"]["unanswered"] == s["installing"]["installers"] > 0 and
-not s["installing"]["aborting"]'
+    hold_install "$v"
     kill -9 "$tr_PID"
     wait_for "$E2E_DIR/recv0.log" "no answer to the abort of version $v" 60
     aborted "$v" "engine stopped mid-install, its installer given up"
