@@ -538,25 +538,40 @@ static void fill_row(void *ctx, uint8_t *addr, uint64_t gidx, int64_t n, size_t 
 
 #ifdef RF_HAVE_CUDA
 /* The rank's pieces as the kernels take them (malloc'd; NULL when out of memory). */
-static sim_gpu_piece *gpu_pieces(const sim *s, const sim_rank *r)
+/* The rank's pieces the GPU kernels fill and check: all but FP8 ones (*n of them, in piece
+ * order; gpu_piece_index maps back). */
+static sim_gpu_piece *gpu_pieces(const sim *s, const sim_rank *r, uint32_t *n)
 {
     sim_gpu_piece *g = calloc(r->npieces ? r->npieces : 1, sizeof(*g));
 
+    *n = 0;
     for (uint32_t k = 0; g && k < r->npieces; k++) {
         const rf_piece *p = &r->pieces[k];
         const rf_tensor *t = rf_model_tensor(s->model, p->tensor);
+        sim_gpu_piece *o = &g[*n];
 
-        g[k].addr = r->regions[p->region].base + p->offset;
-        g[k].salt = s->tensor_salt[p->tensor];
-        g[k].numel = (uint64_t)rf_box_numel(&p->box, t->ndim);
-        g[k].esize = (uint32_t)rf_dtype_size(t->dtype);
-        g[k].ndim = t->ndim;
-        memcpy(g[k].start, p->box.start, sizeof(g[k].start));
-        memcpy(g[k].extent, p->box.extent, sizeof(g[k].extent));
-        memcpy(g[k].strides, p->strides, sizeof(g[k].strides));
-        memcpy(g[k].shape, t->shape, sizeof(g[k].shape));
+        if (p->quant)
+            continue;
+        o->addr = r->regions[p->region].base + p->offset;
+        o->salt = s->tensor_salt[p->tensor];
+        o->numel = (uint64_t)rf_box_numel(&p->box, t->ndim);
+        o->esize = (uint32_t)rf_dtype_size(t->dtype);
+        o->ndim = t->ndim;
+        memcpy(o->start, p->box.start, sizeof(o->start));
+        memcpy(o->extent, p->box.extent, sizeof(o->extent));
+        memcpy(o->strides, p->strides, sizeof(o->strides));
+        memcpy(o->shape, t->shape, sizeof(o->shape));
+        (*n)++;
     }
     return g;
+}
+
+static uint32_t gpu_piece_index(const sim_rank *r, uint32_t j)
+{
+    for (uint32_t k = 0; k < r->npieces; k++)
+        if (!r->pieces[k].quant && j-- == 0)
+            return k;
+    return 0;
 }
 #endif
 
@@ -568,9 +583,10 @@ void sim_fill(sim *s, uint64_t version)
     for (i = 0; i < s->count; i++) {
 #ifdef RF_HAVE_CUDA
         if (s->ranks[i].gpu >= 0) {
-            sim_gpu_piece *g = gpu_pieces(s, &s->ranks[i]);
+            uint32_t ng = 0;
+            sim_gpu_piece *g = gpu_pieces(s, &s->ranks[i], &ng);
 
-            if (g == NULL || sim_cuda_fill(s->ranks[i].gpu, g, s->ranks[i].npieces, version) < 0)
+            if (g == NULL || sim_cuda_fill(s->ranks[i].gpu, g, ng, version) < 0)
                 fprintf(stderr, "rank %d: cannot fill version %llu on GPU %d\n",
                         s->ranks[i].rank, (unsigned long long)version, s->ranks[i].gpu);
             free(g);
@@ -790,6 +806,50 @@ out:
     free(sx);
 }
 
+#ifdef RF_HAVE_CUDA
+/* The FP8 pieces of a rank on a GPU: its memory copied to the host, then verify_fp8 on the
+ * copy, against the same scalar reference. */
+static void verify_fp8_gpu(verify_ctx *v, const sim_rank *r)
+{
+    sim_rank h = *r;
+    uint8_t *mem = malloc(r->mem_size ? r->mem_size : 1);
+    sim_region *rg = calloc(r->nregions ? r->nregions : 1, sizeof(*rg));
+
+    if (!mem || !rg || sim_cuda_read(r->gpu, mem, r->mem, r->mem_size) < 0) {
+        fprintf(stderr, "rank %d: cannot read its FP8 pieces from GPU %d\n", r->rank, r->gpu);
+        v->wrong++;
+        goto out;
+    }
+    for (uint32_t k = 0; k < r->nregions; k++) {
+        rg[k] = r->regions[k];
+        rg[k].base = mem + r->regions[k].offset;
+    }
+    h.regions = rg;
+    h.mem = mem;
+    for (uint32_t k = 0; k < r->npieces; k++) {
+        v->p = &r->pieces[k];
+        if (v->p->quant)
+            verify_fp8(v, &h, v->p);
+    }
+out:
+    free(mem);
+    free(rg);
+}
+#endif
+
+/* Flips bit 0 of the byte at p of rank r's memory. */
+static void flip(const sim_rank *r, uint8_t *p)
+{
+#ifdef RF_HAVE_CUDA
+    if (r->gpu >= 0) {
+        if (sim_cuda_flip(r->gpu, p) < 0)
+            fprintf(stderr, "rank %d: cannot flip a byte on GPU %d\n", r->rank, r->gpu);
+        return;
+    }
+#endif
+    *p ^= 1;
+}
+
 int sim_fp8_corrupt(sim *s, const char *what)
 {
     for (int i = 0; i < s->count; i++) {
@@ -812,16 +872,16 @@ int sim_fp8_corrupt(sim *s, const char *what)
                 rf_inv_scale_box(q, t->ndim, t->shape, &p->box, &sb);
                 if (q->scale_strides[L] <= sb.extent[L + 1])
                     continue;
-                r->regions[q->scale_region].base[q->scale_offset +
-                                                 (uint64_t)sb.extent[L + 1] * ses] ^= 1;
+                flip(r, &r->regions[q->scale_region].base[q->scale_offset +
+                                                          (uint64_t)sb.extent[L + 1] * ses]);
                 fprintf(stderr, "rank %d: %s: flipped bit 0 of the padding after its first "
                         "row of FP8 scales\n", r->rank, name);
             } else if (strcmp(what, "element") == 0) {
-                r->regions[p->region].base[p->offset] ^= 1;
+                flip(r, &r->regions[p->region].base[p->offset]);
                 fprintf(stderr, "rank %d: %s: flipped bit 0 of its first FP8 element\n",
                         r->rank, name);
             } else if (strcmp(what, "scale") == 0) {
-                r->regions[q->scale_region].base[q->scale_offset] ^= 1;
+                flip(r, &r->regions[q->scale_region].base[q->scale_offset]);
                 fprintf(stderr, "rank %d: %s: flipped bit 0 of its first FP8 scale\n",
                         r->rank, name);
             } else {
@@ -843,10 +903,11 @@ uint64_t sim_verify(sim *s, uint64_t version, int max_report)
         v.rank = s->ranks[i].rank;
 #ifdef RF_HAVE_CUDA
         if (s->ranks[i].gpu >= 0) {
-            sim_gpu_piece *g = gpu_pieces(s, &s->ranks[i]);
+            uint32_t ng = 0;
+            sim_gpu_piece *g = gpu_pieces(s, &s->ranks[i], &ng);
             sim_gpu_bad bad = {0};
-            uint64_t w = g ? sim_cuda_verify(s->ranks[i].gpu, g, s->ranks[i].npieces, version,
-                                             &bad) : UINT64_MAX;
+            uint64_t w = g ? sim_cuda_verify(s->ranks[i].gpu, g, ng, version, &bad)
+                           : UINT64_MAX;
 
             free(g);
             if (w == UINT64_MAX) {
@@ -854,7 +915,8 @@ uint64_t sim_verify(sim *s, uint64_t version, int max_report)
                         s->ranks[i].gpu);
                 w = 1;
             } else if (w > 0 && max_report > 0) {
-                const rf_piece *p = &s->ranks[i].pieces[bad.piece];
+                const rf_piece *p = &s->ranks[i].pieces[gpu_piece_index(&s->ranks[i],
+                                                                        bad.piece)];
                 const rf_tensor *t = rf_model_tensor(s->model, p->tensor);
                 int es = (int)rf_dtype_size(t->dtype);
 
@@ -865,6 +927,8 @@ uint64_t sim_verify(sim *s, uint64_t version, int max_report)
                         (unsigned long long)w, s->ranks[i].gpu);
             }
             v.wrong += w;
+            if (s->fp8)
+                verify_fp8_gpu(&v, &s->ranks[i]);
             continue;
         }
 #endif
@@ -946,11 +1010,11 @@ int sim_open(sim *s, rf_side side, sim_opts *o)
             return -1;
         }
     }
-    /* FP8 pieces are checked on the host, in memory the daemon maps (the host copy path and
-     * the TCP transport quantize into it). */
-    if (o->fp8 && (o->inproc || gpu != SIM_HOST)) {
-        fprintf(stderr, "--fp8 works with host memory registered with the daemon only (FP8 is "
-                "the host path for now): drop %s\n", o->inproc ? "--inproc" : "--device/--gpu");
+    /* FP8 pieces are installed by the daemons (the host copy path, the TCP transport, the GPU
+     * local copies); in-process installers do not quantize. */
+    if (o->fp8 && o->inproc) {
+        fprintf(stderr, "--fp8 needs memory the receiverd maps: drop --inproc (in-process "
+                "installers do not quantize)\n");
         return -1;
     }
 #ifdef RF_HAVE_CUDA

@@ -215,6 +215,24 @@ extern "C" int sim_cuda_memset(int gpu, void *ptr, int byte, uint64_t size)
     return 0;
 }
 
+extern "C" int sim_cuda_read(int gpu, void *dst, const void *src, uint64_t size)
+{
+    SIM_CUDA(cudaSetDevice(gpu));
+    SIM_CUDA(cudaMemcpy(dst, src, size, cudaMemcpyDeviceToHost));
+    return 0;
+}
+
+extern "C" int sim_cuda_flip(int gpu, uint8_t *p)
+{
+    uint8_t b;
+
+    SIM_CUDA(cudaSetDevice(gpu));
+    SIM_CUDA(cudaMemcpy(&b, p, 1, cudaMemcpyDeviceToHost));
+    b ^= 1;
+    SIM_CUDA(cudaMemcpy(p, &b, 1, cudaMemcpyHostToDevice));
+    return 0;
+}
+
 extern "C" int sim_cuda_fill(int gpu, const sim_gpu_piece *p, uint32_t n, uint64_t version)
 {
     SIM_CUDA(cudaSetDevice(gpu));

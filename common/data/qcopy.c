@@ -94,8 +94,7 @@ int rf_qcopy_check(const rf_xfer_item *it, bool dst, rf_err *err)
     return 0;
 }
 
-/* The matrices of a box: its leading dims, row-major. */
-static uint64_t nmatrices(const rf_box *b, int nd)
+uint64_t rf_qcopy_nmatrices(const rf_box *b, int nd)
 {
     uint64_t n = 1;
 
@@ -104,8 +103,7 @@ static uint64_t nmatrices(const rf_box *b, int nd)
     return n;
 }
 
-/* The global index of matrix l's first element of box b. */
-static void matrix_start(const rf_box *b, int nd, uint64_t l, int64_t *idx)
+void rf_qcopy_matrix_start(const rf_box *b, int nd, uint64_t l, int64_t *idx)
 {
     for (int d = nd - 1; d >= 0; d--) {
         if (d >= nd - 2) {
@@ -123,7 +121,7 @@ void rf_qcopy_pack(const rf_xfer_item *it, uint8_t *out)
     rf_quant_fmt f = fmt_of(&x->q);
     int nd = it->ndim;
     uint64_t rows = (uint64_t)it->box.extent[nd - 2], cols = (uint64_t)it->box.extent[nd - 1];
-    uint64_t nm = nmatrices(&it->box, nd), fp8, srows, scols;
+    uint64_t nm = rf_qcopy_nmatrices(&it->box, nd), fp8, srows, scols;
     size_t ses = rf_dtype_size(rf_quant_scale_dtype(&f));
     int64_t idx[RF_MAX_DIMS];
 
@@ -133,7 +131,7 @@ void rf_qcopy_pack(const rf_xfer_item *it, uint8_t *out)
     for (uint64_t l = 0; l < nm; l++) {
         const uint8_t *src;
 
-        matrix_start(&it->box, nd, l, idx);
+        rf_qcopy_matrix_start(&it->box, nd, l, idx);
         src = it->base + rf_piece_byte_offset(&it->piece, nd, it->esize, idx);
         rf_quant_host(&f, x->dt, src, it->piece.strides[nd - 2], rows, cols,
                       out + l * rows * cols, (int64_t)cols,

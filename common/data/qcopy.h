@@ -16,6 +16,10 @@
  * whose last two dims are rows x cols; *fp8 (may be NULL) gets the FP8 part's, numel. */
 uint64_t rf_qcopy_bytes(const rf_quant_decl *q, int ndim, int64_t rows, int64_t cols,
                         const rf_box *box, uint64_t *fp8);
+/* The matrices of box b (ndim >= 2): the product of its leading dims' extents; matrix l (its
+ * leading dims row-major) starts at global index idx (its last two dims the box's start). */
+uint64_t rf_qcopy_nmatrices(const rf_box *b, int ndim);
+void rf_qcopy_matrix_start(const rf_box *b, int ndim, uint64_t l, int64_t *idx);
 /* The checks of a quantized item: its format, dtype, bytes; dst: the FP8 piece (esize 1) and
  * its scales' memory, else the source piece (its dtype's esize, rows contiguous). 0, or
  * -EINVAL with err saying what is wrong (the caller names the message and item). */

@@ -1,7 +1,8 @@
 /* common/data/quant_cuda.cu - the FP8 quantization kernels (the contract is in quant.h): one
- * thread block per quantization block (BLOCK), per row (CHANNEL), one warp per 1 x 32 block
- * (MXFP8), and for TENSOR an amax pass, a one-thread scale, then a quantizing pass. Every
- * element is read from DRAM once; the quantizing pass of a block re-reads it from cache. */
+ * batch kernel for BLOCK, CHANNEL and MXFP8 over any number of matrices (a thread block per
+ * quantization block or row, a warp per 1 x 32 block; rows read 16 bytes at a time where their
+ * alignment allows), and for TENSOR an amax pass, a one-thread scale, then a quantizing pass.
+ * Every element is read from DRAM once; the quantizing pass of a block re-reads it from cache. */
 #include <inttypes.h>
 #include <stdint.h>
 #include <string.h>
@@ -270,45 +271,194 @@ static __device__ __forceinline__ void tile_quant(const tile &t, const typename 
     }
 }
 
-/* BLOCK (br x bc) and CHANNEL (1 x cols): tile k of the scols-wide grid of blocks is the block
- * at (k / scols, k % scols). */
+/* One matrix to quantize in BLOCK, CHANNEL or MXFP8 (TENSOR has its own passes), as the batch
+ * kernel reads it: the grid's blocks are br x bc (CHANNEL: 1 x cols, MXFP8: 1 x 32), scols of
+ * them per row of blocks. vec: every tile's rows can be read 16 bytes at a time and written
+ * 16 / esize bytes at a time (aligned bases and strides, column counts a multiple of that). */
+struct qdesc {
+    const void *src;
+    uint8_t *q;
+    void *scales;
+    int64_t sstride, qstride, scstride;
+    uint64_t rows, cols, br, bc, scols, nblocks;
+    uint32_t kind, dt, vec;
+};
+
+/* A source vector: 16 bytes, V elements of S. */
+template <typename S> struct vec16 {
+    static const int V = 16 / (int)sizeof(typename S::T);
+    union {
+        uint4 u;
+        typename S::T e[16 / sizeof(typename S::T)];
+    };
+};
+
+/* Its V FP8 bytes, stored in one access. */
+template <int V> struct qvec;
+template <> struct qvec<8> {
+    union {
+        uint2 u;
+        uint8_t b[8];
+    };
+    __device__ __forceinline__ void store(uint8_t *p) const { *(uint2 *)p = u; }
+};
+template <> struct qvec<4> {
+    union {
+        uint32_t u;
+        uint8_t b[4];
+    };
+    __device__ __forceinline__ void store(uint8_t *p) const { *(uint32_t *)p = u; }
+};
+
+/* tile_amax and tile_quant over a tile whose columns t.c0, t.nc count vectors of V. */
 template <typename S>
-__global__ void block_kernel(const typename S::T *src, int64_t sstride, uint64_t rows,
-                             uint64_t cols, uint64_t br, uint64_t bc, uint64_t scols,
-                             uint64_t tiles, uint8_t *q, int64_t qstride, float *scales,
-                             int64_t scstride)
+static __device__ __forceinline__ uint32_t tile_amax_v(const tile &t, const typename S::T *src,
+                                                       int64_t sstride, uint32_t m)
 {
-    __shared__ uint32_t red[WARPS];
+    const int V = vec16<S>::V;
 
-    for (uint64_t k = blockIdx.x; k < tiles; k += gridDim.x) {
-        uint64_t i = k / scols, j = k - i * scols, r0 = i * br, c0 = j * bc;
-        tile t = tile_at(r0, c0, rows - r0 < br ? rows - r0 : br, cols - c0 < bc ? cols - c0 : bc);
-        float s = scale_of(block_max(tile_amax<S>(t, src, sstride, 0), red));
+    for (uint64_t r = t.ty; r < t.nr; r += t.wy) {
+        const uint4 *row = (const uint4 *)(src + (int64_t)(t.r0 + r) * sstride +
+                                           (int64_t)t.c0 * V);
 
-        if (threadIdx.x == 0)
-            scales[(int64_t)i * scstride + (int64_t)j] = s;
-        tile_quant<S>(t, src, sstride, s, q, qstride);
+        for (uint64_t c = t.tx; c < t.nc; c += t.wx) {
+            vec16<S> v;
+
+            v.u = row[c];
+#pragma unroll
+            for (int u = 0; u < V; u++) {
+                uint32_t a = finite_abs(S::bits(v.e[u]));
+
+                m = a > m ? a : m;
+            }
+        }
+    }
+    return m;
+}
+
+template <typename S>
+static __device__ __forceinline__ void tile_quant_v(const tile &t, const typename S::T *src,
+                                                    int64_t sstride, float s, uint8_t *q,
+                                                    int64_t qstride)
+{
+    const int V = vec16<S>::V;
+
+    for (uint64_t r = t.ty; r < t.nr; r += t.wy) {
+        const uint4 *row = (const uint4 *)(src + (int64_t)(t.r0 + r) * sstride +
+                                           (int64_t)t.c0 * V);
+        uint8_t *qrow = q + (int64_t)(t.r0 + r) * qstride + (int64_t)t.c0 * V;
+
+        for (uint64_t c = t.tx; c < t.nc; c += t.wx) {
+            vec16<S> v;
+            qvec<vec16<S>::V> o;
+
+            v.u = row[c];
+#pragma unroll
+            for (int u = 0; u < V; u++)
+                o.b[u] = quant_one(u2f(S::bits(v.e[u])), s);
+            o.store(qrow + c * V);
+        }
     }
 }
 
-/* MXFP8: one warp per 1 x 32 block, one element per lane (lanes past the row's end hold 0). */
+/* BLOCK and CHANNEL: block k of the grid, (k / scols, k % scols), by the whole thread block. */
 template <typename S>
-__global__ void mx_kernel(const typename S::T *src, int64_t sstride, uint64_t cols,
-                          uint64_t scols, uint64_t tiles, uint8_t *q, int64_t qstride,
-                          uint8_t *scales, int64_t scstride)
+static __device__ __forceinline__ void do_block(const qdesc &o, uint64_t k, uint32_t *red)
 {
+    const typename S::T *src = (const typename S::T *)o.src;
+    const int V = vec16<S>::V;
+    uint64_t i = k / o.scols, j = k - i * o.scols, r0 = i * o.br, c0 = j * o.bc;
+    uint64_t nr = o.rows - r0 < o.br ? o.rows - r0 : o.br;
+    uint64_t nc = o.cols - c0 < o.bc ? o.cols - c0 : o.bc;
+    float s;
+
+    if (o.vec) {
+        tile t = tile_at(r0, c0 / V, nr, nc / V);
+
+        s = scale_of(block_max(tile_amax_v<S>(t, src, o.sstride, 0), red));
+        if (threadIdx.x == 0)
+            ((float *)o.scales)[(int64_t)i * o.scstride + (int64_t)j] = s;
+        tile_quant_v<S>(t, src, o.sstride, s, o.q, o.qstride);
+    } else {
+        tile t = tile_at(r0, c0, nr, nc);
+
+        s = scale_of(block_max(tile_amax<S>(t, src, o.sstride, 0), red));
+        if (threadIdx.x == 0)
+            ((float *)o.scales)[(int64_t)i * o.scstride + (int64_t)j] = s;
+        tile_quant<S>(t, src, o.sstride, s, o.q, o.qstride);
+    }
+}
+
+/* MXFP8: tile k is 1 x 32 blocks [k * WARPS, k * WARPS + WARPS), one warp each, one element
+ * per lane (lanes past the row's end hold 0). */
+template <typename S>
+static __device__ __forceinline__ void do_mx(const qdesc &o, uint64_t k)
+{
+    const typename S::T *src = (const typename S::T *)o.src;
     const uint32_t lane = threadIdx.x & 31;
-    const uint64_t warps = (uint64_t)gridDim.x * WARPS;
+    uint64_t b = k * WARPS + (threadIdx.x >> 5), i, j, c;
+    uint32_t x;
+    uint8_t e;
 
-    for (uint64_t k = (uint64_t)blockIdx.x * WARPS + (threadIdx.x >> 5); k < tiles; k += warps) {
-        uint64_t i = k / scols, j = k - i * scols, c = j * RF_QUANT_MX_BLOCK + lane;
-        uint32_t x = c < cols ? S::bits(src[(int64_t)i * sstride + (int64_t)c]) : 0;
-        uint8_t e = e8m0_of(warp_max(finite_abs(x)));
+    if (b >= o.nblocks)
+        return;
+    i = b / o.scols;
+    j = b - i * o.scols;
+    c = j * RF_QUANT_MX_BLOCK + lane;
+    x = c < o.cols ? S::bits(src[(int64_t)i * o.sstride + (int64_t)c]) : 0;
+    e = e8m0_of(warp_max(finite_abs(x)));
+    if (lane == 0)
+        ((uint8_t *)o.scales)[(int64_t)i * o.scstride + (int64_t)j] = e;
+    if (c < o.cols)
+        o.q[(int64_t)i * o.qstride + (int64_t)c] = quant_one(u2f(x), e8m0_to_float(e));
+}
 
-        if (lane == 0)
-            scales[(int64_t)i * scstride + (int64_t)j] = e;
-        if (c < cols)
-            q[(int64_t)i * qstride + (int64_t)c] = quant_one(u2f(x), e8m0_to_float(e));
+template <typename S>
+static __device__ __forceinline__ void do_tile(const qdesc &o, uint64_t k, uint32_t *red)
+{
+    if (o.kind == RF_QUANT_MXFP8)
+        do_mx<S>(o, k);
+    else
+        do_block<S>(o, k, red);
+}
+
+/* Tiles [lo, lo + n) of the descriptors d[0..nd) (tile0[i]: d[i]'s first tile, ascending), or
+ * of the one descriptor `one` (d NULL, its tiles from 0). A thread block takes a tile whole. */
+__global__ void batch_kernel(const qdesc *d, const uint64_t *tile0, uint32_t nd, qdesc one,
+                             uint64_t lo, uint64_t n)
+{
+    __shared__ uint32_t red[WARPS];
+
+    for (uint64_t k = lo + blockIdx.x; k < lo + n; k += gridDim.x) {
+        const qdesc *o = &one;
+        uint64_t tk = k;
+
+        if (d) {
+            uint32_t a = 0, b = nd;
+
+            /* The last descriptor whose first tile is at or before k. */
+            while (b - a > 1) {
+                uint32_t mid = a + (b - a) / 2;
+
+                if (tile0[mid] <= k)
+                    a = mid;
+                else
+                    b = mid;
+            }
+            o = &d[a];
+            tk = k - tile0[a];
+        }
+        switch (o->dt) {
+        case RF_DT_BF16:
+            do_tile<src_bf16>(*o, tk, red);
+            break;
+        case RF_DT_FP16:
+            do_tile<src_fp16>(*o, tk, red);
+            break;
+        default:
+            do_tile<src_fp32>(*o, tk, red);
+            break;
+        }
     }
 }
 
@@ -366,51 +516,73 @@ static uint64_t ceil_div(uint64_t a, uint64_t b)
     return a / b + (a % b != 0);
 }
 
-/* Enqueues the kernels of format f for source type S; the arguments were checked. */
+/* TENSOR's three passes for source type S; the arguments were checked. */
 template <typename S>
-static int launch(const rf_quant_fmt *f, const void *src_v, int64_t sstride, uint64_t rows,
-                  uint64_t cols, uint8_t *q, int64_t qstride, void *scales, int64_t scstride,
-                  uint64_t srows, uint64_t scols, cudaStream_t s, rf_err *err)
+static int launch_tensor(const void *src_v, int64_t sstride, uint64_t rows, uint64_t cols,
+                         uint8_t *q, int64_t qstride, void *scales, cudaStream_t s, rf_err *err)
 {
     const typename S::T *src = (const typename S::T *)src_v;
-    uint64_t tiles = srows * scols;
+    uint64_t tc = cols < TENSOR_TILE ? cols : TENSOR_TILE, tr = TENSOR_TILE / tc;
+    uint64_t tcols = ceil_div(cols, tc), ttiles = ceil_div(rows, tr) * tcols;
     int rc = 0;
 
-    switch (f->kind) {
-    case RF_QUANT_BLOCK:
-    case RF_QUANT_CHANNEL: {
-        uint64_t br = f->kind == RF_QUANT_BLOCK ? f->br : 1;
-        uint64_t bc = f->kind == RF_QUANT_BLOCK ? f->bc : cols;
-
-        block_kernel<S><<<grid_of(tiles), THREADS, 0, s>>>(src, sstride, rows, cols, br, bc,
-                                                           scols, tiles, q, qstride,
-                                                           (float *)scales, scstride);
-        CUDA_TRY(err, cudaGetLastError());
-        break;
-    }
-    case RF_QUANT_MXFP8:
-        mx_kernel<S><<<grid_of(ceil_div(tiles, WARPS)), THREADS, 0, s>>>(
-            src, sstride, cols, scols, tiles, q, qstride, (uint8_t *)scales, scstride);
-        CUDA_TRY(err, cudaGetLastError());
-        break;
-    default: {
-        uint64_t tc = cols < TENSOR_TILE ? cols : TENSOR_TILE, tr = TENSOR_TILE / tc;
-        uint64_t tcols = ceil_div(cols, tc), ttiles = ceil_div(rows, tr) * tcols;
-
-        CUDA_TRY(err, cudaMemsetAsync(scales, 0, sizeof(float), s));
-        tensor_amax_kernel<S><<<grid_of(ttiles), THREADS, 0, s>>>(
-            src, sstride, rows, cols, tr, tc, tcols, ttiles, (uint32_t *)scales);
-        CUDA_TRY(err, cudaGetLastError());
-        tensor_scale_kernel<<<1, 1, 0, s>>>((float *)scales);
-        CUDA_TRY(err, cudaGetLastError());
-        tensor_quant_kernel<S><<<grid_of(ttiles), THREADS, 0, s>>>(
-            src, sstride, rows, cols, tr, tc, tcols, ttiles, q, qstride, (const float *)scales);
-        CUDA_TRY(err, cudaGetLastError());
-        break;
-    }
-    }
+    CUDA_TRY(err, cudaMemsetAsync(scales, 0, sizeof(float), s));
+    tensor_amax_kernel<S><<<grid_of(ttiles), THREADS, 0, s>>>(
+        src, sstride, rows, cols, tr, tc, tcols, ttiles, (uint32_t *)scales);
+    CUDA_TRY(err, cudaGetLastError());
+    tensor_scale_kernel<<<1, 1, 0, s>>>((float *)scales);
+    CUDA_TRY(err, cudaGetLastError());
+    tensor_quant_kernel<S><<<grid_of(ttiles), THREADS, 0, s>>>(
+        src, sstride, rows, cols, tr, tc, tcols, ttiles, q, qstride, (const float *)scales);
+    CUDA_TRY(err, cudaGetLastError());
 out:
     return rc;
+}
+
+static int tensor_quantize(rf_dtype dt, const void *src, int64_t sstride, uint64_t rows,
+                           uint64_t cols, uint8_t *q, int64_t qstride, void *scales,
+                           cudaStream_t s, rf_err *err)
+{
+    switch (dt) {
+    case RF_DT_BF16:
+        return launch_tensor<src_bf16>(src, sstride, rows, cols, q, qstride, scales, s, err);
+    case RF_DT_FP16:
+        return launch_tensor<src_fp16>(src, sstride, rows, cols, q, qstride, scales, s, err);
+    default:
+        return launch_tensor<src_fp32>(src, sstride, rows, cols, q, qstride, scales, s, err);
+    }
+}
+
+/* The batch kernel's descriptor of a checked BLOCK, CHANNEL or MXFP8 matrix, and its tiles. */
+static qdesc desc_of(const rf_quant_fmt *f, rf_dtype dt, const void *src, int64_t sstride,
+                     uint64_t rows, uint64_t cols, uint8_t *q, int64_t qstride, void *scales,
+                     int64_t scstride, uint64_t srows, uint64_t scols, uint64_t *tiles)
+{
+    qdesc o;
+    uint64_t es = rf_dtype_size(dt), V = 16 / es;
+
+    memset(&o, 0, sizeof(o));
+    o.src = src;
+    o.q = q;
+    o.scales = scales;
+    o.sstride = rows > 1 ? sstride : 0;
+    o.qstride = rows > 1 ? qstride : 0;
+    o.scstride = srows > 1 ? scstride : 0;
+    o.rows = rows;
+    o.cols = cols;
+    o.br = f->kind == RF_QUANT_BLOCK ? f->br : 1;
+    o.bc = f->kind == RF_QUANT_BLOCK ? f->bc : f->kind == RF_QUANT_CHANNEL ? cols
+                                                                         : RF_QUANT_MX_BLOCK;
+    o.scols = scols;
+    o.nblocks = srows * scols;
+    o.kind = (uint32_t)f->kind;
+    o.dt = (uint32_t)dt;
+    /* Whole vectors in every tile, each at an aligned address. */
+    o.vec = f->kind != RF_QUANT_MXFP8 && (uintptr_t)src % 16 == 0 && (uintptr_t)q % V == 0 &&
+            cols % V == 0 && o.bc % V == 0 && (uint64_t)o.sstride * es % 16 == 0 &&
+            (uint64_t)o.qstride % V == 0;
+    *tiles = f->kind == RF_QUANT_MXFP8 ? ceil_div(o.nblocks, WARPS) : o.nblocks;
+    return o;
 }
 
 /* rf_quant_host's checks (quant.c keeps its own static), worded for this function, and the
@@ -456,21 +628,156 @@ int rf_quant_cuda_quantize(const rf_quant_fmt *f, rf_dtype src_dt, const void *s
                            int64_t q_row_stride, void *scales, int64_t scale_row_stride,
                            cudaStream_t s, rf_err *err)
 {
-    uint64_t srows = 0, scols = 0;
+    uint64_t srows = 0, scols = 0, tiles;
     int rc = check(f, src_dt, src, src_row_stride, rows, cols, q, q_row_stride, scales,
                    scale_row_stride, &srows, &scols, err);
+    qdesc o;
 
     if (rc < 0 || rows == 0 || cols == 0)
         return rc;
-    switch (src_dt) {
-    case RF_DT_BF16:
-        return launch<src_bf16>(f, src, src_row_stride, rows, cols, q, q_row_stride, scales,
-                                scale_row_stride, srows, scols, s, err);
-    case RF_DT_FP16:
-        return launch<src_fp16>(f, src, src_row_stride, rows, cols, q, q_row_stride, scales,
-                                scale_row_stride, srows, scols, s, err);
-    default:
-        return launch<src_fp32>(f, src, src_row_stride, rows, cols, q, q_row_stride, scales,
-                                scale_row_stride, srows, scols, s, err);
+    if (f->kind == RF_QUANT_TENSOR)
+        return tensor_quantize(src_dt, src, src_row_stride, rows, cols, q, q_row_stride, scales,
+                               s, err);
+    o = desc_of(f, src_dt, src, src_row_stride, rows, cols, q, q_row_stride, scales,
+                scale_row_stride, srows, scols, &tiles);
+    batch_kernel<<<grid_of(tiles), THREADS, 0, s>>>(NULL, NULL, 0, o, 0, tiles);
+    CUDA_TRY(err, cudaGetLastError());
+out:
+    return rc;
+}
+
+/* ---- plans: many matrices, their descriptors on the device ---- */
+
+struct rf_quant_cuda_plan {
+    size_t n;          /* ops */
+    uint32_t nd;       /* of them in the batch kernel's descriptors */
+    qdesc *devd;       /* nd, on the device */
+    uint64_t *devt0;   /* nd + 1 first tiles, on the device */
+    uint64_t *t0;      /* the same on the host */
+    uint32_t *didx;    /* n + 1: op i's descriptors start at didx[i] */
+    rf_quant_cuda_op *tens; /* TENSOR ops, launched one by one */
+    size_t *tidx;      /* n + 1: op i's TENSOR ops start at tidx[i] */
+    uint64_t bytes;
+};
+
+int rf_quant_cuda_plan_new(const rf_quant_cuda_op *ops, size_t n, rf_quant_cuda_plan **out,
+                           rf_err *err)
+{
+    rf_quant_cuda_plan *pl = NULL;
+    qdesc *host = NULL;
+    uint64_t tiles = 0;
+    size_t nt = 0;
+    uint32_t nd = 0;
+    int rc = 0;
+
+    *out = NULL;
+    if (n >= UINT32_MAX)
+        return rf_err_set(err, -E2BIG, "quantize_cuda: %zu matrices in one plan; at most 2^32 - "
+                          "2", n);
+    pl = (rf_quant_cuda_plan *)calloc(1, sizeof(*pl));
+    host = (qdesc *)malloc((n ? n : 1) * sizeof(*host));
+    if (pl) {
+        pl->t0 = (uint64_t *)malloc((n + 1) * sizeof(uint64_t));
+        pl->didx = (uint32_t *)malloc((n + 1) * sizeof(uint32_t));
+        pl->tidx = (size_t *)malloc((n + 1) * sizeof(size_t));
+        pl->tens = (rf_quant_cuda_op *)malloc((n ? n : 1) * sizeof(rf_quant_cuda_op));
     }
+    if (!pl || !host || !pl->t0 || !pl->didx || !pl->tidx || !pl->tens) {
+        rc = rf_err_set(err, -ENOMEM, "quantize_cuda: out of memory for a plan of %zu matrices",
+                        n);
+        goto out;
+    }
+    for (size_t i = 0; i < n; i++) {
+        const rf_quant_cuda_op *o = &ops[i];
+        uint64_t srows = 0, scols = 0, t;
+        rf_err e = {0};
+
+        pl->didx[i] = nd;
+        pl->tidx[i] = nt;
+        if ((rc = check(&o->fmt, o->dt, o->src, o->src_row_stride, o->rows, o->cols, o->q,
+                        o->q_row_stride, o->scales, o->scale_row_stride, &srows, &scols,
+                        &e)) < 0) {
+            rf_err_set(err, rc, "matrix %zu of the plan: %s", i, e.msg);
+            goto out;
+        }
+        if (o->rows == 0 || o->cols == 0)
+            continue;
+        if (o->fmt.kind == RF_QUANT_TENSOR) {
+            pl->tens[nt++] = *o;
+            continue;
+        }
+        host[nd] = desc_of(&o->fmt, o->dt, o->src, o->src_row_stride, o->rows, o->cols, o->q,
+                           o->q_row_stride, o->scales, o->scale_row_stride, srows, scols, &t);
+        pl->t0[nd++] = tiles;
+        tiles += t;
+    }
+    pl->didx[n] = nd;
+    pl->tidx[n] = nt;
+    pl->t0[nd] = tiles;
+    pl->n = n;
+    pl->nd = nd;
+    if (nd > 0) {
+        CUDA_TRY(err, cudaMalloc((void **)&pl->devd, nd * sizeof(qdesc)));
+        CUDA_TRY(err, cudaMalloc((void **)&pl->devt0, (nd + 1) * sizeof(uint64_t)));
+        CUDA_TRY(err, cudaMemcpy(pl->devd, host, nd * sizeof(qdesc), cudaMemcpyHostToDevice));
+        CUDA_TRY(err, cudaMemcpy(pl->devt0, pl->t0, (nd + 1) * sizeof(uint64_t),
+                                 cudaMemcpyHostToDevice));
+        pl->bytes = nd * sizeof(qdesc) + (nd + 1) * sizeof(uint64_t);
+    }
+    *out = pl;
+    pl = NULL;
+out:
+    free(host);
+    rf_quant_cuda_plan_free(pl);
+    return rc;
+}
+
+int rf_quant_cuda_plan_launch(const rf_quant_cuda_plan *pl, size_t first, size_t count,
+                              cudaStream_t s, rf_err *err)
+{
+    uint32_t a, b;
+    uint64_t tiles;
+    int rc = 0;
+
+    if (first > pl->n || count > pl->n - first)
+        return rf_err_set(err, -EINVAL, "quantize_cuda: matrices [%zu, %zu) of a plan of %zu",
+                          first, first + count, pl->n);
+    a = pl->didx[first];
+    b = pl->didx[first + count];
+    tiles = pl->t0[b] - pl->t0[a];
+    if (tiles > 0) {
+        qdesc none;
+
+        memset(&none, 0, sizeof(none));
+        batch_kernel<<<grid_of(tiles), THREADS, 0, s>>>(pl->devd + a, pl->devt0 + a, b - a,
+                                                        none, pl->t0[a], tiles);
+        CUDA_TRY(err, cudaGetLastError());
+    }
+    for (size_t i = pl->tidx[first]; i < pl->tidx[first + count]; i++) {
+        const rf_quant_cuda_op *o = &pl->tens[i];
+
+        if ((rc = tensor_quantize(o->dt, o->src, o->src_row_stride, o->rows, o->cols, o->q,
+                                  o->q_row_stride, o->scales, s, err)) < 0)
+            return rc;
+    }
+out:
+    return rc;
+}
+
+uint64_t rf_quant_cuda_plan_bytes(const rf_quant_cuda_plan *pl)
+{
+    return pl ? pl->bytes : 0;
+}
+
+void rf_quant_cuda_plan_free(rf_quant_cuda_plan *pl)
+{
+    if (!pl)
+        return;
+    cudaFree(pl->devd);
+    cudaFree(pl->devt0);
+    free(pl->t0);
+    free(pl->didx);
+    free(pl->tidx);
+    free(pl->tens);
+    free(pl);
 }

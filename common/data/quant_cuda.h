@@ -30,6 +30,37 @@ int rf_quant_cuda_quantize(const rf_quant_fmt *f, rf_dtype src_dt, const void *s
                            int64_t q_row_stride, void *scales, int64_t scale_row_stride,
                            cudaStream_t s, rf_err *err);
 
+/* Many matrices at once (a transport's kept plan, as rf_copy_cuda_plan): checked, their
+ * descriptors uploaded once to the current device (synchronously), then quantized any number
+ * of times, any run of them per launch: one kernel launch for every BLOCK, CHANNEL and MXFP8
+ * matrix of the run, TENSOR matrices one by one (three launches each). The bytes are those of
+ * rf_quant_cuda_quantize on each matrix. The matrices' outputs must not overlap. */
+typedef struct rf_quant_cuda_op {
+    rf_quant_fmt fmt;
+    rf_dtype dt;
+    const void *src;
+    int64_t src_row_stride; /* source elements */
+    uint64_t rows, cols;
+    uint8_t *q;
+    int64_t q_row_stride;   /* bytes */
+    void *scales;
+    int64_t scale_row_stride; /* scale elements */
+} rf_quant_cuda_op;
+
+typedef struct rf_quant_cuda_plan rf_quant_cuda_plan;
+
+/* rf_quant_cuda_quantize's checks on every op (-EINVAL naming the op, nothing kept), -ENOMEM,
+ * or CUDA's failures. */
+int rf_quant_cuda_plan_new(const rf_quant_cuda_op *ops, size_t n, rf_quant_cuda_plan **out,
+                           rf_err *err);
+/* Enqueues ops [first, first + count) on s (a stream of the plan's GPU). */
+int rf_quant_cuda_plan_launch(const rf_quant_cuda_plan *pl, size_t first, size_t count,
+                              cudaStream_t s, rf_err *err);
+/* Device memory the plan holds. */
+uint64_t rf_quant_cuda_plan_bytes(const rf_quant_cuda_plan *pl);
+/* Frees the plan; the caller waited for its launches. */
+void rf_quant_cuda_plan_free(rf_quant_cuda_plan *pl);
+
 #ifdef __cplusplus
 }
 #endif

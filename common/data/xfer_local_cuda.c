@@ -18,6 +18,9 @@
 #include "drv_cuda.h"
 #include "log.h"
 #include "macros.h"
+#include "qcopy.h"
+#include "quant.h"
+#include "quant_cuda.h"
 
 /* A pair contiguous on both sides and at least this large goes by cudaMemcpyAsync (a pair of
  * rows, one strided dim, of at least this many bytes with rows of an eighth of it by
@@ -45,6 +48,9 @@ typedef struct gdev {
     cudaEvent_t ev[SLOTS];
     uint8_t *scratch;   /* VSCRATCH, when a job verifies */
     uint8_t *bounce;    /* pinned host, VSCRATCH */
+    uint8_t *uscratch;  /* ucap: the source rows of FP8 units (verification), and */
+    uint8_t *ubounce;   /* their pinned host copy */
+    uint64_t ucap;
     rf_copy_cuda_buf *vbuf;
 } gdev;
 
@@ -62,16 +68,29 @@ typedef struct vseg {
     uint64_t lo, hi, off;
 } vseg;
 
-/* One gather of segments into a device's scratch: segments [sfirst, +scount), descriptors
- * [dfirst, +dcount) (the same in vsrc and vdst), span bytes of scratch. */
+/* The source side of a verified FP8 item's digested bytes comes from its bf16 source,
+ * quantized on the host (rf_quant_host, the arithmetic the GPU kernels are held to): unit u
+ * of the item (its row of blocks i of matrix l, u = l * srows + i) gathered into the device's
+ * uscratch at uoff, quantized after the copy down, and its bytes that lie in segment seg put
+ * where the payload has them. */
+typedef struct qunit {
+    uint32_t seg, item;
+    uint64_t u, uoff;
+} qunit;
+
+/* One gather of segments into a device's scratch: segments [sfirst, +scount); descriptors
+ * [sdfirst, +sdcount) of vsrc and [ddfirst, +ddcount) of vdst; span bytes of scratch; FP8
+ * units [qfirst, +qcount), their gathers [udfirst, +udcount) of vunit, uspan bytes of
+ * uscratch. */
 typedef struct vwin {
     uint32_t dev;
     uint32_t sfirst, scount;
-    uint64_t dfirst, dcount;
+    uint64_t sdfirst, sdcount, ddfirst, ddcount;
     uint64_t span;
+    uint64_t qfirst, qcount, udfirst, udcount, uspan;
 } vwin;
 
-enum { BS_CE = 5, BS_PAIRS, BS_MINRUN, BS_DONE_NS, BS_N };
+enum { BS_CE = 5, BS_QUANT, BS_PAIRS, BS_MINRUN, BS_DONE_NS, BS_N };
 
 /* A base pointer's device, found once per pointer. */
 typedef struct pdev {
@@ -92,14 +111,21 @@ typedef struct gplan {
     uint64_t *kfirst, *kcount;  /* [b * ndev + d] */
     ceop **ops;                 /* per device */
     uint64_t *ofirst, *ocount;  /* [b * ndev + d] */
+    rf_quant_cuda_plan **qplan; /* per device: FP8 matrices in batch order */
+    uint64_t *qfirst, *qcount;  /* [b * ndev + d] */
     rf_copy_desc *vsrc, *vdst;  /* verification gathers */
+    rf_copy_desc *vunit;        /* FP8 units' source gathers */
+    qunit *units;
+    uint64_t *uneed;            /* per device: the largest uspan */
+    uint8_t *utmp;              /* host: one unit quantized */
     vseg *segs;
     vwin *wins;
     uint32_t *bwin;             /* nbatches + 1: windows of each batch */
     uint64_t bytes;
     /* For the debug log, per batch: bytes through the kernel by access width (1, 2, 4, 8, 16
-     * bytes: [0..4]), through the copy engines, the kernel's pairs, its shortest run, and in
-     * the running job the ns since its start at which the batch was seen done. */
+     * bytes: [0..4]), through the copy engines, quantized to FP8 (payload bytes), the kernel's
+     * pairs, its shortest run, and in the running job the ns since its start at which the
+     * batch was seen done. */
     uint64_t (*bstat)[BS_N];
 } gplan;
 
@@ -164,11 +190,26 @@ out:
     return rc;
 }
 
-static int dev_verify_ready(rf_xfer_local *t, gdev *G)
+static int dev_verify_ready(rf_xfer_local *t, gdev *G, uint64_t uneed)
 {
     rf_err err = {0};
     int rc = 0;
 
+    if (uneed > G->ucap) {
+        CUDA_TRY(&err, cudaSetDevice(G->dev));
+        if (G->uscratch) {
+            cudaFree(G->uscratch);
+            cudaFreeHost(G->ubounce);
+            rf_xfer__local_alloc(t, -(int64_t)G->ucap);
+            G->uscratch = G->ubounce = NULL;
+            G->ucap = 0;
+        }
+        CUDA_TRY(&err, cudaMalloc((void **)&G->uscratch, uneed));
+        rf_xfer__local_alloc(t, (int64_t)uneed);
+        G->ucap = uneed;
+        CUDA_TRY(&err, cudaMallocHost((void **)&G->ubounce, uneed));
+        rf_xfer__local_alloc(t, 0);
+    }
     if (G->scratch)
         return 0;
     CUDA_TRY(&err, cudaSetDevice(G->dev));
@@ -198,6 +239,11 @@ static void dev_release(rf_xfer_local *t, gdev *G)
         rf_xfer__local_alloc(t, -(int64_t)VSCRATCH);
     }
     cudaFreeHost(G->bounce);
+    if (G->uscratch) {
+        cudaFree(G->uscratch);
+        rf_xfer__local_alloc(t, -(int64_t)G->ucap);
+    }
+    cudaFreeHost(G->ubounce);
     for (int h = 0; h < SLOTS; h++)
         cudaEventDestroy(G->ev[h]);
     cudaStreamDestroy(G->s);
@@ -293,6 +339,8 @@ static void plan_free(rf_xfer_local *t)
         rf_copy_cuda_plan_free(pl->kplan[d]);
     for (uint32_t d = 0; pl->ops && d < pl->ndev; d++)
         free(pl->ops[d]);
+    for (uint32_t d = 0; pl->qplan && d < pl->ndev; d++)
+        rf_quant_cuda_plan_free(pl->qplan[d]);
     if (pl->valid || pl->kplan)
         atomic_fetch_sub(&t->mem_now, pl->bytes);
     free(pl->mdev);
@@ -303,8 +351,15 @@ static void plan_free(rf_xfer_local *t)
     free(pl->ops);
     free(pl->ofirst);
     free(pl->ocount);
+    free(pl->qplan);
+    free(pl->qfirst);
+    free(pl->qcount);
     free(pl->vsrc);
     free(pl->vdst);
+    free(pl->vunit);
+    free(pl->units);
+    free(pl->uneed);
+    free(pl->utmp);
     free(pl->segs);
     free(pl->wins);
     free(pl->bwin);
@@ -345,10 +400,13 @@ static int ord_cmp(const void *a, const void *b)
 
 /* The verification gathers, built message by message: segments of the digested bytes cut at
  * the scratch's end, and for each the boxes of its items (source and destination side alike)
- * gathered into scratch + off + PAD in payload order. */
+ * gathered into scratch + off + PAD in payload order; an FP8 item's source side as units. */
 typedef struct vbuild {
-    uint64_t nseg, capseg, ndesc, capsrc, capdst, nwin, capwin;
+    uint64_t nseg, capseg, nsrc, capsrc, ndst, capdst, nwin, capwin;
+    uint64_t nunit, capunit, nud, capud;
     uint64_t used;  /* scratch bytes of the open window */
+    uint64_t uused; /* uscratch bytes of the open window */
+    uint64_t utmp;  /* the largest unit quantized: its FP8 bytes and scales */
     bool open;
     ord *o;
     uint32_t capo;
@@ -360,9 +418,115 @@ static int open_win(rf_xfer_local *t, gplan *pl, vbuild *vb, uint32_t dev)
 
     if ((rc = grow(t, (void **)&pl->wins, &vb->capwin, vb->nwin + 1, sizeof(vwin))) < 0)
         return rc;
-    pl->wins[vb->nwin++] = (vwin){.dev = dev, .sfirst = (uint32_t)vb->nseg, .dfirst = vb->ndesc};
-    vb->used = 0;
+    pl->wins[vb->nwin++] = (vwin){.dev = dev, .sfirst = (uint32_t)vb->nseg,
+                                  .sdfirst = vb->nsrc, .ddfirst = vb->ndst,
+                                  .qfirst = vb->nunit, .udfirst = vb->nud};
+    vb->used = vb->uused = 0;
     vb->open = true;
+    return 0;
+}
+
+/* The shape of FP8 item d's payload: its box's matrices (rows x cols each, nm of them), FP8
+ * bytes (fp8), scale grid of a matrix (srows x scols, ses bytes each) and rows per unit (bh:
+ * a block's rows, 1 for CHANNEL and MXFP8, the matrix for TENSOR). */
+typedef struct qshape {
+    rf_quant_fmt f;
+    uint64_t rows, cols, nm, fp8, srows, scols, ses, bh;
+} qshape;
+
+static qshape qshape_of(const rf_xfer_item *d)
+{
+    const rf_xfer_quant *x = &d->quant;
+    int L = d->ndim - 2;
+    qshape q = {.f = {x->q.kind, x->q.br, x->q.bc}};
+
+    q.rows = (uint64_t)d->box.extent[L];
+    q.cols = (uint64_t)d->box.extent[L + 1];
+    q.nm = rf_qcopy_nmatrices(&d->box, d->ndim);
+    rf_qcopy_bytes(&x->q, d->ndim, x->rows, x->cols, &d->box, &q.fp8);
+    rf_quant_scale_shape(&q.f, q.rows, q.cols, &q.srows, &q.scols, NULL);
+    q.ses = rf_dtype_size(rf_quant_scale_dtype(&q.f));
+    q.bh = q.f.kind == RF_QUANT_BLOCK ? q.f.br : q.f.kind == RF_QUANT_TENSOR ? q.rows : 1;
+    return q;
+}
+
+/* Item k's bytes [a, b) (of its payload) in segment sg of a verified message: the destination
+ * side gathers its FP8 elements and scales; the source side's units [u0, u1) are the rows of
+ * blocks those bytes come from, each gathered from the bf16 source whole. */
+static int verify_quant_item(rf_xfer_local *t, gplan *pl, vbuild *vb, const vseg *sg,
+                             uint32_t k, uint64_t a, uint64_t b)
+{
+    const rf_xfer_msg *m = &t->base.job->msgs[sg->msg];
+    const rf_xfer_item *d = &m->items[k], *s = &m->src_items[k];
+    const rf_xfer_quant *x = &d->quant;
+    qshape q = qshape_of(d);
+    int nd = d->ndim, L = nd - 2, nb;
+    rf_box bx[RF_COPY_SPAN_MAX], sb;
+    int64_t shape[RF_MAX_DIMS] = {0};
+    uint64_t mat = q.rows * q.cols, ua = UINT64_MAX, ub = 0;
+    int rc;
+
+    shape[L] = x->rows;
+    shape[L + 1] = x->cols;
+    rf_inv_scale_box(&x->q, nd, shape, &d->box, &sb);
+    if (a < q.fp8) {
+        uint64_t ea = a, eb = b < q.fp8 ? b : q.fp8;
+
+        ua = (ea / mat) * q.srows + (ea % mat) / q.cols / q.bh;
+        ub = ((eb - 1) / mat) * q.srows + ((eb - 1) % mat) / q.cols / q.bh + 1;
+        nb = rf_copy_box_span(&d->box, nd, ea, eb, bx);
+        if ((rc = grow(t, (void **)&pl->vdst, &vb->capdst, vb->ndst + (uint64_t)nb,
+                       sizeof(rf_copy_desc))) < 0)
+            return rc;
+        for (int j = 0; j < nb; j++) {
+            rf_copy_desc_set(&pl->vdst[vb->ndst++], d->base, &d->piece, nd, 1, &bx[j],
+                             sg->off + PAD + d->msg_off + ea - sg->lo);
+            ea += (uint64_t)rf_box_numel(&bx[j], nd);
+        }
+    }
+    if (b > q.fp8) {
+        uint64_t ea = (a > q.fp8 ? a - q.fp8 : 0) / q.ses;
+        uint64_t eb = (b - q.fp8 + q.ses - 1) / q.ses;
+
+        ua = ua < ea / q.scols ? ua : ea / q.scols;
+        ub = ub > (eb - 1) / q.scols + 1 ? ub : (eb - 1) / q.scols + 1;
+        nb = rf_copy_box_span(&sb, nd, ea, eb, bx);
+        if ((rc = grow(t, (void **)&pl->vdst, &vb->capdst, vb->ndst + (uint64_t)nb,
+                       sizeof(rf_copy_desc))) < 0)
+            return rc;
+        for (int j = 0; j < nb; j++) {
+            /* A scale that straddles the segment's start lands in the PAD before it. */
+            rf_copy_desc_set(&pl->vdst[vb->ndst++], x->scale_base, &x->scale, nd, q.ses, &bx[j],
+                             sg->off + PAD + d->msg_off + q.fp8 + ea * q.ses - sg->lo);
+            ea += (uint64_t)rf_box_numel(&bx[j], nd);
+        }
+    }
+    /* The units between the two parts' are gathered too when both parts lie in the segment:
+     * a few rows of blocks at most, since a segment is a scratch long. */
+    for (uint64_t u = ua; u < ub; u++) {
+        uint64_t l = u / q.srows, r0 = (u % q.srows) * q.bh;
+        uint64_t nr = q.rows - r0 < q.bh ? q.rows - r0 : q.bh;
+        rf_box ubox = d->box;
+        int64_t idx[RF_MAX_DIMS];
+
+        rf_qcopy_matrix_start(&d->box, nd, l, idx);
+        for (int dd = 0; dd < L; dd++) {
+            ubox.start[dd] = idx[dd];
+            ubox.extent[dd] = 1;
+        }
+        ubox.start[L] += (int64_t)r0;
+        ubox.extent[L] = (int64_t)nr;
+        if ((rc = grow(t, (void **)&pl->vunit, &vb->capud, vb->nud + 1,
+                       sizeof(rf_copy_desc))) < 0 ||
+            (rc = grow(t, (void **)&pl->units, &vb->capunit, vb->nunit + 1, sizeof(qunit))) < 0)
+            return rc;
+        rf_copy_desc_set(&pl->vunit[vb->nud++], s->base, &s->piece, nd, s->esize, &ubox,
+                         vb->uused);
+        pl->units[vb->nunit++] = (qunit){(uint32_t)(sg - pl->segs), k, u, vb->uused};
+        vb->uused += (nr * q.cols * s->esize + 15) & ~15ull;
+        if (nr * q.cols + q.scols * q.ses > vb->utmp)
+            vb->utmp = nr * q.cols + q.scols * q.ses;
+    }
     return 0;
 }
 
@@ -408,12 +572,18 @@ static int verify_msg(rf_xfer_local *t, gplan *pl, vbuild *vb, uint32_t i, uint6
                 continue;
             a = lo > d->msg_off ? lo - d->msg_off : 0;
             b = hi - d->msg_off < d->bytes ? hi - d->msg_off : d->bytes;
+            if (d->quant.q.kind != 0) {
+                if ((rc = verify_quant_item(t, pl, vb, sg, vb->o[k].k, a, b)) < 0)
+                    return rc;
+                sg = &pl->segs[vb->nseg - 1];
+                continue;
+            }
             ea = a / d->esize;
             eb = (b + d->esize - 1) / d->esize;
             nb = rf_copy_box_span(&d->box, d->ndim, ea, eb, bx);
-            if ((rc = grow(t, (void **)&pl->vsrc, &vb->capsrc, vb->ndesc + (uint64_t)nb,
+            if ((rc = grow(t, (void **)&pl->vsrc, &vb->capsrc, vb->nsrc + (uint64_t)nb,
                            sizeof(rf_copy_desc))) < 0 ||
-                (rc = grow(t, (void **)&pl->vdst, &vb->capdst, vb->ndesc + (uint64_t)nb,
+                (rc = grow(t, (void **)&pl->vdst, &vb->capdst, vb->ndst + (uint64_t)nb,
                            sizeof(rf_copy_desc))) < 0)
                 return rc;
             for (int j = 0; j < nb; j++) {
@@ -421,19 +591,24 @@ static int verify_msg(rf_xfer_local *t, gplan *pl, vbuild *vb, uint32_t i, uint6
                  * before it, one that straddles its end in the PAD after. */
                 uint64_t soff = sg->off + PAD + d->msg_off + ea * d->esize - lo;
 
-                rf_copy_desc_set(&pl->vsrc[vb->ndesc], s->base, &s->piece, s->ndim, s->esize,
+                rf_copy_desc_set(&pl->vsrc[vb->nsrc++], s->base, &s->piece, s->ndim, s->esize,
                                  &bx[j], soff);
-                rf_copy_desc_set(&pl->vdst[vb->ndesc], d->base, &d->piece, d->ndim, d->esize,
+                rf_copy_desc_set(&pl->vdst[vb->ndst++], d->base, &d->piece, d->ndim, d->esize,
                                  &bx[j], soff);
-                vb->ndesc++;
                 ea += (uint64_t)rf_box_numel(&bx[j], d->ndim);
             }
         }
         vb->used += (hi - lo + 2 * PAD + 15) & ~15ull;
         w = &pl->wins[vb->nwin - 1];
         w->scount = (uint32_t)(vb->nseg - w->sfirst);
-        w->dcount = vb->ndesc - w->dfirst;
+        w->sdcount = vb->nsrc - w->sdfirst;
+        w->ddcount = vb->ndst - w->ddfirst;
         w->span = vb->used;
+        w->qcount = vb->nunit - w->qfirst;
+        w->udcount = vb->nud - w->udfirst;
+        w->uspan = vb->uused;
+        if (vb->uused > pl->uneed[dev])
+            pl->uneed[dev] = vb->uused;
         lo = hi;
     }
     return 0;
@@ -456,13 +631,53 @@ static void stat_pair(uint64_t st[BS_N], const rf_copy_pair_flat *f)
         st[BS_MINRUN] = f->run;
 }
 
+/* The FP8 matrices of the transfer from source item s into FP8 item dd (checked), appended to
+ * ops: each matrix of the box quantized from the source's rows straight into the piece and
+ * its scales. */
+static int add_qops(rf_xfer_local *t, const rf_xfer_msg *m, const rf_xfer_item *s,
+                    const rf_xfer_item *dd, rf_quant_cuda_op **ops, uint64_t *n, uint64_t *cap)
+{
+    const rf_xfer_quant *x = &dd->quant;
+    int nd = dd->ndim, L = nd - 2, rc;
+    qshape q = qshape_of(dd);
+    int64_t shape[RF_MAX_DIMS] = {0}, idx[RF_MAX_DIMS], sidx[RF_MAX_DIMS];
+    rf_box sb;
+
+    if (x->scale.strides[nd - 1] != 1)
+        return fail(t, -ENOTSUP, "local message seq %u: the scales of an FP8 piece lie %lld "
+                    "apart in a row; the GPU quantizer writes each row of scales contiguous",
+                    m->seq, (long long)x->scale.strides[nd - 1]);
+    shape[L] = x->rows;
+    shape[L + 1] = x->cols;
+    rf_inv_scale_box(&x->q, nd, shape, &dd->box, &sb);
+    if ((rc = grow(t, (void **)ops, cap, *n + q.nm, sizeof(**ops))) < 0)
+        return rc;
+    for (uint64_t l = 0; l < q.nm; l++) {
+        rf_qcopy_matrix_start(&dd->box, nd, l, idx);
+        memcpy(sidx, idx, sizeof(sidx));
+        sidx[L] = sb.start[L];
+        sidx[L + 1] = sb.start[L + 1];
+        (*ops)[(*n)++] = (rf_quant_cuda_op){
+            .fmt = q.f, .dt = x->dt,
+            .src = s->base + rf_piece_byte_offset(&s->piece, nd, s->esize, idx),
+            .src_row_stride = s->piece.strides[L], .rows = q.rows, .cols = q.cols,
+            .q = dd->base + rf_piece_byte_offset(&dd->piece, nd, 1, idx),
+            .q_row_stride = dd->piece.strides[L],
+            .scales = x->scale_base + rf_piece_byte_offset(&x->scale, nd, q.ses, sidx),
+            .scale_row_stride = x->scale.strides[L]};
+    }
+    return 0;
+}
+
 /* Derives the plan of execution of the running job. */
 static int plan_build(rf_xfer_local *t)
 {
     const rf_xfer_job *job = t->base.job;
     gplan *pl = &t->g->pl;
     rf_copy_pair **kp = NULL, p;
-    uint64_t *kn = NULL, *kcap = NULL, *on = NULL, *ocap = NULL, batch_bytes = 0;
+    rf_quant_cuda_op **qp = NULL;
+    uint64_t *kn = NULL, *kcap = NULL, *on = NULL, *ocap = NULL, *qn = NULL, *qcap = NULL;
+    uint64_t batch_bytes = 0;
     uint64_t batch = t->gpu_batch ? t->gpu_batch : BATCH;
     uint64_t mmin = t->gpu_memcpy_min ? t->gpu_memcpy_min : MEMCPY_MIN;
     vbuild vb = {0};
@@ -525,6 +740,10 @@ static int plan_build(rf_xfer_local *t)
     pl->kcount = calloc((size_t)pl->nbatches * pl->ndev + 1, sizeof(uint64_t));
     pl->ofirst = calloc((size_t)pl->nbatches * pl->ndev + 1, sizeof(uint64_t));
     pl->ocount = calloc((size_t)pl->nbatches * pl->ndev + 1, sizeof(uint64_t));
+    pl->qplan = calloc(pl->ndev, sizeof(*pl->qplan));
+    pl->qfirst = calloc((size_t)pl->nbatches * pl->ndev + 1, sizeof(uint64_t));
+    pl->qcount = calloc((size_t)pl->nbatches * pl->ndev + 1, sizeof(uint64_t));
+    pl->uneed = calloc(pl->ndev, sizeof(uint64_t));
     pl->bwin = calloc((size_t)pl->nbatches + 1, sizeof(uint32_t));
     pl->bstat = calloc((size_t)pl->nbatches + 1, sizeof(*pl->bstat));
     kp = calloc(pl->ndev, sizeof(*kp));
@@ -532,10 +751,14 @@ static int plan_build(rf_xfer_local *t)
     kcap = calloc(pl->ndev, sizeof(*kcap));
     on = calloc(pl->ndev, sizeof(*on));
     ocap = calloc(pl->ndev, sizeof(*ocap));
-    for (int j = 0; j < 8; j++)
+    qp = calloc(pl->ndev, sizeof(*qp));
+    qn = calloc(pl->ndev, sizeof(*qn));
+    qcap = calloc(pl->ndev, sizeof(*qcap));
+    for (int j = 0; j < 12; j++)
         rf_xfer__local_alloc(t, 0);
     if (!pl->kplan || !pl->ops || !pl->kfirst || !pl->kcount || !pl->ofirst || !pl->ocount ||
-        !pl->bwin || !pl->bstat || !kp || !kn || !kcap || !on || !ocap) {
+        !pl->qplan || !pl->qfirst || !pl->qcount || !pl->uneed || !pl->bwin || !pl->bstat ||
+        !kp || !kn || !kcap || !on || !ocap || !qp || !qn || !qcap) {
         rc = fail(t, -ENOMEM, "out of memory planning %u local messages", job->nmsgs);
         goto out;
     }
@@ -544,6 +767,7 @@ static int plan_build(rf_xfer_local *t)
         for (d = 0; d < pl->ndev; d++) {
             pl->kfirst[(size_t)b * pl->ndev + d] = kn[d];
             pl->ofirst[(size_t)b * pl->ndev + d] = on[d];
+            pl->qfirst[(size_t)b * pl->ndev + d] = qn[d];
         }
         for (i = pl->bmsg[b]; i < pl->bmsg[b + 1]; i++) {
             const rf_xfer_msg *m = &job->msgs[i];
@@ -553,6 +777,20 @@ static int plan_build(rf_xfer_local *t)
                 const rf_xfer_item *s = &m->src_items[k], *dd = &m->items[k];
                 rf_copy_pair_flat f;
 
+                if (dd->quant.q.kind != 0) {
+                    /* FP8 (issue 15): quantized from the source's rows into the piece. */
+                    rf_err_clear(&err);
+                    if ((rc = rf_qcopy_check(s, false, &err)) < 0 ||
+                        (rc = rf_qcopy_check(dd, true, &err)) < 0) {
+                        rc = fail(t, rc, "local message seq %u: FP8 item %u %s", m->seq, k,
+                                  err.msg);
+                        goto out;
+                    }
+                    if ((rc = add_qops(t, m, s, dd, &qp[d], &qn[d], &qcap[d])) < 0)
+                        goto out;
+                    pl->bstat[b][BS_QUANT] += dd->bytes;
+                    continue;
+                }
                 rf_copy_desc_set(&p.src, s->base, &s->piece, s->ndim, s->esize, &s->box, 0);
                 rf_copy_desc_set(&p.dst, dd->base, &dd->piece, dd->ndim, dd->esize, &dd->box, 0);
                 rf_err_clear(&err);
@@ -584,6 +822,7 @@ static int plan_build(rf_xfer_local *t)
         for (d = 0; d < pl->ndev; d++) {
             pl->kcount[(size_t)b * pl->ndev + d] = kn[d] - pl->kfirst[(size_t)b * pl->ndev + d];
             pl->ocount[(size_t)b * pl->ndev + d] = on[d] - pl->ofirst[(size_t)b * pl->ndev + d];
+            pl->qcount[(size_t)b * pl->ndev + d] = qn[d] - pl->qfirst[(size_t)b * pl->ndev + d];
         }
     }
     /* The kernel's descriptors go to their devices once. */
@@ -597,6 +836,15 @@ static int plan_build(rf_xfer_local *t)
         }
         rf_xfer__local_alloc(t, (int64_t)rf_copy_cuda_plan_bytes(pl->kplan[d]));
         pl->bytes += rf_copy_cuda_plan_bytes(pl->kplan[d]);
+        if (qn[d] == 0)
+            continue;
+        if ((rc = rf_quant_cuda_plan_new(qp[d], qn[d], &pl->qplan[d], &err)) < 0) {
+            rc = fail(t, rc, "uploading %llu FP8 matrices to GPU %d: %s",
+                      (unsigned long long)qn[d], t->g->devs[d].dev, err.msg);
+            goto out;
+        }
+        rf_xfer__local_alloc(t, (int64_t)rf_quant_cuda_plan_bytes(pl->qplan[d]));
+        pl->bytes += rf_quant_cuda_plan_bytes(pl->qplan[d]);
     }
     /* Verification: which bytes, gathered how, window by window per batch. */
     if (job->verify != RF_VERIFY_OFF) {
@@ -614,6 +862,13 @@ static int plan_build(rf_xfer_local *t)
             vb.open = false;
         }
         pl->bwin[pl->nbatches] = (uint32_t)vb.nwin;
+        if (vb.utmp > 0) {
+            if (!(pl->utmp = malloc(vb.utmp))) {
+                rc = fail(t, -ENOMEM, "out of memory planning FP8 verification");
+                goto out;
+            }
+            rf_xfer__local_alloc(t, 0);
+        }
     }
     pl->key = job->plan_key;
     pl->verify = job->verify;
@@ -628,6 +883,11 @@ out:
     free(kcap);
     free(on);
     free(ocap);
+    for (d = 0; qp && d < pl->ndev; d++)
+        free(qp[d]);
+    free(qp);
+    free(qn);
+    free(qcap);
     free(vb.o);
     if (rc < 0)
         plan_free(t);
@@ -635,6 +895,42 @@ out:
 }
 
 /* ---- the job ---- */
+
+/* The source side of FP8 unit qu (its bf16 rows copied down into G's ubounce): quantized on
+ * the host, and its bytes that lie in its segment put into the bounce where the payload has
+ * them. */
+static int quant_unit(rf_xfer_local *t, const gdev *G, const qunit *qu)
+{
+    const gplan *pl = &t->g->pl;
+    const vseg *sg = &pl->segs[qu->seg];
+    const rf_xfer_msg *m = &t->g->job->msgs[sg->msg];
+    const rf_xfer_item *d = &m->items[qu->item];
+    qshape q = qshape_of(d);
+    uint64_t l = qu->u / q.srows, i = qu->u % q.srows, r0 = i * q.bh;
+    uint64_t nr = q.rows - r0 < q.bh ? q.rows - r0 : q.bh;
+    /* The unit's two runs of payload bytes (item-relative) and where they are in utmp. */
+    uint64_t at[2] = {l * q.rows * q.cols + r0 * q.cols,
+                      q.fp8 + (l * q.srows + i) * q.scols * q.ses};
+    uint64_t len[2] = {nr * q.cols, q.scols * q.ses}, from[2] = {0, nr * q.cols};
+    rf_err err = {0};
+    int rc;
+
+    if ((rc = rf_quant_host(&q.f, d->quant.dt, G->ubounce + qu->uoff, (int64_t)q.cols, nr,
+                            q.cols, pl->utmp, (int64_t)q.cols, pl->utmp + nr * q.cols,
+                            (int64_t)q.scols, &err)) < 0)
+        return fail(t, rc, "verifying local message seq %u: quantizing FP8 item %u on the host: "
+                    "%s", m->seq, qu->item, err.msg);
+    for (int k = 0; k < 2; k++) {
+        uint64_t a = d->msg_off + at[k], b = a + len[k];
+
+        a = a > sg->lo ? a : sg->lo;
+        b = b < sg->hi ? b : sg->hi;
+        if (a < b)
+            memcpy(G->bounce + sg->off + PAD + (a - sg->lo),
+                   pl->utmp + from[k] + (a - d->msg_off - at[k]), b - a);
+    }
+    return 0;
+}
 
 /* Digests the segments of windows [wa, wb): each gathered into its device's scratch, copied
  * down and handed to the message's digest, in payload order (a message's segments follow one
@@ -654,12 +950,26 @@ static int digest_wins(rf_xfer_local *t, uint32_t wa, uint32_t wb, bool dst_side
         gdev *G = &g->devs[W->dev];
 
         CUDA_TRY(&err, cudaSetDevice(G->dev));
-        if ((rc = rf_copy_cuda_gather_buf(G->vbuf, (dst_side ? pl->vdst : pl->vsrc) + W->dfirst,
-                                          W->dcount, G->scratch, G->vs, &err)) < 0)
+        if ((rc = rf_copy_cuda_gather_buf(G->vbuf, dst_side ? pl->vdst + W->ddfirst
+                                                            : pl->vsrc + W->sdfirst,
+                                          dst_side ? W->ddcount : W->sdcount, G->scratch, G->vs,
+                                          &err)) < 0)
             goto out;
         CUDA_TRY(&err, cudaMemcpyAsync(G->bounce, G->scratch, W->span, cudaMemcpyDeviceToHost,
                                        G->vs));
+        if (!dst_side && W->udcount > 0) {
+            /* The gathers share the buffer's descriptors: the first is waited for. */
+            CUDA_TRY(&err, cudaStreamSynchronize(G->vs));
+            if ((rc = rf_copy_cuda_gather_buf(G->vbuf, pl->vunit + W->udfirst, W->udcount,
+                                              G->uscratch, G->vs, &err)) < 0)
+                goto out;
+            CUDA_TRY(&err, cudaMemcpyAsync(G->ubounce, G->uscratch, W->uspan,
+                                           cudaMemcpyDeviceToHost, G->vs));
+        }
         CUDA_TRY(&err, cudaStreamSynchronize(G->vs));
+        for (uint64_t u = W->qfirst; !dst_side && u < W->qfirst + W->qcount; u++)
+            if ((rc = quant_unit(t, G, &pl->units[u])) < 0)
+                return rc;
         for (uint32_t s = W->sfirst; s < W->sfirst + W->scount; s++) {
             const vseg *sg = &pl->segs[s];
 
@@ -706,6 +1016,10 @@ static int enqueue(rf_xfer_local *t, uint32_t b)
         CUDA_TRY(&err, cudaSetDevice(G->dev));
         if ((rc = rf_copy_cuda_plan_launch(pl->kplan[d], pl->kfirst[x], pl->kcount[x], G->s, 0,
                                            &err)) < 0)
+            goto out;
+        if (pl->qcount[x] > 0 &&
+            (rc = rf_quant_cuda_plan_launch(pl->qplan[d], pl->qfirst[x], pl->qcount[x], G->s,
+                                            &err)) < 0)
             goto out;
         for (uint64_t o = pl->ofirst[x]; o < pl->ofirst[x] + pl->ocount[x]; o++) {
             const ceop *op = &pl->ops[d][o];
@@ -757,8 +1071,6 @@ int rf_xfer__lgpu_start(rf_xfer_local *t)
     rf_xfer_lgpu *g = t->g;
     int rc;
 
-    if ((rc = rf_xfer__no_quant(&t->base, "the GPU local copy")) < 0)
-        return rc;
     if (!g) {
         if (!(g = t->g = calloc(1, sizeof(*g))))
             return fail(t, -ENOMEM, "out of memory for the GPU local transport");
@@ -784,7 +1096,7 @@ int rf_xfer__lgpu_start(rf_xfer_local *t)
     g->t_launch = g->t_verify = g->t_copied = 0;
     if (job->verify != RF_VERIFY_OFF)
         for (uint32_t d = 0; d < g->pl.ndev; d++)
-            if ((rc = dev_verify_ready(t, &g->devs[d])) < 0)
+            if ((rc = dev_verify_ready(t, &g->devs[d], g->pl.uneed[d])) < 0)
                 return rc;
     g->lo = g->hi = 0;
     return 0;
@@ -876,10 +1188,11 @@ void rf_xfer__lgpu_finish(rf_xfer_local *t, int rc)
         const uint64_t *st = g->pl.bstat[b];
 
         RF_DEBUG("  batch %u: done at %.2f ms; kernel %llu pairs (shortest run %llu B), MB by "
-                 "access width 1/2/4/8/16 B: %.1f/%.1f/%.1f/%.1f/%.1f; copy engines %.1f MB", b,
-                 (double)st[BS_DONE_NS] / 1e6, (unsigned long long)st[BS_PAIRS],
-                 (unsigned long long)st[BS_MINRUN], st[0] / 1e6, st[1] / 1e6, st[2] / 1e6,
-                 st[3] / 1e6, st[4] / 1e6, st[BS_CE] / 1e6);
+                 "access width 1/2/4/8/16 B: %.1f/%.1f/%.1f/%.1f/%.1f; copy engines %.1f MB; "
+                 "quantized to FP8 %.1f MB", b, (double)st[BS_DONE_NS] / 1e6,
+                 (unsigned long long)st[BS_PAIRS], (unsigned long long)st[BS_MINRUN],
+                 st[0] / 1e6, st[1] / 1e6, st[2] / 1e6, st[3] / 1e6, st[4] / 1e6,
+                 st[BS_CE] / 1e6, st[BS_QUANT] / 1e6);
     }
     if (rc < 0 || t->base.job->plan_key == 0)
         plan_free(t);

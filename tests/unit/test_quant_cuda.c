@@ -419,6 +419,106 @@ Test(quant_cuda, large_matrices, .timeout = 600)
     free(m.h);
 }
 
+/* A plan of many matrices (every format and source dtype, strided and misaligned views of one
+ * source buffer, so that both the 16-byte and the element path run) launched in three runs,
+ * against rf_quant_host matrix by matrix; the bytes between the outputs stay FILL. */
+Test(quant_cuda, plan_of_many_matrices, .timeout = 600)
+{
+    static const char *const fs[] = {"block", "block:64x64", "block:3x7", "channel", "mxfp8",
+                                     "tensor", "block:1x128", "block:128x1"};
+    static const rf_dtype dts[] = {RF_DT_BF16, RF_DT_FP16, RF_DT_FP32};
+    enum { N = 48, SRC_BYTES = 8 << 20, OUT_BYTES = 4 << 20 };
+    rf_quant_cuda_op ops[N];
+    size_t qoff[N], soff[N], qlen[N], slen[N], at_q = 0, at_s = 0, src_at = 0;
+    uint8_t *hsrc = malloc(SRC_BYTES), *hq = malloc(OUT_BYTES), *hs = malloc(OUT_BYTES);
+    uint8_t *gq = malloc(OUT_BYTES), *gs = malloc(OUT_BYTES), *dsrc, *dq, *ds;
+    rf_quant_cuda_plan *pl = NULL;
+    rf_err err = {0};
+
+    need_gpu();
+    cr_assert(hsrc && hq && hs && gq && gs);
+    for (size_t i = 0; i < SRC_BYTES; i += 2) {
+        uint16_t h = (uint16_t)rand_elem(RF_DT_BF16, 100 + (int)rnd(60), 20);
+
+        memcpy(hsrc + i, &h, 2);
+    }
+    cr_assert_eq(cudaMalloc((void **)&dsrc, SRC_BYTES), cudaSuccess);
+    cr_assert_eq(cudaMalloc((void **)&dq, OUT_BYTES), cudaSuccess);
+    cr_assert_eq(cudaMalloc((void **)&ds, OUT_BYTES), cudaSuccess);
+    cr_assert_eq(cudaMemcpy(dsrc, hsrc, SRC_BYTES, cudaMemcpyHostToDevice), cudaSuccess);
+    cr_assert_eq(cudaMemset(dq, FILL, OUT_BYTES), cudaSuccess);
+    cr_assert_eq(cudaMemset(ds, FILL, OUT_BYTES), cudaSuccess);
+    memset(hq, FILL, OUT_BYTES);
+    memset(hs, FILL, OUT_BYTES);
+    for (size_t i = 0; i < N; i++) {
+        rf_quant_cuda_op *o = &ops[i];
+        rf_dtype dt = dts[i % 3];
+        size_t es = rf_dtype_size(dt), ss;
+        /* Every fourth matrix misaligned by one element, its stride padded by one. */
+        int odd = i % 4 == 3;
+        uint64_t rows = 1 + rnd(300), cols = 8 * (1 + rnd(48)) + (odd ? 1 : 0), srows, scols;
+
+        o->fmt = fmt(fs[i % (sizeof(fs) / sizeof(fs[0]))]);
+        o->dt = dt;
+        o->rows = rows;
+        o->cols = cols;
+        o->src_row_stride = (int64_t)cols + (odd ? 1 : (int64_t)(8 * rnd(2)));
+        src_at = (src_at + 255) & ~(size_t)255;
+        src_at += odd ? es : 0;
+        o->src = dsrc + src_at;
+        cr_assert_eq(rf_quant_scale_shape(&o->fmt, rows, cols, &srows, &scols, &err), 0);
+        ss = rf_dtype_size(rf_quant_scale_dtype(&o->fmt));
+        o->q_row_stride = (int64_t)cols + (int64_t)(8 * rnd(2));
+        o->scale_row_stride = (int64_t)scols + (int64_t)rnd(2);
+        qoff[i] = at_q;
+        qlen[i] = (size_t)(rows - 1) * (size_t)o->q_row_stride + cols;
+        soff[i] = (at_s + 3) & ~(size_t)3;
+        slen[i] = ((size_t)(srows - 1) * (size_t)o->scale_row_stride + scols) * ss;
+        o->q = dq + qoff[i];
+        o->scales = ds + soff[i];
+        at_q = (qoff[i] + qlen[i] + 64 + 15) & ~(size_t)15;
+        at_s = soff[i] + slen[i] + 16;
+        cr_assert(src_at + ((size_t)(rows - 1) * (size_t)o->src_row_stride + cols) * es <
+                  SRC_BYTES && at_q < OUT_BYTES && at_s < OUT_BYTES, "test buffers too small");
+        cr_assert_eq(rf_quant_host(&o->fmt, dt, hsrc + src_at, o->src_row_stride, rows, cols,
+                                   hq + qoff[i], o->q_row_stride, hs + soff[i],
+                                   o->scale_row_stride, &err), 0, "%s", err.msg);
+        src_at += ((size_t)(rows - 1) * (size_t)o->src_row_stride + cols) * es;
+    }
+    cr_assert_eq(rf_quant_cuda_plan_new(ops, N, &pl, &err), 0, "%s", err.msg);
+    cr_assert_gt(rf_quant_cuda_plan_bytes(pl), 0);
+    cr_assert_eq(rf_quant_cuda_plan_launch(pl, 0, 5, 0, &err), 0, "%s", err.msg);
+    cr_assert_eq(rf_quant_cuda_plan_launch(pl, 5, 30, 0, &err), 0, "%s", err.msg);
+    cr_assert_eq(rf_quant_cuda_plan_launch(pl, 35, N - 35, 0, &err), 0, "%s", err.msg);
+    cr_assert_eq(rf_quant_cuda_plan_launch(pl, N, 0, 0, &err), 0, "%s", err.msg);
+    cr_assert_eq(rf_quant_cuda_plan_launch(pl, 40, N, 0, &err), -EINVAL);
+    cr_assert(strstr(err.msg, "matrices [40, 88) of a plan of 48") != NULL, "%s", err.msg);
+    cr_assert_eq(cudaDeviceSynchronize(), cudaSuccess);
+    cr_assert_eq(cudaMemcpy(gq, dq, OUT_BYTES, cudaMemcpyDeviceToHost), cudaSuccess);
+    cr_assert_eq(cudaMemcpy(gs, ds, OUT_BYTES, cudaMemcpyDeviceToHost), cudaSuccess);
+    for (size_t i = 0; i < N; i++) {
+        for (size_t b = 0; b < qlen[i]; b++)
+            cr_assert_eq(gq[qoff[i] + b], hq[qoff[i] + b], "matrix %zu (%s %s %" PRIu64 "x%"
+                         PRIu64 "): q byte %zu: GPU 0x%02x, host 0x%02x", i,
+                         fs[i % (sizeof(fs) / sizeof(fs[0]))], rf_dtype_name(ops[i].dt),
+                         ops[i].rows, ops[i].cols, b, gq[qoff[i] + b], hq[qoff[i] + b]);
+        for (size_t b = 0; b < slen[i]; b++)
+            cr_assert_eq(gs[soff[i] + b], hs[soff[i] + b], "matrix %zu (%s): scale byte %zu", i,
+                         fs[i % (sizeof(fs) / sizeof(fs[0]))], b);
+    }
+    cr_assert_eq(memcmp(gq, hq, OUT_BYTES), 0, "bytes outside the matrices' rows were written");
+    cr_assert_eq(memcmp(gs, hs, OUT_BYTES), 0, "bytes outside the scale rows were written");
+    rf_quant_cuda_plan_free(pl);
+    cudaFree(dsrc);
+    cudaFree(dq);
+    cudaFree(ds);
+    free(hsrc);
+    free(hq);
+    free(hs);
+    free(gq);
+    free(gs);
+}
+
 /* ---- argument checks: no GPU needed, nothing touches the (fake) pointers ---- */
 
 #define FAKE(a) ((void *)(uintptr_t)(a))
@@ -486,6 +586,22 @@ Test(quant_cuda, argument_errors)
                             cs[i].scstride, &herr);
         cr_assert_eq(hrc, rc, "%s: host %d, GPU %d", cs[i].what, hrc, rc);
     }
+}
+
+/* A plan refuses a bad matrix by its index, before it touches the device. */
+Test(quant_cuda, plan_refuses_bad_matrix)
+{
+    rf_quant_cuda_op ops[2] = {
+        {fmt("block"), RF_DT_BF16, FAKE(0x1000), 4, 4, 4, FAKE(0x2000), 4, FAKE(0x3000), 1},
+        {fmt("block"), RF_DT_INT8, FAKE(0x1000), 4, 4, 4, FAKE(0x2000), 4, FAKE(0x3000), 1},
+    };
+    rf_quant_cuda_plan *pl = FAKE(1);
+    rf_err err = {0};
+
+    cr_assert_eq(rf_quant_cuda_plan_new(ops, 2, &pl, &err), -EINVAL);
+    cr_assert_null(pl);
+    cr_assert(strstr(err.msg, "matrix 1 of the plan") && strstr(err.msg, "dtype int8"), "%s",
+              err.msg);
 }
 
 /* An empty matrix enqueues nothing and reads no pointer; a bad format or dtype is still one. */
