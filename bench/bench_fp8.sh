@@ -7,12 +7,20 @@
 # loopback (local_copy off: the publisherd quantizes while it packs). Formats: bf16 (none),
 # block (128x128). The engines check every byte after each refit, outside the timed part.
 #
-# Environment: BUILD (build), REFITS (6), FORMATS ("none block"), PATHS ("auto off").
+# Environment: BUILD (build), REFITS (6), FORMATS ("none block"), PATHS ("auto off"); MODEL
+# (qwen3-0.6b), SRC (tp=2) and DST (tp=4) layouts with TRAINERS (2) and ENGINES (4) ranks;
+# SIM_FLAGS for both simulated clients (GPU memory: "--device cuda:0 --cuda-vmm"); CHECK=0
+# passes --no-check to the engines (models too large to check on the host between refits);
+# DAEMON_FLAGS for both daemons (on GPUs: "--transport nccl --refit-timeout-s 120").
 . "$(dirname "$0")/../tests/e2e/lib.sh"
 REFITS=${REFITS:-6}
+MODEL=${MODEL:-qwen3-0.6b} SRC=${SRC:-tp=2} DST=${DST:-tp=4}
+TRAINERS=${TRAINERS:-2} ENGINES=${ENGINES:-4} SIM_FLAGS=${SIM_FLAGS:-}
+check=""
+[ "${CHECK:-1}" = 0 ] && check=--no-check
 FORMATS=${FORMATS:-none block}
 PATHS=${PATHS:-auto off}
-E2E_COMMON="${E2E_COMMON/--log-level info/--log-level info} --verify off"
+E2E_COMMON="${E2E_COMMON/--log-level info/--log-level info} --verify off ${DAEMON_FLAGS:-}"
 E2E_PUBLISHERS=1 E2E_RECEIVERS=1
 
 printf '%-6s %-6s %12s %10s %10s %8s\n' path format bytes median_s GB/s wrong
@@ -20,12 +28,14 @@ for path in $PATHS; do
     for fmt in $FORMATS; do
         e2e_new_cluster "$path-$fmt"
         E2E_LOCAL_COPY=$path
-        start_publisher 0 2
-        start_receiver 0 4
+        start_publisher 0 "$TRAINERS"
+        start_receiver 0 "$ENGINES"
         fp8=""
         [ "$fmt" != none ] && fp8="--fp8 $fmt"
-        start_engine eng 0 --model qwen3-0.6b --layout tp=4 --versions "$REFITS" $fp8
-        start_trainer tr 0 --model qwen3-0.6b --layout tp=2 --versions "$REFITS"
+        start_engine eng 0 --model "$MODEL" --layout "$DST" --versions "$REFITS" $fp8 $check \
+            --timeout-ms 300000 $SIM_FLAGS
+        start_trainer tr 0 --model "$MODEL" --layout "$SRC" --versions "$REFITS" \
+            --timeout-ms 300000 $SIM_FLAGS
         wait_ok tr eng
         python3 - "$E2E_DIR/recv0.log" "$E2E_DIR/eng.log" "$path" "$fmt" <<'PY'
 import re, statistics, sys

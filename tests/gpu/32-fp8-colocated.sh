@@ -1,0 +1,69 @@
+#!/bin/bash
+# tests/gpu/32-fp8-colocated.sh - FP8 engines colocated on ONE GPU (issue 15): bf16 trainers'
+# weights and FP8 engines' buffers both on GPU 0, the receiverd quantizing while it copies
+# (the GPU local copies' batch kernel). After every commit the engines copy their memory to
+# the host and check every FP8 byte, every scale and the padding of scale rows against the
+# scalar reference (rf_quant_ref) of the trainers' values; bf16 pieces on the GPU as ever.
+#   block (128x128) with verify = full: the receiverd digests every installed FP8 byte and
+#   scale against the bf16 source quantized on the host; channel, mxfp8 and block:64x64 with
+#   padded scale rows on VMM memory; a flipped FP8 element is caught by the engines' check.
+. "$(dirname "$0")/../e2e/lib.sh"
+if ! nvidia-smi -L >/dev/null 2>&1; then
+    echo "skipped: no CUDA device"
+    exit 0
+fi
+export NCCL_NVLS_ENABLE=0
+E2E_LOCAL_COPY=auto
+BASE_COMMON="$E2E_COMMON --transport nccl --refit-timeout-s 120"
+
+# run_case NAME VERIFY N FORMAT [sim flags]: qwen3-0.6b tp=2 -> tp=4, N versions; ENG_FLAGS
+# for the engine alone.
+run_case() {
+    local name=$1 verify=$2 n=$3 fmt=$4
+    shift 4
+    E2E_COMMON="$BASE_COMMON --verify $verify"
+    E2E_PUBLISHERS=1 E2E_RECEIVERS=1
+    start_publisher 0 2
+    start_receiver 0 4
+    start_engine "${name}_eng" 0 --model qwen3-0.6b --layout tp=4 --versions "$n" \
+        --device cuda:0 --fp8 "$fmt" --timeout-ms 300000 ${ENG_FLAGS:-} "$@"
+    start_trainer "${name}_tr" 0 --model qwen3-0.6b --layout tp=2 --versions "$n" \
+        --device cuda:0 --timeout-ms 300000 "$@"
+    wait_ok "${name}_tr" "${name}_eng"
+    local ok=$(grep -c "committed after.*, 0 wrong" "$E2E_DIR/${name}_eng.log")
+    [ "$ok" = "$n" ] || fail "$name: $ok of $n versions verified"
+    grep -q "fp8 $fmt: [1-9][0-9]* pieces FP8" "$E2E_DIR/${name}_eng.log" ||
+        fail "$name: the engines hold no FP8 piece"
+    grep -q "version $n: moved" "$E2E_DIR/recv0.log" || fail "$name: no local copy of version $n"
+    grep "fp8 $fmt:" "$E2E_DIR/${name}_eng.log" | head -n 1
+    grep "version $n: moved" "$E2E_DIR/recv0.log" | tail -n 1
+    echo "ok: $name: $n FP8 refits on one GPU ($fmt, verify $verify), every FP8 byte and scale checked"
+    e2e_stop $PUB0_PID $RECV0_PID
+    mv "$E2E_DIR/pub0.log" "$E2E_DIR/${name}_pub0.log"
+    mv "$E2E_DIR/recv0.log" "$E2E_DIR/${name}_recv0.log"
+}
+
+want() { case " ${GPU_CASES:-block channel mxfp8 block64 corrupt} " in *" $1 "*) return 0 ;; esac; return 1; }
+want block && run_case block full 2 block
+want channel && run_case channel sample 2 channel --cuda-vmm
+want mxfp8 && run_case mxfp8 full 2 mxfp8 --cuda-vmm
+want block64 && ENG_FLAGS="--fp8-scale-pad 4" run_case block64 sample 3 block:64x64
+want corrupt || exit 0
+
+# The engines' check catches one flipped FP8 element in GPU memory (flipped after version 1
+# was installed): 1 wrong element, the engine exits 1; version 2 installs over it (0 wrong).
+E2E_COMMON="$BASE_COMMON --verify sample"
+start_publisher 0 2
+start_receiver 0 4
+REFIT_SIM_FP8_CORRUPT=element start_engine ceng 0 --model qwen3-0.6b --layout tp=4 \
+    --versions 2 --device cuda:0 --fp8 block --timeout-ms 300000
+start_trainer ctr 0 --model qwen3-0.6b --layout tp=2 --versions 2 --device cuda:0 \
+    --timeout-ms 300000
+wait "$ctr_PID" || fail "corrupt: the trainer failed"
+wait "$ceng_PID" && fail "corrupt: the engine exited 0 with a flipped FP8 element"
+grep -q "version 1 committed after .*, 1 wrong elements$" "$E2E_DIR/ceng.log" ||
+    fail "corrupt: version 1 not reported with 1 wrong element: $(tail -n 5 "$E2E_DIR/ceng.log" | tr '\n' ' ')"
+grep -q "version 2 committed after .*, 0 wrong elements$" "$E2E_DIR/ceng.log" ||
+    fail "corrupt: version 2 not verified: $(tail -n 3 "$E2E_DIR/ceng.log" | tr '\n' ' ')"
+grep "FP8 element" "$E2E_DIR/ceng.log" | head -n 1
+echo "ok: corrupt: a flipped FP8 element in GPU memory is caught (1 wrong), version 2 installs over it"
