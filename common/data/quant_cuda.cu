@@ -296,7 +296,7 @@ struct qdesc {
     uint8_t *q;
     void *scales;
     int64_t sstride, qstride, scstride;
-    uint64_t rows, cols, br, bc, scols, nblocks;
+    uint64_t rows, cols, br, bc, scols, nblocks, ntiles;
     uint32_t kind, dt, vec;
 };
 
@@ -377,6 +377,93 @@ static __device__ __forceinline__ void tile_quant_v(const tile &t, const typenam
     }
 }
 
+/* The bf16 blocks of the vector path, where most weights go: the same bytes as tile_amax_v and
+ * tile_quant_v, with fewer instructions an element (the kernel is bound by them, not by memory).
+ *  - amax: the max of |x|'s 16 bits, two at a time; only when it is Inf or NaN (the block holds
+ *    a non-finite element) is the block read again with tile_amax_v's filter.
+ *  - x / s: where every x is finite and s lies in [2^-60, 2^60], from rc = 1 / s correctly
+ *    rounded: q0 = x * rc, r = x - q0 * s (exact, one fma), q = q0 + r * rc. Markstein's
+ *    theorem makes q the correctly rounded quotient when rc is within half an ulp of 1 / s and
+ *    q0 within one ulp; nothing overflows, and where r underflows the quotient is below 2^-40,
+ *    whose E4M3 byte is +-0 either way. Other blocks divide (div.rn).
+ *  - E4M3: two values per cvt.rn.satfinite.e4m3x2 (|q| <= 448 (1 + 2^-23): saturating is the
+ *    contract's clamp), each byte's sign bit ORed from its bf16 (x = -0 gives q = +0 above).
+ * The tests hold these to rf_quant_host on every 16-bit pattern, edge blocks and torch. */
+static __device__ __forceinline__ uint32_t e4m3x2(float hi, float lo)
+{
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+    unsigned short r;
+
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
+    return r;
+#else
+    return (uint32_t)e4m3_of_clamped(hi) << 8 | e4m3_of_clamped(lo);
+#endif
+}
+
+static __device__ __forceinline__ float mark_div(float x, float s, float rc)
+{
+    float q0 = __fmul_rn(x, rc);
+
+    return __fmaf_rn(__fmaf_rn(-q0, s, x), rc, q0);
+}
+
+/* Four bf16 (two words) to four E4M3 bytes by mark_div. */
+static __device__ __forceinline__ uint32_t quant4_bf16(uint32_t w0, uint32_t w1, float s,
+                                                       float rc)
+{
+    uint32_t a = e4m3x2(mark_div(u2f(w0 & 0xFFFF0000u), s, rc), mark_div(u2f(w0 << 16), s, rc));
+    uint32_t b = e4m3x2(mark_div(u2f(w1 & 0xFFFF0000u), s, rc), mark_div(u2f(w1 << 16), s, rc));
+
+    return (a | b << 16) | (__byte_perm(w0, w1, 0x7531) & 0x80808080u);
+}
+
+static __device__ __forceinline__ void block_bf16(const qdesc &o, const tile &t, uint64_t i,
+                                                  uint64_t j, uint32_t *red)
+{
+    const uint16_t *src = (const uint16_t *)o.src;
+    uint32_t m = 0, raw;
+    float sf, rc;
+    bool fast;
+
+    for (uint64_t r = t.ty; r < t.nr; r += t.wy) {
+        const uint4 *row = (const uint4 *)(src + (int64_t)(t.r0 + r) * o.sstride +
+                                           (int64_t)t.c0 * 8);
+
+        for (uint64_t c = t.tx; c < t.nc; c += t.wx) {
+            uint4 v = row[c];
+
+            m = __vmaxu2(m, __vmaxu2(__vmaxu2(v.x & 0x7FFF7FFFu, v.y & 0x7FFF7FFFu),
+                                     __vmaxu2(v.z & 0x7FFF7FFFu, v.w & 0x7FFF7FFFu)));
+        }
+    }
+    m = (m & 0xFFFF) > (m >> 16) ? (m & 0xFFFF) : (m >> 16);
+    raw = block_max(m << 16, red);
+    fast = raw < UINT32_C(0x7F800000);
+    if (!fast)
+        raw = block_max(tile_amax_v<src_bf16>(t, src, o.sstride, 0), red);
+    sf = scale_of(raw);
+    if (threadIdx.x == 0)
+        ((float *)o.scales)[(int64_t)i * o.scstride + (int64_t)j] = sf;
+    fast = fast && f2u(sf) >= (UINT32_C(127 - 60) << 23) && f2u(sf) <= (UINT32_C(127 + 60) << 23);
+    if (!fast) {
+        tile_quant_v<src_bf16>(t, src, o.sstride, sf, o.q, o.qstride);
+        return;
+    }
+    rc = __frcp_rn(sf);
+    for (uint64_t r = t.ty; r < t.nr; r += t.wy) {
+        const uint4 *row = (const uint4 *)(src + (int64_t)(t.r0 + r) * o.sstride +
+                                           (int64_t)t.c0 * 8);
+        uint2 *qrow = (uint2 *)(o.q + (int64_t)(t.r0 + r) * o.qstride + (int64_t)t.c0 * 8);
+
+        for (uint64_t c = t.tx; c < t.nc; c += t.wx) {
+            uint4 v = row[c];
+
+            qrow[c] = make_uint2(quant4_bf16(v.x, v.y, sf, rc), quant4_bf16(v.z, v.w, sf, rc));
+        }
+    }
+}
+
 /* BLOCK and CHANNEL: block k of the grid, (k / scols, k % scols), by the whole thread block. */
 template <typename S>
 static __device__ __forceinline__ void do_block(const qdesc &o, uint64_t k, uint32_t *red)
@@ -388,7 +475,9 @@ static __device__ __forceinline__ void do_block(const qdesc &o, uint64_t k, uint
     uint64_t nc = o.cols - c0 < o.bc ? o.cols - c0 : o.bc;
     float s;
 
-    if (o.vec) {
+    if (o.vec && o.dt == RF_DT_BF16) {
+        block_bf16(o, tile_at(r0, c0 / V, nr, nc / V), i, j, red);
+    } else if (o.vec) {
         tile t = tile_at(r0, c0 / V, nr, nc / V);
 
         s = scale_of(block_max(tile_amax_v<S>(t, src, o.sstride, 0), red));
@@ -439,40 +528,56 @@ static __device__ __forceinline__ void do_tile(const qdesc &o, uint64_t k, uint3
 }
 
 /* Tiles [lo, lo + n) of the descriptors d[0..nd) (tile0[i]: d[i]'s first tile, ascending), or
- * of the one descriptor `one` (d NULL, its tiles from 0). A thread block takes a tile whole. */
+ * of the one descriptor `one` (d NULL, its tiles from 0). Each thread block takes a run of
+ * consecutive tiles, whole: it finds its first descriptor once (a binary search), keeps the
+ * descriptor in shared memory and steps to the next one when a matrix's tiles end. */
 __global__ void batch_kernel(const qdesc *d, const uint64_t *tile0, uint32_t nd, qdesc one,
                              uint64_t lo, uint64_t n)
 {
     __shared__ uint32_t red[WARPS];
+    __shared__ qdesc o;
+    uint64_t per = (n + gridDim.x - 1) / gridDim.x, k = lo + blockIdx.x * per, end, tk = k;
+    uint32_t a = 0;
 
-    for (uint64_t k = lo + blockIdx.x; k < lo + n; k += gridDim.x) {
-        const qdesc *o = &one;
-        uint64_t tk = k;
+    if (blockIdx.x * per >= n)
+        return;
+    end = k + per < lo + n ? k + per : lo + n;
+    if (d) {
+        uint32_t b = nd;
 
-        if (d) {
-            uint32_t a = 0, b = nd;
+        /* The last descriptor whose first tile is at or before k. */
+        while (b - a > 1) {
+            uint32_t mid = a + (b - a) / 2;
 
-            /* The last descriptor whose first tile is at or before k. */
-            while (b - a > 1) {
-                uint32_t mid = a + (b - a) / 2;
-
-                if (tile0[mid] <= k)
-                    a = mid;
-                else
-                    b = mid;
-            }
-            o = &d[a];
-            tk = k - tile0[a];
+            if (tile0[mid] <= k)
+                a = mid;
+            else
+                b = mid;
         }
-        switch (o->dt) {
+        tk = k - tile0[a];
+    }
+    if (threadIdx.x == 0)
+        o = d ? d[a] : one;
+    __syncthreads();
+    for (; k < end; k++, tk++) {
+        if (tk == o.ntiles) {
+            /* Every thread has read o for its last tile (block_max ends in a barrier; MXFP8
+             * tiles have none, hence this one). */
+            __syncthreads();
+            if (threadIdx.x == 0)
+                o = d[++a];
+            __syncthreads();
+            tk = 0;
+        }
+        switch (o.dt) {
         case RF_DT_BF16:
-            do_tile<src_bf16>(*o, tk, red);
+            do_tile<src_bf16>(o, tk, red);
             break;
         case RF_DT_FP16:
-            do_tile<src_fp16>(*o, tk, red);
+            do_tile<src_fp16>(o, tk, red);
             break;
         default:
-            do_tile<src_fp32>(*o, tk, red);
+            do_tile<src_fp32>(o, tk, red);
             break;
         }
     }
@@ -597,7 +702,7 @@ static qdesc desc_of(const rf_quant_fmt *f, rf_dtype dt, const void *src, int64_
     o.vec = f->kind != RF_QUANT_MXFP8 && (uintptr_t)src % 16 == 0 && (uintptr_t)q % V == 0 &&
             cols % V == 0 && o.bc % V == 0 && (uint64_t)o.sstride * es % 16 == 0 &&
             (uint64_t)o.qstride % V == 0;
-    *tiles = f->kind == RF_QUANT_MXFP8 ? ceil_div(o.nblocks, WARPS) : o.nblocks;
+    *tiles = o.ntiles = f->kind == RF_QUANT_MXFP8 ? ceil_div(o.nblocks, WARPS) : o.nblocks;
     return o;
 }
 
