@@ -1010,13 +1010,6 @@ int sim_open(sim *s, rf_side side, sim_opts *o)
             return -1;
         }
     }
-    /* FP8 pieces are installed by the daemons (the host copy path, the TCP transport, the GPU
-     * local copies); in-process installers do not quantize. */
-    if (o->fp8 && o->inproc) {
-        fprintf(stderr, "--fp8 needs memory the receiverd maps: drop --inproc (in-process "
-                "installers do not quantize)\n");
-        return -1;
-    }
 #ifdef RF_HAVE_CUDA
     /* GPU memory no daemon can map: VMM allocations without a shareable handle type. */
     if (o->inproc && gpu != SIM_HOST)

@@ -955,12 +955,6 @@ static bool fp8_request(reg_client *c, uint64_t id, const Refit__Rpc__RegisterPi
                           m->scale_region, c->nregions);
         return false;
     }
-    if (c->regions[m->region].inproc || c->regions[m->scale_region].inproc) {
-        rf_rpc_conn_reply(c->conn, id, -EOPNOTSUPP, "FP8 piece of %s in memory this daemon "
-                          "cannot map (in-process install): its installer does not quantize "
-                          "yet; register shareable memory for FP8 weights", m->tensor);
-        return false;
-    }
     p->fp8 = true;
     p->q.kind = f.kind;
     p->q.br = f.br;

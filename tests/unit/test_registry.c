@@ -1320,8 +1320,8 @@ Test(registry, fp8_pieces_and_their_refusals)
     int64_t ssh[2];
     size_t ses;
     refit_client *e;
-    uint32_t r, rs, ri;
-    void *p, *ps, *pi = malloc(128 * 128);
+    uint32_t r, rs, ri, ris;
+    void *p, *ps, *pi = malloc(128 * 128), *pis = malloc(64);
 
     cr_assert_eq(refit_fp8_scale_shape("block:64x64", 2, sh, s0, whole, ssh, &ses), 0);
     cr_assert(ssh[0] == 2 && ssh[1] == 2 && ses == 4);
@@ -1333,6 +1333,7 @@ Test(registry, fp8_pieces_and_their_refusals)
     OK(refit_alloc_host(e, 128 * 128, &p, &r), e);
     OK(refit_alloc_host(e, 64, &ps, &rs), e);
     OK(refit_region_inproc(e, pi, 128 * 128, &ri), e);
+    OK(refit_region_inproc(e, pis, 64, &ris), e);
     FAILS(refit_add_piece_fp8(e, "w", REFIT_BF16, 2, sh, r, 0, s0, whole, NULL, "block:7",
                               rs, 0, NULL), e, -EINVAL, "quantization format \"block:7\"");
     FAILS(refit_add_piece_fp8(e, "w", REFIT_BF16, 2, sh, r, 0, s0, whole, NULL, "block:64x64",
@@ -1341,15 +1342,18 @@ Test(registry, fp8_pieces_and_their_refusals)
                               rs, 0, NULL), e, -EINVAL, "cuts the 128x128 blocks");
     FAILS(refit_add_piece_fp8(e, "w", REFIT_BF16, 2, sh, r, 0, s0, whole, NULL, "block:64x64",
                               rs, 60, NULL), e, -EINVAL, "FP8 scales of w lie outside");
-    FAILS(refit_add_piece_fp8(e, "w", REFIT_BF16, 2, sh, ri, 0, s0, whole, NULL, "block:64x64",
-                              rs, 0, NULL), e, -EOPNOTSUPP, "its installer does not quantize");
     FAILS(refit_add_piece_fp8(e, "w", REFIT_INT32, 2, sh, r, 0, s0, whole, NULL, "block:64x64",
                               rs, 0, NULL), e, -EINVAL, "quantized from int32");
     OK(refit_add_piece_fp8(e, "w", REFIT_BF16, 2, sh, r, 0, s0, whole, NULL, "block:64x64", rs,
                            0, NULL), e);
+    /* In-process memory too, its scales beside it: the engine's own installer quantizes
+     * (e2e 62). */
+    OK(refit_add_piece_fp8(e, "wi", REFIT_BF16, 2, sh, ri, 0, s0, whole, NULL, "block:64x64",
+                           ris, 0, NULL), e);
     OK(refit_seal(e), e);
     refit_close(e);
     free(pi);
+    free(pis);
 }
 
 Test(registry, fp8_pieces_are_for_engines)
