@@ -546,6 +546,11 @@ static void build_after(uv_work_t *w, int status)
                 "bytes of FP8 elements and scales", id,
                 (unsigned long long)c->stats.quant_transfers,
                 (unsigned long long)c->stats.quant_bytes);
+    if (c->stats.recv_quant_transfers > 0)
+        RF_INFO("plan %.16s moves %llu transfers into FP8 engines off their grid (trainer shards "
+                "cut their blocks): %llu bytes in the tensors' dtype, quantized by the receivers",
+                id, (unsigned long long)c->stats.recv_quant_transfers,
+                (unsigned long long)c->stats.recv_quant_bytes);
     rf_metric_set(c->m_tensors, c->stats.tensors);
     rf_metric_set(c->m_transfers, (double)c->stats.transfers);
     c->plan_ready = true;
@@ -1001,6 +1006,10 @@ void rf_coord_status(json_t *status, void *arg)
     json_object_set_new(plan, "quant_transfers",
                         json_integer((json_int_t)c->stats.quant_transfers));
     json_object_set_new(plan, "quant_bytes", json_integer((json_int_t)c->stats.quant_bytes));
+    json_object_set_new(plan, "recv_quant_transfers",
+                        json_integer((json_int_t)c->stats.recv_quant_transfers));
+    json_object_set_new(plan, "recv_quant_bytes",
+                        json_integer((json_int_t)c->stats.recv_quant_bytes));
     last = json_pack("{s:I, s:s, s:I, s:f, s:f, s:f, s:f}", "version",
                      (json_int_t)c->last.version, "result", c->last.result[0] ? c->last.result
                      : "none", "bytes", (json_int_t)c->last.bytes, "publish_quorum_s",

@@ -192,6 +192,16 @@ static void on_done(rf_xfer_transport *t, const rf_xfer_result *res, void *arg)
 
     (void)t;
     in->res = *res;
+    if (in->res.code == 0 && in->sj.nqruns > 0) {
+        /* Blocks that trainers' shards cut reached their shadows whole (issue 15). */
+        rf_err qe = {0};
+
+        if (rf_slice_job_quantize(&in->sj, &qe) < 0) {
+            in->res.code = qe.code;
+            snprintf(in->res.error, sizeof(in->res.error), "quantizing on the receiver: %s",
+                     qe.msg);
+        }
+    }
     in->done = true;
 }
 

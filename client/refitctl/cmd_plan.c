@@ -635,6 +635,8 @@ int rf_ctl_plan(int argc, char **argv)
         JI("fp8_pieces", fp8_pieces);
         JI("quant_transfers", st->quant_transfers);
         JI("quant_bytes", st->quant_bytes);
+        JI("recv_quant_transfers", st->recv_quant_transfers);
+        JI("recv_quant_bytes", st->recv_quant_bytes);
         JI("colocated_engines", a.colocate < 0 ? rf_par_world(&pd, RF_DST)
                                 : a.colocate < rf_par_world(&pd, RF_DST) ? a.colocate
                                 : rf_par_world(&pd, RF_DST));
@@ -695,6 +697,10 @@ int rf_ctl_plan(int argc, char **argv)
         printf("fp8          %u engine pieces in %s; %llu transfers, %s of FP8 elements and "
                "scales, quantized by their senders\n", fp8_pieces, a.fp8,
                (unsigned long long)st->quant_transfers, b1);
+        fmt_bytes((double)st->recv_quant_bytes, b1, sizeof(b1));
+        printf("             %llu transfers cut off the grid by the trainers' shards, %s in the "
+               "tensors' dtype, quantized by their receivers\n",
+               (unsigned long long)st->recv_quant_transfers, b1);
     }
     fmt_bytes((double)st->direct_bytes, b1, sizeof(b1));
     fmt_bytes((double)st->packed_bytes, b2, sizeof(b2));

@@ -417,6 +417,23 @@ static void refit_ended(rf_node *n)
     int p;
 
     n->running = false;
+    if (res->code == 0 && n->slice.nqruns > 0) {
+        /* Blocks that trainers' shards cut reached their shadows whole: quantize them into
+         * the engines' FP8 pieces before the engines are told (issue 15). */
+        rf_err qe = {0};
+        double t0 = now_s();
+
+        if (rf_slice_job_quantize(&n->slice, &qe) < 0) {
+            n->res.code = qe.code;
+            snprintf(n->res.error, sizeof(n->res.error), "quantizing on the receiver: %s",
+                     qe.msg);
+        } else {
+            RF_DEBUG("version %llu: quantized %llu runs of FP8 blocks from %llu bytes of "
+                     "shadows in %.3f s", (unsigned long long)n->version,
+                     (unsigned long long)n->slice.nqruns,
+                     (unsigned long long)n->slice.shadow_bytes, now_s() - t0);
+        }
+    }
     rf_registry_hold(n->reg, false);
     if (res->code < 0) {
         snprintf(msg, sizeof(msg), "data path of version %llu failed: %s",
@@ -817,6 +834,17 @@ static void on_slice(rf_node *n, const Refit__PlanSlice *ps)
         rc = local_sources(n, &rest, &srcs, &err);
     if (rc == 0)
         rc = rf_slice_job_add(&n->next, &rest, inv, n->side, bases, srcs, &err);
+    /* The receiver quantizes shadows on the host (issue 15): into host memory only. */
+    for (uint32_t i = 0; rc == 0 && n->next.complete && i < n->next.nshadows; i++) {
+        const rf_xfer_item *q = &n->next.shadows[i].fp8;
+
+        if (rf_registry_region_kind(n->reg, q->piece.region) != RF_MEM_MEMFD ||
+            rf_registry_region_kind(n->reg, q->quant.scale.region) != RF_MEM_MEMFD)
+            rc = rf_err_set(&err, -EOPNOTSUPP, "the trainers' shards cut the FP8 blocks of %s, "
+                            "which the receiver then quantizes, and that is built for host "
+                            "memory only (this piece is GPU memory); shard the engine along the "
+                            "trainers' boundaries", rf_inv_tensor(inv, q->piece.tensor)->name);
+    }
     free(rest.msgs);
     free(bases);
     free(srcs);

@@ -2,6 +2,9 @@
  * per daemon and the transfer job a daemon builds from its slice. */
 #include "slice.h"
 
+#include "qcopy.h"
+#include "quant_fmt.h"
+
 #include <stdlib.h>
 #include <string.h>
 
@@ -602,6 +605,10 @@ void rf_slice_job_reset(rf_slice_job *j)
 {
     uint32_t i;
 
+    for (i = 0; i < j->nshadows; i++)
+        free(j->shadows[i].buf);
+    free(j->shadows);
+    free(j->qruns);
     free_msgs(&j->job);
     free_msgs(&j->ljob);
     for (i = 0; i < j->npeers; i++) {
@@ -646,9 +653,125 @@ static void quant_src_of(const rf_xfer_item *d, rf_xfer_item *s)
     s->quant.cols = d->quant.cols;
 }
 
-/* One transfer's side of local memory: piece of inv (side), box from the slice. */
-static int resolve_item(const Refit__SliceMsg *sm, const Refit__SliceXfer *sx, uint32_t piece,
-                        const rf_inv *inv, rf_side side, uint8_t *const *bases,
+/* Whether box of tensor t lies on FP8 format (kind, br, bc)'s grid: the planner's test of who
+ * quantizes (on the grid: the sender; off it: the receiver, from the tensor's dtype). */
+static bool on_grid(int kind, uint32_t br, uint32_t bc, const rf_tensor *t, const rf_box *b)
+{
+    rf_quant_fmt f = {kind, br, bc};
+    int L = t->ndim - 2;
+
+    return rf_quant_box_ok(&f, (uint64_t)t->shape[L], (uint64_t)t->shape[L + 1],
+                           (uint64_t)b->start[L], (uint64_t)b->start[L + 1],
+                           (uint64_t)b->extent[L], (uint64_t)b->extent[L + 1], NULL) == 0;
+}
+
+/* Without daemons there is no slice job to keep a shadow in. */
+static int off_grid(const rf_tensor *t, rf_err *err)
+{
+    return rf_err_set(err, -ENOTSUP, "%s: the plan quantizes it on the receiver (the trainers' "
+                      "shards cut its FP8 blocks), which needs a daemon's slice job; plans run "
+                      "without daemons take engine shards on the trainers' boundaries", t->name);
+}
+
+/* The shadow of FP8 item it (its piece, local id piece), made on first use: *out its index. */
+static int shadow_of(rf_slice_job *j, uint32_t piece, const rf_xfer_item *it,
+                     const rf_tensor *t, uint32_t *out, rf_err *err)
+{
+    rf_slice_shadow *sh;
+    int64_t st = 1;
+    uint64_t bytes;
+
+    for (uint32_t i = 0; i < j->nshadows; i++)
+        if (j->shadows[i].piece == piece) {
+            *out = i;
+            return 0;
+        }
+    if (it->quant.scale.strides[t->ndim - 1] != 1)
+        return rf_err_set(err, -ENOTSUP, "%s: quantizing on the receiver needs the FP8 piece's "
+                          "scales contiguous along their rows (stride %lld)", t->name,
+                          (long long)it->quant.scale.strides[t->ndim - 1]);
+    if (j->nshadows == j->cap_shadows) {
+        uint32_t ncap = j->cap_shadows ? j->cap_shadows * 2 : 8;
+        rf_slice_shadow *n = realloc(j->shadows, ncap * sizeof(*n));
+
+        if (!n)
+            return rf_err_set(err, -ENOMEM, "out of memory for the plan slice");
+        j->shadows = n;
+        j->cap_shadows = ncap;
+    }
+    sh = &j->shadows[j->nshadows];
+    memset(sh, 0, sizeof(*sh));
+    sh->piece = piece;
+    sh->fp8 = *it;
+    sh->dense = it->piece;
+    sh->dense.quant = 0;
+    sh->dense.offset = 0;
+    for (int d = t->ndim - 1; d >= 0; d--) {
+        sh->dense.strides[d] = st;
+        st *= it->piece.box.extent[d];
+    }
+    bytes = (uint64_t)st * rf_dtype_size(t->dtype);
+    if (!(sh->buf = malloc(bytes ? bytes : 1)))
+        return rf_err_set(err, -ENOMEM, "out of memory for the %llu-byte shadow of FP8 piece %s",
+                          (unsigned long long)bytes, t->name);
+    j->shadow_bytes += bytes;
+    *out = j->nshadows++;
+    return 0;
+}
+
+/* Receiving end of a transfer off FP8 item it's grid: it lands in the piece's shadow, in the
+ * tensor's dtype, and the hull of its box on the grid is a run of blocks to quantize. */
+static int shadow_item(rf_slice_job *j, uint32_t piece, const rf_tensor *t, rf_xfer_item *it,
+                       rf_err *err)
+{
+    rf_quant_fmt f = {it->quant.q.kind, it->quant.q.br, it->quant.q.bc};
+    int L = t->ndim - 2;
+    uint64_t br, bc, step[2];
+    uint32_t si = 0;
+    rf_slice_qrun *q;
+    int rc;
+
+    if (!j)
+        return rf_err_set(err, -EPROTO, "%s: a transfer off its FP8 grid on the sending side",
+                          t->name);
+    if ((rc = shadow_of(j, piece, it, t, &si, err)) < 0)
+        return rc;
+    if (j->nqruns == j->cap_qruns) {
+        uint64_t ncap = j->cap_qruns ? j->cap_qruns * 2 : 64;
+        rf_slice_qrun *n = realloc(j->qruns, ncap * sizeof(*n));
+
+        if (!n)
+            return rf_err_set(err, -ENOMEM, "out of memory for the plan slice");
+        j->qruns = n;
+        j->cap_qruns = ncap;
+    }
+    q = &j->qruns[j->nqruns++];
+    memset(q, 0, sizeof(*q));
+    q->shadow = si;
+    q->box = it->box;
+    rf_quant_fmt_block(&f, (uint64_t)t->shape[L], (uint64_t)t->shape[L + 1], &br, &bc);
+    step[0] = br;
+    step[1] = bc;
+    for (int d = L; d < L + 2; d++) {
+        int64_t a = it->box.start[d] / (int64_t)step[d - L] * (int64_t)step[d - L];
+        int64_t b = (it->box.start[d] + it->box.extent[d] + (int64_t)step[d - L] - 1) /
+                    (int64_t)step[d - L] * (int64_t)step[d - L];
+
+        b = b < t->shape[d] ? b : t->shape[d];
+        q->box.start[d] = a;
+        q->box.extent[d] = b - a;
+    }
+    it->base = j->shadows[si].buf;
+    it->piece = j->shadows[si].dense;
+    it->esize = rf_dtype_size(t->dtype);
+    memset(&it->quant, 0, sizeof(it->quant));
+    return 0;
+}
+
+/* One transfer's side of local memory: piece of inv (side), box from the slice. j (NULL
+ * where the slice has no job) keeps the shadows of FP8 pieces quantized here. */
+static int resolve_item(rf_slice_job *j, const Refit__SliceMsg *sm, const Refit__SliceXfer *sx,
+                        uint32_t piece, const rf_inv *inv, rf_side side, uint8_t *const *bases,
                         rf_xfer_item *it, rf_err *err)
 {
     const rf_tensor *t;
@@ -679,17 +802,20 @@ static int resolve_item(const Refit__SliceMsg *sm, const Refit__SliceXfer *sx, u
     memset(&it->quant, 0, sizeof(it->quant));
     if (it->piece.quant != 0) {
         quant_dst(inv, t, bases, it);
-    } else if (sx->quant_kind != 0) {
+        if ((int)sx->quant_kind != it->quant.q.kind)
+            return rf_err_set(err, -EPROTO, "plan slice message %u moves %s as %s its FP8 "
+                              "piece: the plan is stale", sm->seq, t->name,
+                              sx->quant_kind ? "another format than" : "plain bytes into");
+        if (!on_grid(it->quant.q.kind, it->quant.q.br, it->quant.q.bc, t, &it->box))
+            return shadow_item(side == RF_DST ? j : NULL, piece, t, it, err);
+    } else if (sx->quant_kind != 0 &&
+               on_grid((int)sx->quant_kind, sx->quant_br, sx->quant_bc, t, &it->box)) {
         /* The sending end of a transfer into an FP8 piece quantizes it. */
         it->quant.q.kind = (int)sx->quant_kind;
         it->quant.q.br = sx->quant_br;
         it->quant.q.bc = sx->quant_bc;
         quant_matrix(t, &it->quant);
     }
-    if (it->piece.quant != 0 && (int)sx->quant_kind != it->quant.q.kind)
-        return rf_err_set(err, -EPROTO, "plan slice message %u moves %s as %s its FP8 piece: "
-                          "the plan is stale", sm->seq, t->name,
-                          sx->quant_kind ? "another format than" : "plain bytes into");
     return 0;
 }
 
@@ -746,6 +872,8 @@ static int first_frame(rf_slice_job *j, const Refit__PlanSlice *frame, rf_err *e
     }
     return 0;
 }
+
+static void qruns_unique(rf_slice_job *j);
 
 int rf_slice_job_add(rf_slice_job *j, const Refit__PlanSlice *frame, const rf_inv *local,
                      rf_side side, uint8_t *const *bases, const rf_slice_src *srcs,
@@ -806,7 +934,7 @@ int rf_slice_job_add(rf_slice_job *j, const Refit__PlanSlice *frame, const rf_in
         for (k = 0; k < sm->n_xfers; k++) {
             const Refit__SliceXfer *sx = sm->xfers[k];
 
-            rc = resolve_item(sm, sx, sx->piece, local, side, bases, &xm->items[k], err);
+            rc = resolve_item(j, sm, sx, sx->piece, local, side, bases, &xm->items[k], err);
             /* A relay reads what this daemon installed; memory only its engine's process
              * maps (an in-process region, no base here) cannot be forwarded. */
             if (rc == 0 && sm->send && side == RF_DST && xm->items[k].base == NULL)
@@ -820,7 +948,7 @@ int rf_slice_job_add(rf_slice_job *j, const Refit__PlanSlice *frame, const rf_in
             if (rc == 0 && is_local) {
                 const rf_slice_src *src = &srcs[sm->peer];
 
-                rc = resolve_item(sm, sx, sx->src_piece, src->inv, RF_SRC, src->bases,
+                rc = resolve_item(NULL, sm, sx, sx->src_piece, src->inv, RF_SRC, src->bases,
                                   &xm->src_items[k], err);
                 if (rc == 0)
                     quant_src_of(&xm->items[k], &xm->src_items[k]);
@@ -841,8 +969,69 @@ int rf_slice_job_add(rf_slice_job *j, const Refit__PlanSlice *frame, const rf_in
         else
             j->bytes += sm->bytes;
     }
-    if (frame->last)
+    if (frame->last) {
         j->complete = true;
+        qruns_unique(j);
+    }
+    return 0;
+}
+
+static int qrun_cmp(const void *a, const void *b)
+{
+    return memcmp(a, b, sizeof(rf_slice_qrun));
+}
+
+/* Transfers of one box cut into slabs, or of neighbouring boxes, often share a hull. */
+static void qruns_unique(rf_slice_job *j)
+{
+    uint64_t n = 0;
+
+    if (j->nqruns == 0)
+        return;
+    qsort(j->qruns, j->nqruns, sizeof(*j->qruns), qrun_cmp);
+    for (uint64_t i = 0; i < j->nqruns; i++)
+        if (n == 0 || qrun_cmp(&j->qruns[n - 1], &j->qruns[i]) != 0)
+            j->qruns[n++] = j->qruns[i];
+    j->nqruns = n;
+}
+
+int rf_slice_job_quantize(rf_slice_job *j, rf_err *err)
+{
+    uint8_t *buf = NULL;
+    uint64_t cap = 0;
+
+    for (uint64_t i = 0; i < j->nqruns; i++) {
+        const rf_slice_qrun *q = &j->qruns[i];
+        const rf_slice_shadow *sh = &j->shadows[q->shadow];
+        rf_xfer_item src = {0}, dst = sh->fp8;
+        uint64_t bytes;
+
+        /* The run's blocks lie whole in the shadow: every transfer into a block a shard
+         * boundary cuts is off the grid too, so it landed there. */
+        src.base = sh->buf;
+        src.piece = sh->dense;
+        src.ndim = dst.ndim;
+        src.esize = rf_dtype_size(dst.quant.dt);
+        src.box = q->box;
+        src.quant = dst.quant;
+        dst.box = q->box;
+        bytes = rf_qcopy_bytes(&dst.quant.q, dst.ndim, dst.quant.rows, dst.quant.cols, &q->box,
+                               NULL);
+        src.bytes = dst.bytes = bytes;
+        if (bytes > cap) {
+            uint8_t *n = realloc(buf, bytes);
+
+            if (!n) {
+                free(buf);
+                return rf_err_set(err, -ENOMEM, "out of memory quantizing on the receiver");
+            }
+            buf = n;
+            cap = bytes;
+        }
+        rf_qcopy_pack(&src, buf);
+        rf_qcopy_unpack(&dst, buf);
+    }
+    free(buf);
     return 0;
 }
 
@@ -884,6 +1073,13 @@ int rf_slice_msg_from_plan(const rf_plan *plan, uint32_t mi, rf_side side,
                 rf_inv_piece(inv, RF_DST, x->dst, &d.piece);
                 quant_dst(inv, t, bases, &d);
                 quant_src_of(&d, it);
+            }
+            if (!on_grid(side == RF_DST ? it->quant.q.kind : d.quant.q.kind,
+                         side == RF_DST ? it->quant.q.br : d.quant.q.br,
+                         side == RF_DST ? it->quant.q.bc : d.quant.q.bc, t, &it->box)) {
+                free(out->items);
+                out->items = NULL;
+                return off_grid(t, err);
             }
         }
     }
@@ -940,6 +1136,10 @@ int rf_slice_local_job_from_plan(const rf_plan *plan, uint8_t *const *bases, rf_
             if (d->piece.quant != 0) {
                 quant_dst(inv, t, bases, d);
                 quant_src_of(d, sr);
+                if (!on_grid(d->quant.q.kind, d->quant.q.br, d->quant.q.bc, t, &d->box)) {
+                    rf_slice_local_job_free(job);
+                    return off_grid(t, err);
+                }
             }
             off += x->bytes;
         }

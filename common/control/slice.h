@@ -66,6 +66,22 @@ void rf_slice_msg_free(Refit__PlanSlice *s);
 /* On a daemon: the job its slice frames turn into. Add every frame in order; the job is
  * complete after the frame with last = true. Pieces are resolved against the local inventory
  * and each region's mapped base (bases indexed by local region id). */
+/* An FP8 destination piece that transfers off its format's grid reach (a trainer's shard
+ * boundary cuts its blocks): they land in the tensor's dtype in this host buffer, dense over
+ * the piece's box, and rf_slice_job_quantize quantizes their blocks into the piece. */
+typedef struct rf_slice_shadow {
+    uint32_t piece;          /* local piece id */
+    rf_xfer_item fp8;        /* the FP8 piece as an item (box set per block run) */
+    rf_piece dense;          /* the buffer as a piece of the tensor (region unused) */
+    uint8_t *buf;
+} rf_slice_shadow;
+
+/* A run of blocks of a shadow to quantize: the hull on the grid of one transfer's box. */
+typedef struct rf_slice_qrun {
+    uint32_t shadow;
+    rf_box box;
+} rf_slice_qrun;
+
 typedef struct rf_slice_job {
     rf_xfer_job job;         /* version set per refit by the caller: the network messages */
     rf_xfer_job ljob;        /* the local messages (RF_PLAN_LOCAL), for the local transport */
@@ -83,6 +99,11 @@ typedef struct rf_slice_job {
     bool has_nccl_id;
     uint8_t nccl_id[RF_XFER_NCCL_ID_BYTES];
     uint32_t cap_msgs, cap_lmsgs;
+    uint32_t nshadows, cap_shadows;
+    rf_slice_shadow *shadows;
+    uint64_t nqruns, cap_qruns;
+    rf_slice_qrun *qruns;    /* sorted and unique once the slice is complete */
+    uint64_t shadow_bytes;
 } rf_slice_job;
 
 /* Where the source pieces of local messages are: the local inventory of the publisher at peer
@@ -101,6 +122,11 @@ int rf_slice_job_add(rf_slice_job *j, const Refit__PlanSlice *frame, const rf_in
                      rf_side side, uint8_t *const *bases, const rf_slice_src *srcs,
                      rf_err *err);
 void rf_slice_job_reset(rf_slice_job *j);
+/* Quantize on the receiver (issue 15): after every message of the refit landed, the blocks
+ * that transfers off an FP8 piece's grid brought into its shadow are quantized into the piece
+ * and its scales (host memory: the receiver's slice refuses shadows into GPU memory). 0, or
+ * -ENOMEM. */
+int rf_slice_job_quantize(rf_slice_job *j, rf_err *err);
 
 /* Without daemons (a process that drives a plan's transports itself: benchmarks, tests): one
  * side of plan message mi as a transport message. Items point into bases[region of the piece

@@ -795,9 +795,13 @@ static int64_t quant_step(const dpiece *dp, int d)
     return (int64_t)(d == dp->ndim - 2 ? br : bc);
 }
 
-/* A transfer of box into FP8 piece dp from candidate c: the sender quantizes it, so the box
- * must lie on the format's grid by itself and the source's rows be contiguous; *bytes becomes
- * what it sends (FP8 elements and scales). */
+/* A transfer of box into FP8 piece dp from candidate c. A box on the format's grid is
+ * quantized by its sender (the source's rows must be contiguous): *bytes becomes the FP8
+ * elements and scales, and 0 is returned. A box a trainer's shard boundary cuts off the grid
+ * carries the tensor's dtype and is quantized by the receiver once every transfer into the
+ * piece has landed (every block such a boundary cuts is covered by such boxes only): *bytes
+ * becomes its elements in the tensor's dtype, and 1 is returned. The receiver tells the two
+ * apart by the same test (rf_quant_box_ok). */
 static int quant_xfer(const builder *b, const dpiece *dp, const cand *c, const rf_box *box,
                       uint64_t *bytes, rf_err *err);
 
@@ -830,7 +834,7 @@ static int xfer_room(builder *b, int rc, rf_err *err)
  * the outermost dim of extent > 1 into slabs that fit, and a single slab that is still too
  * large is split again along the next dim, by emit's own check on each slab. */
 static int emit_slabs(builder *b, const dpiece *dp, const cand *c, const rf_box *box,
-                      uint64_t bytes, rf_err *err)
+                      uint64_t bytes, bool recvq, rf_err *err)
 {
     int ndim = dp->ndim, d = 0, rc;
     uint64_t slab;
@@ -839,8 +843,11 @@ static int emit_slabs(builder *b, const dpiece *dp, const cand *c, const rf_box 
     while (d < ndim && box->extent[d] == 1)
         d++;
     slab = bytes / (uint64_t)box->extent[d];
-    if (dp->quant) {
-        /* FP8: slabs stay on the format's grid, whole blocks each. */
+    if (dp->quant && !recvq) {
+        /* FP8: slabs stay on the format's grid, whole blocks each. A box off the grid (it
+         * carries the tensor's dtype) is cut like any other: emit classifies each slab by
+         * its own box, as the receiver does, and every block a slab boundary cuts is covered
+         * by slabs off the grid, which land in the shadow. */
         int64_t step = quant_step(dp, d), k = (int64_t)(b->half / slab) / step * step;
 
         if (k == 0)
@@ -938,10 +945,10 @@ static int emit(builder *b, const dpiece *dp, const cand *c, const rf_box *box, 
     rf_plan_kind kind;
     uint32_t bid;
     rf_plan_msg *mm = NULL;
-    int rc;
+    int rc, recvq = 0;
 
-    if (dp->quant && (rc = quant_xfer(b, dp, c, box, &bytes, err)) < 0)
-        return rc;
+    if (dp->quant && (recvq = quant_xfer(b, dp, c, box, &bytes, err)) < 0)
+        return recvq;
     if (whole && b->gruns)
         druns = b->gruns[dp->geom];
     else
@@ -956,7 +963,7 @@ static int emit(builder *b, const dpiece *dp, const cand *c, const rf_box *box, 
     else
         kind = RF_PLAN_PACKED;
     if (kind == RF_PLAN_PACKED && bytes > b->half)
-        return emit_slabs(b, dp, c, box, bytes, err);
+        return emit_slabs(b, dp, c, box, bytes, recvq == 1, err);
     if (whole && b->gbid && b->gbid[dp->geom]) {
         bid = b->gbid[dp->geom] - 1;
         rc = 0;
@@ -994,7 +1001,10 @@ static int emit(builder *b, const dpiece *dp, const cand *c, const rf_box *box, 
         pl->st.local_transfers++;
     }
     pl->st.runs += sruns + druns;
-    if (dp->quant) {
+    if (recvq) {
+        pl->st.recv_quant_bytes += bytes;
+        pl->st.recv_quant_transfers++;
+    } else if (dp->quant) {
         pl->st.quant_bytes += bytes;
         pl->st.quant_transfers++;
     }
@@ -1011,13 +1021,11 @@ static int quant_xfer(const builder *b, const dpiece *dp, const cand *c, const r
 
     rc = rf_quant_box_ok(&f, (uint64_t)dp->rows, (uint64_t)dp->cols,
                          (uint64_t)box->start[nd - 2], (uint64_t)box->start[nd - 1],
-                         (uint64_t)box->extent[nd - 2], (uint64_t)box->extent[nd - 1], err);
+                         (uint64_t)box->extent[nd - 2], (uint64_t)box->extent[nd - 1], NULL);
     if (rc < 0) {
         /* The destination's own box was checked at registration: a source's edge cuts it. */
-        rf_err_wrap(err, "plan: FP8 tensor %s: the trainers' shards cut it into a box that "
-                    "cannot be quantized alone (quantizing on the receiver is not built yet; "
-                    "shard the engine along the trainers' boundaries): ", name);
-        return rc;
+        *bytes = numel(box, nd) * rf_dtype_size(rf_inv_tensor(b->inv, dp->tensor)->dtype);
+        return 1;
     }
     if (c->g->strides[nd - 1] != 1)
         return rf_err_set(err, -EINVAL, "plan: FP8 tensor %s: a trainer's piece has stride %"

@@ -115,6 +115,9 @@ typedef struct rf_plan_stats {
      * publisherd gathering them, or the receiverd's local copy); their bytes (FP8 elements
      * and scales) are also counted on their path above. */
     uint64_t quant_bytes, quant_transfers;
+    /* Transfers into FP8 pieces whose box a trainer's shard cuts off the grid: they carry
+     * the tensor's dtype and the receiver quantizes (bytes in that dtype). */
+    uint64_t recv_quant_bytes, recv_quant_transfers;
 } rf_plan_stats;
 
 typedef struct rf_plan rf_plan;

@@ -5,8 +5,8 @@
 # boxes off the grid) bf16 as usual. Engines tp=4 in block (128x128), block:64x64, channel and
 # mxfp8, over the network (local_copy off: the TCP transport, the sender quantizes) and as
 # same-host copies (local_copy auto: the receiverd quantizes while it copies), two refits each;
-# then tensor with an engine tp=1, whose whole tensors no trainer holds alone (quantized on the
-# receiver; skipped, saying so, while the planner refuses it as not built). The check is
+# then engines tp=1 in tensor and block:96x96, whose blocks the trainers' shards cut: those
+# are quantized on the receiver (TCP, local copies, an in-process installer). The check is
 # proven to catch one flipped FP8 bit and one flipped scale bit. Bad input: pieces whose box
 # cuts the format's grid are refused at registration naming the tensor, and the same daemons
 # then refit an engine that keeps those pieces bf16.
@@ -110,32 +110,35 @@ fp8_case channel-local auto "qwen3-0.6b --shrink 4" channel 4 90
 fp8_case mxfp8-tcp off "qwen3-0.6b --shrink 4" mxfp8 4 40 --fp8-scale-pad 4
 
 # ---- quantized on the receiver ---------------------------------------------------------------
-# An engine tp=1 in format tensor: its whole tensors are FP8, each one scale over both trainer
-# ranks' halves, so no sender can quantize them. The issue asks for quantize-on-receive there;
-# while the planner refuses such a plan as not built, the case says so and is skipped.
-if fp8_only tensor-tp1; then
-    fp8_cluster tensor-tp1 off 1
+# qr_case NAME LOCAL_COPY FORMAT [engine flags]: an engine tp=1, whose pieces are whole tensors,
+# from trainers tp=2, whose shard boundaries cut the format's blocks: those transfers carry
+# bf16 into the receiver's shadow of the piece, which quantizes the blocks once every transfer
+# landed; transfers on the grid are still quantized by their senders. Two refits verified.
+qr_case() {
+    local name=$1 lc=$2 fmt=$3
+    shift 3
+    fp8_only "$name" || return 0
+    fp8_cluster "$name" "$lc" 1
     M="--model qwen3-0.6b --shrink 4 $FP8_WAIT"
-    start_engine eng 0 $M --layout tp=1 --fp8 tensor --versions 2
+    start_engine eng 0 $M --layout tp=1 --fp8 "$fmt" --versions 2 "$@"
     start_trainer tr 0 $M --layout tp=2 --versions 2 --retries 1
-    NB="quantizing on the receiver is not built"
-    i=0
-    while kill -0 "$eng_PID" 2>/dev/null && ! grep -q "$NB" "$E2E_DIR/pub0.log"; do
-        i=$((i + 1))
-        [ $i -gt 600 ] && fail "tensor-tp1: neither a commit nor a plan failure within 60 s"
-        sleep 0.1
-    done
-    if grep -q "$NB" "$E2E_DIR/pub0.log"; then
-        echo "skip: tensor-tp1: $(grep -m1 -o "the plan failed: .*$NB" "$E2E_DIR/pub0.log")"
-        e2e_stop "$eng_PID" "$tr_PID"
-    else
-        wait_ok eng tr
-        fp8_verified eng 2
-        fp8_pattern eng 0
-        st_committed 10 2 clean "$E2E_DIR/pub0.sock" "$E2E_DIR/recv0.sock"
-        echo "ok: tensor-tp1: whole tensors quantized on the receiver, 2 refits verified"
-    fi
-fi
+    wait_ok eng tr
+    fp8_verified eng 2
+    fp8_pattern eng 0
+    grep -q "off their grid (trainer shards cut their blocks): [1-9][0-9]* bytes in the tensors' dtype, quantized by the receivers" "$E2E_DIR/pub0.log" ||
+        fail "$name: the plan has no transfer quantized by the receiver"
+    st_committed 10 2 clean "$E2E_DIR/pub0.sock" "$E2E_DIR/recv0.sock"
+    local recv send
+    recv=$(grep -o "moves [0-9]* transfers into FP8 engines off their grid" "$E2E_DIR/pub0.log" | head -n 1)
+    send=$(grep -o "quantizes [0-9]* transfers into FP8 engines on their senders" "$E2E_DIR/pub0.log" | head -n 1)
+    echo "ok: $name: $fmt quantized on the receiver (plan ${recv#moves }${send:+, and ${send#quantizes }}), 2 refits verified"
+}
+# tensor: one scale over both trainer ranks' halves, over TCP.
+qr_case tensor-tp1 off tensor
+# block:96x96: trainer halves of 1024 and 512 rows cut blocks of 96, the rest stays on the grid;
+# as local copies, and by an in-process engine's own installer.
+qr_case block96-local auto block:96x96
+qr_case block96-inproc auto block:96x96 --inproc
 
 # ---- the check catches one wrong byte --------------------------------------------------------
 # REFIT_SIM_FP8_CORRUPT flips one bit of the engine's first FP8 piece (an element, a scale, or

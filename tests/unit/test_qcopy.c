@@ -348,19 +348,28 @@ Test(qcopy, fp8_pieces_are_for_engines_only)
     rf_inv_free(f.inv);
 }
 
-Test(qcopy, trainer_shards_cutting_a_block_are_refused_at_plan_time)
+Test(qcopy, trainer_shards_cutting_a_block_are_quantized_on_the_receiver)
 {
     fixture f;
     rf_plan *pl = NULL;
+    rf_xfer_job job = {0};
     rf_err err = {0};
 
-    /* Engines hold w whole in 256x64 blocks; trainers' 64-row shards cut each block. */
+    /* Engines hold w whole in 256x64 blocks; trainers' 64-row shards cut each block: their
+     * transfers carry bf16 for the receiver to quantize (e2e 64 runs them). */
     cr_assert_eq(small(&f, 4, 1, "block:256x64", false, &err), 0, "%s", err.msg);
-    cr_assert_eq(rf_plan_build(f.inv, NULL, &pl, &err), -EINVAL);
-    cr_assert_null(pl);
-    cr_assert(strstr(err.msg, "FP8 tensor w.weight") &&
-              strstr(err.msg, "cannot be quantized alone") &&
-              strstr(err.msg, "cuts the 256x64 blocks"), "%s", err.msg);
+    cr_assert_eq(rf_plan_build(f.inv, NULL, &pl, &err), 0, "%s", err.msg);
+    cr_assert_eq(rf_plan_stats_get(pl)->quant_transfers, 0);
+    cr_assert_eq(rf_plan_stats_get(pl)->recv_quant_transfers, 4);
+    cr_assert_eq(rf_plan_stats_get(pl)->recv_quant_bytes, 4 * 64 * W_COLS * 2);
+    cr_assert_eq(rf_plan_stats_get(pl)->direct_bytes, 0, "FP8 transfers are never direct");
+    /* Without daemons no slice job keeps the shadow: refused, naming the tensor (nothing is
+     * read or written, so the regions need no memory). */
+    f.bases = calloc(rf_inv_nregions(f.inv), sizeof(*f.bases));
+    cr_assert_eq(rf_slice_local_job_from_plan(pl, f.bases, &job, &err), -ENOTSUP);
+    cr_assert(strstr(err.msg, "w.weight: the plan quantizes it on the receiver"), "%s", err.msg);
+    free(f.bases);
+    rf_plan_free(pl);
     rf_inv_free(f.inv);
     /* The same shards into 64x64 blocks plan. */
     cr_assert_eq(small(&f, 4, 1, "block:64x64", false, &err), 0, "%s", err.msg);
