@@ -2,7 +2,8 @@
 # bench/bench_fp8.sh - FP8 engines on the host path (issue 15) against bf16 engines of the same
 # run: qwen3-0.6b (1.19 GB bf16), trainer tp=2 -> engine tp=4 on one host, one publisherd and
 # one receiverd, verify off, the data path's time per refit as the receiverd logs it ("version
-# N: moved B bytes in T s"), refits 2..REFITS (the first builds the plan and maps memory).
+# N: moved B bytes in T s", plus "quantized on the receiver ... in T s" where trainer shards
+# cut FP8 blocks), refits 2..REFITS (the first builds the plan and maps memory).
 # Paths: local copies (local_copy auto: the receiverd quantizes while it copies) and TCP over
 # loopback (local_copy off: the publisherd quantizes while it packs). Formats: bf16 (none),
 # block (128x128). The engines check every byte after each refit, outside the timed part.
@@ -23,7 +24,7 @@ PATHS=${PATHS:-auto off}
 E2E_COMMON="${E2E_COMMON/--log-level info/--log-level info} --verify off ${DAEMON_FLAGS:-}"
 E2E_PUBLISHERS=1 E2E_RECEIVERS=1
 
-printf '%-6s %-6s %12s %10s %10s %8s\n' path format bytes median_s GB/s wrong
+printf '%-6s %-12s %12s %10s %10s %8s\n' path format bytes median_s GB/s wrong
 for path in $PATHS; do
     for fmt in $FORMATS; do
         e2e_new_cluster "$path-$fmt"
@@ -40,15 +41,18 @@ for path in $PATHS; do
         python3 - "$E2E_DIR/recv0.log" "$E2E_DIR/eng.log" "$path" "$fmt" <<'PY'
 import re, statistics, sys
 log, eng, path, fmt = sys.argv[1:5]
-runs = [(int(v), int(b), float(s)) for v, b, s in
-        re.findall(r"version (\d+): moved (\d+) bytes in ([0-9.]+) s", open(log).read())]
+text = open(log).read()
+post = {int(v): float(s) for v, s in
+        re.findall(r"version (\d+): quantized on the receiver: .* in ([0-9.]+) s", text)}
+runs = [(int(v), int(b), float(s) + post.get(int(v), 0.0)) for v, b, s in
+        re.findall(r"version (\d+): moved (\d+) bytes in ([0-9.]+) s", text)]
 warm = [r for r in runs if r[0] >= 2]
 if not warm:
     sys.exit("no warm refit in %s" % log)
 wrong = sum(int(w) for w in re.findall(r"(\d+) wrong elements", open(eng).read()))
 med = statistics.median(r[2] for r in warm)
-print("%-6s %-6s %12d %10.4f %10.2f %8d" % ({"auto": "local", "off": "tcp"}[path], fmt,
-                                            warm[0][1], med, warm[0][1] / med / 1e9, wrong))
+print("%-6s %-12s %12d %10.4f %10.2f %8d" % ({"auto": "local", "off": "tcp"}[path], fmt,
+                                             warm[0][1], med, warm[0][1] / med / 1e9, wrong))
 PY
     done
 done

@@ -428,8 +428,8 @@ static void refit_ended(rf_node *n)
             snprintf(n->res.error, sizeof(n->res.error), "quantizing on the receiver: %s",
                      qe.msg);
         } else {
-            RF_DEBUG("version %llu: quantized %llu runs of FP8 blocks from %llu bytes of "
-                     "shadows in %.3f s", (unsigned long long)n->version,
+            RF_INFO("version %llu: quantized on the receiver: %llu runs of FP8 blocks from "
+                    "%llu bytes of shadows in %.3f s", (unsigned long long)n->version,
                      (unsigned long long)n->slice.nqruns,
                      (unsigned long long)n->slice.shadow_bytes, now_s() - t0);
         }
