@@ -673,6 +673,21 @@ static int off_grid(const rf_tensor *t, rf_err *err)
                       "without daemons take engine shards on the trainers' boundaries", t->name);
 }
 
+/* Room for one more element of *p (n in use, *cap allocated, esz bytes each): doubled when full. */
+static int grow_one(void **p, uint64_t *cap, uint64_t n, size_t esz, rf_err *err)
+{
+    uint64_t ncap = *cap ? *cap * 2 : 8;
+    void *q;
+
+    if (n < *cap)
+        return 0;
+    if (!(q = realloc(*p, ncap * esz)))
+        return rf_err_set(err, -ENOMEM, "out of memory for the plan slice");
+    *p = q;
+    *cap = ncap;
+    return 0;
+}
+
 /* The shadow of FP8 item it (its piece, local id piece), made on first use: *out its index. */
 static int shadow_of(rf_slice_job *j, uint32_t piece, const rf_xfer_item *it,
                      const rf_tensor *t, uint32_t *out, rf_err *err)
@@ -680,6 +695,7 @@ static int shadow_of(rf_slice_job *j, uint32_t piece, const rf_xfer_item *it,
     rf_slice_shadow *sh;
     int64_t st = 1;
     uint64_t bytes;
+    int rc;
 
     for (uint32_t i = 0; i < j->nshadows; i++)
         if (j->shadows[i].piece == piece) {
@@ -690,15 +706,8 @@ static int shadow_of(rf_slice_job *j, uint32_t piece, const rf_xfer_item *it,
         return rf_err_set(err, -ENOTSUP, "%s: quantizing on the receiver needs the FP8 piece's "
                           "scales contiguous along their rows (stride %lld)", t->name,
                           (long long)it->quant.scale.strides[t->ndim - 1]);
-    if (j->nshadows == j->cap_shadows) {
-        uint32_t ncap = j->cap_shadows ? j->cap_shadows * 2 : 8;
-        rf_slice_shadow *n = realloc(j->shadows, ncap * sizeof(*n));
-
-        if (!n)
-            return rf_err_set(err, -ENOMEM, "out of memory for the plan slice");
-        j->shadows = n;
-        j->cap_shadows = ncap;
-    }
+    if ((rc = grow_one((void **)&j->shadows, &j->cap_shadows, j->nshadows, sizeof(*sh), err)) < 0)
+        return rc;
     sh = &j->shadows[j->nshadows];
     memset(sh, 0, sizeof(*sh));
     sh->piece = piece;
@@ -726,7 +735,7 @@ static int shadow_item(rf_slice_job *j, uint32_t piece, const rf_tensor *t, rf_x
 {
     rf_quant_fmt f = {it->quant.q.kind, it->quant.q.br, it->quant.q.bc};
     int L = t->ndim - 2;
-    uint64_t br, bc, step[2];
+    uint64_t step[2];
     uint32_t si = 0;
     rf_slice_qrun *q;
     int rc;
@@ -736,22 +745,13 @@ static int shadow_item(rf_slice_job *j, uint32_t piece, const rf_tensor *t, rf_x
                           t->name);
     if ((rc = shadow_of(j, piece, it, t, &si, err)) < 0)
         return rc;
-    if (j->nqruns == j->cap_qruns) {
-        uint64_t ncap = j->cap_qruns ? j->cap_qruns * 2 : 64;
-        rf_slice_qrun *n = realloc(j->qruns, ncap * sizeof(*n));
-
-        if (!n)
-            return rf_err_set(err, -ENOMEM, "out of memory for the plan slice");
-        j->qruns = n;
-        j->cap_qruns = ncap;
-    }
+    if ((rc = grow_one((void **)&j->qruns, &j->cap_qruns, j->nqruns, sizeof(*q), err)) < 0)
+        return rc;
     q = &j->qruns[j->nqruns++];
     memset(q, 0, sizeof(*q));
     q->shadow = si;
     q->box = it->box;
-    rf_quant_fmt_block(&f, (uint64_t)t->shape[L], (uint64_t)t->shape[L + 1], &br, &bc);
-    step[0] = br;
-    step[1] = bc;
+    rf_quant_fmt_block(&f, (uint64_t)t->shape[L], (uint64_t)t->shape[L + 1], &step[0], &step[1]);
     for (int d = L; d < L + 2; d++) {
         int64_t a = it->box.start[d] / (int64_t)step[d - L] * (int64_t)step[d - L];
         int64_t b = (it->box.start[d] + it->box.extent[d] + (int64_t)step[d - L] - 1) /

@@ -99,7 +99,8 @@ typedef struct rf_slice_job {
     bool has_nccl_id;
     uint8_t nccl_id[RF_XFER_NCCL_ID_BYTES];
     uint32_t cap_msgs, cap_lmsgs;
-    uint32_t nshadows, cap_shadows;
+    uint32_t nshadows;
+    uint64_t cap_shadows;
     rf_slice_shadow *shadows;
     uint64_t nqruns, cap_qruns;
     rf_slice_qrun *qruns;    /* sorted and unique once the slice is complete */
