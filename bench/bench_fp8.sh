@@ -24,7 +24,7 @@ PATHS=${PATHS:-auto off}
 E2E_COMMON="${E2E_COMMON/--log-level info/--log-level info} --verify off ${DAEMON_FLAGS:-}"
 E2E_PUBLISHERS=1 E2E_RECEIVERS=1
 
-printf '%-6s %-12s %12s %10s %10s %8s\n' path format bytes median_s GB/s wrong
+printf '%-6s %-12s %12s %10s %10s %8s %10s\n' path format bytes median_s GB/s wrong commit_s
 for path in $PATHS; do
     for fmt in $FORMATS; do
         e2e_new_cluster "$path-$fmt"
@@ -36,11 +36,11 @@ for path in $PATHS; do
         start_engine eng 0 --model "$MODEL" --layout "$DST" --versions "$REFITS" $fp8 $check \
             --timeout-ms 300000 $SIM_FLAGS
         start_trainer tr 0 --model "$MODEL" --layout "$SRC" --versions "$REFITS" \
-            --timeout-ms 300000 $SIM_FLAGS
+            --timeout-ms 300000 --report $SIM_FLAGS
         wait_ok tr eng
-        python3 - "$E2E_DIR/recv0.log" "$E2E_DIR/eng.log" "$path" "$fmt" <<'PY'
+        python3 - "$E2E_DIR/recv0.log" "$E2E_DIR/eng.log" "$path" "$fmt" "$E2E_DIR/tr.log" <<'PY'
 import re, statistics, sys
-log, eng, path, fmt = sys.argv[1:5]
+log, eng, path, fmt, tr = sys.argv[1:6]
 text = open(log).read()
 post = {int(v): float(s) for v, s in
         re.findall(r"version (\d+): quantized on the receiver: .* in ([0-9.]+) s", text)}
@@ -51,8 +51,11 @@ if not warm:
     sys.exit("no warm refit in %s" % log)
 wrong = sum(int(w) for w in re.findall(r"(\d+) wrong elements", open(eng).read()))
 med = statistics.median(r[2] for r in warm)
-print("%-6s %-12s %12d %10.4f %10.2f %8d" % ({"auto": "local", "off": "tcp"}[path], fmt,
-                                             warm[0][1], med, warm[0][1] / med / 1e9, wrong))
+commit = [float(s) for v, s in re.findall(r"^refit (\d+) .* start->commit +([0-9.]+) s",
+                                            open(tr).read(), re.M) if int(v) >= 2]
+print("%-6s %-12s %12d %10.4f %10.2f %8d %10.4f" % ({"auto": "local", "off": "tcp"}[path], fmt,
+                                                  warm[0][1], med, warm[0][1] / med / 1e9, wrong,
+                                                  statistics.median(commit) if commit else 0))
 PY
     done
 done

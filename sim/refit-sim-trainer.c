@@ -59,8 +59,8 @@ static void report(refit_client *c, uint64_t version)
         double quorum = json_real_value(json_object_get(last, "publish_quorum_s"));
         double xfer = json_real_value(json_object_get(last, "transfer_s"));
 
-        printf("refit %-4llu %12.0f bytes  quorum %7.3f s  transfer %7.3f s  start->commit "
-               "%7.3f s  %6.2f GB/s\n", (unsigned long long)version, bytes, quorum, xfer,
+        printf("refit %-4llu %12.0f bytes  quorum %7.4f s  transfer %7.4f s  start->commit "
+               "%7.4f s  %6.2f GB/s\n", (unsigned long long)version, bytes, quorum, xfer,
                commit, commit > 0 ? bytes / commit / 1e9 : 0.0);
     }
     json_decref(st);

@@ -418,34 +418,104 @@ static __device__ __forceinline__ uint32_t quant4_bf16(uint32_t w0, uint32_t w1,
     return (a | b << 16) | (__byte_perm(w0, w1, 0x7531) & 0x80808080u);
 }
 
+/* The max of |x|'s 16 bits over the eight bf16 of v, folded into m two at a time. */
+static __device__ __forceinline__ uint32_t vmax_bf16(uint32_t m, uint4 v)
+{
+    return __vmaxu2(m, __vmaxu2(__vmaxu2(v.x & 0x7FFF7FFFu, v.y & 0x7FFF7FFFu),
+                                __vmaxu2(v.z & 0x7FFF7FFFu, v.w & 0x7FFF7FFFu)));
+}
+
+/* The block's scale from each thread's 16-bit |x| maxima (folded two at a time in m), written
+ * once; *fast: every element finite and the scale where mark_div is exact. A block with a
+ * non-finite element is read again through tile_amax_v's filter. */
+static __device__ __forceinline__ float scale_bf16(const qdesc &o, const tile &t, uint64_t i,
+                                                   uint64_t j, uint32_t m, uint32_t *red,
+                                                   bool *fast)
+{
+    uint32_t raw;
+    float sf;
+
+    m = (m & 0xFFFF) > (m >> 16) ? (m & 0xFFFF) : (m >> 16);
+    raw = block_max(m << 16, red);
+    *fast = raw < UINT32_C(0x7F800000);
+    if (!*fast)
+        raw = block_max(tile_amax_v<src_bf16>(t, (const uint16_t *)o.src, o.sstride, 0), red);
+    sf = scale_of(raw);
+    if (threadIdx.x == 0)
+        ((float *)o.scales)[(int64_t)i * o.scstride + (int64_t)j] = sf;
+    *fast = *fast && f2u(sf) >= (UINT32_C(127 - 60) << 23) &&
+            f2u(sf) <= (UINT32_C(127 + 60) << 23);
+    return sf;
+}
+
+/* Rows a thread of block_bf16_reg holds: a 128x128 block is 16 rows of 16 vectors at a time,
+ * 8 rows a thread. */
+#define QREG 8
+
+/* block_bf16 for a tile whose threads each hold at most one vector of each of at most QREG
+ * rows: the tile is read once, every load of a thread in flight together, and quantized from
+ * registers, where the two-pass version waited for each load in turn and read the tile twice
+ * (34.8 ms for 58 GB of bf16 on an H200 over memory the process owns, and slower over the
+ * daemons' imported mappings, bench/RESULTS.md). */
+static __device__ __forceinline__ void block_bf16_reg(const qdesc &o, const tile &t,
+                                                      uint64_t i, uint64_t j, uint32_t *red)
+{
+    const uint16_t *src = (const uint16_t *)o.src;
+    const bool col = t.tx < t.nc;
+    uint4 v[QREG];
+    uint32_t m = 0;
+    float sf, rc;
+    bool fast;
+
+#pragma unroll
+    for (int k = 0; k < QREG; k++) {
+        uint64_t r = t.ty + (uint64_t)k * t.wy;
+
+        v[k] = make_uint4(0, 0, 0, 0);
+        if (col && r < t.nr)
+            v[k] = ((const uint4 *)(src + (int64_t)(t.r0 + r) * o.sstride +
+                                    (int64_t)t.c0 * 8))[t.tx];
+    }
+#pragma unroll
+    for (int k = 0; k < QREG; k++)
+        m = vmax_bf16(m, v[k]);
+    sf = scale_bf16(o, t, i, j, m, red, &fast);
+    if (!fast) {
+        tile_quant_v<src_bf16>(t, src, o.sstride, sf, o.q, o.qstride);
+        return;
+    }
+    rc = __frcp_rn(sf);
+#pragma unroll
+    for (int k = 0; k < QREG; k++) {
+        uint64_t r = t.ty + (uint64_t)k * t.wy;
+
+        if (col && r < t.nr)
+            ((uint2 *)(o.q + (int64_t)(t.r0 + r) * o.qstride + (int64_t)t.c0 * 8))[t.tx] =
+                make_uint2(quant4_bf16(v[k].x, v[k].y, sf, rc),
+                           quant4_bf16(v[k].z, v[k].w, sf, rc));
+    }
+}
+
 static __device__ __forceinline__ void block_bf16(const qdesc &o, const tile &t, uint64_t i,
                                                   uint64_t j, uint32_t *red)
 {
     const uint16_t *src = (const uint16_t *)o.src;
-    uint32_t m = 0, raw;
+    uint32_t m = 0;
     float sf, rc;
     bool fast;
 
+    if (t.nc <= t.wx && t.nr <= (uint64_t)QREG * t.wy) {
+        block_bf16_reg(o, t, i, j, red);
+        return;
+    }
     for (uint64_t r = t.ty; r < t.nr; r += t.wy) {
         const uint4 *row = (const uint4 *)(src + (int64_t)(t.r0 + r) * o.sstride +
                                            (int64_t)t.c0 * 8);
 
-        for (uint64_t c = t.tx; c < t.nc; c += t.wx) {
-            uint4 v = row[c];
-
-            m = __vmaxu2(m, __vmaxu2(__vmaxu2(v.x & 0x7FFF7FFFu, v.y & 0x7FFF7FFFu),
-                                     __vmaxu2(v.z & 0x7FFF7FFFu, v.w & 0x7FFF7FFFu)));
-        }
+        for (uint64_t c = t.tx; c < t.nc; c += t.wx)
+            m = vmax_bf16(m, row[c]);
     }
-    m = (m & 0xFFFF) > (m >> 16) ? (m & 0xFFFF) : (m >> 16);
-    raw = block_max(m << 16, red);
-    fast = raw < UINT32_C(0x7F800000);
-    if (!fast)
-        raw = block_max(tile_amax_v<src_bf16>(t, src, o.sstride, 0), red);
-    sf = scale_of(raw);
-    if (threadIdx.x == 0)
-        ((float *)o.scales)[(int64_t)i * o.scstride + (int64_t)j] = sf;
-    fast = fast && f2u(sf) >= (UINT32_C(127 - 60) << 23) && f2u(sf) <= (UINT32_C(127 + 60) << 23);
+    sf = scale_bf16(o, t, i, j, m, red, &fast);
     if (!fast) {
         tile_quant_v<src_bf16>(t, src, o.sstride, sf, o.q, o.qstride);
         return;
@@ -531,7 +601,11 @@ static __device__ __forceinline__ void do_tile(const qdesc &o, uint64_t k, uint3
  * of the one descriptor `one` (d NULL, its tiles from 0). Each thread block takes a run of
  * consecutive tiles, whole: it finds its first descriptor once (a binary search), keeps the
  * descriptor in shared memory and steps to the next one when a matrix's tiles end. */
-__global__ void batch_kernel(const qdesc *d, const uint64_t *tile0, uint32_t nd, qdesc one,
+/* Resident blocks per SM the batch kernel's registers must allow: unbounded it takes 102
+ * registers a thread, 2 blocks an SM; held to 3 (a few bytes spilled, in the rare paths) the
+ * FP8 refit of qwen3-30b-a3b ran 0.0502 s against 0.0582 (2) on an H200, bench/RESULTS.md. */
+#define MIN_BLOCKS 3
+__global__ void __launch_bounds__(THREADS, MIN_BLOCKS) batch_kernel(const qdesc *d, const uint64_t *tile0, uint32_t nd, qdesc one,
                              uint64_t lo, uint64_t n)
 {
     __shared__ uint32_t red[WARPS];
@@ -635,6 +709,16 @@ static unsigned grid_of(uint64_t tiles)
 static uint64_t ceil_div(uint64_t a, uint64_t b)
 {
     return a / b + (a % b != 0);
+}
+
+/* Tiles each block of the batch kernel takes at least: its search for its first matrix and the
+ * load of that descriptor are paid once per run, not per tile (a 4 GiB batch of 128x128 blocks
+ * gave each of 65536 blocks 2 tiles). */
+#define RUN_TILES 16
+
+static unsigned batch_grid(uint64_t tiles)
+{
+    return grid_of(ceil_div(tiles, RUN_TILES));
 }
 
 /* TENSOR's three passes for source type S; the arguments were checked. */
@@ -761,7 +845,7 @@ int rf_quant_cuda_quantize(const rf_quant_fmt *f, rf_dtype src_dt, const void *s
                                s, err);
     o = desc_of(f, src_dt, src, src_row_stride, rows, cols, q, q_row_stride, scales,
                 scale_row_stride, srows, scols, &tiles);
-    batch_kernel<<<grid_of(tiles), THREADS, 0, s>>>(NULL, NULL, 0, o, 0, tiles);
+    batch_kernel<<<batch_grid(tiles), THREADS, 0, s>>>(NULL, NULL, 0, o, 0, tiles);
     CUDA_TRY(err, cudaGetLastError());
 out:
     return rc;
@@ -870,7 +954,7 @@ int rf_quant_cuda_plan_launch(const rf_quant_cuda_plan *pl, size_t first, size_t
         qdesc none;
 
         memset(&none, 0, sizeof(none));
-        batch_kernel<<<grid_of(tiles), THREADS, 0, s>>>(pl->devd + a, pl->devt0 + a, b - a,
+        batch_kernel<<<batch_grid(tiles), THREADS, 0, s>>>(pl->devd + a, pl->devt0 + a, b - a,
                                                         none, pl->t0[a], tiles);
         CUDA_TRY(err, cudaGetLastError());
     }

@@ -34,6 +34,11 @@
 #define BATCH (4ull << 30)
 /* Batches enqueued at once: the events of each device form a ring of this size. */
 #define SLOTS 3
+/* Copy streams per device: consecutive batches alternate between them, and a batch's FP8
+ * quantization runs on the stream its copies do not, so one launch's last blocks overlap the
+ * next launch's first instead of idling the GPU (the batches write disjoint bytes). On an H200,
+ * qwen3-30b-a3b through the daemons: Start -> Commit 0.036 s with one stream, 0.033 with two. */
+#define NSTREAMS 2
 /* Verification scratch per device: the digested bytes are gathered here and copied down. */
 #define VSCRATCH (16u << 20)
 /* Room before and after each gathered segment for elements that straddle its ends. */
@@ -44,8 +49,8 @@
 typedef struct gdev {
     int dev;
     bool ready;
-    cudaStream_t s, vs; /* copies; verification gathers */
-    cudaEvent_t ev[SLOTS];
+    cudaStream_t s[NSTREAMS], vs; /* copies; verification gathers */
+    cudaEvent_t ev[SLOTS][NSTREAMS];
     uint8_t *scratch;   /* VSCRATCH, when a job verifies */
     uint8_t *bounce;    /* pinned host, VSCRATCH */
     uint8_t *uscratch;  /* ucap: the source rows of FP8 units (verification), and */
@@ -178,10 +183,12 @@ static int dev_slot(rf_xfer_local *t, int dev, uint32_t *slot)
         gdev *G = &nd[*slot];
 
         CUDA_TRY(&err, cudaSetDevice(dev));
-        CUDA_TRY(&err, cudaStreamCreateWithFlags(&G->s, cudaStreamNonBlocking));
+        for (int k = 0; k < NSTREAMS; k++)
+            CUDA_TRY(&err, cudaStreamCreateWithFlags(&G->s[k], cudaStreamNonBlocking));
         CUDA_TRY(&err, cudaStreamCreateWithFlags(&G->vs, cudaStreamNonBlocking));
         for (int h = 0; h < SLOTS; h++)
-            CUDA_TRY(&err, cudaEventCreateWithFlags(&G->ev[h], cudaEventDisableTiming));
+            for (int k = 0; k < NSTREAMS; k++)
+                CUDA_TRY(&err, cudaEventCreateWithFlags(&G->ev[h][k], cudaEventDisableTiming));
         G->ready = true;
     }
 out:
@@ -231,7 +238,8 @@ static void dev_release(rf_xfer_local *t, gdev *G)
     if (!G->ready)
         return;
     cudaSetDevice(G->dev);
-    cudaStreamSynchronize(G->s);
+    for (int k = 0; k < NSTREAMS; k++)
+        cudaStreamSynchronize(G->s[k]);
     cudaStreamSynchronize(G->vs);
     rf_copy_cuda_buf_free(G->vbuf);
     if (G->scratch) {
@@ -245,8 +253,10 @@ static void dev_release(rf_xfer_local *t, gdev *G)
     }
     cudaFreeHost(G->ubounce);
     for (int h = 0; h < SLOTS; h++)
-        cudaEventDestroy(G->ev[h]);
-    cudaStreamDestroy(G->s);
+        for (int k = 0; k < NSTREAMS; k++)
+            cudaEventDestroy(G->ev[h][k]);
+    for (int k = 0; k < NSTREAMS; k++)
+        cudaStreamDestroy(G->s[k]);
     cudaStreamDestroy(G->vs);
     memset(G, 0, sizeof(*G));
 }
@@ -1012,13 +1022,14 @@ static int enqueue(rf_xfer_local *t, uint32_t b)
     for (d = 0; d < pl->ndev; d++) {
         gdev *G = &g->devs[d];
         size_t x = (size_t)b * pl->ndev + d;
+        cudaStream_t cs = G->s[b % NSTREAMS], qs = G->s[(b + 1) % NSTREAMS];
 
         CUDA_TRY(&err, cudaSetDevice(G->dev));
-        if ((rc = rf_copy_cuda_plan_launch(pl->kplan[d], pl->kfirst[x], pl->kcount[x], G->s, 0,
+        if ((rc = rf_copy_cuda_plan_launch(pl->kplan[d], pl->kfirst[x], pl->kcount[x], cs, 0,
                                            &err)) < 0)
             goto out;
         if (pl->qcount[x] > 0 &&
-            (rc = rf_quant_cuda_plan_launch(pl->qplan[d], pl->qfirst[x], pl->qcount[x], G->s,
+            (rc = rf_quant_cuda_plan_launch(pl->qplan[d], pl->qfirst[x], pl->qcount[x], qs,
                                             &err)) < 0)
             goto out;
         for (uint64_t o = pl->ofirst[x]; o < pl->ofirst[x] + pl->ocount[x]; o++) {
@@ -1026,13 +1037,14 @@ static int enqueue(rf_xfer_local *t, uint32_t b)
 
             if (op->height == 1)
                 CUDA_TRY(&err, cudaMemcpyAsync(op->dst, op->src, op->width,
-                                               cudaMemcpyDeviceToDevice, G->s));
+                                               cudaMemcpyDeviceToDevice, cs));
             else
                 CUDA_TRY(&err, cudaMemcpy2DAsync(op->dst, op->dpitch, op->src, op->spitch,
                                                  op->width, op->height,
-                                                 cudaMemcpyDeviceToDevice, G->s));
+                                                 cudaMemcpyDeviceToDevice, cs));
         }
-        CUDA_TRY(&err, cudaEventRecord(G->ev[b % SLOTS], G->s));
+        for (int k = 0; k < NSTREAMS; k++)
+            CUDA_TRY(&err, cudaEventRecord(G->ev[b % SLOTS][k], G->s[k]));
     }
     g->t_launch += rf_xfer__now() - t0;
 out:
@@ -1052,11 +1064,13 @@ static int batch_done(rf_xfer_local *t, uint32_t b)
     int rc = 0;
 
     for (d = 0; d < g->pl.ndev; d++) {
-        cudaError_t e = cudaEventQuery(g->devs[d].ev[b % SLOTS]);
+        for (int k = 0; k < NSTREAMS; k++) {
+            cudaError_t e = cudaEventQuery(g->devs[d].ev[b % SLOTS][k]);
 
-        if (e == cudaErrorNotReady)
-            return 0;
-        CUDA_TRY(&err, e);
+            if (e == cudaErrorNotReady)
+                return 0;
+            CUDA_TRY(&err, e);
+        }
     }
     return 1;
 out:
@@ -1167,7 +1181,8 @@ void rf_xfer__lgpu_finish(rf_xfer_local *t, int rc)
             if (!g->devs[d].ready)
                 continue;
             cudaSetDevice(g->devs[d].dev);
-            cudaStreamSynchronize(g->devs[d].s);
+            for (int k = 0; k < NSTREAMS; k++)
+                cudaStreamSynchronize(g->devs[d].s[k]);
             cudaStreamSynchronize(g->devs[d].vs);
         }
         /* A failed CUDA call leaves its error for the next call to report. */
