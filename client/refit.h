@@ -92,7 +92,11 @@ REFIT_API int refit_add_piece(refit_client *c, const char *tensor, int dtype, in
  * scale_strides elements apart per dim of the box's block grid (NULL: row-major over it). The
  * tensor needs at least 2 dims: its last two are the matrix, leading dims (experts) each a
  * matrix of their own. The box must lie on the format's grid (block edges, whole rows for
- * channel, the whole tensor for tensor); the message names an edge that does not. */
+ * channel, the whole tensor for tensor); the message names an edge that does not.
+ * Trainers that hold a weight in FP8 register it the same way: its bytes and scales are then
+ * copied as they are into engine FP8 pieces of the same format (host path: host memory, tcp or
+ * local copies); an engine piece in another format or dtype is refused when the plan is
+ * built. */
 REFIT_API int refit_add_piece_fp8(refit_client *c, const char *tensor, int dtype, int ndim,
                                   const int64_t *shape, uint32_t region, uint64_t offset,
                                   const int64_t *start, const int64_t *extent,

@@ -546,6 +546,11 @@ static void build_after(uv_work_t *w, int status)
                 "bytes of FP8 elements and scales", id,
                 (unsigned long long)c->stats.quant_transfers,
                 (unsigned long long)c->stats.quant_bytes);
+    if (c->stats.fp8_copy_transfers > 0)
+        RF_INFO("plan %.16s copies %llu transfers from trainers' FP8 pieces into FP8 engines of "
+                "the same format: %llu bytes of FP8 elements and scales", id,
+                (unsigned long long)c->stats.fp8_copy_transfers,
+                (unsigned long long)c->stats.fp8_copy_bytes);
     if (c->stats.recv_quant_transfers > 0)
         RF_INFO("plan %.16s moves %llu transfers into FP8 engines off their grid (trainer shards "
                 "cut their blocks): %llu bytes in the tensors' dtype, quantized by the receivers",
@@ -1006,6 +1011,9 @@ void rf_coord_status(json_t *status, void *arg)
     json_object_set_new(plan, "quant_transfers",
                         json_integer((json_int_t)c->stats.quant_transfers));
     json_object_set_new(plan, "quant_bytes", json_integer((json_int_t)c->stats.quant_bytes));
+    json_object_set_new(plan, "fp8_copy_transfers",
+                        json_integer((json_int_t)c->stats.fp8_copy_transfers));
+    json_object_set_new(plan, "fp8_copy_bytes", json_integer((json_int_t)c->stats.fp8_copy_bytes));
     json_object_set_new(plan, "recv_quant_transfers",
                         json_integer((json_int_t)c->stats.recv_quant_transfers));
     json_object_set_new(plan, "recv_quant_bytes",

@@ -635,6 +635,8 @@ int rf_ctl_plan(int argc, char **argv)
         JI("fp8_pieces", fp8_pieces);
         JI("quant_transfers", st->quant_transfers);
         JI("quant_bytes", st->quant_bytes);
+        JI("fp8_copy_transfers", st->fp8_copy_transfers);
+        JI("fp8_copy_bytes", st->fp8_copy_bytes);
         JI("recv_quant_transfers", st->recv_quant_transfers);
         JI("recv_quant_bytes", st->recv_quant_bytes);
         JI("colocated_engines", a.colocate < 0 ? rf_par_world(&pd, RF_DST)

@@ -934,12 +934,6 @@ static bool fp8_request(reg_client *c, uint64_t id, const Refit__Rpc__RegisterPi
     rf_quant_fmt f;
     rf_err err = {0};
 
-    if (c->kind != REFIT__RPC__CLIENT_KIND__CLIENT_ENGINE) {
-        rf_rpc_conn_reply(c->conn, id, -EINVAL, "FP8 piece of %s from a %s: only engines hold "
-                          "FP8 weights (trainers register what they compute)", m->tensor,
-                          kind_name(c->kind));
-        return false;
-    }
     if (rf_quant_fmt_parse(m->quant, &f, &err) < 0) {
         rf_rpc_conn_reply(c->conn, id, -EINVAL, "FP8 piece of %s: %s", m->tensor, err.msg);
         return false;

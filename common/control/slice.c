@@ -639,9 +639,13 @@ static void quant_dst(const rf_inv *inv, const rf_tensor *t, uint8_t *const *bas
     it->quant.scale_base = bases[it->quant.scale.region];
 }
 
-/* The source side of a local transfer into FP8 item d quantizes with d's format. */
+/* The source side of a local transfer into FP8 item d quantizes with d's format; a trainer's
+ * FP8 piece (its own declaration already resolved by quant_dst) copies its elements and scales
+ * and is left as it is. */
 static void quant_src_of(const rf_xfer_item *d, rf_xfer_item *s)
 {
+    if (s->piece.quant != 0)
+        return;
     memset(&s->quant, 0, sizeof(s->quant));
     if (d->quant.q.kind == 0)
         return;
@@ -801,8 +805,11 @@ static int resolve_item(rf_slice_job *j, const Refit__SliceMsg *sm, const Refit_
     it->bytes = sx->bytes;
     memset(&it->quant, 0, sizeof(it->quant));
     if (it->piece.quant != 0) {
+        /* An engine's FP8 piece, or a trainer's, whose bytes and scales are sent as they are. */
         quant_dst(inv, t, bases, it);
-        if ((int)sx->quant_kind != it->quant.q.kind)
+        if ((int)sx->quant_kind != it->quant.q.kind ||
+            (sx->quant_kind != 0 && (sx->quant_br != it->quant.q.br ||
+                                     sx->quant_bc != it->quant.q.bc)))
             return rf_err_set(err, -EPROTO, "plan slice message %u moves %s as %s its FP8 "
                               "piece: the plan is stale", sm->seq, t->name,
                               sx->quant_kind ? "another format than" : "plain bytes into");
@@ -1072,6 +1079,8 @@ int rf_slice_msg_from_plan(const rf_plan *plan, uint32_t mi, rf_side side,
             } else {
                 rf_inv_piece(inv, RF_DST, x->dst, &d.piece);
                 quant_dst(inv, t, bases, &d);
+                if (it->piece.quant != 0)
+                    quant_dst(inv, t, bases, it);
                 quant_src_of(&d, it);
             }
             if (!on_grid(side == RF_DST ? it->quant.q.kind : d.quant.q.kind,
@@ -1135,6 +1144,8 @@ int rf_slice_local_job_from_plan(const rf_plan *plan, uint8_t *const *bases, rf_
             d->bytes = sr->bytes = x->bytes;
             if (d->piece.quant != 0) {
                 quant_dst(inv, t, bases, d);
+                if (sr->piece.quant != 0)
+                    quant_dst(inv, t, bases, sr);
                 quant_src_of(d, sr);
                 if (!on_grid(d->quant.q.kind, d->quant.q.br, d->quant.q.bc, t, &d->box)) {
                     rf_slice_local_job_free(job);

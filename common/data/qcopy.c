@@ -75,7 +75,7 @@ int rf_qcopy_check(const rf_xfer_item *it, bool dst, rf_err *err)
         return rf_err_set(err, -EINVAL, "holds %" PRIu64 " bytes, its FP8 elements and scales "
                           "%" PRIu64, it->bytes,
                           rf_qcopy_bytes(&x->q, nd, x->rows, x->cols, &it->box, NULL));
-    if (!dst) {
+    if (!dst && it->piece.quant == 0) {
         if (it->esize != rf_dtype_size(x->dt) || it->piece.strides[nd - 1] != 1)
             return rf_err_set(err, -EINVAL, "quantizes from %zu-byte elements %" PRId64 " apart: "
                               "a source must hold its %s rows contiguously", it->esize,
@@ -83,8 +83,9 @@ int rf_qcopy_check(const rf_xfer_item *it, bool dst, rf_err *err)
         return 0;
     }
     if (it->esize != 1 || it->piece.strides[nd - 1] != 1)
-        return rf_err_set(err, -EINVAL, "installs FP8 into %zu-byte elements %" PRId64 " apart: "
-                          "the piece must be float8_e4m3fn with contiguous rows", it->esize,
+        return rf_err_set(err, -EINVAL, "%s FP8 %s %zu-byte elements %" PRId64 " apart: the "
+                          "piece must be float8_e4m3fn with contiguous rows",
+                          dst ? "installs" : "sends", dst ? "into" : "from", it->esize,
                           it->piece.strides[nd - 1]);
     if (x->scale_base == NULL)
         return rf_err_set(err, -EINVAL, "has no mapped memory for its scales");
@@ -115,6 +116,8 @@ void rf_qcopy_matrix_start(const rf_box *b, int nd, uint64_t l, int64_t *idx)
     }
 }
 
+static void move(const rf_xfer_item *it, uint8_t *payload, bool to_payload);
+
 void rf_qcopy_pack(const rf_xfer_item *it, uint8_t *out)
 {
     const rf_xfer_quant *x = &it->quant;
@@ -125,6 +128,11 @@ void rf_qcopy_pack(const rf_xfer_item *it, uint8_t *out)
     size_t ses = rf_dtype_size(rf_quant_scale_dtype(&f));
     int64_t idx[RF_MAX_DIMS];
 
+    if (it->piece.quant != 0) {
+        /* A trainer's FP8 piece: its elements and its blocks' scales, as they are. */
+        move(it, out, true);
+        return;
+    }
     rf_qcopy_bytes(&x->q, nd, x->rows, x->cols, &it->box, &fp8);
     /* The box lies on the grid (checked): quantized alone it gives the global result. */
     rf_quant_scale_shape(&f, rows, cols, &srows, &scols, NULL);

@@ -796,6 +796,12 @@ static int plan_build(rf_xfer_local *t)
                                   err.msg);
                         goto out;
                     }
+                    if (s->piece.quant != 0) {
+                        rc = fail(t, -ENOTSUP, "local message seq %u item %u: copying a "
+                                  "trainer's FP8 piece into GPU memory is not built yet (FP8 "
+                                  "sources are served on the host path)", m->seq, k);
+                        goto out;
+                    }
                     if ((rc = add_qops(t, m, s, dd, &qp[d], &qn[d], &qcap[d])) < 0)
                         goto out;
                     pl->bstat[b][BS_QUANT] += dd->bytes;

@@ -798,10 +798,12 @@ void rf_inv_quant_scales(const rf_inv *inv, const rf_piece *p, rf_piece *out)
         out->strides[d] = q->scale_strides[d];
 }
 
-/* An FP8 piece: a destination, of a bf16/fp16/fp32 tensor of at least 2 dims, whose box lies
- * on the format's grid, with its scales inside a region of its endpoint. */
+/* An FP8 piece: of a bf16/fp16/fp32 tensor of at least 2 dims, whose box lies on the format's
+ * grid, with its scales inside a region of its endpoint. An engine's is quantized into; a
+ * trainer's (one that holds its weights in FP8) is copied with its scales into engine FP8
+ * pieces of the same format. */
 static int check_quant_piece(const rf_inv *inv, const rf_piece *p, const rf_tensor *t,
-                             rf_side side, rf_err *err)
+                             rf_err *err)
 {
     const rf_quant_decl *q = rf_inv_quant(inv, p->quant);
     rf_quant_fmt f;
@@ -814,9 +816,6 @@ static int check_quant_piece(const rf_inv *inv, const rf_piece *p, const rf_tens
         return rf_err_set(err, -EINVAL, "piece of %s names FP8 scales %u, the inventory holds %u",
                           t->name, p->quant, inv->nquants);
     f = (rf_quant_fmt){q->kind, q->br, q->bc};
-    if (side != RF_DST)
-        return rf_err_set(err, -EINVAL, "piece of %s is FP8-quantized, which only engines' "
-                          "pieces can be (trainers register the weights they compute)", t->name);
     if (t->dtype != RF_DT_BF16 && t->dtype != RF_DT_FP16 && t->dtype != RF_DT_FP32)
         return rf_err_set(err, -EINVAL, "piece of %s is FP8-quantized from %s: only bf16, fp16 "
                           "and fp32 tensors are quantized", t->name, rf_dtype_name(t->dtype));
@@ -891,7 +890,7 @@ int rf_inv_add_piece(rf_inv *inv, const rf_piece *p, uint32_t *id, rf_err *err)
     }
     esize = rf_dtype_size(t->dtype);
     if (p->quant != 0) {
-        if ((rc = check_quant_piece(inv, p, t, side, err)) < 0)
+        if ((rc = check_quant_piece(inv, p, t, err)) < 0)
             return rc;
         esize = 1;
     }

@@ -934,6 +934,36 @@ static int msg_for(builder *b, uint32_t src_ep, uint32_t dst_ep, rf_plan_kind ki
     return 0;
 }
 
+/* A trainer's FP8 piece (c) goes only into an engine's FP8 piece of the same format, whose
+ * bytes and scales its own are, block for block: the transfer is then planned as one that
+ * quantizes (the same payload), and its sender copies instead. */
+static int fp8_source_ok(const builder *b, const dpiece *dp, const cand *c, rf_err *err)
+{
+    uint32_t sq = rf_inv_piece_recs(b->inv, RF_SRC)[c->id].quant;
+    const rf_quant_decl *q = sq ? rf_inv_quant(b->inv, sq) : NULL;
+    const char *name = rf_inv_tensor(b->inv, dp->tensor)->name;
+
+    if (!q)
+        return 0;
+    if (!dp->quant)
+        return rf_err_set(err, -EOPNOTSUPP, "plan: tensor %s: a trainer holds it in FP8 and an "
+                          "engine in %s; FP8 is copied only into engine FP8 pieces of the same "
+                          "format (dequantizing is not built)", name,
+                          rf_dtype_name(rf_inv_tensor(b->inv, dp->tensor)->dtype));
+    if (q->kind != dp->quant->kind || q->br != dp->quant->br || q->bc != dp->quant->bc) {
+        rf_quant_fmt sf = {q->kind, q->br, q->bc}, df = {dp->quant->kind, dp->quant->br,
+                                                         dp->quant->bc};
+        char sn[32], dn[32];
+
+        rf_quant_fmt_format(&sf, sn, sizeof(sn));
+        rf_quant_fmt_format(&df, dn, sizeof(dn));
+        return rf_err_set(err, -EOPNOTSUPP, "plan: tensor %s: a trainer holds it in FP8 %s and "
+                          "an engine's FP8 piece is %s; re-quantizing FP8 is not built", name,
+                          sn, dn);
+    }
+    return 0;
+}
+
 /* Emits the transfer of box (of bytes) from candidate c to destination piece dp. whole says
  * that box is the destination piece's own box, whose interned id and run count the geometry
  * cache keeps. */
@@ -947,6 +977,8 @@ static int emit(builder *b, const dpiece *dp, const cand *c, const rf_box *box, 
     rf_plan_msg *mm = NULL;
     int rc, recvq = 0;
 
+    if ((rc = fp8_source_ok(b, dp, c, err)) < 0)
+        return rc;
     if (dp->quant && (recvq = quant_xfer(b, dp, c, box, &bytes, err)) < 0)
         return recvq;
     if (whole && b->gruns)
@@ -1004,6 +1036,9 @@ static int emit(builder *b, const dpiece *dp, const cand *c, const rf_box *box, 
     if (recvq) {
         pl->st.recv_quant_bytes += bytes;
         pl->st.recv_quant_transfers++;
+    } else if (dp->quant && rf_inv_piece_recs(b->inv, RF_SRC)[c->id].quant) {
+        pl->st.fp8_copy_bytes += bytes;
+        pl->st.fp8_copy_transfers++;
     } else if (dp->quant) {
         pl->st.quant_bytes += bytes;
         pl->st.quant_transfers++;
@@ -2665,10 +2700,10 @@ int rf_plan_build(const rf_inv *inv, const rf_plan_opts *opts, rf_plan **out, rf
                         "destination replicas)", opts->relay);
         goto out;
     }
-    if (opts->relay && rf_inv_nquants(inv) > 0) {
-        const rf_piece_rec *r = rf_inv_piece_recs(inv, RF_DST);
+    for (int side = 0; opts->relay && rf_inv_nquants(inv) > 0 && side < 2; side++) {
+        const rf_piece_rec *r = rf_inv_piece_recs(inv, (rf_side)side);
 
-        for (uint32_t i = 0; i < rf_inv_npieces(inv, RF_DST); i++)
+        for (uint32_t i = 0; i < rf_inv_npieces(inv, (rf_side)side); i++)
             if (r[i].quant) {
                 rc = rf_err_set(err, -EOPNOTSUPP, "plan: relays cannot forward FP8 pieces yet "
                                 "(tensor %s is one): run the coordinator with relay = off",

@@ -118,6 +118,9 @@ typedef struct rf_plan_stats {
     /* Transfers into FP8 pieces whose box a trainer's shard cuts off the grid: they carry
      * the tensor's dtype and the receiver quantizes (bytes in that dtype). */
     uint64_t recv_quant_bytes, recv_quant_transfers;
+    /* Transfers from trainers' FP8 pieces into engines' FP8 pieces of the same format: the
+     * sender copies its FP8 elements and scales (the same payload as a quantized one). */
+    uint64_t fp8_copy_bytes, fp8_copy_transfers;
 } rf_plan_stats;
 
 typedef struct rf_plan rf_plan;

@@ -4,7 +4,8 @@
  * (memfd memory, host 7), and every installed FP8 byte and scale compared with the scalar
  * reference (rf_quant_ref) of the trainers' bf16 values; the pattern's random bytes include
  * NaN, Inf, subnormals and values past 448. Also the refusals: an engine box off the grid, a
- * trainer shard that cuts a block, relays, FP8 pieces on the trainers' side. */
+ * trainer shard that cuts a block, relays. Trainers' FP8 pieces copied into engine FP8 pieces of
+ * their format, and refused into another format or bf16. */
 #include <criterion/criterion.h>
 #include <stdlib.h>
 #include <string.h>
@@ -83,8 +84,9 @@ static int add(fixture *f, uint32_t ep, uint32_t tensor, int nd, const int64_t *
 }
 
 /* Trainers: w rows in halves, experts two each, the norm on the first. Engines: w rows in
- * quarters and one expert each as FP8 in format q (e only when e_only), the norm on each. */
-static void build(fixture *f, const rf_quant_fmt *q, bool e_only)
+ * quarters and one expert each as FP8 in format q (e only when e_only), the norm on each.
+ * fp8_src: the trainers hold the weights the engines hold in FP8 in FP8 too (format q). */
+static void build(fixture *f, const rf_quant_fmt *q, bool e_only, bool fp8_src)
 {
     int64_t ws[2] = {W_ROWS, W_COLS}, es[3] = {E_N, E_ROWS, E_COLS}, ns[1] = {W_COLS};
     uint32_t ep, id;
@@ -101,8 +103,10 @@ static void build(fixture *f, const rf_quant_fmt *q, bool e_only)
 
         cr_assert_eq(rf_inv_add_endpoint(f->inv, RF_SRC, 0, &ep, &err), 0);
         cr_assert_eq(rf_inv_set_endpoint_host(f->inv, ep, 7, &err), 0);
-        cr_assert_eq(add(f, ep, f->w, 2, s2, x2, NULL, &id, &err), 0, "%s", err.msg);
-        cr_assert_eq(add(f, ep, f->e, 3, s3, x3, NULL, &id, &err), 0, "%s", err.msg);
+        cr_assert_eq(add(f, ep, f->w, 2, s2, x2, fp8_src && !e_only ? q : NULL, &id, &err), 0,
+                     "%s", err.msg);
+        cr_assert_eq(add(f, ep, f->e, 3, s3, x3, fp8_src ? q : NULL, &id, &err), 0, "%s",
+                     err.msg);
         if (r == 0)
             cr_assert_eq(add(f, ep, f->n, 1, s1, x1, NULL, &id, &err), 0, "%s", err.msg);
     }
@@ -147,8 +151,10 @@ static uint16_t src_value(uint32_t t, uint64_t lin, uint64_t v)
     return (uint16_t)(xd_pattern(t, lin, 0, v) | xd_pattern(t, lin, 1, v) << 8);
 }
 
-/* Compares FP8 piece id with the reference of the trainers' values; returns wrong bytes. */
-static uint64_t check_fp8(const fixture *f, uint32_t id, uint64_t v)
+/* FP8 piece id of side: the reference of the trainers' values of version v compared with its
+ * bytes and scales (returns the wrong ones), or, fill, written into them (a trainer's FP8
+ * piece). Pieces are dense, their scales row-major over each matrix's block grid (add). */
+static uint64_t fp8_piece(const fixture *f, rf_side side, uint32_t id, uint64_t v, bool fill)
 {
     rf_piece p, sp;
     const rf_tensor *t;
@@ -158,7 +164,7 @@ static uint64_t check_fp8(const fixture *f, uint32_t id, uint64_t v)
     size_t ses;
     int nd;
 
-    rf_inv_piece(f->inv, RF_DST, id, &p);
+    rf_inv_piece(f->inv, side, id, &p);
     cr_assert_neq(p.quant, 0);
     t = rf_inv_tensor(f->inv, p.tensor);
     nd = t->ndim;
@@ -174,8 +180,8 @@ static uint64_t check_fp8(const fixture *f, uint32_t id, uint64_t v)
     for (uint64_t l = 0; l < nm; l++) {
         uint16_t *src = malloc(rows * cols * 2);
         uint8_t *qw = malloc(rows * cols), *sw = malloc(sr * sc * ses);
-        const uint8_t *got = f->bases[p.region] + p.offset + l * rows * cols;
-        const uint8_t *gots = f->bases[sp.region] + sp.offset + l * sr * sc * ses;
+        uint8_t *got = f->bases[p.region] + p.offset + l * rows * cols;
+        uint8_t *gots = f->bases[sp.region] + sp.offset + l * sr * sc * ses;
         uint64_t lead = nd == 3 ? (uint64_t)p.box.start[0] + l : 0;
 
         for (uint64_t r = 0; r < rows; r++)
@@ -188,6 +194,10 @@ static uint64_t check_fp8(const fixture *f, uint32_t id, uint64_t v)
             }
         rf_quant_ref(&q, RF_DT_BF16, src, (int64_t)cols, rows, cols, qw, (int64_t)cols, sw,
                      (int64_t)sc);
+        if (fill) {
+            memcpy(got, qw, rows * cols);
+            memcpy(gots, sw, sr * sc * ses);
+        }
         for (uint64_t b = 0; b < rows * cols; b++)
             wrong += got[b] != qw[b];
         for (uint64_t b = 0; b < sr * sc * ses; b++)
@@ -197,6 +207,20 @@ static uint64_t check_fp8(const fixture *f, uint32_t id, uint64_t v)
         free(sw);
     }
     return wrong;
+}
+
+static uint64_t check_fp8(const fixture *f, uint32_t id, uint64_t v)
+{
+    return fp8_piece(f, RF_DST, id, v, false);
+}
+
+/* xd_fill's counterpart for the trainers' FP8 pieces: each quantized from the version's values
+ * (the reference), as a trainer holding FP8 weights would have them. */
+static void fill_fp8_sources(const fixture *f, uint64_t v)
+{
+    for (uint32_t i = 0; i < rf_inv_npieces(f->inv, RF_SRC); i++)
+        if (rf_inv_piece_recs(f->inv, RF_SRC)[i].quant)
+            fp8_piece(f, RF_SRC, i, v, true);
 }
 
 /* xd_check reads every destination piece as its tensor's dtype, which FP8 pieces are not:
@@ -242,6 +266,7 @@ static void run_local(fixture *f, const rf_plan *pl, uint64_t version, int verif
     job.verify = verify;
     cr_assert_eq(rf_xfer_job_check(&job, 2, &err), 0, "%s", err.msg);
     xd_fill(f->inv, f->bases, version);
+    fill_fp8_sources(f, version);
     world_open(&w, false);
     world_run(&w, &job, false);
     cr_assert_eq(w.res.code, 0, "%s", w.res.error);
@@ -253,7 +278,7 @@ static void run_local(fixture *f, const rf_plan *pl, uint64_t version, int verif
     rf_slice_local_job_free(&job);
 }
 
-static void refit_format(const char *name, bool e_only)
+static void refit_format(const char *name, bool e_only, bool fp8_src)
 {
     rf_quant_fmt q;
     fixture f;
@@ -262,10 +287,13 @@ static void refit_format(const char *name, bool e_only)
     const rf_plan_stats *st;
 
     cr_assert_eq(rf_quant_fmt_parse(name, &q, &err), 0, "%s", err.msg);
-    build(&f, &q, e_only);
+    build(&f, &q, e_only, fp8_src);
     cr_assert_eq(rf_plan_build(f.inv, NULL, &pl, &err), 0, "%s: %s", name, err.msg);
     st = rf_plan_stats_get(pl);
-    cr_assert_gt(st->quant_transfers, 0, "%s: no FP8 transfer planned", name);
+    cr_assert_gt(fp8_src ? st->fp8_copy_transfers : st->quant_transfers, 0,
+                 "%s: no FP8 transfer planned", name);
+    cr_assert_eq(fp8_src ? st->quant_transfers : st->fp8_copy_transfers, 0,
+                 "%s: FP8 %s planned", name, fp8_src ? "quantized" : "copied");
     cr_assert_eq(st->direct_bytes + st->packed_bytes, 0, "%s: all on one host, all local", name);
     for (uint64_t v = 1; v <= 2; v++) {
         uint64_t wrong, fp8_wrong = 0;
@@ -287,26 +315,36 @@ static void refit_format(const char *name, bool e_only)
     fixture_free(&f);
 }
 
-Test(qcopy, block_format_byte_for_byte) { refit_format("block:32x64", false); }
-Test(qcopy, channel_format_byte_for_byte) { refit_format("channel", false); }
-Test(qcopy, mxfp8_format_byte_for_byte) { refit_format("mxfp8", false); }
+Test(qcopy, block_format_byte_for_byte) { refit_format("block:32x64", false, false); }
+Test(qcopy, channel_format_byte_for_byte) { refit_format("channel", false, false); }
+Test(qcopy, mxfp8_format_byte_for_byte) { refit_format("mxfp8", false, false); }
 /* One scale for the whole matrix: only the experts, each whole on its engine, can be FP8. */
-Test(qcopy, tensor_format_byte_for_byte) { refit_format("tensor", true); }
+Test(qcopy, tensor_format_byte_for_byte) { refit_format("tensor", true, false); }
+/* Trainers holding the weights in FP8 of the engines' format: their bytes and scales are
+ * copied as they are, resharded (rows in halves into quarters, experts two into one). */
+Test(qcopy, fp8_sources_block_format) { refit_format("block:32x64", false, true); }
+Test(qcopy, fp8_sources_channel_format) { refit_format("channel", false, true); }
+Test(qcopy, fp8_sources_mxfp8_format) { refit_format("mxfp8", false, true); }
+Test(qcopy, fp8_sources_tensor_format) { refit_format("tensor", true, true); }
 
 /* ---- refusals ------------------------------------------------------------------------------ */
 
-/* w alone: trainers split its rows in ns parts, engines in nd parts as FP8 in format q; the
- * first piece added that fails stops (its error in err). 0 when all went in. */
-static int small(fixture *f, int ns, int nd, const char *fmt, bool fp8_src, rf_err *err)
+/* w alone: trainers split its rows in ns parts (in FP8 of format sfmt, or bf16 when NULL),
+ * engines in nd parts as FP8 in format dfmt ("none": bf16); the first piece added that fails
+ * stops (its error in err). 0 when all went in. */
+static int small(fixture *f, int ns, int nd, const char *sfmt, const char *dfmt, rf_err *err)
 {
     int64_t ws[2] = {W_ROWS, W_COLS};
-    rf_quant_fmt q;
+    rf_quant_fmt q[2];
     uint32_t ep, id;
     int rc = 0;
 
     memset(f, 0, sizeof(*f));
     f->inv = rf_inv_new();
-    cr_assert_eq(rf_quant_fmt_parse(fmt, &q, err), 0);
+    if (sfmt)
+        cr_assert_eq(rf_quant_fmt_parse(sfmt, &q[0], err), 0);
+    if (strcmp(dfmt, "none") != 0)
+        cr_assert_eq(rf_quant_fmt_parse(dfmt, &q[1], err), 0);
     cr_assert_eq(rf_inv_add_tensor(f->inv, "w.weight", RF_DT_BF16, 2, ws, &f->w, err), 0);
     for (int side = 0; side < 2 && rc == 0; side++) {
         int n = side == 0 ? ns : nd;
@@ -316,7 +354,9 @@ static int small(fixture *f, int ns, int nd, const char *fmt, bool fp8_src, rf_e
 
             cr_assert_eq(rf_inv_add_endpoint(f->inv, side == 0 ? RF_SRC : RF_DST, (uint32_t)side,
                                              &ep, err), 0);
-            rc = add(f, ep, f->w, 2, s2, x2, side == 1 || fp8_src ? &q : NULL, &id, err);
+            rc = add(f, ep, f->w, 2, s2, x2,
+                     (side == 0 ? sfmt != NULL : strcmp(dfmt, "none") != 0) ? &q[side] : NULL,
+                     &id, err);
         }
     }
     return rc;
@@ -328,23 +368,38 @@ Test(qcopy, engine_box_off_the_grid_is_refused_at_registration)
     rf_err err = {0};
 
     /* 64-row shards of 128x128 blocks. */
-    cr_assert_eq(small(&f, 2, 4, "block", false, &err), -EINVAL);
+    cr_assert_eq(small(&f, 2, 4, NULL, "block", &err), -EINVAL);
     cr_assert(strstr(err.msg, "FP8 piece of w.weight") && strstr(err.msg, "cuts the 128x128 "
               "blocks"), "%s", err.msg);
     rf_inv_free(f.inv);
     /* Channel scales need whole rows; tensor the whole matrix. */
-    cr_assert_eq(small(&f, 1, 4, "tensor", false, &err), -EINVAL);
+    cr_assert_eq(small(&f, 1, 4, NULL, "tensor", &err), -EINVAL);
     cr_assert(strstr(err.msg, "only the whole matrix"), "%s", err.msg);
     rf_inv_free(f.inv);
 }
 
-Test(qcopy, fp8_pieces_are_for_engines_only)
+/* A trainer's FP8 piece goes only into an engine FP8 piece of its format: the plan refuses
+ * another format, and a plain (bf16) engine piece, naming the tensor. */
+Test(qcopy, fp8_sources_need_the_same_format)
 {
     fixture f;
+    rf_plan *pl = NULL;
     rf_err err = {0};
 
-    cr_assert_eq(small(&f, 2, 2, "block:64x64", true, &err), -EINVAL);
-    cr_assert(strstr(err.msg, "only engines' pieces"), "%s", err.msg);
+    cr_assert_eq(small(&f, 2, 2, "block:64x64", "block:64x64", &err), 0, "%s", err.msg);
+    cr_assert_eq(rf_plan_build(f.inv, NULL, &pl, &err), 0, "%s", err.msg);
+    cr_assert_eq(rf_plan_stats_get(pl)->fp8_copy_transfers, 2);
+    rf_plan_free(pl);
+    rf_inv_free(f.inv);
+    cr_assert_eq(small(&f, 2, 2, "block:64x64", "block:32x64", &err), 0, "%s", err.msg);
+    cr_assert_eq(rf_plan_build(f.inv, NULL, &pl, &err), -EOPNOTSUPP);
+    cr_assert(strstr(err.msg, "tensor w.weight: a trainer holds it in FP8 block:64x64 and an "
+                     "engine's FP8 piece is block:32x64"), "%s", err.msg);
+    rf_inv_free(f.inv);
+    cr_assert_eq(small(&f, 2, 2, "block:64x64", "none", &err), 0, "%s", err.msg);
+    cr_assert_eq(rf_plan_build(f.inv, NULL, &pl, &err), -EOPNOTSUPP);
+    cr_assert(strstr(err.msg, "tensor w.weight: a trainer holds it in FP8 and an engine in "
+                     "bf16"), "%s", err.msg);
     rf_inv_free(f.inv);
 }
 
@@ -357,7 +412,7 @@ Test(qcopy, trainer_shards_cutting_a_block_are_quantized_on_the_receiver)
 
     /* Engines hold w whole in 256x64 blocks; trainers' 64-row shards cut each block: their
      * transfers carry bf16 for the receiver to quantize (e2e 64 runs them). */
-    cr_assert_eq(small(&f, 4, 1, "block:256x64", false, &err), 0, "%s", err.msg);
+    cr_assert_eq(small(&f, 4, 1, NULL, "block:256x64", &err), 0, "%s", err.msg);
     cr_assert_eq(rf_plan_build(f.inv, NULL, &pl, &err), 0, "%s", err.msg);
     cr_assert_eq(rf_plan_stats_get(pl)->quant_transfers, 0);
     cr_assert_eq(rf_plan_stats_get(pl)->recv_quant_transfers, 4);
@@ -372,7 +427,7 @@ Test(qcopy, trainer_shards_cutting_a_block_are_quantized_on_the_receiver)
     rf_plan_free(pl);
     rf_inv_free(f.inv);
     /* The same shards into 64x64 blocks plan. */
-    cr_assert_eq(small(&f, 4, 1, "block:64x64", false, &err), 0, "%s", err.msg);
+    cr_assert_eq(small(&f, 4, 1, NULL, "block:64x64", &err), 0, "%s", err.msg);
     cr_assert_eq(rf_plan_build(f.inv, NULL, &pl, &err), 0, "%s", err.msg);
     cr_assert_eq(rf_plan_stats_get(pl)->quant_transfers, 4);
     /* FP8 bytes and 4 x 6 fp32 scales per 64-row shard. */
@@ -389,9 +444,15 @@ Test(qcopy, relays_refuse_fp8_pieces)
     rf_plan_opts o;
     rf_err err = {0};
 
-    cr_assert_eq(small(&f, 2, 2, "block:64x64", false, &err), 0, "%s", err.msg);
+    cr_assert_eq(small(&f, 2, 2, NULL, "block:64x64", &err), 0, "%s", err.msg);
     rf_plan_opts_default(&o);
     o.relay = 1;
+    cr_assert_eq(rf_plan_build(f.inv, &o, &pl, &err), -EOPNOTSUPP);
+    cr_assert(strstr(err.msg, "relays cannot forward FP8 pieces yet (tensor w.weight"), "%s",
+              err.msg);
+    rf_inv_free(f.inv);
+    /* Trainers' FP8 pieces into bf16 engines: refused as relays before any transfer. */
+    cr_assert_eq(small(&f, 2, 2, "block:64x64", "none", &err), 0, "%s", err.msg);
     cr_assert_eq(rf_plan_build(f.inv, &o, &pl, &err), -EOPNOTSUPP);
     cr_assert(strstr(err.msg, "relays cannot forward FP8 pieces yet (tensor w.weight"), "%s",
               err.msg);

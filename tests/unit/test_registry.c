@@ -1356,9 +1356,11 @@ Test(registry, fp8_pieces_and_their_refusals)
     free(pis);
 }
 
-Test(registry, fp8_pieces_are_for_engines)
+/* A trainer that holds a weight in FP8 registers it as engines do (its bytes and scales are
+ * copied as they are); the same checks hold, here a box off the grid. */
+Test(registry, fp8_pieces_of_trainers)
 {
-    int64_t sh[2] = {128, 128}, s0[2] = {0, 0}, whole[2] = {128, 128};
+    int64_t sh[2] = {128, 128}, s0[2] = {0, 0}, whole[2] = {128, 128}, half[2] = {96, 128};
     refit_client *t;
     uint32_t r;
     void *p;
@@ -1366,7 +1368,9 @@ Test(registry, fp8_pieces_are_for_engines)
     open_registry(RF_SRC, 1);
     t = conn("t0", 0, REFIT_TRAINER);
     OK(refit_alloc_host(t, 128 * 128 * 2, &p, &r), t);
-    FAILS(refit_add_piece_fp8(t, "w", REFIT_BF16, 2, sh, r, 0, s0, whole, NULL, "block:64x64",
-                              r, 0, NULL), t, -EINVAL, "only engines hold FP8 weights");
+    OK(refit_add_piece_fp8(t, "w", REFIT_BF16, 2, sh, r, 0, s0, whole, NULL, "block:64x64", r,
+                           128 * 128, NULL), t);
+    FAILS(refit_add_piece_fp8(t, "v", REFIT_BF16, 2, sh, r, 0, s0, half, NULL, "block:64x64",
+                              r, 128 * 128, NULL), t, -EINVAL, "cuts the 64x64 blocks");
     refit_close(t);
 }
