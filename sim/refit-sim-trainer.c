@@ -31,6 +31,11 @@ static void usage(FILE *f)
             "  --retries R        publishes of one version after aborts (default 5)\n"
             "  --timeout-ms T     wait for a release at most T ms (default 120000)\n"
             "  --report           print the cluster's refit summary after each version\n"
+            "  --fp8 FORMAT       hold weights in FP8: every piece of a decoder layer's matrix\n"
+            "                     whose box lies on the grid of FORMAT (block, block:RxC,\n"
+            "                     channel, tensor, mxfp8) is float8_e4m3fn with scales, each\n"
+            "                     version's values quantized by the reference; engines need\n"
+            "                     FP8 pieces of the same format for them (host memory only)\n"
             "  --step-ms T        wait T ms after each release before writing the next version,\n"
             "                     as a training step would (default 0)\n"
             "  --hold V           then write version V's weights without publishing them and\n"
@@ -107,7 +112,8 @@ int main(int argc, char **argv)
     static const struct option opts[] = {SIM_COMMON_OPTIONS, {"retries", 1, 0, 'R'},
                                          {"report", 0, 0, 'p'}, {"hold", 1, 0, 'H'},
                                          {"step-ms", 1, 0, 'S'}, {"publish-when", 1, 0, 'W'},
-                                         {"help", 0, 0, 'h'}, {0, 0, 0, 0}};
+                                         {"fp8", 1, 0, 'F'}, {"help", 0, 0, 'h'},
+                                         {0, 0, 0, 0}};
     int retries = 5, do_report = 0, step_ms = 0, o, i, status = 1;
     uint64_t v, hold = 0;
     const char *gate = NULL;
@@ -123,6 +129,7 @@ int main(int argc, char **argv)
         case 'p': do_report = 1; break;
         case 'H': hold = strtoull(optarg, NULL, 10); break;
         case 'W': gate = optarg; break;
+        case 'F': so.fp8 = optarg; break;
         case 'S': {
             char *end;
             long ms;
@@ -142,12 +149,22 @@ int main(int argc, char **argv)
         }
     }
     setvbuf(stdout, NULL, _IOLBF, 0);
+    if (so.fp8 && strcmp(so.device, "host") != 0) {
+        fprintf(stderr, "refit-sim-trainer: --fp8 holds weights in host memory only (FP8 "
+                "sources are copied on the host path)\n");
+        return 2;
+    }
     if (sim_open(&s, RF_SRC, &so) < 0)
         return 2;
     if (sim_register(&s, so.timeout_ms) < 0)
         goto out;
     printf("trainer ranks %d-%d: registered %llu bytes of %s\n", s.first, s.first + s.count - 1,
            (unsigned long long)s.bytes, rf_model_name(s.model));
+    if (s.fp8)
+        printf("trainer ranks %d-%d: fp8 %s: %llu pieces FP8 (%llu bytes and %llu bytes of "
+               "scales), %llu kept in their dtype\n", s.first, s.first + s.count - 1, s.fp8_name,
+               (unsigned long long)s.fp8_pieces, (unsigned long long)s.fp8_bytes,
+               (unsigned long long)s.fp8_scale_bytes, (unsigned long long)s.kept_pieces);
 
     for (v = so.start; v < so.start + so.versions; v++) {
         int attempt, rc = 0;

@@ -111,14 +111,18 @@ int sim_setup(sim *s, rf_side side, const char *model, int shrink, const char *l
 }
 
 /* Whether piece p is registered as FP8: a bf16/fp16/fp32 tensor of >= 2 dims, rows
- * contiguous, and (unless fp8_off_grid) each matrix of the box on the format's grid. */
+ * contiguous, and (unless fp8_off_grid) each matrix of the box on the format's grid. Trainers
+ * hold only the decoder layers' matrices in FP8 (the embedding and the output head stay in
+ * their dtype, as FP8 checkpoints keep them), so that engines whose shards of those are off the
+ * grid still match them. */
 static int fp8_wanted(const sim *s, const rf_piece *p)
 {
     const rf_tensor *t = rf_model_tensor(s->model, p->tensor);
     int nd = t->ndim;
 
     if (!s->fp8 || nd < 2 || p->strides[nd - 1] != 1 ||
-        (t->dtype != RF_DT_BF16 && t->dtype != RF_DT_FP16 && t->dtype != RF_DT_FP32))
+        (t->dtype != RF_DT_BF16 && t->dtype != RF_DT_FP16 && t->dtype != RF_DT_FP32) ||
+        (s->side == RF_SRC && strstr(t->name, ".layers.") == NULL))
         return 0;
     return s->fp8_off_grid ||
            rf_quant_box_ok(&s->fp8_fmt, (uint64_t)t->shape[nd - 2], (uint64_t)t->shape[nd - 1],
@@ -575,31 +579,6 @@ static uint32_t gpu_piece_index(const sim_rank *r, uint32_t j)
 }
 #endif
 
-void sim_fill(sim *s, uint64_t version)
-{
-    int i;
-    uint32_t k;
-
-    for (i = 0; i < s->count; i++) {
-#ifdef RF_HAVE_CUDA
-        if (s->ranks[i].gpu >= 0) {
-            uint32_t ng = 0;
-            sim_gpu_piece *g = gpu_pieces(s, &s->ranks[i], &ng);
-
-            if (g == NULL || sim_cuda_fill(s->ranks[i].gpu, g, ng, version) < 0)
-                fprintf(stderr, "rank %d: cannot fill version %llu on GPU %d\n",
-                        s->ranks[i].rank, (unsigned long long)version, s->ranks[i].gpu);
-            free(g);
-            continue;
-        }
-#endif
-        /* FP8 pieces are engines' only, which sim_fill never writes. */
-        for (k = 0; k < s->ranks[i].npieces; k++)
-            if (!s->ranks[i].pieces[k].quant)
-                for_rows(s, &s->ranks[i], &s->ranks[i].pieces[k], fill_row, &version);
-    }
-}
-
 void sim_fill_garbage(sim *s)
 {
     int i;
@@ -622,6 +601,7 @@ typedef struct verify_ctx {
     uint64_t version, wrong;
     int max_report, reported;
     uint64_t s_pairs, s_differ, e_count, e_nonzero; /* FP8: see sim.fp8_pairs */
+    bool fill;       /* verify_fp8 writes the reference instead (a trainer's FP8 piece) */
 } verify_ctx;
 
 static void verify_row(void *ctx, uint8_t *addr, uint64_t gidx, int64_t n, size_t es,
@@ -732,7 +712,18 @@ static void verify_fp8(verify_ctx *v, const sim_rank *r, const rf_piece *p)
         }
         rf_quant_ref(&f, t->dtype, src, (int64_t)cols, rows, cols, qx, (int64_t)cols, sx,
                      (int64_t)scols);
-        for (uint64_t i = 0; i < srows; i++)
+        for (uint64_t i = 0; v->fill && i < rows; i++) {
+            uint8_t *row = (uint8_t *)base + off + (int64_t)i * p->strides[L];
+            uint8_t *srow = (uint8_t *)sbase + (soff + (int64_t)i * q->scale_strides[L]) *
+                                                   (int64_t)ses;
+
+            for (uint64_t j = 0; j < cols; j++)
+                row[(int64_t)j * p->strides[L + 1]] = qx[i * cols + j];
+            for (uint64_t j = 0; i < srows && j < scols; j++)
+                memcpy(srow + (int64_t)j * q->scale_strides[L + 1] * (int64_t)ses,
+                       sx + (i * scols + j) * ses, ses);
+        }
+        for (uint64_t i = 0; !v->fill && i < srows; i++)
             for (uint64_t j = 0; j < scols; j++) {
                 const uint8_t *w = sx + (i * scols + j) * ses;
                 const uint8_t *h = sbase + (soff + (int64_t)i * q->scale_strides[L] +
@@ -755,7 +746,7 @@ static void verify_fp8(verify_ctx *v, const sim_rank *r, const rf_piece *p)
                 v->wrong++;
             }
         /* Nothing may write past a scale row: its padding still holds the filler. */
-        for (uint64_t i = 0; q->scale_strides[L + 1] == 1 && i < srows; i++) {
+        for (uint64_t i = 0; !v->fill && q->scale_strides[L + 1] == 1 && i < srows; i++) {
             const uint8_t *h = sbase + (soff + (int64_t)i * q->scale_strides[L]) * (int64_t)ses;
 
             for (uint64_t b = scols * ses; b < (uint64_t)q->scale_strides[L] * ses; b++)
@@ -769,7 +760,7 @@ static void verify_fp8(verify_ctx *v, const sim_rank *r, const rf_piece *p)
                     break;
                 }
         }
-        for (uint64_t i = 0; i < rows; i++)
+        for (uint64_t i = 0; !v->fill && i < rows; i++)
             for (uint64_t j = 0; j < cols; j++) {
                 uint8_t w = qx[i * cols + j];
                 uint8_t h = base[off + (int64_t)i * p->strides[L] +
@@ -893,9 +884,45 @@ int sim_fp8_corrupt(sim *s, const char *what)
     return -1;
 }
 
+void sim_fill(sim *s, uint64_t version)
+{
+    int i;
+    uint32_t k;
+
+    for (i = 0; i < s->count; i++) {
+#ifdef RF_HAVE_CUDA
+        if (s->ranks[i].gpu >= 0) {
+            uint32_t ng = 0;
+            sim_gpu_piece *g = gpu_pieces(s, &s->ranks[i], &ng);
+
+            if (g == NULL || sim_cuda_fill(s->ranks[i].gpu, g, ng, version) < 0)
+                fprintf(stderr, "rank %d: cannot fill version %llu on GPU %d\n",
+                        s->ranks[i].rank, (unsigned long long)version, s->ranks[i].gpu);
+            free(g);
+            continue;
+        }
+#endif
+        /* A trainer's FP8 pieces hold the version's values quantized by the reference (what
+         * an engine's verification expects: the blocks lie on one grid); sim_fill is never
+         * called for engines. */
+        for (k = 0; k < s->ranks[i].npieces; k++) {
+            const rf_piece *p = &s->ranks[i].pieces[k];
+
+            if (p->quant) {
+                verify_ctx v = {.s = s, .p = p, .rank = s->ranks[i].rank, .version = version,
+                                .fill = true};
+
+                verify_fp8(&v, &s->ranks[i], p);
+            } else {
+                for_rows(s, &s->ranks[i], p, fill_row, &version);
+            }
+        }
+    }
+}
+
 uint64_t sim_verify(sim *s, uint64_t version, int max_report)
 {
-    verify_ctx v = {s, NULL, 0, version, 0, max_report, 0, 0, 0, 0, 0};
+    verify_ctx v = {.s = s, .version = version, .max_report = max_report};
     int i;
     uint32_t k;
 

@@ -86,7 +86,7 @@ int sim_setup_device(sim *s, rf_side side, const char *model, int shrink, const 
  * hand each parsed option to sim_opt, then sim_open. */
 typedef struct sim_opts {
     const char *socket, *model, *layout, *ranks, *device, *vmm_chunk_arg;
-    const char *fp8;       /* engines: the FP8 format (NULL: none); not a common option */
+    const char *fp8;       /* the FP8 format (NULL: none); not a common option */
     int fp8_off_grid;
     uint32_t fp8_scale_pad;
     int shrink, timeout_ms, vmm, inproc;

@@ -216,7 +216,8 @@ class Client:
         during each refit in format fmt ("block" = 128x128 with fp32 scales, "block:RxC",
         "channel", "tensor", "mxfp8"), its scales at scale_offset in scale_region, laid out
         over the box's block grid (fp8_scale_shape); strides in elements, None for
-        row-major."""
+        row-major. A trainer that holds the weight in FP8 registers it the same way: its bytes
+        and scales are copied as they are into engine FP8 pieces of the same format."""
         dt = DTYPES[dtype] if isinstance(dtype, str) else dtype
         n = len(shape)
         if not (len(start) == len(extent) == n) or (strides is not None and len(strides) != n) \
