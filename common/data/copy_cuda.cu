@@ -64,6 +64,23 @@ __device__ __forceinline__ uint64_t udiv(uint64_t a, uint64_t b)
     return a / b;
 }
 
+/* The last of the descriptors d[0..n) (either kind) whose first chunk is at or before c. */
+template <typename D>
+__device__ __forceinline__ uint32_t chunk_find(const D *d, uint32_t n, uint64_t c)
+{
+    uint32_t lo = 0, hi = n - 1;
+
+    while (lo < hi) {
+        uint32_t mid = lo + (hi - lo + 1) / 2;
+
+        if (d[mid].chunk0 <= c)
+            lo = mid;
+        else
+            hi = mid - 1;
+    }
+    return lo;
+}
+
 template <typename T>
 __device__ __forceinline__ void move(const dev_desc &x, uint64_t lo, uint64_t hi,
                                      uint8_t *staging, bool gather)
@@ -96,20 +113,8 @@ __global__ void copy_kernel(const dev_desc *d, uint32_t n, uint64_t chunks, uint
     __shared__ dev_desc x;
 
     for (uint64_t c = blockIdx.x; c < chunks; c += gridDim.x) {
-        if (threadIdx.x == 0) {
-            uint32_t lo = 0, hi = n - 1;
-
-            /* The last descriptor whose first chunk is at or before c. */
-            while (lo < hi) {
-                uint32_t mid = lo + (hi - lo + 1) / 2;
-
-                if (d[mid].chunk0 <= c)
-                    lo = mid;
-                else
-                    hi = mid - 1;
-            }
-            x = d[lo];
-        }
+        if (threadIdx.x == 0)
+            x = d[chunk_find(d, n, c)];
         __syncthreads();
         uint64_t lo = (c - x.chunk0) * CHUNK;
         uint64_t hi = lo + CHUNK < x.bytes ? lo + CHUNK : x.bytes;
@@ -195,21 +200,7 @@ __device__ __forceinline__ void pair_chunk(const dev_pair &x, uint64_t c)
     }
 }
 
-/* The last of d[0..n) whose first chunk is at or before c. */
-__device__ __forceinline__ uint32_t pair_find(const dev_pair *d, uint32_t n, uint64_t c)
-{
-    uint32_t lo = 0, hi = n - 1;
 
-    while (lo < hi) {
-        uint32_t mid = lo + (hi - lo + 1) / 2;
-
-        if (d[mid].chunk0 <= c)
-            lo = mid;
-        else
-            hi = mid - 1;
-    }
-    return lo;
-}
 
 /* Chunks [chunk_lo, chunk_lo + chunks) of the pairs d[0..n), whose chunk0 count from the start
  * of the array they were cut from (a launch may take any run of a kept array). Block b copies
@@ -230,7 +221,7 @@ __global__ void pair_kernel(const dev_pair *d, uint32_t n, uint64_t chunk_lo, ui
         return;
     end = c + per < chunk_lo + chunks ? c + per : chunk_lo + chunks;
     if (threadIdx.x == 0) {
-        a = pair_find(d, n, c);
+        a = chunk_find(d, n, c);
         x = d[a];
         next0 = a + 1 < n ? d[a + 1].chunk0 : UINT64_MAX;
     }

@@ -57,19 +57,6 @@ sys.exit(0 if n > 0 and 2 * nz >= n and (p == 0 or 100 * d >= float(sys.argv[2])
 PY
 }
 
-# fp8_paths LOCAL|NETWORK: every byte of the last refit on that path of receiverd 0.
-fp8_paths() {
-    local rp
-    st_port rp "$E2E_DIR/recv0.log" 10
-    if [ "$1" = local ]; then
-        st_wait "$rp" 10 "the last refit as same-host copies only" \
-            's["last_refit"]["paths"]["local"]["bytes"] > 0 and s["last_refit"]["paths"]["network"]["bytes"] == 0'
-    else
-        st_wait "$rp" 10 "the last refit over the network only" \
-            's["last_refit"]["paths"]["network"]["bytes"] > 0 and s["last_refit"]["paths"]["local"]["bytes"] == 0'
-    fi
-}
-
 # fp8_case NAME LOCAL_COPY MODEL FORMAT ENGINE_TP MIN_PAIRS_PCT [engine flags...]: two refits
 # of version 1 and 2 into FP8 engines, every byte verified.
 fp8_case() {
@@ -86,7 +73,7 @@ fp8_case() {
     fp8_verified eng 2
     fp8_pattern eng "$pct"
     st_committed 10 2 clean "$E2E_DIR/pub0.sock" "$E2E_DIR/recv0.sock"
-    if [ "$lc" = auto ]; then fp8_paths local; else fp8_paths network; fi
+    if [ "$lc" = auto ]; then last_refit_path local "$name"; else last_refit_path network "$name"; fi
     echo "ok: $name: $fmt engines tp=$etp ($n FP8 pieces, $([ "$lc" = auto ] && echo same-host copies || echo TCP)), 2 refits, every byte and scale verified; $(grep -m1 -o 'scales of neighbouring.*' "$E2E_DIR/eng.log")"
 }
 

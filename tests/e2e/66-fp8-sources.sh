@@ -24,7 +24,7 @@ src_cluster() {
 # src_case NAME LOCAL_COPY FORMAT [engine flags]: FP8 trainers into FP8 engines, two refits
 # verified.
 src_case() {
-    local name=$1 lc=$2 fmt=$3 n copies quant rp
+    local name=$1 lc=$2 fmt=$3 n copies quant
     shift 3
     src_cluster "$name" "$lc"
     start_engine eng 0 $M --layout tp=4 --fp8 "$fmt" --versions 2 $WAIT "$@"
@@ -40,14 +40,7 @@ src_case() {
     [ -n "$copies" ] || fail "$name: the plan copies no FP8 transfer: $(grep plan "$E2E_DIR/pub0.log" | tail -n 3)"
     quant=$(grep -o "quantizes [0-9]* transfers into FP8 engines" "$E2E_DIR/pub0.log" | head -n 1)
     st_committed 10 2 clean "$E2E_DIR/pub0.sock" "$E2E_DIR/recv0.sock"
-    st_port rp "$E2E_DIR/recv0.log" 10
-    if [ "$lc" = auto ]; then
-        st_wait "$rp" 10 "$name: the last refit as same-host copies only" \
-            's["last_refit"]["paths"]["local"]["bytes"] > 0 and s["last_refit"]["paths"]["network"]["bytes"] == 0'
-    else
-        st_wait "$rp" 10 "$name: the last refit over the network only" \
-            's["last_refit"]["paths"]["network"]["bytes"] > 0 and s["last_refit"]["paths"]["local"]["bytes"] == 0'
-    fi
+    if [ "$lc" = auto ]; then last_refit_path local "$name"; else last_refit_path network "$name"; fi
     echo "ok: $name: $fmt trainers ($n FP8 pieces) into $fmt engines, $([ "$lc" = auto ] && echo same-host copies || echo TCP): plan ${copies#copies }${quant:+ (and ${quant#quantizes } from bf16 tensors of the trainers)}, 2 refits, every byte and scale verified"
 }
 

@@ -337,6 +337,19 @@ st_port() {
     printf -v "$1" '%s' "$st_port_p"
 }
 
+# last_refit_path local|network WHAT: every byte of receiverd 0's last refit went that path.
+last_refit_path() {
+    local rp
+    st_port rp "$E2E_DIR/recv0.log" 10
+    if [ "$1" = local ]; then
+        st_wait "$rp" 10 "$2: the last refit as same-host copies only" \
+            's["last_refit"]["paths"]["local"]["bytes"] > 0 and s["last_refit"]["paths"]["network"]["bytes"] == 0'
+    else
+        st_wait "$rp" 10 "$2: the last refit over the network only" \
+            's["last_refit"]["paths"]["network"]["bytes"] > 0 and s["last_refit"]["paths"]["local"]["bytes"] == 0'
+    fi
+}
+
 # st_show WHERE: one line on where the daemon (or the coordinator's cluster) stands.
 st_show() {
     st_check "$1" 0 "status" "False" | sed 's/^status: not within 0 s (wanted: False); //'
