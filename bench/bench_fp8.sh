@@ -12,7 +12,8 @@
 # (qwen3-0.6b), SRC (tp=2) and DST (tp=4) layouts with TRAINERS (2) and ENGINES (4) ranks;
 # SIM_FLAGS for both simulated clients (GPU memory: "--device cuda:0 --cuda-vmm"); CHECK=0
 # passes --no-check to the engines (models too large to check on the host between refits);
-# DAEMON_FLAGS for both daemons (on GPUs: "--transport nccl --refit-timeout-s 120").
+# DAEMON_FLAGS for both daemons (on GPUs: "--transport nccl --refit-timeout-s 120"); SRC_FP8=1
+# has the trainers hold their decoder layers in the same FP8 format (copied, not quantized).
 . "$(dirname "$0")/../tests/e2e/lib.sh"
 REFITS=${REFITS:-6}
 MODEL=${MODEL:-qwen3-0.6b} SRC=${SRC:-tp=2} DST=${DST:-tp=4}
@@ -35,8 +36,10 @@ for path in $PATHS; do
         [ "$fmt" != none ] && fp8="--fp8 $fmt"
         start_engine eng 0 --model "$MODEL" --layout "$DST" --versions "$REFITS" $fp8 $check \
             --timeout-ms 300000 $SIM_FLAGS
+        src_fp8=""
+        [ "$fmt" != none ] && [ "${SRC_FP8:-0}" = 1 ] && src_fp8="--fp8 $fmt"
         start_trainer tr 0 --model "$MODEL" --layout "$SRC" --versions "$REFITS" \
-            --timeout-ms 300000 --report $SIM_FLAGS
+            --timeout-ms 300000 --report $src_fp8 $SIM_FLAGS
         wait_ok tr eng
         python3 - "$E2E_DIR/recv0.log" "$E2E_DIR/eng.log" "$path" "$fmt" "$E2E_DIR/tr.log" <<'PY'
 import re, statistics, sys

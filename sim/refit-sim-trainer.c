@@ -167,7 +167,7 @@ int main(int argc, char **argv)
                (unsigned long long)s.fp8_scale_bytes, (unsigned long long)s.kept_pieces);
 
     for (v = so.start; v < so.start + so.versions; v++) {
-        int attempt, rc = 0;
+        int attempt, rc = 0, bad = 0;
 
         if (v > so.start && step_ms > 0) {
             struct timespec ts = {step_ms / 1000, (long)(step_ms % 1000) * 1000000L};
@@ -181,11 +181,15 @@ int main(int argc, char **argv)
         for (attempt = 0; attempt <= retries; attempt++) {
             double t0 = sim_now();
 
+            /* bad: the rank whose call failed (the wait's loop does not start after a failed
+             * publish, so its index would not say). */
             rc = 0;
             for (i = 0; i < s.count && rc == 0; i++)
-                rc = refit_publish(s.ranks[i].c, v);
+                if ((rc = refit_publish(s.ranks[i].c, v)) < 0)
+                    bad = i;
             for (i = 0; i < s.count && rc == 0; i++)
-                rc = refit_wait_released(s.ranks[i].c, v, so.timeout_ms);
+                if ((rc = refit_wait_released(s.ranks[i].c, v, so.timeout_ms)) < 0)
+                    bad = i;
             if (rc == 0) {
                 printf("trainer ranks %d-%d: version %llu released after %.3f s\n", s.first,
                        s.first + s.count - 1, (unsigned long long)v, sim_now() - t0);
@@ -195,7 +199,7 @@ int main(int argc, char **argv)
             }
             fprintf(stderr, "trainer ranks %d-%d: version %llu not released (attempt %d): %s\n",
                     s.first, s.first + s.count - 1, (unsigned long long)v, attempt + 1,
-                    refit_last_error(s.ranks[i - 1].c));
+                    refit_last_error(s.ranks[bad].c));
             if (rc == -ECONNRESET || rc == -EPIPE || rc == -ENOTCONN) {
                 /* The daemon went away: register again once it is back. */
                 if (sim_register(&s, so.timeout_ms) < 0)

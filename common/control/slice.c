@@ -1071,7 +1071,7 @@ int rf_slice_msg_from_plan(const rf_plan *plan, uint32_t mi, rf_side side,
         it->box = *rf_plan_box(plan, x->box);
         it->msg_off = x->msg_off;
         it->bytes = x->bytes;
-        if (!pm->relay && rf_inv_piece_recs(inv, RF_DST)[x->dst].quant != 0) {
+        if (rf_inv_piece_recs(inv, RF_DST)[x->dst].quant != 0) {
             rf_xfer_item d = {0};
 
             if (side == RF_DST) {

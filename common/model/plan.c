@@ -981,6 +981,11 @@ static int emit(builder *b, const dpiece *dp, const cand *c, const rf_box *box, 
         return rc;
     if (dp->quant && (recvq = quant_xfer(b, dp, c, box, &bytes, err)) < 0)
         return recvq;
+    if (recvq && b->cur_unit != NO_UNIT)
+        return rf_err_set(err, -EOPNOTSUPP, "plan: relays cannot forward FP8 tensor %s: the "
+                          "trainers' shards cut its blocks, which its receivers quantize only "
+                          "once the refit landed; run the coordinator with relay = off",
+                          rf_inv_tensor(b->inv, dp->tensor)->name);
     if (whole && b->gruns)
         druns = b->gruns[dp->geom];
     else
@@ -1046,13 +1051,26 @@ static int emit(builder *b, const dpiece *dp, const cand *c, const rf_box *box, 
     return 0;
 }
 
+/* The payload of a box of an FP8 piece of format q (ndim dims): its FP8 elements, then the
+ * scales of its blocks. The box lies on the format's grid. */
+static uint64_t fp8_payload(const rf_quant_decl *q, const rf_box *box, int nd)
+{
+    rf_quant_fmt f = {q->kind, q->br, q->bc};
+    uint64_t sr, sc, nm = 1;
+
+    rf_quant_scale_shape(&f, (uint64_t)box->extent[nd - 2], (uint64_t)box->extent[nd - 1], &sr,
+                         &sc, NULL);
+    for (int d = 0; d < nd - 2; d++)
+        nm *= (uint64_t)box->extent[d];
+    return numel(box, nd) + nm * sr * sc * rf_dtype_size(rf_quant_scale_dtype(&f));
+}
+
 static int quant_xfer(const builder *b, const dpiece *dp, const cand *c, const rf_box *box,
                       uint64_t *bytes, rf_err *err)
 {
     rf_quant_fmt f = {dp->quant->kind, dp->quant->br, dp->quant->bc};
     const char *name = rf_inv_tensor(b->inv, dp->tensor)->name;
     int nd = dp->ndim, rc;
-    uint64_t sr, sc, nm = 1;
 
     rc = rf_quant_box_ok(&f, (uint64_t)dp->rows, (uint64_t)dp->cols,
                          (uint64_t)box->start[nd - 2], (uint64_t)box->start[nd - 1],
@@ -1066,11 +1084,7 @@ static int quant_xfer(const builder *b, const dpiece *dp, const cand *c, const r
         return rf_err_set(err, -EINVAL, "plan: FP8 tensor %s: a trainer's piece has stride %"
                           PRId64 " on its last dim; quantizing on the sender needs contiguous "
                           "rows", name, c->g->strides[nd - 1]);
-    rf_quant_scale_shape(&f, (uint64_t)box->extent[nd - 2], (uint64_t)box->extent[nd - 1], &sr,
-                         &sc, NULL);
-    for (int d = 0; d < nd - 2; d++)
-        nm *= (uint64_t)box->extent[d];
-    *bytes = numel(box, nd) + nm * sr * sc * rf_dtype_size(rf_quant_scale_dtype(&f));
+    *bytes = fp8_payload(dp->quant, box, nd);
     return 0;
 }
 
@@ -1553,7 +1567,9 @@ static int relay_emit(builder *b, const placed *q, uint32_t p, const rf_box *box
         runs = b->gruns[pr->geom];
     else
         runs = nruns(b->geoms[pr->geom].strides, ndim, box);
-    kind = bytes >= pl->opts.direct_min_bytes && runs == 1 ? RF_PLAN_DIRECT : RF_PLAN_PACKED;
+    /* An FP8 payload (elements, then scales) is never one run of the piece's memory. */
+    kind = !pr->quant && bytes >= pl->opts.direct_min_bytes && runs == 1 ? RF_PLAN_DIRECT
+                                                                          : RF_PLAN_PACKED;
     if (whole && b->gbid && b->gbid[pr->geom]) {
         bid = b->gbid[pr->geom] - 1;
         rc = 0;
@@ -1670,37 +1686,81 @@ static int relay_chunk(builder *b, uint32_t nm, const rf_box *box, bool whole, u
     return rc;
 }
 
-/* Cuts box into chunks of at most rchunk bytes along its outer dims (several rows of the
- * first dim of extent > 1 to a chunk; a row still too large is cut along the next dim) and
- * plans each chunk's tree. Chunks pipeline: a member forwards one while it takes the next. */
-static int relay_tile(builder *b, uint32_t nm, const rf_box *box, int ndim, size_t esize,
-                      bool whole, rf_err *err)
+/* The FP8 format of the set in b->mem (NULL for plain pieces): its chunks are whole blocks, and
+ * a chunk's payload is its FP8 elements and its blocks' scales. */
+static const rf_quant_decl *set_quant(const builder *b)
 {
-    uint64_t bytes = numel(box, ndim) * esize, row;
+    uint32_t q = b->drec[b->mem[0]].quant;
+
+    return q ? rf_inv_quant(b->inv, q) : NULL;
+}
+
+/* The step a chunk edge along dim d must fall on: 1, or for an FP8 set's matrix dims its block
+ * (the tensor's matrix ends a block early where it is not a multiple). */
+static int64_t relay_step(const builder *b, const rf_quant_decl *q, int ndim, int d)
+{
+    const rf_tensor *t = rf_inv_tensor(b->inv, b->drec[b->mem[0]].tensor);
+    rf_quant_fmt f;
+    uint64_t br, bc;
+
+    if (!q || d < ndim - 2)
+        return 1;
+    f = (rf_quant_fmt){q->kind, q->br, q->bc};
+    rf_quant_fmt_block(&f, (uint64_t)t->shape[ndim - 2], (uint64_t)t->shape[ndim - 1], &br, &bc);
+    return (int64_t)(d == ndim - 2 ? br : bc);
+}
+
+/* Cuts box into chunks of at most rchunk bytes along its outer dims from dim d on (several rows
+ * of the first dim of extent > 1 to a chunk; a row still too large is cut along the next dim;
+ * an FP8 set's chunks in whole blocks) and plans each chunk's tree. Chunks pipeline: a member
+ * forwards one while it takes the next. */
+static int relay_tile(builder *b, uint32_t nm, const rf_box *box, int ndim, size_t esize,
+                      bool whole, int d, rf_err *err)
+{
+    const rf_quant_decl *q = set_quant(b);
+    uint64_t bytes = q ? fp8_payload(q, box, ndim) : numel(box, ndim) * esize, row;
     rf_box sub = *box;
-    int64_t k;
-    int d = 0, rc;
+    int64_t k, step = 1;
+    int rc;
 
     if (bytes <= b->rchunk)
         return relay_chunk(b, nm, box, whole, bytes, err);
-    while (d < ndim && box->extent[d] == 1)
+    while (d < ndim && box->extent[d] <= (step = relay_step(b, q, ndim, d)))
         d++;
-    row = bytes / (uint64_t)box->extent[d];
+    if (d == ndim)
+        return relay_chunk(b, nm, box, whole, bytes, err); /* one FP8 block */
+    /* Rounded up: an FP8 box's last block may hold fewer rows than its share of scales. */
+    row = (bytes + (uint64_t)box->extent[d] - 1) / (uint64_t)box->extent[d];
     k = row <= b->rchunk ? (int64_t)(b->rchunk / row) : 1;
+    k = k <= step ? step : k / step * step;
     for (int64_t s = 0; s < box->extent[d]; s += k) {
         sub.start[d] = box->start[d] + s;
         sub.extent[d] = box->extent[d] - s < k ? box->extent[d] - s : k;
-        rc = relay_tile(b, nm, &sub, ndim, esize, false, err);
+        /* A chunk still too large (one row, or one row of blocks) is cut along later dims. */
+        rc = relay_tile(b, nm, &sub, ndim, esize, false, d + 1, err);
         if (rc)
             return rc;
     }
     return 0;
 }
 
+/* Whether destination pieces p and q are both plain or both FP8 of one format: only then does
+ * one forward the other's payload. */
+static bool same_fp8(const builder *b, uint32_t p, uint32_t q)
+{
+    const rf_quant_decl *a = rf_inv_quant(b->inv, b->drec[p].quant);
+    const rf_quant_decl *c = rf_inv_quant(b->inv, b->drec[q].quant);
+
+    if (!a || !c)
+        return !a && !c;
+    return a->kind == c->kind && a->br == c->br && a->bc == c->bc;
+}
+
 /* One replica set: the destination pieces ids[0..k) with the same tensor and geometry. A
  * piece on an endpoint that shares a host with some source is planned as without relays and
  * relays nothing: its local copies run beside the network rounds, which therefore do not
- * say when it holds its bytes. So is a second piece of the set on one endpoint. */
+ * say when it holds its bytes. So is a second piece of the set on one endpoint, and one of
+ * another FP8 format than the first's (or plain where it is FP8). */
 static int plan_set(builder *b, const uint32_t *ids, uint32_t k, rf_err *err)
 {
     uint32_t nm = 0, gen = ++b->setgen;
@@ -1713,7 +1773,8 @@ static int plan_set(builder *b, const uint32_t *ids, uint32_t k, rf_err *err)
         return rf_err_set(err, -ENOMEM, "plan: out of memory for a set of %u replicas", k);
     for (uint32_t i = 0; i < k && rc == 0; i++) {
         uint32_t ep = b->reg_ep[b->drec[ids[i]].region];
-        if ((b->ep_local && b->ep_local[ep]) || b->stamp[ep] == gen) {
+        if ((b->ep_local && b->ep_local[ep]) || b->stamp[ep] == gen ||
+            !same_fp8(b, ids[i], ids[0])) {
             rc = plan_piece(b, ids[i], err);
             continue;
         }
@@ -1725,7 +1786,7 @@ static int plan_set(builder *b, const uint32_t *ids, uint32_t k, rf_err *err)
     if (nm == 1)
         return plan_piece(b, b->mem[0], err);
     return relay_tile(b, nm, &b->geoms[dr->geom].box, b->t_ndim[dr->tensor],
-                      b->t_esize[dr->tensor], true, err);
+                      dr->quant ? 1 : b->t_esize[dr->tensor], true, 0, err);
 }
 
 /* Planning with relays: the destination pieces in replica sets (same tensor and geometry),
@@ -1778,7 +1839,7 @@ static int plan_with_relays(builder *b, rf_err *err)
     for (uint32_t i = 0; i < nd; i++) {
         const rf_piece_rec *r = &b->drec[i];
         held[b->reg_ep[r->region]] += numel(&b->geoms[r->geom].box, b->t_ndim[r->tensor]) *
-                                      b->t_esize[r->tensor];
+                                      (r->quant ? 1 : b->t_esize[r->tensor]);
         tfirst[r->tensor + 2]++;
     }
     for (uint32_t t = 0; t < nt; t++)
@@ -2699,17 +2760,6 @@ int rf_plan_build(const rf_inv *inv, const rf_plan_opts *opts, rf_plan **out, rf
         rc = rf_err_set(err, -EINVAL, "plan: relay is %u; give 0 (off) or 1 (relays between "
                         "destination replicas)", opts->relay);
         goto out;
-    }
-    for (int side = 0; opts->relay && rf_inv_nquants(inv) > 0 && side < 2; side++) {
-        const rf_piece_rec *r = rf_inv_piece_recs(inv, (rf_side)side);
-
-        for (uint32_t i = 0; i < rf_inv_npieces(inv, (rf_side)side); i++)
-            if (r[i].quant) {
-                rc = rf_err_set(err, -EOPNOTSUPP, "plan: relays cannot forward FP8 pieces yet "
-                                "(tensor %s is one): run the coordinator with relay = off",
-                                rf_inv_tensor(inv, r[i].tensor)->name);
-                goto out;
-            }
     }
     if (sodium_init() < 0) {
         rc = rf_err_set(err, -EIO, "plan: libsodium failed to initialise");

@@ -48,6 +48,9 @@ void rf_plan_opts_default(rf_plan_opts *o);
  *   after its receives of all earlier rounds are complete; nothing else orders rounds.
  * - Relay messages are direct or packed (never local): a packed relay uses staging on both
  *   ends like any packed message, within half the budget per endpoint and round.
+ * - FP8 replicas (one format) relay their payload, FP8 elements and scales, in packed
+ *   messages and chunks of whole blocks; a plan whose FP8 replicas the receivers quantize (the
+ *   trainers' shards cut their blocks) is refused with relays on.
  * - Replica choice minimises the busiest link (bytes an endpoint sends or receives over the
  *   network, relayed bytes counted on both ends): a replica forwards only while its relay
  *   sends stay within the largest engine ingress, which is the floor of any plan.

@@ -4,8 +4,8 @@
  * (memfd memory, host 7), and every installed FP8 byte and scale compared with the scalar
  * reference (rf_quant_ref) of the trainers' bf16 values; the pattern's random bytes include
  * NaN, Inf, subnormals and values past 448. Also the refusals: an engine box off the grid, a
- * trainer shard that cuts a block, relays. Trainers' FP8 pieces copied into engine FP8 pieces of
- * their format, and refused into another format or bf16. */
+ * trainer shard that cuts a block. Trainers' FP8 pieces copied into engine FP8 pieces of their
+ * format, and refused into another format or bf16. Relays of FP8 replicas in whole blocks. */
 #include <criterion/criterion.h>
 #include <stdlib.h>
 #include <string.h>
@@ -437,25 +437,80 @@ Test(qcopy, trainer_shards_cutting_a_block_are_quantized_on_the_receiver)
     rf_inv_free(f.inv);
 }
 
-Test(qcopy, relays_refuse_fp8_pieces)
+/* w whole on one trainer (bf16, or split in two row halves) and whole on three engine replicas
+ * (FP8 in format fmt), each on a node of its own: replicas that relays may feed. */
+static void replicas(fixture *f, int ns, const char *fmt)
+{
+    int64_t ws[2] = {W_ROWS, W_COLS}, x2[2] = {W_ROWS / ns, W_COLS}, s0[2] = {0, 0};
+    rf_quant_fmt q;
+    uint32_t ep, id;
+    rf_err err = {0};
+
+    memset(f, 0, sizeof(*f));
+    f->inv = rf_inv_new();
+    cr_assert_eq(rf_quant_fmt_parse(fmt, &q, &err), 0);
+    cr_assert_eq(rf_inv_add_tensor(f->inv, "w.weight", RF_DT_BF16, 2, ws, &f->w, &err), 0);
+    for (int r = 0; r < ns; r++) {
+        int64_t s2[2] = {r * W_ROWS / ns, 0};
+
+        cr_assert_eq(rf_inv_add_endpoint(f->inv, RF_SRC, 0, &ep, &err), 0);
+        cr_assert_eq(add(f, ep, f->w, 2, s2, x2, NULL, &id, &err), 0, "%s", err.msg);
+    }
+    for (int r = 0; r < 3; r++) {
+        cr_assert_eq(rf_inv_add_endpoint(f->inv, RF_DST, 1 + (uint32_t)r, &ep, &err), 0);
+        cr_assert_eq(add(f, ep, f->w, 2, s0, ws, &q, &f->dst_w[r], &err), 0, "%s", err.msg);
+    }
+}
+
+/* Replicas of an FP8 piece relay its payload to each other: chunks of whole blocks (staging
+ * small enough to cut w), each relay transfer the FP8 elements and scales of its box, never
+ * direct. Where the trainers' shards cut the blocks, the replicas quantize only once the refit
+ * landed and cannot forward before: refused, naming the tensor. */
+Test(qcopy, relays_forward_fp8_in_whole_blocks)
 {
     fixture f;
     rf_plan *pl = NULL;
     rf_plan_opts o;
     rf_err err = {0};
+    const rf_plan_stats *st;
+    uint64_t relayed = 0;
 
-    cr_assert_eq(small(&f, 2, 2, NULL, "block:64x64", &err), 0, "%s", err.msg);
+    replicas(&f, 1, "block:32x64");
     rf_plan_opts_default(&o);
     o.relay = 1;
-    cr_assert_eq(rf_plan_build(f.inv, &o, &pl, &err), -EOPNOTSUPP);
-    cr_assert(strstr(err.msg, "relays cannot forward FP8 pieces yet (tensor w.weight"), "%s",
-              err.msg);
+    o.staging_bytes = 64 << 10;
+    cr_assert_eq(rf_plan_build(f.inv, &o, &pl, &err), 0, "%s", err.msg);
+    st = rf_plan_stats_get(pl);
+    cr_assert_gt(st->relay_transfers, 0, "the plan relays nothing");
+    for (uint32_t m = 0; m < rf_plan_nmsgs(pl); m++) {
+        const rf_plan_msg *pm = rf_plan_msg_at(pl, m);
+
+        for (uint32_t k = 0; pm->relay && k < pm->count; k++) {
+            const rf_plan_xfer *x = rf_plan_xfer_at(pl, (uint64_t)pm->first + k);
+            const rf_box *bx = rf_plan_box(pl, x->box);
+
+            cr_assert_eq(pm->kind, RF_PLAN_PACKED, "an FP8 relay must be packed");
+            cr_assert(bx->start[0] % 32 == 0 && (bx->extent[0] % 32 == 0 ||
+                      bx->start[0] + bx->extent[0] == W_ROWS) && bx->start[1] % 64 == 0,
+                      "relay box [%lld+%lld, %lld+%lld] cuts the 32x64 blocks",
+                      (long long)bx->start[0], (long long)bx->extent[0],
+                      (long long)bx->start[1], (long long)bx->extent[1]);
+            cr_assert_eq(x->bytes, (uint64_t)(bx->extent[0] * bx->extent[1]) +
+                                       (uint64_t)((bx->extent[0] + 31) / 32) *
+                                           (uint64_t)((bx->extent[1] + 63) / 64) * 4,
+                         "a relay's bytes are its FP8 elements and scales");
+            relayed += x->bytes;
+        }
+    }
+    cr_assert_eq(relayed, st->relay_bytes);
+    cr_assert_lt(st->relay_chunk_bytes, (uint64_t)W_ROWS * W_COLS, "w was not cut in chunks");
+    rf_plan_free(pl);
     rf_inv_free(f.inv);
-    /* Trainers' FP8 pieces into bf16 engines: refused as relays before any transfer. */
-    cr_assert_eq(small(&f, 2, 2, "block:64x64", "none", &err), 0, "%s", err.msg);
+    /* Trainer halves of 128 rows cut the 96-row blocks. */
+    replicas(&f, 2, "block:96x64");
     cr_assert_eq(rf_plan_build(f.inv, &o, &pl, &err), -EOPNOTSUPP);
-    cr_assert(strstr(err.msg, "relays cannot forward FP8 pieces yet (tensor w.weight"), "%s",
-              err.msg);
+    cr_assert(strstr(err.msg, "relays cannot forward FP8 tensor w.weight: the trainers' shards "
+                     "cut its blocks"), "%s", err.msg);
     rf_inv_free(f.inv);
 }
 
