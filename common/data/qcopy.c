@@ -129,7 +129,8 @@ void rf_qcopy_pack(const rf_xfer_item *it, uint8_t *out)
     int64_t idx[RF_MAX_DIMS];
 
     if (it->piece.quant != 0) {
-        /* A trainer's FP8 piece: its elements and its blocks' scales, as they are. */
+        /* An FP8 piece (a trainer's, or a replica's that relays): its elements and its
+         * blocks' scales, as they are. */
         move(it, out, true);
         return;
     }

@@ -21,9 +21,10 @@ uint64_t rf_qcopy_bytes(const rf_quant_decl *q, int ndim, int64_t rows, int64_t 
 uint64_t rf_qcopy_nmatrices(const rf_box *b, int ndim);
 void rf_qcopy_matrix_start(const rf_box *b, int ndim, uint64_t l, int64_t *idx);
 /* The checks of a quantized item: its format, dtype, bytes; dst, or a source that is itself an
- * FP8 piece (piece.quant: a trainer holding the weight in FP8): the FP8 piece (esize 1) and its
- * scales' memory, else the source piece (its dtype's esize, rows contiguous). 0, or -EINVAL
- * with err saying what is wrong (the caller names the message and item). */
+ * FP8 piece (piece.quant: a trainer holding the weight in FP8, a replica that relays): the FP8
+ * piece (esize 1) and its scales' memory, else the source piece (its dtype's esize, rows
+ * contiguous). 0, or -EINVAL with err saying what is wrong (the caller names the message and
+ * item). */
 int rf_qcopy_check(const rf_xfer_item *it, bool dst, rf_err *err);
 /* Quantizes the box of checked source item it into out (it->bytes of them); a source that is an
  * FP8 piece gives its elements and scales as they are (rf_qcopy_read). */
