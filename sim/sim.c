@@ -712,17 +712,15 @@ static void verify_fp8(verify_ctx *v, const sim_rank *r, const rf_piece *p)
         }
         rf_quant_ref(&f, t->dtype, src, (int64_t)cols, rows, cols, qx, (int64_t)cols, sx,
                      (int64_t)scols);
-        for (uint64_t i = 0; v->fill && i < rows; i++) {
-            uint8_t *row = (uint8_t *)base + off + (int64_t)i * p->strides[L];
-            uint8_t *srow = (uint8_t *)sbase + (soff + (int64_t)i * q->scale_strides[L]) *
-                                                   (int64_t)ses;
-
+        for (uint64_t i = 0; v->fill && i < rows; i++)
             for (uint64_t j = 0; j < cols; j++)
-                row[(int64_t)j * p->strides[L + 1]] = qx[i * cols + j];
-            for (uint64_t j = 0; i < srows && j < scols; j++)
-                memcpy(srow + (int64_t)j * q->scale_strides[L + 1] * (int64_t)ses,
+                ((uint8_t *)base)[off + (int64_t)i * p->strides[L] +
+                                  (int64_t)j * p->strides[L + 1]] = qx[i * cols + j];
+        for (uint64_t i = 0; v->fill && i < srows; i++)
+            for (uint64_t j = 0; j < scols; j++)
+                memcpy((uint8_t *)sbase + (soff + (int64_t)i * q->scale_strides[L] +
+                                           (int64_t)j * q->scale_strides[L + 1]) * (int64_t)ses,
                        sx + (i * scols + j) * ses, ses);
-        }
         for (uint64_t i = 0; !v->fill && i < srows; i++)
             for (uint64_t j = 0; j < scols; j++) {
                 const uint8_t *w = sx + (i * scols + j) * ses;
