@@ -417,6 +417,37 @@ class TestWithDaemons(unittest.TestCase):
             self.assertEqual(got, bytes(want))
             self.assertEqual(sc.view(-1).tolist(), FP8_SCALES)
 
+    @unittest.skipUnless(HAVE_TORCH, "needs torch (python3-torch)")
+    def test_7_fp8_trainer_into_fp8_engine(self):
+        """A trainer that holds model.q in FP8 (block:64x32) registers it with register_fp8 as
+        engines do: the engine of the same format gets its bytes and scales as they are."""
+        import refit.torch as rt
+
+        rows, cols = FP8_ROWS, FP8_COLS
+        fp8 = getattr(torch, "float8_e4m3fn", torch.uint8)
+        with refit.Client(refit.TRAINER, "py-trainer", 0, socket=self.pub_sock) as tr, \
+                refit.Client(refit.ENGINE, "py-engine", 0, socket=self.recv_sock) as en:
+            _, want = fp8_case()
+            tw = rt.empty([rows, cols], fp8)
+            tw.view(torch.uint8).view(-1)[:] = torch.frombuffer(bytearray(want), dtype=torch.uint8)
+            tsc = rt.empty([2, 2], torch.float32)
+            tsc.view(-1)[:] = torch.tensor(FP8_SCALES, dtype=torch.float32)
+            rt.register_fp8(tr, "model.q", tw, tsc, "block:64x32")
+            tr.seal()
+            w = rt.empty([rows, cols], fp8)
+            sc = rt.empty([2, 2], torch.float32)
+            rt.register_fp8(en, "model.q", w, sc, "block:64x32")
+            en.seal()
+            tr.publish(5)
+            try:
+                tr.wait_released(5, 20000)
+                self.assertEqual(en.wait_version(5, 20000), 5)
+            except refit.Error as e:
+                self.fail(f"{e}\n{self.logs_text()}")
+            got = bytes(w.view(torch.uint8).contiguous().view(-1).tolist())
+            self.assertEqual(got, bytes(want))
+            self.assertEqual(sc.view(-1).tolist(), FP8_SCALES)
+
 
 if __name__ == "__main__":
     unittest.main()

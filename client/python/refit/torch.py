@@ -347,7 +347,9 @@ def register_fp8(client, hf_name, weight, scale, fmt="block", dtype=torch.bfloat
     "block:RxC", "channel", "tensor", "mxfp8") and writes its scales into scale (float32, or
     uint8 E8M0 for mxfp8), shaped as the box's block grid (refit.fp8_scale_shape: for "block"
     it is DeepSeek-V3's and Qwen3-FP8's weight_scale_inv). box and global_shape as for
-    register; both tensors in memory refit can move, on one device. Returns 1."""
+    register; both tensors in memory refit can move, on one device. A trainer that holds the
+    weight in FP8 registers it the same way (its bytes and scales are copied as they are into
+    engine FP8 pieces of the same format). Returns 1."""
     from . import fp8_scale_shape
 
     what = f"FP8 tensor {hf_name}"
