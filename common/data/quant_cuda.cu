@@ -597,16 +597,18 @@ static __device__ __forceinline__ void do_tile(const qdesc &o, uint64_t k, uint3
         do_block<S>(o, k, red);
 }
 
-/* Tiles [lo, lo + n) of the descriptors d[0..nd) (tile0[i]: d[i]'s first tile, ascending), or
- * of the one descriptor `one` (d NULL, its tiles from 0). Each thread block takes a run of
- * consecutive tiles, whole: it finds its first descriptor once (a binary search), keeps the
- * descriptor in shared memory and steps to the next one when a matrix's tiles end. */
 /* Resident blocks per SM the batch kernel's registers must allow: unbounded it takes 102
  * registers a thread, 2 blocks an SM; held to 3 (a few bytes spilled, in the rare paths) the
  * FP8 refit of qwen3-30b-a3b ran 0.0502 s against 0.0582 (2) on an H200, bench/RESULTS.md. */
 #define MIN_BLOCKS 3
-__global__ void __launch_bounds__(THREADS, MIN_BLOCKS) batch_kernel(const qdesc *d, const uint64_t *tile0, uint32_t nd, qdesc one,
-                             uint64_t lo, uint64_t n)
+
+/* Tiles [lo, lo + n) of the descriptors d[0..nd) (tile0[i]: d[i]'s first tile, ascending), or
+ * of the one descriptor `one` (d NULL, its tiles from 0). Each thread block takes a run of
+ * consecutive tiles, whole: it finds its first descriptor once (a binary search), keeps the
+ * descriptor in shared memory and steps to the next one when a matrix's tiles end. */
+__global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
+batch_kernel(const qdesc *d, const uint64_t *tile0, uint32_t nd, qdesc one, uint64_t lo,
+             uint64_t n)
 {
     __shared__ uint32_t red[WARPS];
     __shared__ qdesc o;

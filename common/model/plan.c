@@ -936,7 +936,8 @@ static int msg_for(builder *b, uint32_t src_ep, uint32_t dst_ep, rf_plan_kind ki
 
 /* A trainer's FP8 piece (c) goes only into an engine's FP8 piece of the same format, whose
  * bytes and scales its own are, block for block: the transfer is then planned as one that
- * quantizes (the same payload), and its sender copies instead. */
+ * quantizes (the same payload), and its sender copies instead. 1 for such a source, 0 for a
+ * plain one, or the refusal. */
 static int fp8_source_ok(const builder *b, const dpiece *dp, const cand *c, rf_err *err)
 {
     uint32_t sq = rf_inv_piece_recs(b->inv, RF_SRC)[c->id].quant;
@@ -961,7 +962,7 @@ static int fp8_source_ok(const builder *b, const dpiece *dp, const cand *c, rf_e
                           "an engine's FP8 piece is %s; re-quantizing FP8 is not built", name,
                           sn, dn);
     }
-    return 0;
+    return 1;
 }
 
 /* Emits the transfer of box (of bytes) from candidate c to destination piece dp. whole says
@@ -975,10 +976,10 @@ static int emit(builder *b, const dpiece *dp, const cand *c, const rf_box *box, 
     rf_plan_kind kind;
     uint32_t bid;
     rf_plan_msg *mm = NULL;
-    int rc, recvq = 0;
+    int rc, recvq = 0, fp8_src;
 
-    if ((rc = fp8_source_ok(b, dp, c, err)) < 0)
-        return rc;
+    if ((fp8_src = fp8_source_ok(b, dp, c, err)) < 0)
+        return fp8_src;
     if (dp->quant && (recvq = quant_xfer(b, dp, c, box, &bytes, err)) < 0)
         return recvq;
     if (recvq && b->cur_unit != NO_UNIT)
@@ -1041,7 +1042,7 @@ static int emit(builder *b, const dpiece *dp, const cand *c, const rf_box *box, 
     if (recvq) {
         pl->st.recv_quant_bytes += bytes;
         pl->st.recv_quant_transfers++;
-    } else if (dp->quant && rf_inv_piece_recs(b->inv, RF_SRC)[c->id].quant) {
+    } else if (fp8_src) {
         pl->st.fp8_copy_bytes += bytes;
         pl->st.fp8_copy_transfers++;
     } else if (dp->quant) {

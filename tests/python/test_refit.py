@@ -381,6 +381,19 @@ class TestWithDaemons(unittest.TestCase):
             scales = struct.unpack_from("<4f", dst.mmap, rows * cols)
             self.assertEqual(list(scales), FP8_SCALES)
 
+    def refit_fp8(self, tr, en, version, w, sc, want):
+        """Publishes version and checks that the engine's FP8 weight w holds want and its
+        scales sc FP8_SCALES."""
+        tr.publish(version)
+        try:
+            tr.wait_released(version, 20000)
+            self.assertEqual(en.wait_version(version, 20000), version)
+        except refit.Error as e:
+            self.fail(f"{e}\n{self.logs_text()}")
+        got = bytes(w.view(torch.uint8).contiguous().view(-1).tolist())
+        self.assertEqual(got, bytes(want))
+        self.assertEqual(sc.view(-1).tolist(), FP8_SCALES)
+
     @unittest.skipUnless(HAVE_TORCH, "needs torch (python3-torch)")
     def test_6_fp8_engine_with_refit_torch(self):
         """The same through refit.torch: register() a bf16 tensor, register_fp8() a uint8 (or
@@ -407,15 +420,7 @@ class TestWithDaemons(unittest.TestCase):
             self.assertIn("FP8 weights are float8_e4m3fn", cm.exception.message)
             rt.register_fp8(en, "model.q", w, sc, "block:64x32")
             en.seal()
-            tr.publish(4)
-            try:
-                tr.wait_released(4, 20000)
-                self.assertEqual(en.wait_version(4, 20000), 4)
-            except refit.Error as e:
-                self.fail(f"{e}\n{self.logs_text()}")
-            got = bytes(w.view(torch.uint8).contiguous().view(-1).tolist())
-            self.assertEqual(got, bytes(want))
-            self.assertEqual(sc.view(-1).tolist(), FP8_SCALES)
+            self.refit_fp8(tr, en, 4, w, sc, want)
 
     @unittest.skipUnless(HAVE_TORCH, "needs torch (python3-torch)")
     def test_7_fp8_trainer_into_fp8_engine(self):
@@ -438,15 +443,7 @@ class TestWithDaemons(unittest.TestCase):
             sc = rt.empty([2, 2], torch.float32)
             rt.register_fp8(en, "model.q", w, sc, "block:64x32")
             en.seal()
-            tr.publish(5)
-            try:
-                tr.wait_released(5, 20000)
-                self.assertEqual(en.wait_version(5, 20000), 5)
-            except refit.Error as e:
-                self.fail(f"{e}\n{self.logs_text()}")
-            got = bytes(w.view(torch.uint8).contiguous().view(-1).tolist())
-            self.assertEqual(got, bytes(want))
-            self.assertEqual(sc.view(-1).tolist(), FP8_SCALES)
+            self.refit_fp8(tr, en, 5, w, sc, want)
 
 
 if __name__ == "__main__":
