@@ -329,7 +329,8 @@ static int setup(sim *s, rf_side side, const char *model, int shrink, const char
     if (!s->tensor_salt || !s->ranks)
         return -1;
     for (t = 0; t < rf_model_ntensors(m); t++)
-        s->tensor_salt[t] = sim_name_salt(rf_model_tensor(m, t)->name);
+        s->tensor_salt[t] = sim_name_salt(rf_model_tensor(m, t)->name) |
+                            (o && o->finite ? SIM_FINITE : 0);
     for (i = 0; i < s->count; i++) {
         sim_rank *r = &s->ranks[i];
         rf_rank_sink sink = {r, sink_region, sink_piece};
@@ -1004,6 +1005,7 @@ int sim_opt(sim_opts *o, int c, const char *arg)
         break;
     case 'V': o->vmm = 1; break;
     case 'I': o->inproc = 1; break;
+    case 'W' + 256: o->finite = 1; break;
     case 'C':
         /* Implies --cuda-vmm: the chunks are VMM allocations. Checked in sim_open. */
         o->vmm = 1;

@@ -42,7 +42,7 @@ typedef struct sim {
     rf_side side;
     rf_model *model;
     rf_par par;
-    uint64_t *tensor_salt; /* per model tensor, from its name */
+    uint64_t *tensor_salt; /* per model tensor, from its name (and SIM_FINITE) */
     int first, count;      /* the ranks this process plays */
     sim_rank *ranks;
     uint64_t bytes;        /* bytes of all pieces of this process */
@@ -89,7 +89,7 @@ typedef struct sim_opts {
     const char *fp8;       /* the FP8 format (NULL: none); not a common option */
     int fp8_off_grid;
     uint32_t fp8_scale_pad;
-    int shrink, timeout_ms, vmm, inproc;
+    int shrink, timeout_ms, vmm, inproc, finite;
     uint64_t start, versions, vmm_chunk;
     char gpu_dev[32];
 } sim_opts;
@@ -98,7 +98,8 @@ typedef struct sim_opts {
     {"socket", 1, 0, 's'}, {"model", 1, 0, 'm'}, {"shrink", 1, 0, 'k'}, {"layout", 1, 0, 'l'}, \
     {"ranks", 1, 0, 'r'}, {"start", 1, 0, 'v'}, {"versions", 1, 0, 'n'},                       \
     {"timeout-ms", 1, 0, 't'}, {"device", 1, 0, 'D'}, {"gpu", 1, 0, 'G'},                      \
-    {"cuda-vmm", 0, 0, 'V'}, {"cuda-vmm-chunk", 1, 0, 'C'}, {"inproc", 0, 0, 'I'}
+    {"cuda-vmm", 0, 0, 'V'}, {"cuda-vmm-chunk", 1, 0, 'C'}, {"inproc", 0, 0, 'I'},         \
+    {"finite-weights", 0, 0, 'W' + 256}
 
 /* Defaults: socket from $REFIT_SOCKET else default_socket, start 1, one version, 120 s. */
 void sim_opts_init(sim_opts *o, const char *default_socket);

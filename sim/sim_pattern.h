@@ -22,13 +22,18 @@ static inline SIM_HD uint64_t sim_mix(uint64_t x)
     return x;
 }
 
+/* In a salt: every element a finite number (sim_weight_bf16 without its edge cases), as a
+ * trained model's weights are; the clients' --finite-weights, for benchmarks. sim_name_salt
+ * never sets it. */
+#define SIM_FINITE (1ULL << 63)
+
 static inline uint64_t sim_name_salt(const char *s)
 {
     uint64_t h = 1469598103934665603ULL;
 
     for (; *s; s++)
         h = (h ^ (uint8_t)*s) * 1099511628211ULL;
-    return h;
+    return h & ~SIM_FINITE;
 }
 
 /* Bits 0-15 of an element from its hash h, read as bf16: a number shaped like a weight, so that
@@ -39,8 +44,8 @@ static inline uint64_t sim_name_salt(const char *s)
  * each block's elements quantize to many FP8 codes (a moved element is caught). Random bits
  * would give almost every 128x128 block the same amax (the largest finite bf16) and quantize
  * 93% of elements to zero. One element in 4096 is an edge case instead: +-Inf, a NaN, +-0 or
- * a subnormal. */
-static inline SIM_HD uint64_t sim_weight_bf16(uint64_t h)
+ * a subnormal (none where edges is 0). */
+static inline SIM_HD uint64_t sim_weight_bf16(uint64_t h, int edges)
 {
     uint32_t sign = (uint32_t)(h >> 63) << 15, mant = (uint32_t)h & 0x7F, k = 0;
     uint32_t g = (uint32_t)(h >> 32) | 0x100000u;
@@ -49,7 +54,7 @@ static inline SIM_HD uint64_t sim_weight_bf16(uint64_t h)
         g >>= 1;
         k++;
     }
-    if (((h >> 52) & 0xFFF) == 0) {
+    if (edges && ((h >> 52) & 0xFFF) == 0) {
         switch ((h >> 7) & 3) {
         case 0: return sign | 0x7F80;                      /* +-Inf */
         case 1: return sign | 0x7FC0 | mant;               /* NaN */
@@ -68,7 +73,7 @@ static inline SIM_HD uint64_t sim_pattern(uint64_t salt, uint64_t version, uint6
     uint64_t h = sim_mix(salt ^ (version * 0x9e3779b97f4a7c15ULL) ^
                          (gidx * 0xd6e8feb86659fd93ULL));
 
-    return (h & ~0xFFFFULL) | sim_weight_bf16(h);
+    return (h & ~0xFFFFULL) | sim_weight_bf16(h, !(salt & SIM_FINITE));
 }
 
 #endif

@@ -380,15 +380,21 @@ static __device__ __forceinline__ void tile_quant_v(const tile &t, const typenam
 /* The bf16 blocks of the vector path, where most weights go: the same bytes as tile_amax_v and
  * tile_quant_v, with fewer instructions an element (the kernel is bound by them, not by memory).
  *  - amax: the max of |x|'s 16 bits, two at a time; only when it is Inf or NaN (the block holds
- *    a non-finite element) is the block read again with tile_amax_v's filter.
- *  - x / s: where every x is finite and s lies in [2^-60, 2^60], from rc = 1 / s correctly
- *    rounded: q0 = x * rc, r = x - q0 * s (exact, one fma), q = q0 + r * rc. Markstein's
- *    theorem makes q the correctly rounded quotient when rc is within half an ulp of 1 / s and
- *    q0 within one ulp; nothing overflows, and where r underflows the quotient is below 2^-40,
- *    whose E4M3 byte is +-0 either way. Other blocks divide (div.rn).
+ *    a non-finite element) is it taken again over the finite ones (Inf and NaN masked to 0).
+ *  - x / s: where s lies in [2^-60, 2^60], from rc = 1 / s correctly rounded: q0 = x * rc,
+ *    r = x - q0 * s (exact, one fma), q = q0 + r * rc. Markstein's theorem makes q the correctly
+ *    rounded quotient of a finite x when rc is within half an ulp of 1 / s and q0 within one
+ *    ulp; nothing overflows, and where r underflows the quotient is below 2^-40, whose E4M3 byte
+ *    is +-0 either way. Other blocks divide (div.rn), element by element.
  *  - E4M3: two values per cvt.rn.satfinite.e4m3x2 (|q| <= 448 (1 + 2^-23): saturating is the
  *    contract's clamp), each byte's sign bit ORed from its bf16 (x = -0 gives q = +0 above).
- * The tests hold these to rf_quant_host on every 16-bit pattern, edge blocks and torch. */
+ *  - Inf and NaN, in a block that holds them: each word of two bf16 is checked (one SIMD
+ *    compare) and the bytes of its Inf and NaN set afterwards as quant_one gives them, +-448
+ *    (0x7E with the sign) and 0x7F.
+ * Blocks of finite weights take none of the checks; a block of the register path with Inf or
+ * NaN elements is read once too (it was read three times before: the sim's weights put one in
+ * most 128x128 blocks, bench/RESULTS.md). The tests hold these to
+ * rf_quant_host on every 16-bit pattern, edge blocks and torch. */
 static __device__ __forceinline__ uint32_t e4m3x2(float hi, float lo)
 {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
@@ -408,64 +414,117 @@ static __device__ __forceinline__ float mark_div(float x, float s, float rc)
     return __fmaf_rn(__fmaf_rn(-q0, s, x), rc, q0);
 }
 
-/* Four bf16 (two words) to four E4M3 bytes by mark_div. */
+#define BF16_EXP2 0x7F807F80u
+
+/* Bytes k of r (k = 0..3, element k of words w0, w1 low half first) whose bf16 is Inf or NaN,
+ * set to quant_one's. */
+static __device__ __forceinline__ uint32_t fix_nonfinite(uint32_t r, uint32_t w0, uint32_t w1)
+{
+    const uint32_t e[4] = {w0 & 0xFFFF, w0 >> 16, w1 & 0xFFFF, w1 >> 16};
+
+#pragma unroll
+    for (int k = 0; k < 4; k++) {
+        if ((e[k] & 0x7F80) == 0x7F80) {
+            uint32_t q = (e[k] & 0x7F) ? 0x7F : ((e[k] >> 8) & 0x80) | 0x7E;
+
+            r = (r & ~(0xFFu << (8 * k))) | q << (8 * k);
+        }
+    }
+    return r;
+}
+
+/* Four bf16 (two words) to four E4M3 bytes by mark_div; with fix, Inf and NaN set apart. */
 static __device__ __forceinline__ uint32_t quant4_bf16(uint32_t w0, uint32_t w1, float s,
-                                                       float rc)
+                                                       float rc, bool fix)
 {
     uint32_t a = e4m3x2(mark_div(u2f(w0 & 0xFFFF0000u), s, rc), mark_div(u2f(w0 << 16), s, rc));
     uint32_t b = e4m3x2(mark_div(u2f(w1 & 0xFFFF0000u), s, rc), mark_div(u2f(w1 << 16), s, rc));
+    uint32_t r = (a | b << 16) | (__byte_perm(w0, w1, 0x7531) & 0x80808080u);
 
-    return (a | b << 16) | (__byte_perm(w0, w1, 0x7531) & 0x80808080u);
+    if (fix && (__vcmpeq2(w0 & BF16_EXP2, BF16_EXP2) | __vcmpeq2(w1 & BF16_EXP2, BF16_EXP2)))
+        r = fix_nonfinite(r, w0, w1);
+    return r;
 }
 
-/* The max of |x|'s 16 bits over the eight bf16 of v, folded into m two at a time. */
+/* How a block's elements are divided: by mark_div (finite elements only, or checked for Inf
+ * and NaN), or by quant_one (the scale outside mark_div's range). */
+enum { Q_FAST, Q_FIX, Q_DIV };
+
+/* Eight bf16 to their E4M3 bytes, as mode says (uniform over the thread block). */
+static __device__ __forceinline__ uint2 quant8_bf16(uint4 v, float s, float rc, int mode)
+{
+    vec16<src_bf16> x;
+    qvec<8> o;
+
+    if (mode != Q_DIV)
+        return make_uint2(quant4_bf16(v.x, v.y, s, rc, mode == Q_FIX),
+                          quant4_bf16(v.z, v.w, s, rc, mode == Q_FIX));
+    x.u = v;
+#pragma unroll
+    for (int u = 0; u < 8; u++)
+        o.b[u] = quant_one(u2f(bf16_bits(x.e[u])), s);
+    return o.u;
+}
+
+/* The max of |x|'s 16 bits over the eight bf16 of v, folded into m two at a time;
+ * vmax_finite_bf16 the same over the finite ones only (Inf and NaN masked to 0). */
 static __device__ __forceinline__ uint32_t vmax_bf16(uint32_t m, uint4 v)
 {
     return __vmaxu2(m, __vmaxu2(__vmaxu2(v.x & 0x7FFF7FFFu, v.y & 0x7FFF7FFFu),
                                 __vmaxu2(v.z & 0x7FFF7FFFu, v.w & 0x7FFF7FFFu)));
 }
 
-/* The block's scale from each thread's 16-bit |x| maxima (folded two at a time in m), written
- * once; *fast: every element finite and the scale where mark_div is exact. A block with a
- * non-finite element is read again through tile_amax_v's filter. */
-static __device__ __forceinline__ float scale_bf16(const qdesc &o, const tile &t, uint64_t i,
-                                                   uint64_t j, uint32_t m, uint32_t *red,
-                                                   bool *fast)
+static __device__ __forceinline__ uint32_t vmax_finite_bf16(uint32_t m, uint4 v)
 {
-    uint32_t raw;
-    float sf;
+    uint32_t a = v.x & 0x7FFF7FFFu, b = v.y & 0x7FFF7FFFu;
+    uint32_t c = v.z & 0x7FFF7FFFu, d = v.w & 0x7FFF7FFFu;
 
+    a &= __vcmpltu2(a, BF16_EXP2);
+    b &= __vcmpltu2(b, BF16_EXP2);
+    c &= __vcmpltu2(c, BF16_EXP2);
+    d &= __vcmpltu2(d, BF16_EXP2);
+    return __vmaxu2(m, __vmaxu2(__vmaxu2(a, b), __vmaxu2(c, d)));
+}
+
+/* The block's max of every thread's 16-bit maxima (two in m), as fp32 bits. */
+static __device__ __forceinline__ uint32_t block_max16(uint32_t m, uint32_t *red)
+{
     m = (m & 0xFFFF) > (m >> 16) ? (m & 0xFFFF) : (m >> 16);
-    raw = block_max(m << 16, red);
-    *fast = raw < UINT32_C(0x7F800000);
-    if (!*fast)
-        raw = block_max(tile_amax_v<src_bf16>(t, (const uint16_t *)o.src, o.sstride, 0), red);
-    sf = scale_of(raw);
+    return block_max(m << 16, red);
+}
+
+/* The block's scale from its finite amax (fp32 bits), written once; the block's mode. */
+static __device__ __forceinline__ float scale_bf16(const qdesc &o, uint64_t i, uint64_t j,
+                                                   uint32_t raw, bool nonfinite, int *mode)
+{
+    float sf = scale_of(raw);
+
     if (threadIdx.x == 0)
         ((float *)o.scales)[(int64_t)i * o.scstride + (int64_t)j] = sf;
-    *fast = *fast && f2u(sf) >= (UINT32_C(127 - 60) << 23) &&
-            f2u(sf) <= (UINT32_C(127 + 60) << 23);
+    *mode = f2u(sf) < (UINT32_C(127 - 60) << 23) || f2u(sf) > (UINT32_C(127 + 60) << 23)
+                ? Q_DIV : nonfinite ? Q_FIX : Q_FAST;
     return sf;
 }
 
-/* Rows a thread of block_bf16_reg holds: a 128x128 block is 16 rows of 16 vectors at a time,
- * 8 rows a thread. */
+/* Rows a thread of reg_load holds: a 128x128 block is 16 rows of 16 vectors at a time, 8 rows
+ * a thread. */
 #define QREG 8
 
 /* block_bf16 for a tile whose threads each hold at most one vector of each of at most QREG
- * rows: the tile is read once, every load of a thread in flight together, and quantized from
- * registers, where the two-pass version waited for each load in turn and read the tile twice
- * (34.8 ms for 58 GB of bf16 on an H200 over memory the process owns, and slower over the
- * daemons' imported mappings, bench/RESULTS.md). */
-static __device__ __forceinline__ void block_bf16_reg(const qdesc &o, const tile &t,
-                                                      uint64_t i, uint64_t j, uint32_t *red)
+ * rows (reg_fits): the tile is read once, every load of a thread in flight together, and
+ * quantized from registers, where the two-pass version waited for each load in turn and read
+ * the tile twice (bench/RESULTS.md). reg_load reads a thread's vectors, reg_quant takes the
+ * block's scale from them and writes their bytes, so the batch kernel can load the next tile
+ * before it quantizes this one. */
+static __device__ __forceinline__ bool reg_fits(const tile &t)
+{
+    return t.nc <= t.wx && t.nr <= (uint64_t)QREG * t.wy;
+}
+
+static __device__ __forceinline__ void reg_load(const qdesc &o, const tile &t, uint4 *v)
 {
     const uint16_t *src = (const uint16_t *)o.src;
     const bool col = t.tx < t.nc;
-    uint4 v[QREG];
-    uint32_t m = 0;
-    float sf, rc;
-    bool fast;
 
 #pragma unroll
     for (int k = 0; k < QREG; k++) {
@@ -476,13 +535,28 @@ static __device__ __forceinline__ void block_bf16_reg(const qdesc &o, const tile
             v[k] = ((const uint4 *)(src + (int64_t)(t.r0 + r) * o.sstride +
                                     (int64_t)t.c0 * 8))[t.tx];
     }
+}
+
+static __device__ __forceinline__ void reg_quant(const qdesc &o, const tile &t, uint64_t i,
+                                                 uint64_t j, const uint4 *v, uint32_t *red)
+{
+    const bool col = t.tx < t.nc;
+    uint32_t m = 0, raw;
+    float sf, rc;
+    int mode;
+
 #pragma unroll
     for (int k = 0; k < QREG; k++)
         m = vmax_bf16(m, v[k]);
-    sf = scale_bf16(o, t, i, j, m, red, &fast);
-    if (!fast) {
-        tile_quant_v<src_bf16>(t, src, o.sstride, sf, o.q, o.qstride);
-        return;
+    raw = block_max16(m, red);
+    if (raw >= UINT32_C(0x7F800000)) {
+        m = 0;
+#pragma unroll
+        for (int k = 0; k < QREG; k++)
+            m = vmax_finite_bf16(m, v[k]);
+        sf = scale_bf16(o, i, j, block_max16(m, red), true, &mode);
+    } else {
+        sf = scale_bf16(o, i, j, raw, false, &mode);
     }
     rc = __frcp_rn(sf);
 #pragma unroll
@@ -491,8 +565,7 @@ static __device__ __forceinline__ void block_bf16_reg(const qdesc &o, const tile
 
         if (col && r < t.nr)
             ((uint2 *)(o.q + (int64_t)(t.r0 + r) * o.qstride + (int64_t)t.c0 * 8))[t.tx] =
-                make_uint2(quant4_bf16(v[k].x, v[k].y, sf, rc),
-                           quant4_bf16(v[k].z, v[k].w, sf, rc));
+                quant8_bf16(v[k], sf, rc, mode);
     }
 }
 
@@ -500,37 +573,42 @@ static __device__ __forceinline__ void block_bf16(const qdesc &o, const tile &t,
                                                   uint64_t j, uint32_t *red)
 {
     const uint16_t *src = (const uint16_t *)o.src;
-    uint32_t m = 0;
+    uint32_t m = 0, raw;
+    bool nonfinite = false;
     float sf, rc;
-    bool fast;
+    int mode;
 
-    if (t.nc <= t.wx && t.nr <= (uint64_t)QREG * t.wy) {
-        block_bf16_reg(o, t, i, j, red);
+    if (reg_fits(t)) {
+        uint4 v[QREG];
+
+        reg_load(o, t, v);
+        reg_quant(o, t, i, j, v, red);
         return;
     }
-    for (uint64_t r = t.ty; r < t.nr; r += t.wy) {
-        const uint4 *row = (const uint4 *)(src + (int64_t)(t.r0 + r) * o.sstride +
-                                           (int64_t)t.c0 * 8);
+    for (int pass = 0; pass < 2; pass++) {
+        /* The second pass, over the finite elements, where the first found Inf or NaN. */
+        for (uint64_t r = t.ty; r < t.nr; r += t.wy) {
+            const uint4 *row = (const uint4 *)(src + (int64_t)(t.r0 + r) * o.sstride +
+                                               (int64_t)t.c0 * 8);
 
-        for (uint64_t c = t.tx; c < t.nc; c += t.wx)
-            m = vmax_bf16(m, row[c]);
+            for (uint64_t c = t.tx; c < t.nc; c += t.wx)
+                m = pass ? vmax_finite_bf16(m, row[c]) : vmax_bf16(m, row[c]);
+        }
+        raw = block_max16(m, red);
+        if (raw < UINT32_C(0x7F800000))
+            break;
+        nonfinite = true;
+        m = 0;
     }
-    sf = scale_bf16(o, t, i, j, m, red, &fast);
-    if (!fast) {
-        tile_quant_v<src_bf16>(t, src, o.sstride, sf, o.q, o.qstride);
-        return;
-    }
+    sf = scale_bf16(o, i, j, raw, nonfinite, &mode);
     rc = __frcp_rn(sf);
     for (uint64_t r = t.ty; r < t.nr; r += t.wy) {
         const uint4 *row = (const uint4 *)(src + (int64_t)(t.r0 + r) * o.sstride +
                                            (int64_t)t.c0 * 8);
         uint2 *qrow = (uint2 *)(o.q + (int64_t)(t.r0 + r) * o.qstride + (int64_t)t.c0 * 8);
 
-        for (uint64_t c = t.tx; c < t.nc; c += t.wx) {
-            uint4 v = row[c];
-
-            qrow[c] = make_uint2(quant4_bf16(v.x, v.y, sf, rc), quant4_bf16(v.z, v.w, sf, rc));
-        }
+        for (uint64_t c = t.tx; c < t.nc; c += t.wx)
+            qrow[c] = quant8_bf16(row[c], sf, rc, mode);
     }
 }
 
@@ -597,7 +675,24 @@ static __device__ __forceinline__ void do_tile(const qdesc &o, uint64_t k, uint3
         do_block<S>(o, k, red);
 }
 
-/* Resident blocks per SM the batch kernel's registers must allow: unbounded it takes 102
+/* Tile k of o, whatever its format and source type. Not inlined: the other paths' registers
+ * stay out of the batch kernel's loop. */
+static __device__ __noinline__ void any_tile(const qdesc &o, uint64_t tk, uint32_t *red)
+{
+    switch (o.dt) {
+    case RF_DT_BF16:
+        do_tile<src_bf16>(o, tk, red);
+        break;
+    case RF_DT_FP16:
+        do_tile<src_fp16>(o, tk, red);
+        break;
+    default:
+        do_tile<src_fp32>(o, tk, red);
+        break;
+    }
+}
+
+/* Resident blocks per SM the batch kernel's registers must allow: unbounded it takes 106
  * registers a thread, 2 blocks an SM; held to 3 (a few bytes spilled, in the rare paths) the
  * FP8 refit of qwen3-30b-a3b ran 0.0502 s against 0.0582 (2) on an H200, bench/RESULTS.md. */
 #define MIN_BLOCKS 3
@@ -612,12 +707,13 @@ batch_kernel(const qdesc *d, const uint64_t *tile0, uint32_t nd, qdesc one, uint
 {
     __shared__ uint32_t red[WARPS];
     __shared__ qdesc o;
-    uint64_t per = (n + gridDim.x - 1) / gridDim.x, k = lo + blockIdx.x * per, end, tk = k;
+    const uint64_t per = (n + gridDim.x - 1) / gridDim.x;
+    uint64_t k = lo + blockIdx.x * per, end, tk = k;
     uint32_t a = 0;
 
-    if (blockIdx.x * per >= n)
+    end = lo + (blockIdx.x + 1) * per < lo + n ? lo + (blockIdx.x + 1) * per : lo + n;
+    if (k >= end)
         return;
-    end = k + per < lo + n ? k + per : lo + n;
     if (d) {
         uint32_t b = nd;
 
@@ -636,26 +732,16 @@ batch_kernel(const qdesc *d, const uint64_t *tile0, uint32_t nd, qdesc one, uint
         o = d ? d[a] : one;
     __syncthreads();
     for (; k < end; k++, tk++) {
-        if (tk == o.ntiles) {
+        while (tk >= o.ntiles) {
             /* Every thread has read o for its last tile (block_max ends in a barrier; MXFP8
              * tiles have none, hence this one). */
+            tk -= o.ntiles;
             __syncthreads();
             if (threadIdx.x == 0)
                 o = d[++a];
             __syncthreads();
-            tk = 0;
         }
-        switch (o.dt) {
-        case RF_DT_BF16:
-            do_tile<src_bf16>(o, tk, red);
-            break;
-        case RF_DT_FP16:
-            do_tile<src_fp16>(o, tk, red);
-            break;
-        default:
-            do_tile<src_fp32>(o, tk, red);
-            break;
-        }
+        any_tile(o, tk, red);
     }
 }
 
@@ -721,6 +807,18 @@ static uint64_t ceil_div(uint64_t a, uint64_t b)
 static unsigned batch_grid(uint64_t tiles)
 {
     return grid_of(ceil_div(tiles, RUN_TILES));
+}
+
+/* The batch kernel over tiles [lo, lo + n) (see batch_kernel). */
+static int launch_batch(const qdesc *d, const uint64_t *tile0, uint32_t nd, const qdesc &one,
+                        uint64_t lo, uint64_t n, cudaStream_t s, rf_err *err)
+{
+    int rc = 0;
+
+    batch_kernel<<<batch_grid(n), THREADS, 0, s>>>(d, tile0, nd, one, lo, n);
+    CUDA_TRY(err, cudaGetLastError());
+out:
+    return rc;
 }
 
 /* TENSOR's three passes for source type S; the arguments were checked. */
@@ -847,10 +945,7 @@ int rf_quant_cuda_quantize(const rf_quant_fmt *f, rf_dtype src_dt, const void *s
                                s, err);
     o = desc_of(f, src_dt, src, src_row_stride, rows, cols, q, q_row_stride, scales,
                 scale_row_stride, srows, scols, &tiles);
-    batch_kernel<<<batch_grid(tiles), THREADS, 0, s>>>(NULL, NULL, 0, o, 0, tiles);
-    CUDA_TRY(err, cudaGetLastError());
-out:
-    return rc;
+    return launch_batch(NULL, NULL, 0, o, 0, tiles, s, err);
 }
 
 /* ---- plans: many matrices, their descriptors on the device ---- */
@@ -865,6 +960,7 @@ struct rf_quant_cuda_plan {
     rf_quant_cuda_op *tens; /* TENSOR ops, launched one by one */
     size_t *tidx;      /* n + 1: op i's TENSOR ops start at tidx[i] */
     uint64_t bytes;
+    uint64_t tiles, scalar_tiles; /* of the batch kernel; of them read element by element */
 };
 
 int rf_quant_cuda_plan_new(const rf_quant_cuda_op *ops, size_t n, rf_quant_cuda_plan **out,
@@ -917,10 +1013,13 @@ int rf_quant_cuda_plan_new(const rf_quant_cuda_op *ops, size_t n, rf_quant_cuda_
                            o->q_row_stride, o->scales, o->scale_row_stride, srows, scols, &t);
         pl->t0[nd++] = tiles;
         tiles += t;
+        if (!host[nd - 1].vec)
+            pl->scalar_tiles += t;
     }
     pl->didx[n] = nd;
     pl->tidx[n] = nt;
     pl->t0[nd] = tiles;
+    pl->tiles = tiles;
     pl->n = n;
     pl->nd = nd;
     if (nd > 0) {
@@ -956,9 +1055,9 @@ int rf_quant_cuda_plan_launch(const rf_quant_cuda_plan *pl, size_t first, size_t
         qdesc none;
 
         memset(&none, 0, sizeof(none));
-        batch_kernel<<<batch_grid(tiles), THREADS, 0, s>>>(pl->devd + a, pl->devt0 + a, b - a,
-                                                        none, pl->t0[a], tiles);
-        CUDA_TRY(err, cudaGetLastError());
+        if ((rc = launch_batch(pl->devd + a, pl->devt0 + a, b - a, none, pl->t0[a], tiles, s,
+                               err)) < 0)
+            return rc;
     }
     for (size_t i = pl->tidx[first]; i < pl->tidx[first + count]; i++) {
         const rf_quant_cuda_op *o = &pl->tens[i];
@@ -967,13 +1066,18 @@ int rf_quant_cuda_plan_launch(const rf_quant_cuda_plan *pl, size_t first, size_t
                                   o->q_row_stride, o->scales, s, err)) < 0)
             return rc;
     }
-out:
     return rc;
 }
 
 uint64_t rf_quant_cuda_plan_bytes(const rf_quant_cuda_plan *pl)
 {
     return pl ? pl->bytes : 0;
+}
+
+uint64_t rf_quant_cuda_plan_tiles(const rf_quant_cuda_plan *pl, uint64_t *scalar)
+{
+    *scalar = pl ? pl->scalar_tiles : 0;
+    return pl ? pl->tiles : 0;
 }
 
 void rf_quant_cuda_plan_free(rf_quant_cuda_plan *pl)

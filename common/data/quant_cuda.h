@@ -58,6 +58,10 @@ int rf_quant_cuda_plan_launch(const rf_quant_cuda_plan *pl, size_t first, size_t
                               cudaStream_t s, rf_err *err);
 /* Device memory the plan holds. */
 uint64_t rf_quant_cuda_plan_bytes(const rf_quant_cuda_plan *pl);
+/* Tiles of the plan's batch kernel (blocks of BLOCK, rows of CHANNEL, 32 blocks of MXFP8);
+ * *scalar gets those of matrices read element by element (a base, stride or width that 16-byte
+ * loads cannot take), the slow path. */
+uint64_t rf_quant_cuda_plan_tiles(const rf_quant_cuda_plan *pl, uint64_t *scalar);
 /* Frees the plan; the caller waited for its launches. */
 void rf_quant_cuda_plan_free(rf_quant_cuda_plan *pl);
 

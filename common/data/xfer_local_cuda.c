@@ -861,6 +861,13 @@ static int plan_build(rf_xfer_local *t)
         }
         rf_xfer__local_alloc(t, (int64_t)rf_quant_cuda_plan_bytes(pl->qplan[d]));
         pl->bytes += rf_quant_cuda_plan_bytes(pl->qplan[d]);
+        if (rf_log_get_level() >= RF_LOG_DEBUG) {
+            uint64_t scalar, tiles = rf_quant_cuda_plan_tiles(pl->qplan[d], &scalar);
+
+            RF_DEBUG("local GPU plan: %llu FP8 matrices on GPU %d, %llu tiles, %llu of them "
+                     "read element by element", (unsigned long long)qn[d], t->g->devs[d].dev,
+                     (unsigned long long)tiles, (unsigned long long)scalar);
+        }
     }
     /* Verification: which bytes, gathered how, window by window per batch. */
     if (job->verify != RF_VERIFY_OFF) {
@@ -1028,7 +1035,11 @@ static int enqueue(rf_xfer_local *t, uint32_t b)
     for (d = 0; d < pl->ndev; d++) {
         gdev *G = &g->devs[d];
         size_t x = (size_t)b * pl->ndev + d;
+#ifdef QSAME
+        cudaStream_t cs = G->s[b % NSTREAMS], qs = cs;
+#else
         cudaStream_t cs = G->s[b % NSTREAMS], qs = G->s[(b + 1) % NSTREAMS];
+#endif
 
         CUDA_TRY(&err, cudaSetDevice(G->dev));
         if ((rc = rf_copy_cuda_plan_launch(pl->kplan[d], pl->kfirst[x], pl->kcount[x], cs, 0,

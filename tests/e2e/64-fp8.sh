@@ -58,7 +58,7 @@ PY
 }
 
 # fp8_case NAME LOCAL_COPY MODEL FORMAT ENGINE_TP MIN_PAIRS_PCT [engine flags...]: two refits
-# of version 1 and 2 into FP8 engines, every byte verified.
+# of version 1 and 2 into FP8 engines, every byte verified (TR_FLAGS: the trainer's own).
 fp8_case() {
     local name=$1 lc=$2 model=$3 fmt=$4 etp=$5 pct=$6 n
     shift 6
@@ -66,7 +66,7 @@ fp8_case() {
     fp8_only "$name" || return 0
     fp8_cluster "$name" "$lc" "$etp"
     start_engine eng 0 $m --layout tp=$etp --fp8 "$fmt" --versions 2 "$@"
-    start_trainer tr 0 $m --layout tp=2 --versions 2 --retries 1
+    start_trainer tr 0 $m --layout tp=2 --versions 2 --retries 1 ${TR_FLAGS:-}
     wait_ok eng tr
     n=$(fp8_pieces eng)
     [ "${n:-0}" -gt 0 ] || fail "$name: no FP8 piece registered: $(grep 'fp8' "$E2E_DIR/eng.log")"
@@ -95,6 +95,23 @@ fp8_case block64-local auto "qwen3-0.6b --shrink 2" block:64x64 4 90
 fp8_case channel-local auto "qwen3-0.6b --shrink 4" channel 4 90
 # Scale rows padded to 4 E8M0 bytes: the padding must stay untouched.
 fp8_case mxfp8-tcp off "qwen3-0.6b --shrink 4" mxfp8 4 40 --fp8-scale-pad 4
+# Weights without Inf, NaN, 0 or subnormal elements (--finite-weights, as the GPU benchmarks
+# run): the same bytes checked; an engine that expects the default weights then finds them
+# wrong, so the option changes the weights both sides compute.
+TR_FLAGS=--finite-weights fp8_case finite-local auto "qwen3-0.6b --shrink 4" block:64x64 4 90 \
+    --finite-weights
+if fp8_only finite-mismatch; then
+    fp8_cluster finite-mismatch auto 4
+    start_engine eng 0 --model qwen3-0.6b --shrink 4 --layout tp=4 --fp8 block:64x64 \
+        --versions 1 $FP8_WAIT
+    start_trainer tr 0 --model qwen3-0.6b --shrink 4 --layout tp=2 --versions 1 --retries 1 \
+        --finite-weights
+    wait_ok tr
+    wait "$eng_PID" && fail "finite-mismatch: the engine exited 0 on weights it did not expect"
+    grep -q "version 1 committed after .*, [1-9][0-9]* wrong elements" "$E2E_DIR/eng.log" ||
+        fail "finite-mismatch: the engine expecting edge values did not find them missing: $(tail -n 3 "$E2E_DIR/eng.log" | tr '\n' ' ')"
+    echo "ok: finite-mismatch: an engine expecting the default weights counts $(grep -o '[0-9]* wrong elements' "$E2E_DIR/eng.log" | head -n 1) against --finite-weights trainers"
+fi
 
 # ---- quantized on the receiver ---------------------------------------------------------------
 # qr_case NAME LOCAL_COPY FORMAT [engine flags]: an engine tp=1, whose pieces are whole tensors,
