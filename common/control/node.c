@@ -834,17 +834,6 @@ static void on_slice(rf_node *n, const Refit__PlanSlice *ps)
         rc = local_sources(n, &rest, &srcs, &err);
     if (rc == 0)
         rc = rf_slice_job_add(&n->next, &rest, inv, n->side, bases, srcs, &err);
-    /* The receiver quantizes shadows on the host (issue 15): into host memory only. */
-    for (uint32_t i = 0; rc == 0 && n->next.complete && i < n->next.nshadows; i++) {
-        const rf_xfer_item *q = &n->next.shadows[i].fp8;
-
-        if (rf_registry_region_kind(n->reg, q->piece.region) != RF_MEM_MEMFD ||
-            rf_registry_region_kind(n->reg, q->quant.scale.region) != RF_MEM_MEMFD)
-            rc = rf_err_set(&err, -EOPNOTSUPP, "the trainers' shards cut the FP8 blocks of %s, "
-                            "which the receiver then quantizes, and that is built for host "
-                            "memory only (this piece is GPU memory); shard the engine along the "
-                            "trainers' boundaries", rf_inv_tensor(inv, q->piece.tensor)->name);
-    }
     free(rest.msgs);
     free(bases);
     free(srcs);

@@ -606,7 +606,7 @@ void rf_slice_job_reset(rf_slice_job *j)
     uint32_t i;
 
     for (i = 0; i < j->nshadows; i++)
-        free(j->shadows[i].buf);
+        rf_qshadow_free(&j->shadows[i].mem);
     free(j->shadows);
     free(j->qruns);
     free_msgs(&j->job);
@@ -699,6 +699,7 @@ static int shadow_of(rf_slice_job *j, uint32_t piece, const rf_xfer_item *it,
     rf_slice_shadow *sh;
     int64_t st = 1;
     uint64_t bytes;
+    rf_err e = {0};
     int rc;
 
     for (uint32_t i = 0; i < j->nshadows; i++)
@@ -724,9 +725,9 @@ static int shadow_of(rf_slice_job *j, uint32_t piece, const rf_xfer_item *it,
         st *= it->piece.box.extent[d];
     }
     bytes = (uint64_t)st * rf_dtype_size(t->dtype);
-    if (!(sh->buf = malloc(bytes ? bytes : 1)))
-        return rf_err_set(err, -ENOMEM, "out of memory for the %llu-byte shadow of FP8 piece %s",
-                          (unsigned long long)bytes, t->name);
+    /* In the piece's memory: it->base is its region's, host or GPU. */
+    if ((rc = rf_qshadow_alloc(&sh->mem, it->base, bytes, &e)) < 0)
+        return rf_err_set(err, rc, "the shadow of FP8 piece %s: %s", t->name, e.msg);
     j->shadow_bytes += bytes;
     *out = j->nshadows++;
     return 0;
@@ -765,7 +766,7 @@ static int shadow_item(rf_slice_job *j, uint32_t piece, const rf_tensor *t, rf_x
         q->box.start[d] = a;
         q->box.extent[d] = b - a;
     }
-    it->base = j->shadows[si].buf;
+    it->base = j->shadows[si].mem.buf;
     it->piece = j->shadows[si].dense;
     it->esize = rf_dtype_size(t->dtype);
     memset(&it->quant, 0, sizeof(it->quant));
@@ -1006,40 +1007,28 @@ int rf_slice_job_quantize(rf_slice_job *j, rf_err *err)
 {
     uint8_t *buf = NULL;
     uint64_t cap = 0;
+    int rc = 0;
 
-    for (uint64_t i = 0; i < j->nqruns; i++) {
+    for (uint64_t i = 0; i < j->nqruns && rc == 0; i++) {
         const rf_slice_qrun *q = &j->qruns[i];
         const rf_slice_shadow *sh = &j->shadows[q->shadow];
         rf_xfer_item src = {0}, dst = sh->fp8;
-        uint64_t bytes;
 
         /* The run's blocks lie whole in the shadow: every transfer into a block a shard
          * boundary cuts is off the grid too, so it landed there. */
-        src.base = sh->buf;
+        src.base = sh->mem.buf;
         src.piece = sh->dense;
         src.ndim = dst.ndim;
         src.esize = rf_dtype_size(dst.quant.dt);
         src.box = q->box;
         src.quant = dst.quant;
         dst.box = q->box;
-        bytes = rf_qcopy_bytes(&dst.quant.q, dst.ndim, dst.quant.rows, dst.quant.cols, &q->box,
-                               NULL);
-        src.bytes = dst.bytes = bytes;
-        if (bytes > cap) {
-            uint8_t *n = realloc(buf, bytes);
-
-            if (!n) {
-                free(buf);
-                return rf_err_set(err, -ENOMEM, "out of memory quantizing on the receiver");
-            }
-            buf = n;
-            cap = bytes;
-        }
-        rf_qcopy_pack(&src, buf);
-        rf_qcopy_unpack(&dst, buf);
+        src.bytes = dst.bytes = rf_qcopy_bytes(&dst.quant.q, dst.ndim, dst.quant.rows,
+                                               dst.quant.cols, &q->box, NULL);
+        rc = rf_qshadow_quantize(&sh->mem, &src, &dst, &buf, &cap, err);
     }
     free(buf);
-    return 0;
+    return rc;
 }
 
 int rf_slice_msg_from_plan(const rf_plan *plan, uint32_t mi, rf_side side,

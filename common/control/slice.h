@@ -8,6 +8,7 @@
 
 #include "layout.h"
 #include "plan.h"
+#include "qshadow.h"
 #include "refit.pb-c.h"
 #include "xfer.h"
 
@@ -67,13 +68,14 @@ void rf_slice_msg_free(Refit__PlanSlice *s);
  * complete after the frame with last = true. Pieces are resolved against the local inventory
  * and each region's mapped base (bases indexed by local region id). */
 /* An FP8 destination piece that transfers off its format's grid reach (a trainer's shard
- * boundary cuts its blocks): they land in the tensor's dtype in this host buffer, dense over
- * the piece's box, and rf_slice_job_quantize quantizes their blocks into the piece. */
+ * boundary cuts its blocks): they land in the tensor's dtype in this buffer (qshadow.h: in
+ * the piece's memory, host or GPU), dense over the piece's box, and rf_slice_job_quantize
+ * quantizes their blocks into the piece. */
 typedef struct rf_slice_shadow {
     uint32_t piece;          /* local piece id */
     rf_xfer_item fp8;        /* the FP8 piece as an item (box set per block run) */
     rf_piece dense;          /* the buffer as a piece of the tensor (region unused) */
-    uint8_t *buf;
+    rf_qshadow mem;
 } rf_slice_shadow;
 
 /* A run of blocks of a shadow to quantize: the hull on the grid of one transfer's box. */
@@ -125,8 +127,7 @@ int rf_slice_job_add(rf_slice_job *j, const Refit__PlanSlice *frame, const rf_in
 void rf_slice_job_reset(rf_slice_job *j);
 /* Quantize on the receiver (issue 15): after every message of the refit landed, the blocks
  * that transfers off an FP8 piece's grid brought into its shadow are quantized into the piece
- * and its scales (host memory: the receiver's slice refuses shadows into GPU memory). 0, or
- * -ENOMEM. */
+ * and its scales, by the host or by the piece's GPU. 0, -ENOMEM, or the GPU's failure. */
 int rf_slice_job_quantize(rf_slice_job *j, rf_err *err);
 
 /* Without daemons (a process that drives a plan's transports itself: benchmarks, tests): one

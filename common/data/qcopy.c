@@ -116,6 +116,32 @@ void rf_qcopy_matrix_start(const rf_box *b, int nd, uint64_t l, int64_t *idx)
     }
 }
 
+void rf_qcopy_matrix_at(const rf_xfer_item *s, const rf_xfer_item *d, uint64_t l,
+                        rf_qcopy_matrix *m)
+{
+    const rf_xfer_quant *x = &d->quant;
+    rf_quant_fmt f = fmt_of(&x->q);
+    int nd = d->ndim, L = nd - 2;
+    int64_t shape[RF_MAX_DIMS] = {0}, idx[RF_MAX_DIMS], sidx[RF_MAX_DIMS];
+    rf_box sb;
+
+    shape[L] = x->rows;
+    shape[L + 1] = x->cols;
+    rf_inv_scale_box(&x->q, nd, shape, &d->box, &sb);
+    rf_qcopy_matrix_start(&d->box, nd, l, idx);
+    memcpy(sidx, idx, sizeof(sidx));
+    sidx[L] = sb.start[L];
+    sidx[L + 1] = sb.start[L + 1];
+    m->src = s->base + rf_piece_byte_offset(&s->piece, nd, s->esize, idx);
+    m->src_row_stride = s->piece.strides[L];
+    m->q = d->base + rf_piece_byte_offset(&d->piece, nd, 1, idx);
+    m->q_row_stride = d->piece.strides[L];
+    m->scales = x->scale_base + rf_piece_byte_offset(&x->scale, nd,
+                                                     rf_dtype_size(rf_quant_scale_dtype(&f)),
+                                                     sidx);
+    m->scale_row_stride = x->scale.strides[L];
+}
+
 static void move(const rf_xfer_item *it, uint8_t *payload, bool to_payload);
 
 void rf_qcopy_pack(const rf_xfer_item *it, uint8_t *out)

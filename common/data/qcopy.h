@@ -20,6 +20,19 @@ uint64_t rf_qcopy_bytes(const rf_quant_decl *q, int ndim, int64_t rows, int64_t 
  * leading dims row-major) starts at global index idx (its last two dims the box's start). */
 uint64_t rf_qcopy_nmatrices(const rf_box *b, int ndim);
 void rf_qcopy_matrix_start(const rf_box *b, int ndim, uint64_t l, int64_t *idx);
+/* Matrix l of a transfer from checked source item s (rows of the tensor's dtype, not FP8)
+ * into checked FP8 item d, as a quantizer takes it: where its rows start on both sides and
+ * its scales, strides in elements (the source's), bytes (FP8) and scales. */
+typedef struct rf_qcopy_matrix {
+    const uint8_t *src;
+    int64_t src_row_stride;
+    uint8_t *q;
+    int64_t q_row_stride;
+    uint8_t *scales;
+    int64_t scale_row_stride;
+} rf_qcopy_matrix;
+void rf_qcopy_matrix_at(const rf_xfer_item *s, const rf_xfer_item *d, uint64_t l,
+                        rf_qcopy_matrix *m);
 /* The checks of a quantized item: its format, dtype, bytes; dst, or a source that is itself an
  * FP8 piece (piece.quant: a trainer holding the weight in FP8, a replica that relays): the FP8
  * piece (esize 1) and its scales' memory, else the source piece (its dtype's esize, rows

@@ -648,33 +648,23 @@ static int add_qops(rf_xfer_local *t, const rf_xfer_msg *m, const rf_xfer_item *
                     const rf_xfer_item *dd, rf_quant_cuda_op **ops, uint64_t *n, uint64_t *cap)
 {
     const rf_xfer_quant *x = &dd->quant;
-    int nd = dd->ndim, L = nd - 2, rc;
     qshape q = qshape_of(dd);
-    int64_t shape[RF_MAX_DIMS] = {0}, idx[RF_MAX_DIMS], sidx[RF_MAX_DIMS];
-    rf_box sb;
+    int rc;
 
-    if (x->scale.strides[nd - 1] != 1)
+    if (x->scale.strides[dd->ndim - 1] != 1)
         return fail(t, -ENOTSUP, "local message seq %u: the scales of an FP8 piece lie %lld "
                     "apart in a row; the GPU quantizer writes each row of scales contiguous",
-                    m->seq, (long long)x->scale.strides[nd - 1]);
-    shape[L] = x->rows;
-    shape[L + 1] = x->cols;
-    rf_inv_scale_box(&x->q, nd, shape, &dd->box, &sb);
+                    m->seq, (long long)x->scale.strides[dd->ndim - 1]);
     if ((rc = grow(t, (void **)ops, cap, *n + q.nm, sizeof(**ops))) < 0)
         return rc;
     for (uint64_t l = 0; l < q.nm; l++) {
-        rf_qcopy_matrix_start(&dd->box, nd, l, idx);
-        memcpy(sidx, idx, sizeof(sidx));
-        sidx[L] = sb.start[L];
-        sidx[L + 1] = sb.start[L + 1];
+        rf_qcopy_matrix mx;
+
+        rf_qcopy_matrix_at(s, dd, l, &mx);
         (*ops)[(*n)++] = (rf_quant_cuda_op){
-            .fmt = q.f, .dt = x->dt,
-            .src = s->base + rf_piece_byte_offset(&s->piece, nd, s->esize, idx),
-            .src_row_stride = s->piece.strides[L], .rows = q.rows, .cols = q.cols,
-            .q = dd->base + rf_piece_byte_offset(&dd->piece, nd, 1, idx),
-            .q_row_stride = dd->piece.strides[L],
-            .scales = x->scale_base + rf_piece_byte_offset(&x->scale, nd, q.ses, sidx),
-            .scale_row_stride = x->scale.strides[L]};
+            .fmt = q.f, .dt = x->dt, .src = mx.src, .src_row_stride = mx.src_row_stride,
+            .rows = q.rows, .cols = q.cols, .q = mx.q, .q_row_stride = mx.q_row_stride,
+            .scales = mx.scales, .scale_row_stride = mx.scale_row_stride};
     }
     return 0;
 }

@@ -7,6 +7,10 @@
 #   block (128x128) with verify = full: the receiverd digests every installed FP8 byte and
 #   scale against the bf16 source quantized on the host; channel, mxfp8 and block:64x64 with
 #   padded scale rows on VMM memory; a flipped FP8 element is caught by the engines' check.
+#   Quantized on the receiver: engines tp=1 in block:96x96 from trainers tp=2, whose halves
+#   cut the blocks: those transfers land in a shadow on the GPU beside the piece, which the
+#   GPU quantizes once the refit's copies landed (the receiverd's, and an in-process engine's
+#   own installer's).
 . "$(dirname "$0")/../e2e/lib.sh"
 if ! nvidia-smi -L >/dev/null 2>&1; then
     echo "skipped: no CUDA device"
@@ -16,17 +20,18 @@ export NCCL_NVLS_ENABLE=0
 E2E_LOCAL_COPY=auto
 BASE_COMMON="$E2E_COMMON --transport nccl --refit-timeout-s 120"
 
-# run_case NAME VERIFY N FORMAT [sim flags]: qwen3-0.6b tp=2 -> tp=4, N versions; ENG_FLAGS
-# for the engine alone.
+# run_case NAME VERIFY N FORMAT [sim flags]: qwen3-0.6b tp=2 -> tp=4 (ENG_LAYOUT), N versions;
+# ENG_FLAGS for the engine alone (ENG_RANKS its ranks); QR=1: the receiverd must have quantized
+# shadows.
 run_case() {
     local name=$1 verify=$2 n=$3 fmt=$4
     shift 4
     E2E_COMMON="$BASE_COMMON --verify $verify"
     E2E_PUBLISHERS=1 E2E_RECEIVERS=1
     start_publisher 0 2
-    start_receiver 0 4
-    start_engine "${name}_eng" 0 --model qwen3-0.6b --layout tp=4 --versions "$n" \
-        --device cuda:0 --fp8 "$fmt" --timeout-ms 300000 ${ENG_FLAGS:-} "$@"
+    start_receiver 0 "${ENG_RANKS:-4}"
+    start_engine "${name}_eng" 0 --model qwen3-0.6b --layout "${ENG_LAYOUT:-tp=4}" \
+        --versions "$n" --device cuda:0 --fp8 "$fmt" --timeout-ms 300000 ${ENG_FLAGS:-} "$@"
     start_trainer "${name}_tr" 0 --model qwen3-0.6b --layout tp=2 --versions "$n" \
         --device cuda:0 --timeout-ms 300000 "$@"
     wait_ok "${name}_tr" "${name}_eng"
@@ -35,6 +40,11 @@ run_case() {
     grep -q "fp8 $fmt: [1-9][0-9]* pieces FP8" "$E2E_DIR/${name}_eng.log" ||
         fail "$name: the engines hold no FP8 piece"
     grep -q "version $n: moved" "$E2E_DIR/recv0.log" || fail "$name: no local copy of version $n"
+    if [ "${QR:-0}" = 1 ]; then
+        grep -q "version $n: quantized on the receiver: [1-9][0-9]* runs" "$E2E_DIR/recv0.log" ||
+            fail "$name: the receiverd quantized no shadow"
+        grep "version $n: quantized on the receiver" "$E2E_DIR/recv0.log" | tail -n 1
+    fi
     grep "fp8 $fmt:" "$E2E_DIR/${name}_eng.log" | head -n 1
     grep "version $n: moved" "$E2E_DIR/recv0.log" | tail -n 1
     echo "ok: $name: $n FP8 refits on one GPU ($fmt, verify $verify), every FP8 byte and scale checked"
@@ -43,11 +53,15 @@ run_case() {
     mv "$E2E_DIR/recv0.log" "$E2E_DIR/${name}_recv0.log"
 }
 
-want() { case " ${GPU_CASES:-block channel mxfp8 block64 corrupt} " in *" $1 "*) return 0 ;; esac; return 1; }
+want() { case " ${GPU_CASES:-block channel mxfp8 block64 shadow shadowinproc corrupt} " in *" $1 "*) return 0 ;; esac; return 1; }
 want block && run_case block full 2 block
 want channel && run_case channel sample 2 channel --cuda-vmm
 want mxfp8 && run_case mxfp8 full 2 mxfp8 --cuda-vmm
 want block64 && ENG_FLAGS="--fp8-scale-pad 4" run_case block64 sample 3 block:64x64
+want shadow && ENG_LAYOUT=tp=1 ENG_RANKS=1 QR=1 run_case shadow full 2 block:96x96 --shrink 4 \
+    --cuda-vmm
+want shadowinproc && ENG_LAYOUT=tp=1 ENG_RANKS=1 ENG_FLAGS=--inproc run_case shadowinproc sample 2 \
+    block:96x96 --shrink 4
 want corrupt || exit 0
 
 # The engines' check catches one flipped FP8 element in GPU memory (flipped after version 1
