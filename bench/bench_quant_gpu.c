@@ -157,8 +157,14 @@ int main(int argc, char **argv)
     rf_quant_cuda_plan *pl;
     rf_err err = {0};
 
+    int ndev = 0;
+
     if (!ops || !first)
         return 1;
+    if (cudaGetDeviceCount(&ndev) != cudaSuccess || ndev == 0) {
+        printf("skipped: no CUDA device\n");
+        return 0;
+    }
     CK(cudaSetDevice(0));
     for (int m = 0; m < NMAT; m++) {
         uint64_t r = m % 2 ? 2048 : 1536, c = m % 2 ? 768 : 2048;

@@ -836,6 +836,8 @@ static void flip(const sim_rank *r, uint8_t *p)
             fprintf(stderr, "rank %d: cannot flip a byte on GPU %d\n", r->rank, r->gpu);
         return;
     }
+#else
+    (void)r;
 #endif
     *p ^= 1;
 }

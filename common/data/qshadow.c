@@ -41,6 +41,8 @@ int rf_qshadow_quantize(const rf_qshadow *sh, const rf_xfer_item *src, const rf_
 #ifdef RF_HAVE_CUDA
     if (sh->dev >= 0)
         return rf_qshadow__cuda_quantize(sh, src, dst, err);
+#else
+    (void)sh;
 #endif
     if (dst->bytes > *cap) {
         uint8_t *n = realloc(*tmp, dst->bytes);
