@@ -38,7 +38,8 @@ static void usage(FILE *f)
             "                     whose box lies on the grid of FORMAT (block, block:RxC,\n"
             "                     channel, tensor, mxfp8) is float8_e4m3fn with scales, each\n"
             "                     version's values quantized by the reference; engines need\n"
-            "                     FP8 pieces of the same format for them (host memory only)\n"
+            "                     FP8 pieces of the same format for them (on GPUs: local copies;\n"
+            "                     NCCL does not carry FP8 yet)\n"
             "  --step-ms T        wait T ms after each release before writing the next version,\n"
             "                     as a training step would (default 0)\n"
             "  --hold V           then write version V's weights without publishing them and\n"
@@ -152,11 +153,6 @@ int main(int argc, char **argv)
         }
     }
     setvbuf(stdout, NULL, _IOLBF, 0);
-    if (so.fp8 && strcmp(so.device, "host") != 0) {
-        fprintf(stderr, "refit-sim-trainer: --fp8 holds weights in host memory only (FP8 "
-                "sources are copied on the host path)\n");
-        return 2;
-    }
     if (sim_open(&s, RF_SRC, &so) < 0)
         return 2;
     if (sim_register(&s, so.timeout_ms) < 0)

@@ -798,7 +798,8 @@ out:
 
 #ifdef RF_HAVE_CUDA
 /* The FP8 pieces of a rank on a GPU: its memory copied to the host, then verify_fp8 on the
- * copy, against the same scalar reference. */
+ * copy, against the same scalar reference; with v->fill (a trainer's pieces) the reference
+ * is written into the copy, which goes back to the GPU. */
 static void verify_fp8_gpu(verify_ctx *v, const sim_rank *r)
 {
     sim_rank h = *r;
@@ -820,6 +821,10 @@ static void verify_fp8_gpu(verify_ctx *v, const sim_rank *r)
         v->p = &r->pieces[k];
         if (v->p->quant)
             verify_fp8(v, &h, v->p);
+    }
+    if (v->fill && sim_cuda_write(r->gpu, r->mem, mem, r->mem_size) < 0) {
+        fprintf(stderr, "rank %d: cannot write its FP8 pieces to GPU %d\n", r->rank, r->gpu);
+        v->wrong++;
     }
 out:
     free(mem);
@@ -900,6 +905,13 @@ void sim_fill(sim *s, uint64_t version)
                 fprintf(stderr, "rank %d: cannot fill version %llu on GPU %d\n",
                         s->ranks[i].rank, (unsigned long long)version, s->ranks[i].gpu);
             free(g);
+            if (s->fp8) {
+                /* A trainer's FP8 pieces: the reference written on the host, then copied. */
+                verify_ctx v = {.s = s, .rank = s->ranks[i].rank, .version = version,
+                                .fill = true};
+
+                verify_fp8_gpu(&v, &s->ranks[i]);
+            }
             continue;
         }
 #endif

@@ -222,6 +222,13 @@ extern "C" int sim_cuda_read(int gpu, void *dst, const void *src, uint64_t size)
     return 0;
 }
 
+extern "C" int sim_cuda_write(int gpu, void *dst, const void *src, uint64_t size)
+{
+    SIM_CUDA(cudaSetDevice(gpu));
+    SIM_CUDA(cudaMemcpy(dst, src, size, cudaMemcpyHostToDevice));
+    return 0;
+}
+
 extern "C" int sim_cuda_flip(int gpu, uint8_t *p)
 {
     uint8_t b;

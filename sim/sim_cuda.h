@@ -41,8 +41,9 @@ int sim_cuda_alloc(int gpu, uint64_t size, int vmm, uint64_t vmm_chunk, void **p
                    void **state);
 void sim_cuda_free(int gpu, void *ptr, void *state);
 int sim_cuda_memset(int gpu, void *ptr, int byte, uint64_t size);
-/* size bytes of GPU memory copied to the host; bit 0 of the byte at p flipped. */
+/* size bytes of GPU memory copied to the host, or from it; bit 0 of the byte at p flipped. */
 int sim_cuda_read(int gpu, void *dst, const void *src, uint64_t size);
+int sim_cuda_write(int gpu, void *dst, const void *src, uint64_t size);
 int sim_cuda_flip(int gpu, uint8_t *p);
 int sim_cuda_fill(int gpu, const sim_gpu_piece *p, uint32_t n, uint64_t version);
 /* Number of wrong elements over the n pieces (UINT64_MAX on a CUDA failure); *bad the first. */

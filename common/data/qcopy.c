@@ -186,6 +186,12 @@ static void move(const rf_xfer_item *it, uint8_t *payload, bool to_payload)
     rf_copy_run(&d, payload, to_payload);
 }
 
+void rf_qcopy_descs(const rf_xfer_item *it, rf_copy_desc *elems, rf_copy_desc *scales)
+{
+    rf_copy_desc_set(elems, it->base, &it->piece, it->ndim, 1, &it->box, 0);
+    scale_desc(it, 0, scales);
+}
+
 void rf_qcopy_unpack(const rf_xfer_item *it, const uint8_t *in)
 {
     move(it, (uint8_t *)in, false);

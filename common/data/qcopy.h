@@ -9,6 +9,7 @@
 #include <stdbool.h>
 #include <stdint.h>
 
+#include "copy.h"
 #include "err.h"
 #include "xfer.h"
 
@@ -44,6 +45,9 @@ int rf_qcopy_check(const rf_xfer_item *it, bool dst, rf_err *err);
 void rf_qcopy_pack(const rf_xfer_item *it, uint8_t *out);
 /* Writes payload in (it->bytes) into checked destination item it's FP8 piece and scales. */
 void rf_qcopy_unpack(const rf_xfer_item *it, const uint8_t *in);
+/* The copy descriptors of checked FP8 item it (an FP8 piece, either side): its elements (one
+ * byte each, its box) and its scales (the box's blocks), offsets 0. */
+void rf_qcopy_descs(const rf_xfer_item *it, rf_copy_desc *elems, rf_copy_desc *scales);
 /* Reads back what rf_qcopy_unpack wrote, in payload order (for the digest of what was
  * installed). */
 void rf_qcopy_read(const rf_xfer_item *it, uint8_t *out);

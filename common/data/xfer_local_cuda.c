@@ -460,39 +460,72 @@ static qshape qshape_of(const rf_xfer_item *d)
     return q;
 }
 
+/* Bytes [a, b) of FP8 item it's payload (its elements row-major, then its scales) gathered
+ * to scratch offset off + (payload offset): descriptors appended to *arr (*n of *cap). */
+static int fp8_span(rf_xfer_local *t, const rf_xfer_item *it, const qshape *q, uint64_t a,
+                    uint64_t b, uint64_t off, rf_copy_desc **arr, uint64_t *n, uint64_t *cap)
+{
+    const rf_xfer_quant *x = &it->quant;
+    int nd = it->ndim, L = nd - 2, nb;
+    rf_box bx[RF_COPY_SPAN_MAX], sb;
+    int64_t shape[RF_MAX_DIMS] = {0};
+    int rc;
+
+    shape[L] = x->rows;
+    shape[L + 1] = x->cols;
+    rf_inv_scale_box(&x->q, nd, shape, &it->box, &sb);
+    if (a < q->fp8) {
+        uint64_t ea = a, eb = b < q->fp8 ? b : q->fp8;
+
+        nb = rf_copy_box_span(&it->box, nd, ea, eb, bx);
+        if ((rc = grow(t, (void **)arr, cap, *n + (uint64_t)nb, sizeof(rf_copy_desc))) < 0)
+            return rc;
+        for (int j = 0; j < nb; j++) {
+            rf_copy_desc_set(&(*arr)[(*n)++], it->base, &it->piece, nd, 1, &bx[j], off + ea);
+            ea += (uint64_t)rf_box_numel(&bx[j], nd);
+        }
+    }
+    if (b > q->fp8) {
+        uint64_t ea = (a > q->fp8 ? a - q->fp8 : 0) / q->ses;
+        uint64_t eb = (b - q->fp8 + q->ses - 1) / q->ses;
+
+        nb = rf_copy_box_span(&sb, nd, ea, eb, bx);
+        if ((rc = grow(t, (void **)arr, cap, *n + (uint64_t)nb, sizeof(rf_copy_desc))) < 0)
+            return rc;
+        for (int j = 0; j < nb; j++) {
+            /* A scale that straddles the segment's start lands in the PAD before it. */
+            rf_copy_desc_set(&(*arr)[(*n)++], x->scale_base, &x->scale, nd, q->ses, &bx[j],
+                             off + q->fp8 + ea * q->ses);
+            ea += (uint64_t)rf_box_numel(&bx[j], nd);
+        }
+    }
+    return 0;
+}
+
 /* Item k's bytes [a, b) (of its payload) in segment sg of a verified message: the destination
- * side gathers its FP8 elements and scales; the source side's units [u0, u1) are the rows of
- * blocks those bytes come from, each gathered from the bf16 source whole. */
+ * side gathers its FP8 elements and scales; the source side gathers the same of an FP8 source,
+ * else its units [ua, ub), the rows of blocks those bytes come from, each gathered from the
+ * bf16 source whole (quantized on the host when digested). */
 static int verify_quant_item(rf_xfer_local *t, gplan *pl, vbuild *vb, const vseg *sg,
                              uint32_t k, uint64_t a, uint64_t b)
 {
     const rf_xfer_msg *m = &t->base.job->msgs[sg->msg];
     const rf_xfer_item *d = &m->items[k], *s = &m->src_items[k];
-    const rf_xfer_quant *x = &d->quant;
     qshape q = qshape_of(d);
-    int nd = d->ndim, L = nd - 2, nb;
-    rf_box bx[RF_COPY_SPAN_MAX], sb;
-    int64_t shape[RF_MAX_DIMS] = {0};
+    int nd = d->ndim, L = nd - 2;
     uint64_t mat = q.rows * q.cols, ua = UINT64_MAX, ub = 0;
+    uint64_t off = sg->off + PAD + d->msg_off - sg->lo;
     int rc;
 
-    shape[L] = x->rows;
-    shape[L + 1] = x->cols;
-    rf_inv_scale_box(&x->q, nd, shape, &d->box, &sb);
+    if ((rc = fp8_span(t, d, &q, a, b, off, &pl->vdst, &vb->ndst, &vb->capdst)) < 0)
+        return rc;
+    if (s->piece.quant != 0)
+        return fp8_span(t, s, &q, a, b, off, &pl->vsrc, &vb->nsrc, &vb->capsrc);
     if (a < q.fp8) {
-        uint64_t ea = a, eb = b < q.fp8 ? b : q.fp8;
+        uint64_t eb = b < q.fp8 ? b : q.fp8;
 
-        ua = (ea / mat) * q.srows + (ea % mat) / q.cols / q.bh;
+        ua = (a / mat) * q.srows + (a % mat) / q.cols / q.bh;
         ub = ((eb - 1) / mat) * q.srows + ((eb - 1) % mat) / q.cols / q.bh + 1;
-        nb = rf_copy_box_span(&d->box, nd, ea, eb, bx);
-        if ((rc = grow(t, (void **)&pl->vdst, &vb->capdst, vb->ndst + (uint64_t)nb,
-                       sizeof(rf_copy_desc))) < 0)
-            return rc;
-        for (int j = 0; j < nb; j++) {
-            rf_copy_desc_set(&pl->vdst[vb->ndst++], d->base, &d->piece, nd, 1, &bx[j],
-                             sg->off + PAD + d->msg_off + ea - sg->lo);
-            ea += (uint64_t)rf_box_numel(&bx[j], nd);
-        }
     }
     if (b > q.fp8) {
         uint64_t ea = (a > q.fp8 ? a - q.fp8 : 0) / q.ses;
@@ -500,16 +533,6 @@ static int verify_quant_item(rf_xfer_local *t, gplan *pl, vbuild *vb, const vseg
 
         ua = ua < ea / q.scols ? ua : ea / q.scols;
         ub = ub > (eb - 1) / q.scols + 1 ? ub : (eb - 1) / q.scols + 1;
-        nb = rf_copy_box_span(&sb, nd, ea, eb, bx);
-        if ((rc = grow(t, (void **)&pl->vdst, &vb->capdst, vb->ndst + (uint64_t)nb,
-                       sizeof(rf_copy_desc))) < 0)
-            return rc;
-        for (int j = 0; j < nb; j++) {
-            /* A scale that straddles the segment's start lands in the PAD before it. */
-            rf_copy_desc_set(&pl->vdst[vb->ndst++], x->scale_base, &x->scale, nd, q.ses, &bx[j],
-                             sg->off + PAD + d->msg_off + q.fp8 + ea * q.ses - sg->lo);
-            ea += (uint64_t)rf_box_numel(&bx[j], nd);
-        }
     }
     /* The units between the two parts' are gathered too when both parts lie in the segment:
      * a few rows of blocks at most, since a segment is a scratch long. */
@@ -670,16 +693,58 @@ static int add_qops(rf_xfer_local *t, const rf_xfer_msg *m, const rf_xfer_item *
 }
 
 /* Derives the plan of execution of the running job. */
+/* What plan_build gathers per device: the pair kernel's pairs (kp, kn of kcap) and the copy
+ * engines' ops (in pl->ops, on of ocap); pairs of mmin bytes or more in one run, or rows of
+ * such runs, go to the copy engines. */
+typedef struct pbuild {
+    rf_copy_pair **kp;
+    uint64_t *kn, *kcap, *on, *ocap;
+    uint64_t mmin;
+} pbuild;
+
+/* Pair p of item k of local message m, in batch b on device slot d: checked, then to the copy
+ * engines or the pair kernel. */
+static int add_pair(rf_xfer_local *t, pbuild *pb, uint32_t b, uint32_t d, const rf_xfer_msg *m,
+                    uint32_t k, const rf_copy_pair *p)
+{
+    gplan *pl = &t->g->pl;
+    rf_copy_pair_flat f;
+    rf_err err = {0};
+    int rc;
+
+    if ((rc = rf_copy_pair_check(p, k, &err)) < 0)
+        return fail(t, rc, "local message seq %u: %s", m->seq, err.msg);
+    rf_copy_pair_flatten(p, &f);
+    if ((f.n == 0 && f.bytes >= pb->mmin) ||
+        (f.n == 1 && f.run >= pb->mmin / 8 && f.bytes >= pb->mmin &&
+         f.sstr[0] >= (int64_t)f.run && f.dstr[0] >= (int64_t)f.run)) {
+        if ((rc = grow(t, (void **)&pl->ops[d], &pb->ocap[d], pb->on[d] + 1, sizeof(ceop))) < 0)
+            return rc;
+        pl->bstat[b][BS_CE] += f.bytes;
+        pl->ops[d][pb->on[d]++] = (ceop){
+            .src = f.src, .dst = f.dst, .width = f.run,
+            .height = f.n == 0 ? 1 : (uint64_t)f.ext[0],
+            .spitch = f.n == 0 ? f.run : (uint64_t)f.sstr[0],
+            .dpitch = f.n == 0 ? f.run : (uint64_t)f.dstr[0]};
+        return 0;
+    }
+    if ((rc = grow(t, (void **)&pb->kp[d], &pb->kcap[d], pb->kn[d] + 1, sizeof(*p))) < 0)
+        return rc;
+    pb->kp[d][pb->kn[d]++] = *p;
+    stat_pair(pl->bstat[b], &f);
+    return 0;
+}
+
 static int plan_build(rf_xfer_local *t)
 {
     const rf_xfer_job *job = t->base.job;
     gplan *pl = &t->g->pl;
-    rf_copy_pair **kp = NULL, p;
+    pbuild pb = {.mmin = t->gpu_memcpy_min ? t->gpu_memcpy_min : MEMCPY_MIN};
+    rf_copy_pair p;
     rf_quant_cuda_op **qp = NULL;
-    uint64_t *kn = NULL, *kcap = NULL, *on = NULL, *ocap = NULL, *qn = NULL, *qcap = NULL;
+    uint64_t *qn = NULL, *qcap = NULL;
     uint64_t batch_bytes = 0;
     uint64_t batch = t->gpu_batch ? t->gpu_batch : BATCH;
-    uint64_t mmin = t->gpu_memcpy_min ? t->gpu_memcpy_min : MEMCPY_MIN;
     vbuild vb = {0};
     rf_err err;
     uint32_t i, k, d, b;
@@ -746,11 +811,11 @@ static int plan_build(rf_xfer_local *t)
     pl->uneed = calloc(pl->ndev, sizeof(uint64_t));
     pl->bwin = calloc((size_t)pl->nbatches + 1, sizeof(uint32_t));
     pl->bstat = calloc((size_t)pl->nbatches + 1, sizeof(*pl->bstat));
-    kp = calloc(pl->ndev, sizeof(*kp));
-    kn = calloc(pl->ndev, sizeof(*kn));
-    kcap = calloc(pl->ndev, sizeof(*kcap));
-    on = calloc(pl->ndev, sizeof(*on));
-    ocap = calloc(pl->ndev, sizeof(*ocap));
+    pb.kp = calloc(pl->ndev, sizeof(*pb.kp));
+    pb.kn = calloc(pl->ndev, sizeof(*pb.kn));
+    pb.kcap = calloc(pl->ndev, sizeof(*pb.kcap));
+    pb.on = calloc(pl->ndev, sizeof(*pb.on));
+    pb.ocap = calloc(pl->ndev, sizeof(*pb.ocap));
     qp = calloc(pl->ndev, sizeof(*qp));
     qn = calloc(pl->ndev, sizeof(*qn));
     qcap = calloc(pl->ndev, sizeof(*qcap));
@@ -758,15 +823,15 @@ static int plan_build(rf_xfer_local *t)
         rf_xfer__local_alloc(t, 0);
     if (!pl->kplan || !pl->ops || !pl->kfirst || !pl->kcount || !pl->ofirst || !pl->ocount ||
         !pl->qplan || !pl->qfirst || !pl->qcount || !pl->uneed || !pl->bwin || !pl->bstat ||
-        !kp || !kn || !kcap || !on || !ocap || !qp || !qn || !qcap) {
+        !pb.kp || !pb.kn || !pb.kcap || !pb.on || !pb.ocap || !qp || !qn || !qcap) {
         rc = fail(t, -ENOMEM, "out of memory planning %u local messages", job->nmsgs);
         goto out;
     }
     /* Each pair to the kernel or the copy engines, in batch order per device. */
     for (b = 0; b < pl->nbatches; b++) {
         for (d = 0; d < pl->ndev; d++) {
-            pl->kfirst[(size_t)b * pl->ndev + d] = kn[d];
-            pl->ofirst[(size_t)b * pl->ndev + d] = on[d];
+            pl->kfirst[(size_t)b * pl->ndev + d] = pb.kn[d];
+            pl->ofirst[(size_t)b * pl->ndev + d] = pb.on[d];
             pl->qfirst[(size_t)b * pl->ndev + d] = qn[d];
         }
         for (i = pl->bmsg[b]; i < pl->bmsg[b + 1]; i++) {
@@ -775,7 +840,6 @@ static int plan_build(rf_xfer_local *t)
             d = pl->mdev[i];
             for (k = 0; k < m->nitems; k++) {
                 const rf_xfer_item *s = &m->src_items[k], *dd = &m->items[k];
-                rf_copy_pair_flat f;
 
                 if (dd->quant.q.kind != 0) {
                     /* FP8 (issue 15): quantized from the source's rows into the piece. */
@@ -787,10 +851,23 @@ static int plan_build(rf_xfer_local *t)
                         goto out;
                     }
                     if (s->piece.quant != 0) {
-                        rc = fail(t, -ENOTSUP, "local message seq %u item %u: copying a "
-                                  "trainer's FP8 piece into GPU memory is not built yet (FP8 "
-                                  "sources are served on the host path)", m->seq, k);
-                        goto out;
+                        /* An FP8 source of the same format: its elements and its blocks'
+                         * scales copied as they are, two pairs. */
+                        rf_copy_pair sp;
+
+                        if (s->quant.q.kind != dd->quant.q.kind ||
+                            s->quant.q.br != dd->quant.q.br || s->quant.q.bc != dd->quant.q.bc) {
+                            rc = fail(t, -EINVAL, "local message seq %u item %u: an FP8 source "
+                                      "of another format than its destination's: the job was "
+                                      "built wrong", m->seq, k);
+                            goto out;
+                        }
+                        rf_qcopy_descs(s, &p.src, &sp.src);
+                        rf_qcopy_descs(dd, &p.dst, &sp.dst);
+                        if ((rc = add_pair(t, &pb, b, d, m, k, &p)) < 0 ||
+                            (rc = add_pair(t, &pb, b, d, m, k, &sp)) < 0)
+                            goto out;
+                        continue;
                     }
                     if ((rc = add_qops(t, m, s, dd, &qp[d], &qn[d], &qcap[d])) < 0)
                         goto out;
@@ -799,35 +876,13 @@ static int plan_build(rf_xfer_local *t)
                 }
                 rf_copy_desc_set(&p.src, s->base, &s->piece, s->ndim, s->esize, &s->box, 0);
                 rf_copy_desc_set(&p.dst, dd->base, &dd->piece, dd->ndim, dd->esize, &dd->box, 0);
-                rf_err_clear(&err);
-                if ((rc = rf_copy_pair_check(&p, k, &err)) < 0) {
-                    rc = fail(t, rc, "local message seq %u: %s", m->seq, err.msg);
+                if ((rc = add_pair(t, &pb, b, d, m, k, &p)) < 0)
                     goto out;
-                }
-                rf_copy_pair_flatten(&p, &f);
-                if ((f.n == 0 && f.bytes >= mmin) ||
-                    (f.n == 1 && f.run >= mmin / 8 && f.bytes >= mmin &&
-                     f.sstr[0] >= (int64_t)f.run && f.dstr[0] >= (int64_t)f.run)) {
-                    if ((rc = grow(t, (void **)&pl->ops[d], &ocap[d], on[d] + 1,
-                                   sizeof(ceop))) < 0)
-                        goto out;
-                    pl->bstat[b][BS_CE] += f.bytes;
-                    pl->ops[d][on[d]++] = (ceop){
-                        .src = f.src, .dst = f.dst, .width = f.run,
-                        .height = f.n == 0 ? 1 : (uint64_t)f.ext[0],
-                        .spitch = f.n == 0 ? f.run : (uint64_t)f.sstr[0],
-                        .dpitch = f.n == 0 ? f.run : (uint64_t)f.dstr[0]};
-                } else {
-                    if ((rc = grow(t, (void **)&kp[d], &kcap[d], kn[d] + 1, sizeof(p))) < 0)
-                        goto out;
-                    kp[d][kn[d]++] = p;
-                    stat_pair(pl->bstat[b], &f);
-                }
             }
         }
         for (d = 0; d < pl->ndev; d++) {
-            pl->kcount[(size_t)b * pl->ndev + d] = kn[d] - pl->kfirst[(size_t)b * pl->ndev + d];
-            pl->ocount[(size_t)b * pl->ndev + d] = on[d] - pl->ofirst[(size_t)b * pl->ndev + d];
+            pl->kcount[(size_t)b * pl->ndev + d] = pb.kn[d] - pl->kfirst[(size_t)b * pl->ndev + d];
+            pl->ocount[(size_t)b * pl->ndev + d] = pb.on[d] - pl->ofirst[(size_t)b * pl->ndev + d];
             pl->qcount[(size_t)b * pl->ndev + d] = qn[d] - pl->qfirst[(size_t)b * pl->ndev + d];
         }
     }
@@ -835,9 +890,9 @@ static int plan_build(rf_xfer_local *t)
     for (d = 0; d < pl->ndev; d++) {
         rf_err_clear(&err);
         if (cudaSetDevice(t->g->devs[d].dev) != cudaSuccess ||
-            (rc = rf_copy_cuda_plan_new(kp[d], kn[d], &pl->kplan[d], &err)) < 0) {
+            (rc = rf_copy_cuda_plan_new(pb.kp[d], pb.kn[d], &pl->kplan[d], &err)) < 0) {
             rc = fail(t, rc < 0 ? rc : -EIO, "uploading %llu copy descriptors to GPU %d: %s",
-                      (unsigned long long)kn[d], t->g->devs[d].dev, err.msg);
+                      (unsigned long long)pb.kn[d], t->g->devs[d].dev, err.msg);
             goto out;
         }
         rf_xfer__local_alloc(t, (int64_t)rf_copy_cuda_plan_bytes(pl->kplan[d]));
@@ -886,16 +941,16 @@ static int plan_build(rf_xfer_local *t)
     pl->key = job->plan_key;
     pl->verify = job->verify;
     pl->batch = batch;
-    pl->memcpy_min = mmin;
+    pl->memcpy_min = pb.mmin;
     pl->valid = true;
 out:
-    for (d = 0; kp && d < pl->ndev; d++)
-        free(kp[d]);
-    free(kp);
-    free(kn);
-    free(kcap);
-    free(on);
-    free(ocap);
+    for (d = 0; pb.kp && d < pl->ndev; d++)
+        free(pb.kp[d]);
+    free(pb.kp);
+    free(pb.kn);
+    free(pb.kcap);
+    free(pb.on);
+    free(pb.ocap);
     for (d = 0; qp && d < pl->ndev; d++)
         free(qp[d]);
     free(qp);
