@@ -851,17 +851,11 @@ static int plan_build(rf_xfer_local *t)
                         goto out;
                     }
                     if (s->piece.quant != 0) {
-                        /* An FP8 source of the same format: its elements and its blocks'
-                         * scales copied as they are, two pairs. */
+                        /* An FP8 source of the same format (the slice checked both ends
+                         * against the transfer's): its elements and its blocks' scales
+                         * copied as they are, two pairs. */
                         rf_copy_pair sp;
 
-                        if (s->quant.q.kind != dd->quant.q.kind ||
-                            s->quant.q.br != dd->quant.q.br || s->quant.q.bc != dd->quant.q.bc) {
-                            rc = fail(t, -EINVAL, "local message seq %u item %u: an FP8 source "
-                                      "of another format than its destination's: the job was "
-                                      "built wrong", m->seq, k);
-                            goto out;
-                        }
                         rf_qcopy_descs(s, &p.src, &sp.src);
                         rf_qcopy_descs(dd, &p.dst, &sp.dst);
                         if ((rc = add_pair(t, &pb, b, d, m, k, &p)) < 0 ||
