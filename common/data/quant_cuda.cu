@@ -393,8 +393,8 @@ static __device__ __forceinline__ void tile_quant_v(const tile &t, const typenam
  *    (0x7E with the sign) and 0x7F.
  * Blocks of finite weights take none of the checks; a block of the register path with Inf or
  * NaN elements is read once too (it was read three times before: the sim's weights put one in
- * most 128x128 blocks, bench/RESULTS.md). The tests hold these to
- * rf_quant_host on every 16-bit pattern, edge blocks and torch. */
+ * most 128x128 blocks, bench/RESULTS.md). The tests hold these to rf_quant_host on every
+ * 16-bit pattern, edge blocks and torch. */
 static __device__ __forceinline__ uint32_t e4m3x2(float hi, float lo)
 {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
@@ -513,9 +513,10 @@ static __device__ __forceinline__ float scale_bf16(const qdesc &o, uint64_t i, u
 /* block_bf16 for a tile whose threads each hold at most one vector of each of at most QREG
  * rows (reg_fits): the tile is read once, every load of a thread in flight together, and
  * quantized from registers, where the two-pass version waited for each load in turn and read
- * the tile twice (bench/RESULTS.md). reg_load reads a thread's vectors, reg_quant takes the
- * block's scale from them and writes their bytes, so the batch kernel can load the next tile
- * before it quantizes this one. */
+ * the tile twice (bench/RESULTS.md): reg_load reads a thread's vectors, reg_quant takes the
+ * block's scale from them and writes their bytes. (Loading the next tile while this one is
+ * quantized, into registers or by cp.async into shared memory, was measured slower through
+ * the daemons.) */
 static __device__ __forceinline__ bool reg_fits(const tile &t)
 {
     return t.nc <= t.wx && t.nr <= (uint64_t)QREG * t.wy;
@@ -692,7 +693,7 @@ static __device__ __noinline__ void any_tile(const qdesc &o, uint64_t tk, uint32
     }
 }
 
-/* Resident blocks per SM the batch kernel's registers must allow: unbounded it takes 106
+/* Resident blocks per SM the batch kernel's registers must allow: unbounded it takes 120
  * registers a thread, 2 blocks an SM; held to 3 (a few bytes spilled, in the rare paths) the
  * FP8 refit of qwen3-30b-a3b ran 0.0502 s against 0.0582 (2) on an H200, bench/RESULTS.md. */
 #define MIN_BLOCKS 3
