@@ -692,7 +692,6 @@ static int add_qops(rf_xfer_local *t, const rf_xfer_msg *m, const rf_xfer_item *
     return 0;
 }
 
-/* Derives the plan of execution of the running job. */
 /* What plan_build gathers per device: the pair kernel's pairs (kp, kn of kcap) and the copy
  * engines' ops (in pl->ops, on of ocap); pairs of mmin bytes or more in one run, or rows of
  * such runs, go to the copy engines. */
@@ -735,6 +734,7 @@ static int add_pair(rf_xfer_local *t, pbuild *pb, uint32_t b, uint32_t d, const 
     return 0;
 }
 
+/* Derives the plan of execution of the running job. */
 static int plan_build(rf_xfer_local *t)
 {
     const rf_xfer_job *job = t->base.job;
