@@ -5,7 +5,8 @@
  * reference (rf_quant_ref) of the trainers' bf16 values; the pattern's random bytes include
  * NaN, Inf, subnormals and values past 448. Also the refusals: an engine box off the grid, a
  * trainer shard that cuts a block. Trainers' FP8 pieces copied into engine FP8 pieces of their
- * format, and refused into another format or bf16. Relays of FP8 replicas in whole blocks. */
+ * format, and refused into another format or bf16. Relays of FP8 replicas in whole blocks. The
+ * helpers the GPU paths place their work with, against the host path's bytes. */
 #include <criterion/criterion.h>
 #include <stdlib.h>
 #include <string.h>
@@ -16,6 +17,8 @@
 #include "layout.h"
 #include "local_world.h"
 #include "plan.h"
+#include "qcopy.h"
+#include "qshadow.h"
 #include "quant.h"
 #include "quant_ref.h"
 #include "slice.h"
@@ -556,4 +559,115 @@ Test(qcopy, fp8_pieces_overlap_at_one_byte_an_element)
     cr_assert_eq(rf_inv_check_dst_overlap(inv, &err), -EINVAL);
     cr_assert(strstr(err.msg, "both write byte 4095"), "%s", err.msg);
     rf_inv_free(inv);
+}
+
+/* The helpers the GPU local copies and the GPU shadows use, held to the host path's bytes on
+ * every FP8 item of a refit's local job: rf_qcopy_descs gathers an FP8 piece's elements and
+ * scales in payload order (rf_qcopy_pack of an FP8 source, rf_qcopy_read of what was
+ * installed); rf_qcopy_matrix_at places each matrix so that rf_quant_host writes into the
+ * piece and its scales exactly what the refit installed. */
+static void gather_fp8(const rf_xfer_item *it, uint8_t *out)
+{
+    rf_copy_desc e, s;
+    uint64_t fp8;
+
+    rf_qcopy_bytes(&it->quant.q, it->ndim, it->quant.rows, it->quant.cols, &it->box, &fp8);
+    rf_qcopy_descs(it, &e, &s);
+    e.staging_off = 0;
+    s.staging_off = fp8;
+    rf_copy_run(&e, out, true);
+    rf_copy_run(&s, out, true);
+}
+
+static void helpers_agree(const char *name, bool fp8_src)
+{
+    rf_quant_fmt q;
+    fixture f;
+    rf_plan *pl = NULL;
+    rf_xfer_job job;
+    rf_err err = {0};
+    uint64_t items = 0;
+
+    cr_assert_eq(rf_quant_fmt_parse(name, &q, &err), 0, "%s", err.msg);
+    build(&f, &q, false, fp8_src);
+    cr_assert_eq(rf_plan_build(f.inv, NULL, &pl, &err), 0, "%s: %s", name, err.msg);
+    run_local(&f, pl, 1, RF_VERIFY_OFF);
+    memset(&job, 0, sizeof(job));
+    cr_assert_eq(rf_slice_local_job_from_plan(pl, f.bases, &job, &err), 0, "%s", err.msg);
+    for (uint32_t i = 0; i < job.nmsgs; i++) {
+        for (uint32_t k = 0; k < job.msgs[i].nitems; k++) {
+            const rf_xfer_item *s = &job.msgs[i].src_items[k], *d = &job.msgs[i].items[k];
+            uint8_t *want = malloc(d->bytes), *got = malloc(d->bytes), *zero;
+            rf_quant_fmt f8 = {d->quant.q.kind, d->quant.q.br, d->quant.q.bc};
+
+            if (d->quant.q.kind == 0)
+                continue;
+            cr_assert(want && got);
+            items++;
+            rf_qcopy_read(d, want);
+            gather_fp8(d, got);
+            cr_assert_eq(memcmp(want, got, d->bytes), 0, "%s: message %u item %u: the "
+                         "destination's descriptors gather other bytes", name, i, k);
+            if (fp8_src) {
+                rf_qcopy_pack(s, want);
+                gather_fp8(s, got);
+                cr_assert_eq(memcmp(want, got, d->bytes), 0, "%s: message %u item %u: the "
+                             "source's descriptors gather other bytes", name, i, k);
+            } else {
+                /* Cleared, then quantized matrix by matrix where rf_qcopy_matrix_at says. */
+                rf_qcopy_read(d, want);
+                cr_assert_not_null(zero = calloc(1, d->bytes));
+                rf_qcopy_unpack(d, zero);
+                free(zero);
+                for (uint64_t l = 0; l < rf_qcopy_nmatrices(&d->box, d->ndim); l++) {
+                    rf_qcopy_matrix m;
+
+                    rf_qcopy_matrix_at(s, d, l, &m);
+                    cr_assert_eq(rf_quant_host(&f8, d->quant.dt, m.src, m.src_row_stride,
+                                               (uint64_t)d->box.extent[d->ndim - 2],
+                                               (uint64_t)d->box.extent[d->ndim - 1], m.q,
+                                               m.q_row_stride, m.scales, m.scale_row_stride,
+                                               &err), 0, "%s", err.msg);
+                }
+                rf_qcopy_read(d, got);
+                cr_assert_eq(memcmp(want, got, d->bytes), 0, "%s: message %u item %u: the "
+                             "matrices quantized where rf_qcopy_matrix_at puts them differ",
+                             name, i, k);
+            }
+            free(want);
+            free(got);
+        }
+    }
+    cr_assert_gt(items, 0, "%s: no FP8 item", name);
+    rf_slice_local_job_free(&job);
+    rf_plan_free(pl);
+    fixture_free(&f);
+}
+
+Test(qcopy, gpu_helpers_place_matrices_as_the_host_does)
+{
+    helpers_agree("block:32x64", false);
+    helpers_agree("channel", false);
+    helpers_agree("mxfp8", false);
+}
+
+Test(qcopy, gpu_helpers_gather_fp8_pieces_in_payload_order)
+{
+    helpers_agree("block:32x64", true);
+    helpers_agree("mxfp8", true);
+}
+
+/* A shadow of a piece in host memory is host memory. */
+Test(qcopy, shadow_of_a_host_piece_is_host_memory)
+{
+    uint8_t piece[64] = {0};
+    rf_qshadow sh;
+    rf_err err = {0};
+
+    cr_assert_eq(rf_qshadow_alloc(&sh, piece, 4096, &err), 0, "%s", err.msg);
+    cr_assert_eq(sh.dev, -1);
+    cr_assert_not_null(sh.buf);
+    memset(sh.buf, 1, 4096);
+    rf_qshadow_free(&sh);
+    cr_assert_null(sh.buf);
 }
