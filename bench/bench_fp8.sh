@@ -10,7 +10,8 @@
 #
 # Environment: BUILD (build), REFITS (6), FORMATS ("none block"), PATHS ("auto off"); MODEL
 # (qwen3-0.6b), SRC (tp=2) and DST (tp=4) layouts with TRAINERS (2) and ENGINES (4) ranks;
-# SIM_FLAGS for both simulated clients (GPU memory: "--device cuda:0 --cuda-vmm"); CHECK=0
+# SIM_FLAGS for both simulated clients (GPU memory: "--device cuda:0 --cuda-vmm"; weights
+# without the simulator's Inf/NaN/0/subnormal edge values: "--finite-weights"); CHECK=0
 # passes --no-check to the engines (models too large to check on the host between refits);
 # DAEMON_FLAGS for both daemons (on GPUs: "--transport nccl --refit-timeout-s 120"); SRC_FP8=1
 # has the trainers hold their decoder layers in the same FP8 format (copied, not quantized).
