@@ -597,11 +597,13 @@ static void helpers_agree(const char *name, bool fp8_src)
     for (uint32_t i = 0; i < job.nmsgs; i++) {
         for (uint32_t k = 0; k < job.msgs[i].nitems; k++) {
             const rf_xfer_item *s = &job.msgs[i].src_items[k], *d = &job.msgs[i].items[k];
-            uint8_t *want = malloc(d->bytes), *got = malloc(d->bytes), *zero;
             rf_quant_fmt f8 = {d->quant.q.kind, d->quant.q.br, d->quant.q.bc};
+            uint8_t *want, *got, *zero;
 
             if (d->quant.q.kind == 0)
                 continue;
+            want = malloc(d->bytes);
+            got = malloc(d->bytes);
             cr_assert(want && got);
             items++;
             rf_qcopy_read(d, want);
