@@ -1074,11 +1074,7 @@ static int enqueue(rf_xfer_local *t, uint32_t b)
     for (d = 0; d < pl->ndev; d++) {
         gdev *G = &g->devs[d];
         size_t x = (size_t)b * pl->ndev + d;
-#ifdef QSAME
-        cudaStream_t cs = G->s[b % NSTREAMS], qs = cs;
-#else
         cudaStream_t cs = G->s[b % NSTREAMS], qs = G->s[(b + 1) % NSTREAMS];
-#endif
 
         CUDA_TRY(&err, cudaSetDevice(G->dev));
         if ((rc = rf_copy_cuda_plan_launch(pl->kplan[d], pl->kfirst[x], pl->kcount[x], cs, 0,
