@@ -144,15 +144,34 @@ void rf_qcopy_matrix_at(const rf_xfer_item *s, const rf_xfer_item *d, uint64_t l
 
 static void move(const rf_xfer_item *it, uint8_t *payload, bool to_payload);
 
+void rf_qcopy_pack_matrix(const rf_xfer_item *it, uint64_t l, uint8_t *out, rf_qcopy_matrix *m)
+{
+    const rf_xfer_quant *x = &it->quant;
+    rf_quant_fmt f = fmt_of(&x->q);
+    int nd = it->ndim;
+    uint64_t rows = (uint64_t)it->box.extent[nd - 2], cols = (uint64_t)it->box.extent[nd - 1];
+    uint64_t fp8, srows, scols;
+    int64_t idx[RF_MAX_DIMS];
+
+    rf_qcopy_bytes(&x->q, nd, x->rows, x->cols, &it->box, &fp8);
+    /* The box lies on the grid (checked): quantized alone it gives the global result. */
+    rf_quant_scale_shape(&f, rows, cols, &srows, &scols, NULL);
+    rf_qcopy_matrix_start(&it->box, nd, l, idx);
+    m->src = it->base + rf_piece_byte_offset(&it->piece, nd, it->esize, idx);
+    m->src_row_stride = it->piece.strides[nd - 2];
+    m->q = out + l * rows * cols;
+    m->q_row_stride = (int64_t)cols;
+    m->scales = out + fp8 + l * srows * scols * rf_dtype_size(rf_quant_scale_dtype(&f));
+    m->scale_row_stride = (int64_t)scols;
+}
+
 void rf_qcopy_pack(const rf_xfer_item *it, uint8_t *out)
 {
     const rf_xfer_quant *x = &it->quant;
     rf_quant_fmt f = fmt_of(&x->q);
     int nd = it->ndim;
     uint64_t rows = (uint64_t)it->box.extent[nd - 2], cols = (uint64_t)it->box.extent[nd - 1];
-    uint64_t nm = rf_qcopy_nmatrices(&it->box, nd), fp8, srows, scols;
-    size_t ses = rf_dtype_size(rf_quant_scale_dtype(&f));
-    int64_t idx[RF_MAX_DIMS];
+    uint64_t nm = rf_qcopy_nmatrices(&it->box, nd);
 
     if (it->piece.quant != 0) {
         /* An FP8 piece (a trainer's, or a replica's that relays): its elements and its
@@ -160,17 +179,12 @@ void rf_qcopy_pack(const rf_xfer_item *it, uint8_t *out)
         move(it, out, true);
         return;
     }
-    rf_qcopy_bytes(&x->q, nd, x->rows, x->cols, &it->box, &fp8);
-    /* The box lies on the grid (checked): quantized alone it gives the global result. */
-    rf_quant_scale_shape(&f, rows, cols, &srows, &scols, NULL);
     for (uint64_t l = 0; l < nm; l++) {
-        const uint8_t *src;
+        rf_qcopy_matrix m;
 
-        rf_qcopy_matrix_start(&it->box, nd, l, idx);
-        src = it->base + rf_piece_byte_offset(&it->piece, nd, it->esize, idx);
-        rf_quant_host(&f, x->dt, src, it->piece.strides[nd - 2], rows, cols,
-                      out + l * rows * cols, (int64_t)cols,
-                      out + fp8 + l * srows * scols * ses, (int64_t)scols, NULL);
+        rf_qcopy_pack_matrix(it, l, out, &m);
+        rf_quant_host(&f, x->dt, m.src, m.src_row_stride, rows, cols, m.q, m.q_row_stride,
+                      m.scales, m.scale_row_stride, NULL);
     }
 }
 

@@ -34,6 +34,10 @@ typedef struct rf_qcopy_matrix {
 } rf_qcopy_matrix;
 void rf_qcopy_matrix_at(const rf_xfer_item *s, const rf_xfer_item *d, uint64_t l,
                         rf_qcopy_matrix *m);
+/* Matrix l of checked source item it (not an FP8 piece) packed into payload out, as
+ * rf_qcopy_pack lays it out (the FP8 elements of each matrix row-major, then each matrix's
+ * scales row-major): where a quantizer reads it and writes it (the GPU sender's kernel). */
+void rf_qcopy_pack_matrix(const rf_xfer_item *it, uint64_t l, uint8_t *out, rf_qcopy_matrix *m);
 /* The checks of a quantized item: its format, dtype, bytes; dst, or a source that is itself an
  * FP8 piece (piece.quant: a trainer holding the weight in FP8, a replica that relays): the FP8
  * piece (esize 1) and its scales' memory, else the source piece (its dtype's esize, rows

@@ -246,20 +246,6 @@ int rf_xfer_job_check(const rf_xfer_job *job, uint32_t npeers, rf_err *err)
     return check_unique_seqs(job, err);
 }
 
-int rf_xfer__no_quant(rf_xfer_core *t, const char *what)
-{
-    const rf_xfer_job *job = t->job;
-
-    for (uint32_t i = 0; i < job->nmsgs; i++)
-        for (uint32_t k = 0; k < job->msgs[i].nitems; k++)
-            if (job->msgs[i].items[k].quant.q.kind != 0)
-                return rf_xfer__fail(t, -ENOTSUP, "message seq %u quantizes to FP8, which %s "
-                                     "does not do yet (issue 15: FP8 engines are served on the "
-                                     "host path: host memory, tcp or local copies)",
-                                     job->msgs[i].seq, what);
-    return 0;
-}
-
 uint8_t *rf_xfer_direct_ptr(const rf_xfer_msg *m)
 {
     const rf_xfer_item *it = &m->items[0];

@@ -105,9 +105,6 @@ double rf_xfer__now(void);
  * later ones are its consequences). Returns the job's code. Worker thread. */
 int rf_xfer__fail(rf_xfer_core *t, int code, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
-/* For transports that do not quantize (NCCL, so far): fails the job with -ENOTSUP when an
- * item is an FP8 transfer (issue 15), naming it; else 0. */
-int rf_xfer__no_quant(rf_xfer_core *t, const char *what);
 /* -ECANCELED after an abort, -ETIMEDOUT past the deadline, else 0: for a step that waits. */
 int rf_xfer__stop(const rf_xfer_core *t);
 /* Peer p's data address, or "?" (no such peer, or none given). */

@@ -1,7 +1,10 @@
 /* common/data/xfer_nccl.c - the nccl transport: moves a job's messages between the cluster's GPU
  * endpoints with NCCL send/recv, one group per round over every local GPU, packed messages
  * gathered into device staging and scattered with the copy kernels; up to SLOTS rounds
- * enqueued at once (two when verifying), over two staging halves. */
+ * enqueued at once (two when verifying), over two staging halves. FP8 (issue 15): the sender
+ * quantizes bf16/fp16/fp32 boxes into staging with the batch quantizer (rf_quant_cuda, the
+ * payload laid out as rf_qcopy_pack lays it), so half the bytes go on the wire; FP8 pieces
+ * (a trainer's, an engine's) are gathered and scattered as two copies, elements and scales. */
 #define RF_LOG_MODULE "xfer_nccl"
 #include "xfer_core.h"
 
@@ -20,6 +23,8 @@
 #include "log.h"
 #include "macros.h"
 #include "mem_cuda.h"
+#include "qcopy.h"
+#include "quant_cuda.h"
 
 /* NCCL's error domain, wrapped once: the call, where, NCCL's code and its last message. */
 static int nccl_fail(rf_err *err, ncclResult_t r, ncclComm_t comm, const char *call,
@@ -88,7 +93,14 @@ typedef struct jstate {
     uint64_t *rbytes;       /* [round * nl + g]: padded packed bytes */
     bool *pair_ok;          /* round r and r + 1 may be in flight together */
     rf_copy_desc *desc;     /* every packed item, gathers and scatters */
-    uint64_t *gfirst, *sfirst; /* [(round * nl + g) * 2 .. +1]: ranges into desc */
+    uint64_t *gfirst, *sfirst; /* [round * nl + g]: ranges into desc, */
+    uint64_t *gn, *sn;         /* of these many */
+    /* FP8 quantized on this side, per GPU: one matrix per op in round order, uploaded once
+     * the GPU's staging is known (the ops write into it) and again if it moves. */
+    uint64_t *qfirst, *qcount; /* [round * nl + g]: ranges into the GPU's plan */
+    uint64_t *qn;              /* per GPU: matrices */
+    rf_quant_cuda_plan **qplan;
+    uint8_t **qarena;          /* per GPU: the staging its plan writes into */
     uint8_t *bounce;        /* host memory for verification */
 } jstate;
 
@@ -314,6 +326,15 @@ out:
 
 static void js_free(jstate *s)
 {
+    for (uint32_t g = 0; s->qplan && g < s->nl; g++)
+        rf_quant_cuda_plan_free(s->qplan[g]);
+    free(s->qplan);
+    free(s->qarena);
+    free(s->qfirst);
+    free(s->qcount);
+    free(s->qn);
+    free(s->gn);
+    free(s->sn);
     free(s->mgpu);
     free(s->moff);
     free(s->round_first);
@@ -339,9 +360,35 @@ static int local_index(const nccl *t, uint32_t rank)
     return -1;
 }
 
-static void desc_of(rf_copy_desc *d, const rf_xfer_item *it, uint64_t moff)
+/* Item it of a packed message at staging offset moff, as copies between its memory and
+ * staging: one descriptor, or an FP8 piece's two (elements, then scales), or none where this
+ * side quantizes it (rf_qcopy_pack's layout: quant_ops). Returns how many; d may be NULL. */
+static uint32_t descs_of(rf_copy_desc *d, const rf_xfer_item *it, uint64_t moff)
 {
-    rf_copy_desc_set(d, it->base, &it->piece, it->ndim, it->esize, &it->box, moff + it->msg_off);
+    uint64_t fp8;
+
+    if (it->quant.q.kind == 0) {
+        if (d)
+            rf_copy_desc_set(d, it->base, &it->piece, it->ndim, it->esize, &it->box,
+                             moff + it->msg_off);
+        return 1;
+    }
+    if (it->piece.quant == 0)
+        return 0;
+    if (d) {
+        rf_qcopy_bytes(&it->quant.q, it->ndim, it->quant.rows, it->quant.cols, &it->box, &fp8);
+        rf_qcopy_descs(it, &d[0], &d[1]);
+        d[0].staging_off = moff + it->msg_off;
+        d[1].staging_off = moff + it->msg_off + fp8;
+    }
+    return 2;
+}
+
+/* The matrices this side quantizes of item it into staging (0: none). */
+static uint64_t quant_matrices(const rf_xfer_item *it)
+{
+    return it->quant.q.kind != 0 && it->piece.quant == 0
+               ? rf_qcopy_nmatrices(&it->box, (int)it->ndim) : 0;
 }
 
 /* Where each message runs and lies in staging, the staging each GPU needs (the largest
@@ -366,9 +413,17 @@ static int js_init(nccl *t, const rf_xfer_job *job)
     s->pair_ok = calloc(nr ? nr : 1, sizeof(*s->pair_ok));
     s->gfirst = calloc((size_t)(nr ? nr : 1) * nl + 1, sizeof(*s->gfirst));
     s->sfirst = calloc((size_t)(nr ? nr : 1) * nl + 1, sizeof(*s->sfirst));
-    cur = calloc(nl, sizeof(*cur));
+    s->gn = calloc((size_t)(nr ? nr : 1) * nl + 1, sizeof(*s->gn));
+    s->sn = calloc((size_t)(nr ? nr : 1) * nl + 1, sizeof(*s->sn));
+    s->qfirst = calloc((size_t)(nr ? nr : 1) * nl + 1, sizeof(*s->qfirst));
+    s->qcount = calloc((size_t)(nr ? nr : 1) * nl + 1, sizeof(*s->qcount));
+    s->qn = calloc(nl ? nl : 1, sizeof(*s->qn));
+    s->qplan = calloc(nl ? nl : 1, sizeof(*s->qplan));
+    s->qarena = calloc(nl ? nl : 1, sizeof(*s->qarena));
+    cur = calloc(nl ? nl : 1, sizeof(*cur));
     if (!s->mgpu || !s->moff || !s->round_first || !s->rbytes || !s->pair_ok || !s->gfirst ||
-        !s->sfirst || !cur) {
+        !s->sfirst || !s->gn || !s->sn || !s->qfirst || !s->qcount || !s->qn || !s->qplan ||
+        !s->qarena || !cur) {
         rc = fail(t, -ENOMEM, "out of memory for a job of %u messages", n);
         goto out;
     }
@@ -387,7 +442,8 @@ static int js_init(nccl *t, const rf_xfer_job *job)
         s->round_first[m->round + 1] = i + 1;
         if (m->kind == RF_PLAN_PACKED) {
             s->rbytes[(size_t)m->round * nl + (uint32_t)li] += align_up(m->bytes);
-            nitems += m->nitems;
+            for (uint32_t k = 0; k < m->nitems; k++)
+                nitems += descs_of(NULL, &m->items[k], 0);
         }
     }
     for (r = 1; r <= nr; r++)
@@ -435,19 +491,27 @@ static int js_init(nccl *t, const rf_xfer_job *job)
     nitems = 0;
     for (r = 0; r < nr; r++) {
         for (g = 0; g < nl; g++) {
-            for (int dir = 1; dir >= 0; dir--) {
-                uint64_t *first = dir ? s->gfirst : s->sfirst;
+            size_t x = (size_t)r * nl + g;
 
-                first[(size_t)r * nl + g] = nitems;
+            s->qfirst[x] = s->qn[g];
+            for (int dir = 1; dir >= 0; dir--) {
+                uint64_t *first = dir ? s->gfirst : s->sfirst, *cnt = dir ? s->gn : s->sn;
+
+                first[x] = nitems;
                 for (i = s->round_first[r]; i < s->round_first[r + 1]; i++) {
                     const rf_xfer_msg *m = &job->msgs[i];
 
                     if (m->kind != RF_PLAN_PACKED || s->mgpu[i] != g || m->send != (dir == 1))
                         continue;
-                    for (uint32_t k = 0; k < m->nitems; k++)
-                        desc_of(&s->desc[nitems++], &m->items[k], s->moff[i]);
+                    for (uint32_t k = 0; k < m->nitems; k++) {
+                        nitems += descs_of(&s->desc[nitems], &m->items[k], s->moff[i]);
+                        if (m->send)
+                            s->qn[g] += quant_matrices(&m->items[k]);
+                    }
                 }
+                cnt[x] = nitems - first[x];
             }
+            s->qcount[x] = s->qn[g] - s->qfirst[x];
         }
     }
 out:
@@ -479,18 +543,71 @@ static int js_prepare(nccl *t, const rf_xfer_job *job)
 static void range_of(const jstate *s, bool gather, uint32_t r, uint32_t g, uint64_t *a,
                      uint64_t *n)
 {
+    size_t x = (size_t)r * s->nl + g;
+
+    *a = gather ? s->gfirst[x] : s->sfirst[x];
+    *n = gather ? s->gn[x] : s->sn[x];
+}
+
+/* The FP8 matrices each GPU quantizes into its staging, uploaded as one plan per GPU in
+ * js_init's order (round by round), where none is or its staging moved. */
+static int quant_plans(nccl *t)
+{
+    jstate *s = &t->js;
     const rf_xfer_job *job = s->job;
-    uint64_t cnt = 0;
+    rf_quant_cuda_op *ops = NULL;
+    rf_err err = {0};
+    int rc = 0;
 
-    /* Counting again is cheap next to a round's copies and keeps the layout simple. */
-    *a = gather ? s->gfirst[(size_t)r * s->nl + g] : s->sfirst[(size_t)r * s->nl + g];
-    for (uint32_t i = s->round_first[r]; i < s->round_first[r + 1]; i++) {
-        const rf_xfer_msg *m = &job->msgs[i];
+    for (uint32_t g = 0; g < s->nl; g++) {
+        gpu *G = &t->g[g];
+        uint64_t n = 0;
 
-        if (m->kind == RF_PLAN_PACKED && s->mgpu[i] == g && m->send == gather)
-            cnt += m->nitems;
+        if (s->qn[g] == 0 || (s->qplan[g] && s->qarena[g] == G->arena))
+            continue;
+        rf_quant_cuda_plan_free(s->qplan[g]);
+        s->qplan[g] = NULL;
+        if (!(ops = malloc(s->qn[g] * sizeof(*ops)))) {
+            rc = fail(t, -ENOMEM, "out of memory for %llu FP8 matrices",
+                      (unsigned long long)s->qn[g]);
+            goto out;
+        }
+        for (uint32_t i = 0; i < job->nmsgs; i++) {
+            const rf_xfer_msg *m = &job->msgs[i];
+
+            if (m->kind != RF_PLAN_PACKED || s->mgpu[i] != g || !m->send)
+                continue;
+            for (uint32_t k = 0; k < m->nitems; k++) {
+                const rf_xfer_item *it = &m->items[k];
+                int nd = (int)it->ndim;
+
+                for (uint64_t l = 0; l < quant_matrices(it); l++) {
+                    rf_qcopy_matrix mx;
+
+                    rf_qcopy_pack_matrix(it, l, G->arena + s->moff[i] + it->msg_off, &mx);
+                    ops[n++] = (rf_quant_cuda_op){
+                        .fmt = {it->quant.q.kind, it->quant.q.br, it->quant.q.bc},
+                        .dt = it->quant.dt, .src = mx.src, .src_row_stride = mx.src_row_stride,
+                        .rows = (uint64_t)it->box.extent[nd - 2],
+                        .cols = (uint64_t)it->box.extent[nd - 1], .q = mx.q,
+                        .q_row_stride = mx.q_row_stride, .scales = mx.scales,
+                        .scale_row_stride = mx.scale_row_stride};
+                }
+            }
+        }
+        assert(n == s->qn[g]);
+        CUDA_TRY(&err, cudaSetDevice(G->dev));
+        if ((rc = rf_quant_cuda_plan_new(ops, n, &s->qplan[g], &err)) < 0)
+            goto out;
+        s->qarena[g] = G->arena;
+        free(ops);
+        ops = NULL;
     }
-    *n = cnt;
+out:
+    free(ops);
+    if (rc < 0)
+        fail(t, rc, "planning the FP8 quantization into staging: %s", err.msg);
+    return rc;
 }
 
 static int arenas_reserve(nccl *t)
@@ -618,6 +735,11 @@ static int enqueue_round(nccl *t, uint32_t r)
         if (n > 0 && !skip_copy &&
             (rc = rf_copy_cuda_gather_buf(G->gbuf[h], &s->desc[a], n, G->arena, G->s_pack,
                                           &err)) < 0)
+            goto out;
+        n = s->qcount[(size_t)r * s->nl + g];
+        if (n > 0 && !skip_copy &&
+            (rc = rf_quant_cuda_plan_launch(s->qplan[g], s->qfirst[(size_t)r * s->nl + g], n,
+                                            G->s_pack, &err)) < 0)
             goto out;
         CUDA_TRY(&err, cudaEventRecord(G->ev_packed[h], G->s_pack));
         CUDA_TRY(&err, cudaStreamWaitEvent(G->s_net, G->ev_packed[h], 0));
@@ -757,11 +879,10 @@ static int nccl_start(rf_xfer_core *base)
     const rf_xfer_job *job = base->job;
     int rc;
 
-    if ((rc = rf_xfer__no_quant(base, "the nccl transport")) < 0)
-        return rc;
     if ((rc = world_up(t)) < 0)
         return rc;
-    if ((rc = js_prepare(t, job)) < 0 || (rc = arenas_reserve(t)) < 0)
+    if ((rc = js_prepare(t, job)) < 0 || (rc = arenas_reserve(t)) < 0 ||
+        (rc = quant_plans(t)) < 0)
         return rc;
     t->lo = t->hi = 0;
     {

@@ -1,0 +1,359 @@
+/* tests/unit/test_xfer_nccl_self.c - the nccl transport on one GPU. NCCL takes one rank per GPU,
+ * so one transport drives a world of one rank that sends to itself (NCCL's send/recv to self):
+ * every message of a plan both sent and received in one job, as a relay's are. A bf16 plan
+ * (qwen3 shrunk, trainer tp=2 -> engine tp=4, packed and direct messages over many rounds)
+ * checked byte for byte, and FP8 engines (issue 15) of every format: quantized by the sender
+ * into staging with the GPU quantizer, or copied from trainers' FP8 pieces, every installed FP8
+ * byte and scale compared with the reference and the digests of both ends equal. Skipped
+ * without a CUDA device. */
+#include <criterion/criterion.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <uv.h>
+
+#include "layout.h"
+#include "macros.h"
+#include "model.h"
+#include "plan.h"
+#include "slice.h"
+#include "xfer.h"
+
+#ifdef RF_HAVE_CUDA
+#include <cuda_runtime_api.h>
+
+#include "drv_cuda.h"
+#include "xfer_data.h"
+#include "fp8_data.h"
+
+#define NEED_GPU()                                                                    \
+    do {                                                                              \
+        if (!rf_cuda_available()) {                                                   \
+            printf("skipped: no CUDA device\n");                                      \
+            cr_skip_test("no CUDA device");                                           \
+        }                                                                             \
+    } while (0)
+
+/* ---- a world of one rank ------------------------------------------------------------------ */
+
+typedef struct self {
+    uv_loop_t loop;
+    uv_timer_t guard;
+    rf_xfer_transport *t;
+    rf_xfer_result res;
+    bool got;
+} self;
+
+static void on_guard(uv_timer_t *h)
+{
+    (void)h;
+    cr_assert_fail("a job did not finish within 60 s: the transport hangs");
+}
+
+static void self_open(self *w)
+{
+    const char *addrs[2] = {"trainers-daemon", "engines-daemon"};
+    uint8_t uid[RF_XFER_NCCL_ID_BYTES];
+    uint32_t rank = 0;
+    int dev = 0;
+    rf_xfer_world wd = {.nranks = 1, .nlocal = 1, .local_ranks = &rank, .local_devices = &dev};
+    rf_err err;
+
+    memset(w, 0, sizeof(*w));
+    cr_assert_eq(uv_loop_init(&w->loop), 0);
+    uv_timer_init(&w->loop, &w->guard);
+    cr_assert_eq(rf_xfer_nccl_new(&w->loop, &w->t, &err), 0, "%s", err.msg);
+    /* Peer 1 (the engines' daemon) is where the sends go, peer 0 where receives come from;
+     * both are this transport's one rank. */
+    cr_assert_eq(rf_xfer_set_peers(w->t, 0, 2, addrs, &err), 0, "%s", err.msg);
+    cr_assert_eq(rf_xfer_nccl_unique_id(uid, &err), 0, "%s", err.msg);
+    memcpy(wd.unique_id, uid, sizeof(uid));
+    cr_assert_eq(rf_xfer_set_world(w->t, &wd, &err), 0, "%s", err.msg);
+}
+
+static void on_done(rf_xfer_transport *t, const rf_xfer_result *res, void *arg)
+{
+    self *w = arg;
+
+    (void)t;
+    cr_assert(!w->got, "done called twice");
+    w->res = *res;
+    w->got = true;
+    uv_stop(&w->loop);
+}
+
+static void self_run(self *w, const rf_xfer_job *job)
+{
+    rf_err err;
+
+    w->got = false;
+    memset(&w->res, 0, sizeof(w->res));
+    cr_assert_eq(rf_xfer_run(w->t, job, on_done, w, &err), 0, "%s", err.msg);
+    uv_timer_start(&w->guard, on_guard, 60000, 0);
+    uv_run(&w->loop, UV_RUN_DEFAULT);
+    uv_timer_stop(&w->guard);
+    cr_assert(w->got);
+}
+
+static void on_closed(void *arg)
+{
+    *(int *)arg = 1;
+}
+
+static void self_close(self *w)
+{
+    int closed = 0;
+
+    rf_xfer_close(w->t, on_closed, &closed);
+    uv_close((uv_handle_t *)&w->guard, NULL);
+    uv_run(&w->loop, UV_RUN_DEFAULT);
+    cr_assert_eq(closed, 1);
+    cr_assert_eq(uv_loop_close(&w->loop), 0, "handles left open on the loop");
+}
+
+/* ---- memory and jobs ------------------------------------------------------------------------ */
+
+/* Every region of inv on GPU 0 (dev), with a host mirror (host) to fill and check: one byte
+ * past each region, all 0xee to begin with. */
+typedef struct gmem {
+    const rf_inv *inv;
+    uint32_t n;
+    uint8_t **dev, **host;
+} gmem;
+
+static void gmem_alloc(gmem *g, const rf_inv *inv, uint8_t **host)
+{
+    g->inv = inv;
+    g->n = rf_inv_nregions(inv);
+    g->dev = calloc(g->n, sizeof(*g->dev));
+    g->host = host ? host : calloc(g->n, sizeof(*g->host));
+    cr_assert(g->dev && g->host);
+    cr_assert_eq(cudaSetDevice(0), cudaSuccess);
+    for (uint32_t r = 0; r < g->n; r++) {
+        uint64_t size = rf_inv_region(inv, r)->size + 1;
+
+        cr_assert_eq(cudaMalloc((void **)&g->dev[r], size), cudaSuccess);
+        if (!g->host[r])
+            cr_assert_not_null(g->host[r] = malloc(size));
+        memset(g->host[r], 0xee, size);
+        cr_assert_eq(cudaMemcpy(g->dev[r], g->host[r], size, cudaMemcpyHostToDevice),
+                     cudaSuccess);
+    }
+}
+
+static void gmem_free(gmem *g)
+{
+    for (uint32_t r = 0; r < g->n; r++) {
+        cudaFree(g->dev[r]);
+        free(g->host[r]);
+    }
+    free(g->dev);
+    free(g->host);
+}
+
+/* The mirrors of one side's regions to the GPU (sources) or back (destinations). */
+static void gmem_sync(gmem *g, rf_side side)
+{
+    for (uint32_t r = 0; r < g->n; r++) {
+        const rf_region *rg = rf_inv_region(g->inv, r);
+
+        if (rf_inv_endpoint(g->inv, rg->endpoint)->side != side)
+            continue;
+        if (side == RF_SRC)
+            cr_assert_eq(cudaMemcpy(g->dev[r], g->host[r], rg->size, cudaMemcpyHostToDevice),
+                         cudaSuccess);
+        else
+            cr_assert_eq(cudaMemcpy(g->host[r], g->dev[r], rg->size + 1,
+                                    cudaMemcpyDeviceToHost), cudaSuccess);
+    }
+}
+
+/* The plan's messages as one job of this rank: each sent (to peer 1) and received (from peer
+ * 0), in plan order, both ends rank 0; the staging budget of both daemons. */
+static void self_job(const rf_plan *pl, const rf_plan_opts *o, uint8_t **bases, uint64_t version,
+                     int verify, uint64_t key, rf_xfer_job *job)
+{
+    uint32_t n = rf_plan_nmsgs(pl);
+    rf_err err;
+
+    memset(job, 0, sizeof(*job));
+    job->version = version;
+    job->nrounds = rf_plan_nrounds(pl);
+    job->timeout_s = 30;
+    job->verify = verify;
+    job->plan_key = key;
+    job->staging_bytes = 2 * o->staging_bytes;
+    job->nmsgs = 2 * n;
+    job->msgs = calloc(job->nmsgs ? job->nmsgs : 1, sizeof(rf_xfer_msg));
+    cr_assert_not_null(job->msgs);
+    for (uint32_t mi = 0; mi < n; mi++) {
+        for (int d = 0; d < 2; d++) {
+            rf_xfer_msg *m = &job->msgs[2 * mi + (uint32_t)d];
+
+            cr_assert_eq(rf_slice_msg_from_plan(pl, mi, d == 0 ? RF_SRC : RF_DST, bases,
+                                                d == 0 ? 1 : 0, m, &err), 0, "%s", err.msg);
+            m->ep = m->peer_ep = 0;
+        }
+    }
+}
+
+static void job_free(rf_xfer_job *j)
+{
+    for (uint32_t i = 0; i < j->nmsgs; i++)
+        free(j->msgs[i].items);
+    free(j->msgs);
+    memset(j, 0, sizeof(*j));
+}
+
+/* Runs job, which must succeed having sent and received every message's bytes (payload: FP8
+ * ones are their elements and scales), digests equal when verifying. */
+static void run_ok(self *w, const rf_xfer_job *job)
+{
+    uint8_t zero[RF_XFER_DIGEST_BYTES] = {0};
+    uint64_t bytes = 0;
+
+    for (uint32_t i = 0; i < job->nmsgs; i++)
+        bytes += job->msgs[i].send ? job->msgs[i].bytes : 0;
+    cr_assert_gt(bytes, 0);
+    self_run(w, job);
+    cr_assert_eq(w->res.code, 0, "version %llu: %s", (unsigned long long)job->version,
+                 w->res.error);
+    cr_assert_eq(w->res.bytes_sent, bytes);
+    cr_assert_eq(w->res.bytes_recv, bytes);
+    cr_assert_eq(memcmp(w->res.digest_sent, w->res.digest_recv, RF_XFER_DIGEST_BYTES), 0,
+                 "the digests of what was sent and what was received differ");
+    if (job->verify != RF_VERIFY_OFF)
+        cr_assert_neq(memcmp(w->res.digest_sent, zero, sizeof(zero)), 0, "nothing digested");
+}
+
+/* ---- bf16 ---------------------------------------------------------------------------------- */
+
+/* qwen3-0.6b shrunk 16x, trainer tp=2 to engine tp=4, every source on endpoint 0 and every
+ * destination on endpoint 1; a staging budget small enough for many rounds of both kinds of
+ * message. Three versions: verified in full, sampled, and unverified with four rounds in
+ * flight, the plan of execution kept between the last two. */
+Test(xfer_nccl_self, bf16_plan_byte_for_byte_on_one_gpu)
+{
+    rf_model *m, *s;
+    rf_inv *full = rf_inv_new(), *inv = NULL;
+    rf_plan *pl = NULL;
+    rf_plan_opts o = {.staging_bytes = 512 << 10, .direct_min_bytes = 16 << 10};
+    rf_par ps, pd;
+    rf_xfer_job job;
+    gmem g;
+    self w;
+    rf_err err;
+
+    NEED_GPU();
+    cr_assert_eq(rf_model_load("qwen3-0.6b", &m, &err), 0, "%s", err.msg);
+    cr_assert_eq(rf_model_shrink(m, 16, &s, &err), 0, "%s", err.msg);
+    cr_assert_eq(rf_par_parse("tp=2", RF_SRC, s, &ps, &err), 0, "%s", err.msg);
+    cr_assert_eq(rf_par_parse("tp=4", RF_DST, s, &pd, &err), 0, "%s", err.msg);
+    cr_assert_eq(rf_model_build_inv(s, &ps, &pd, 8, full, &err), 0, "%s", err.msg);
+    cr_assert_eq(rf_inv_fold_sides(full, &inv, &err), 0, "%s", err.msg);
+    cr_assert_eq(rf_plan_build(inv, &o, &pl, &err), 0, "%s", err.msg);
+    cr_assert_gt(rf_plan_stats_get(pl)->direct_transfers, 0);
+    cr_assert_gt(rf_plan_stats_get(pl)->packed_transfers, 0);
+    cr_assert_geq(rf_plan_nrounds(pl), 3, "only %u rounds", rf_plan_nrounds(pl));
+    gmem_alloc(&g, inv, NULL);
+    self_open(&w);
+    for (uint64_t v = 1; v <= 3; v++) {
+        uint64_t wrong, stray;
+
+        xd_fill(inv, g.host, v);
+        gmem_sync(&g, RF_SRC);
+        self_job(pl, &o, g.dev, v, v == 1 ? RF_VERIFY_FULL : v == 2 ? RF_VERIFY_SAMPLE
+                                                                    : RF_VERIFY_OFF,
+                 v >= 2 ? 5 : 0, &job);
+        run_ok(&w, &job);
+        cr_assert_eq(w.res.bytes_recv, rf_plan_stats_get(pl)->dst_bytes);
+        gmem_sync(&g, RF_DST);
+        xd_check(inv, g.host, v, &wrong, &stray);
+        cr_assert_eq(wrong, 0, "version %llu: %llu destination bytes wrong",
+                     (unsigned long long)v, (unsigned long long)wrong);
+        cr_assert_eq(stray, 0, "version %llu: %llu bytes outside destination pieces written",
+                     (unsigned long long)v, (unsigned long long)stray);
+        job_free(&job);
+    }
+    self_close(&w);
+    gmem_free(&g);
+    rf_plan_free(pl);
+    rf_inv_free(inv);
+    rf_inv_free(full);
+    rf_model_free(s);
+    rf_model_free(m);
+}
+
+/* ---- FP8 engines (issue 15) ------------------------------------------------------------------ */
+
+/* fp8_data.h's trainers (w rows in halves, experts two each) and FP8 engines of format name
+ * (w rows in quarters unless e_only, one expert each) on two hosts, so every transfer goes
+ * through staging; fp8_src: trainers holding the same format, copied as they are. Three
+ * versions as above, every FP8 byte and scale against the reference of the trainers' values,
+ * the plain pieces (the norm) byte for byte. */
+static void fp8_refit(const char *name, bool e_only, bool fp8_src)
+{
+    rf_plan_opts o = {.staging_bytes = 32 << 10, .direct_min_bytes = 16 << 10};
+    const rf_plan_stats *st;
+    rf_quant_fmt q;
+    rf_plan *pl = NULL;
+    rf_xfer_job job;
+    fixture f;
+    gmem g;
+    self w;
+    rf_err err = {0};
+
+    NEED_GPU();
+    cr_assert_eq(rf_quant_fmt_parse(name, &q, &err), 0, "%s", err.msg);
+    build(&f, &q, e_only, fp8_src, false);
+    cr_assert_eq(rf_plan_build(f.inv, &o, &pl, &err), 0, "%s: %s", name, err.msg);
+    st = rf_plan_stats_get(pl);
+    cr_assert_gt(fp8_src ? st->fp8_copy_transfers : st->quant_transfers, 0,
+                 "%s: no FP8 transfer planned", name);
+    cr_assert_gt(rf_plan_nrounds(pl), 1, "%s: one round only", name);
+    f.bases = calloc(rf_inv_nregions(f.inv), sizeof(*f.bases));
+    gmem_alloc(&g, f.inv, f.bases);
+    self_open(&w);
+    for (uint64_t v = 1; v <= 3; v++) {
+        uint64_t wrong = 0;
+
+        xd_fill(f.inv, f.bases, v);
+        fill_fp8_sources(&f, v);
+        gmem_sync(&g, RF_SRC);
+        self_job(pl, &o, g.dev, v, v == 1 ? RF_VERIFY_FULL : v == 2 ? RF_VERIFY_SAMPLE
+                                                                    : RF_VERIFY_OFF,
+                 v >= 2 ? 9 : 0, &job);
+        run_ok(&w, &job);
+        gmem_sync(&g, RF_DST);
+        for (int r = 0; r < 4; r++) {
+            if (!e_only)
+                wrong += check_fp8(&f, f.dst_w[r], v);
+            wrong += check_fp8(&f, f.dst_e[r], v);
+        }
+        cr_assert_eq(wrong, 0, "%s version %llu: %llu FP8 bytes or scales differ from the "
+                     "reference", name, (unsigned long long)v, (unsigned long long)wrong);
+        wrong = check_plain(&f, v);
+        cr_assert_eq(wrong, 0, "%s version %llu: %llu bytes of plain pieces wrong", name,
+                     (unsigned long long)v, (unsigned long long)wrong);
+        job_free(&job);
+    }
+    self_close(&w);
+    gmem_free(&g); /* and f.bases, the mirrors */
+    rf_plan_free(pl);
+    rf_inv_free(f.inv);
+}
+
+Test(xfer_nccl_self, fp8_block_quantized_by_the_sender) { fp8_refit("block:32x64", false, false); }
+Test(xfer_nccl_self, fp8_channel_quantized_by_the_sender) { fp8_refit("channel", false, false); }
+Test(xfer_nccl_self, fp8_mxfp8_quantized_by_the_sender) { fp8_refit("mxfp8", false, false); }
+Test(xfer_nccl_self, fp8_tensor_quantized_by_the_sender) { fp8_refit("tensor", true, false); }
+Test(xfer_nccl_self, fp8_block_sources_copied) { fp8_refit("block:32x64", false, true); }
+Test(xfer_nccl_self, fp8_mxfp8_sources_copied) { fp8_refit("mxfp8", false, true); }
+
+#else
+Test(xfer_nccl_self, built_without_cuda)
+{
+    printf("skipped: no CUDA device\n");
+    cr_skip_test("no CUDA device");
+}
+#endif
