@@ -229,6 +229,22 @@ static __device__ __forceinline__ uint32_t block_max(uint32_t m, uint32_t *red)
     return r;
 }
 
+/* block_max of two 16-bit maxima at once, the halves of m. */
+static __device__ __forceinline__ uint32_t block_vmax2(uint32_t m, uint32_t *red)
+{
+    uint32_t r = 0;
+
+    for (int o = 16; o > 0; o >>= 1)
+        m = __vmaxu2(m, __shfl_xor_sync(FULL_MASK, m, o));
+    if ((threadIdx.x & 31) == 0)
+        red[threadIdx.x >> 5] = m;
+    __syncthreads();
+    for (int w = 0; w < WARPS; w++)
+        r = __vmaxu2(r, red[w]);
+    __syncthreads();
+    return r;
+}
+
 /* A tile [r0, r0 + nr) x [c0, c0 + nc) as the block's threads walk it: wx threads along a row
  * (the smallest power of two at least nc, at most THREADS), THREADS / wx rows at a time, so a
  * narrow tile keeps every thread busy and a row is read by consecutive threads. */
@@ -392,9 +408,9 @@ static __device__ __forceinline__ void tile_quant_v(const tile &t, const typenam
  *    compare) and the bytes of its Inf and NaN set afterwards as quant_one gives them, +-448
  *    (0x7E with the sign) and 0x7F.
  * Blocks of finite weights take none of the checks; a block of the register path with Inf or
- * NaN elements is read once too (it was read three times before: the sim's weights put one in
- * most 128x128 blocks, bench/RESULTS.md). The tests hold these to rf_quant_host on every
- * 16-bit pattern, edge blocks and torch. */
+ * NaN elements is read once and reduced once too (it was read three times before, then
+ * reduced twice: the sim's weights put one in most 128x128 blocks, bench/RESULTS.md). The
+ * tests hold these to rf_quant_host on every 16-bit pattern, edge blocks and torch. */
 static __device__ __forceinline__ uint32_t e4m3x2(float hi, float lo)
 {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
@@ -542,23 +558,29 @@ static __device__ __forceinline__ void reg_quant(const qdesc &o, const tile &t, 
                                                  uint64_t j, const uint4 *v, uint32_t *red)
 {
     const bool col = t.tx < t.nc;
-    uint32_t m = 0, raw;
+    uint32_t m = 0, a, f;
     float sf, rc;
     int mode;
 
 #pragma unroll
     for (int k = 0; k < QREG; k++)
         m = vmax_bf16(m, v[k]);
-    raw = block_max16(m, red);
-    if (raw >= UINT32_C(0x7F800000)) {
+    /* A thread that holds an Inf or NaN (|x|'s bits >= 0x7F80) takes its max again over its
+     * finite elements; one reduction gives the block both maxima, the finite one in the high
+     * half (the scale) and the other in the low half (whether the block holds Inf or NaN, so
+     * that its threads check their words). Blocks of finite weights run as before but for the
+     * halves' max; blocks with Inf or NaN are no longer reduced twice. */
+    a = (m & 0xFFFF) > (m >> 16) ? (m & 0xFFFF) : (m >> 16);
+    f = a;
+    if (a >= 0x7F80u) {
         m = 0;
 #pragma unroll
         for (int k = 0; k < QREG; k++)
             m = vmax_finite_bf16(m, v[k]);
-        sf = scale_bf16(o, i, j, block_max16(m, red), true, &mode);
-    } else {
-        sf = scale_bf16(o, i, j, raw, false, &mode);
+        f = (m & 0xFFFF) > (m >> 16) ? (m & 0xFFFF) : (m >> 16);
     }
+    m = block_vmax2(f << 16 | a, red);
+    sf = scale_bf16(o, i, j, m & 0xFFFF0000u, (m & 0xFFFF) >= 0x7F80u, &mode);
     rc = __frcp_rn(sf);
 #pragma unroll
     for (int k = 0; k < QREG; k++) {

@@ -360,10 +360,19 @@ static int local_index(const nccl *t, uint32_t rank)
     return -1;
 }
 
+/* The matrices the sender quantizes of item it into staging (0: none): an FP8 transfer
+ * whose source is not itself an FP8 piece. */
+static uint64_t quant_matrices(const rf_xfer_item *it, bool send)
+{
+    return send && it->quant.q.kind != 0 && it->piece.quant == 0
+               ? rf_qcopy_nmatrices(&it->box, (int)it->ndim) : 0;
+}
+
 /* Item it of a packed message at staging offset moff, as copies between its memory and
- * staging: one descriptor, or an FP8 piece's two (elements, then scales), or none where this
- * side quantizes it (rf_qcopy_pack's layout: quant_ops). Returns how many; d may be NULL. */
-static uint32_t descs_of(rf_copy_desc *d, const rf_xfer_item *it, uint64_t moff)
+ * staging: one descriptor, or an FP8 piece's two (elements, then scales: the receiver's, or
+ * a sender's FP8 source), or none where the sender quantizes it (quant_plans, in
+ * rf_qcopy_pack's layout). Returns how many; d may be NULL. */
+static uint32_t descs_of(rf_copy_desc *d, const rf_xfer_item *it, bool send, uint64_t moff)
 {
     uint64_t fp8;
 
@@ -373,7 +382,7 @@ static uint32_t descs_of(rf_copy_desc *d, const rf_xfer_item *it, uint64_t moff)
                              moff + it->msg_off);
         return 1;
     }
-    if (it->piece.quant == 0)
+    if (quant_matrices(it, send) > 0)
         return 0;
     if (d) {
         rf_qcopy_bytes(&it->quant.q, it->ndim, it->quant.rows, it->quant.cols, &it->box, &fp8);
@@ -382,13 +391,6 @@ static uint32_t descs_of(rf_copy_desc *d, const rf_xfer_item *it, uint64_t moff)
         d[1].staging_off = moff + it->msg_off + fp8;
     }
     return 2;
-}
-
-/* The matrices this side quantizes of item it into staging (0: none). */
-static uint64_t quant_matrices(const rf_xfer_item *it)
-{
-    return it->quant.q.kind != 0 && it->piece.quant == 0
-               ? rf_qcopy_nmatrices(&it->box, (int)it->ndim) : 0;
 }
 
 /* Where each message runs and lies in staging, the staging each GPU needs (the largest
@@ -443,7 +445,7 @@ static int js_init(nccl *t, const rf_xfer_job *job)
         if (m->kind == RF_PLAN_PACKED) {
             s->rbytes[(size_t)m->round * nl + (uint32_t)li] += align_up(m->bytes);
             for (uint32_t k = 0; k < m->nitems; k++)
-                nitems += descs_of(NULL, &m->items[k], 0);
+                nitems += descs_of(NULL, &m->items[k], m->send, 0);
         }
     }
     for (r = 1; r <= nr; r++)
@@ -504,9 +506,9 @@ static int js_init(nccl *t, const rf_xfer_job *job)
                     if (m->kind != RF_PLAN_PACKED || s->mgpu[i] != g || m->send != (dir == 1))
                         continue;
                     for (uint32_t k = 0; k < m->nitems; k++) {
-                        nitems += descs_of(&s->desc[nitems], &m->items[k], s->moff[i]);
-                        if (m->send)
-                            s->qn[g] += quant_matrices(&m->items[k]);
+                        nitems += descs_of(&s->desc[nitems], &m->items[k], m->send,
+                                           s->moff[i]);
+                        s->qn[g] += quant_matrices(&m->items[k], m->send);
                     }
                 }
                 cnt[x] = nitems - first[x];
@@ -581,7 +583,7 @@ static int quant_plans(nccl *t)
                 const rf_xfer_item *it = &m->items[k];
                 int nd = (int)it->ndim;
 
-                for (uint64_t l = 0; l < quant_matrices(it); l++) {
+                for (uint64_t l = 0; l < quant_matrices(it, true); l++) {
                     rf_qcopy_matrix mx;
 
                     rf_qcopy_pack_matrix(it, l, G->arena + s->moff[i] + it->msg_off, &mx);
