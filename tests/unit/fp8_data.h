@@ -224,4 +224,23 @@ static uint64_t check_plain(const fixture *f, uint64_t v)
     return wrong;
 }
 
+/* After a refit of version v in format name: every FP8 piece of the engines (w's unless
+ * e_only, the experts') equal to the reference, every plain piece (the norm; w with e_only)
+ * the trainers' bytes. */
+static void check_refit(const fixture *f, const char *name, bool e_only, uint64_t v)
+{
+    uint64_t wrong = 0;
+
+    for (int r = 0; r < 4; r++) {
+        if (!e_only)
+            wrong += check_fp8(f, f->dst_w[r], v);
+        wrong += check_fp8(f, f->dst_e[r], v);
+    }
+    cr_assert_eq(wrong, 0, "%s version %llu: %llu FP8 bytes or scales differ from the "
+                 "reference", name, (unsigned long long)v, (unsigned long long)wrong);
+    wrong = check_plain(f, v);
+    cr_assert_eq(wrong, 0, "%s version %llu: %llu bytes of plain pieces wrong", name,
+                 (unsigned long long)v, (unsigned long long)wrong);
+}
+
 #endif

@@ -97,20 +97,8 @@ static void refit_format(const char *name, bool e_only, bool fp8_src)
                  "%s: FP8 %s planned", name, fp8_src ? "quantized" : "copied");
     cr_assert_eq(st->direct_bytes + st->packed_bytes, 0, "%s: all on one host, all local", name);
     for (uint64_t v = 1; v <= 2; v++) {
-        uint64_t wrong, fp8_wrong = 0;
-
         run_local(&f, pl, v, v == 1 ? RF_VERIFY_FULL : RF_VERIFY_SAMPLE);
-        for (int r = 0; r < 4; r++) {
-            if (!e_only)
-                fp8_wrong += check_fp8(&f, f.dst_w[r], v);
-            fp8_wrong += check_fp8(&f, f.dst_e[r], v);
-        }
-        cr_assert_eq(fp8_wrong, 0, "%s version %llu: %llu FP8 bytes or scales differ from the "
-                     "reference", name, (unsigned long long)v, (unsigned long long)fp8_wrong);
-        /* The plain pieces (the norm; w with e_only) hold the trainers' bytes. */
-        wrong = check_plain(&f, v);
-        cr_assert_eq(wrong, 0, "%s version %llu: %llu bytes of plain pieces wrong", name,
-                     (unsigned long long)v, (unsigned long long)wrong);
+        check_refit(&f, name, e_only, v);
     }
     rf_plan_free(pl);
     fixture_free(&f);

@@ -315,8 +315,6 @@ static void fp8_refit(const char *name, bool e_only, bool fp8_src)
     gmem_alloc(&g, f.inv, f.bases);
     self_open(&w);
     for (uint64_t v = 1; v <= 3; v++) {
-        uint64_t wrong = 0;
-
         xd_fill(f.inv, f.bases, v);
         fill_fp8_sources(&f, v);
         gmem_sync(&g, RF_SRC);
@@ -325,16 +323,7 @@ static void fp8_refit(const char *name, bool e_only, bool fp8_src)
                  v >= 2 ? 9 : 0, &job);
         run_ok(&w, &job);
         gmem_sync(&g, RF_DST);
-        for (int r = 0; r < 4; r++) {
-            if (!e_only)
-                wrong += check_fp8(&f, f.dst_w[r], v);
-            wrong += check_fp8(&f, f.dst_e[r], v);
-        }
-        cr_assert_eq(wrong, 0, "%s version %llu: %llu FP8 bytes or scales differ from the "
-                     "reference", name, (unsigned long long)v, (unsigned long long)wrong);
-        wrong = check_plain(&f, v);
-        cr_assert_eq(wrong, 0, "%s version %llu: %llu bytes of plain pieces wrong", name,
-                     (unsigned long long)v, (unsigned long long)wrong);
+        check_refit(&f, name, e_only, v);
         job_free(&job);
     }
     self_close(&w);
