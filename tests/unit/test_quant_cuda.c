@@ -1,7 +1,8 @@
 /* tests/unit/test_quant_cuda.c - the GPU FP8 quantizer (quant_cuda.h) against rf_quant_host, byte
  * for byte, values and scales and the padding around them: random matrices of every source
  * dtype in every format (partial edge blocks, padded strides), planted edge blocks, every
- * 16-bit pattern, rounding ties; and every argument check, which needs no GPU. */
+ * 16-bit pattern, rounding ties; every argument check, which needs no GPU; and the memory of
+ * the receiver's GPU shadows (qshadow.h), which this quantizer quantizes. */
 #include <criterion/criterion.h>
 #include <inttypes.h>
 #include <stdio.h>
@@ -12,6 +13,7 @@
 #include <cuda_runtime_api.h>
 
 #include "drv_cuda.h"
+#include "qshadow.h"
 #include "quant.h"
 #include "quant_cuda.h"
 
@@ -643,6 +645,33 @@ Test(quant_cuda, cuda_error_reported)
         cr_assert_neq(cudaDeviceSynchronize(), cudaSuccess,
                       "a kernel wrote to address 0x10000 and nothing failed");
     }
+}
+
+/* A shadow goes beside its piece, on its GPU; one larger than the GPU's memory is refused,
+ * naming its size and the GPU (the receiver then refuses the plan slice, naming the tensor). */
+Test(quant_cuda, shadow_on_the_pieces_gpu_and_refused_past_its_memory)
+{
+    uint8_t *piece = NULL;
+    rf_qshadow sh;
+    rf_err err = {0};
+    char want[96];
+
+    need_gpu();
+    cr_assert_eq(cudaSetDevice(0), cudaSuccess);
+    cr_assert_eq(cudaMalloc((void **)&piece, 4096), cudaSuccess);
+    cr_assert_eq(rf_qshadow_alloc(&sh, piece + 100, 4096, &err), 0, "%s", err.msg);
+    cr_assert_eq(sh.dev, 0);
+    cr_assert_eq(cudaMemset(sh.buf, 1, 4096), cudaSuccess);
+    rf_qshadow_free(&sh);
+    cr_assert_null(sh.buf);
+    cr_assert_eq(rf_qshadow_alloc(&sh, piece, 1ull << 50, &err), -ENOMEM);
+    cr_assert_null(sh.buf);
+    snprintf(want, sizeof(want), "cannot allocate a %llu-byte shadow on GPU 0",
+             (unsigned long long)(1ull << 50));
+    cr_assert(strstr(err.msg, want) != NULL, "%s", err.msg);
+    /* The failure is not left for the next CUDA call to report. */
+    cr_assert_eq(cudaGetLastError(), cudaSuccess);
+    cudaFree(piece);
 }
 
 #else
