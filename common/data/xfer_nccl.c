@@ -101,8 +101,20 @@ typedef struct jstate {
     uint64_t *qn;              /* per GPU: matrices */
     rf_quant_cuda_plan **qplan;
     uint8_t **qarena;          /* per GPU: the staging its plan writes into */
+    struct qfix **qfix;        /* per GPU: scales that go through qscratch, */
+    uint64_t *nqfix;           /* so many */
+    uint8_t **qscratch;        /* per GPU: device memory, or NULL */
     uint8_t *bounce;        /* host memory for verification */
 } jstate;
+
+/* An FP8 item whose scales lie where the payload cannot take the quantizer's aligned scale
+ * writes (fp32 scales after an item of an odd number of 16-bit elements): the quantizer
+ * writes them into the GPU's scratch and a copy puts them in the payload, in their round. */
+typedef struct qfix {
+    uint32_t round;
+    uint8_t *from, *to;
+    uint64_t bytes;
+} qfix;
 
 typedef struct nccl {
     rf_xfer_core base;
@@ -330,6 +342,13 @@ static void js_free(jstate *s)
         rf_quant_cuda_plan_free(s->qplan[g]);
     free(s->qplan);
     free(s->qarena);
+    for (uint32_t g = 0; s->qscratch && g < s->nl; g++)
+        cudaFree(s->qscratch[g]);
+    for (uint32_t g = 0; s->qfix && g < s->nl; g++)
+        free(s->qfix[g]);
+    free(s->qscratch);
+    free(s->qfix);
+    free(s->nqfix);
     free(s->qfirst);
     free(s->qcount);
     free(s->qn);
@@ -422,10 +441,13 @@ static int js_init(nccl *t, const rf_xfer_job *job)
     s->qn = calloc(nl ? nl : 1, sizeof(*s->qn));
     s->qplan = calloc(nl ? nl : 1, sizeof(*s->qplan));
     s->qarena = calloc(nl ? nl : 1, sizeof(*s->qarena));
+    s->qfix = calloc(nl ? nl : 1, sizeof(*s->qfix));
+    s->nqfix = calloc(nl ? nl : 1, sizeof(*s->nqfix));
+    s->qscratch = calloc(nl ? nl : 1, sizeof(*s->qscratch));
     cur = calloc(nl ? nl : 1, sizeof(*cur));
     if (!s->mgpu || !s->moff || !s->round_first || !s->rbytes || !s->pair_ok || !s->gfirst ||
         !s->sfirst || !s->gn || !s->sn || !s->qfirst || !s->qcount || !s->qn || !s->qplan ||
-        !s->qarena || !cur) {
+        !s->qarena || !s->qfix || !s->nqfix || !s->qscratch || !cur) {
         rc = fail(t, -ENOMEM, "out of memory for a job of %u messages", n);
         goto out;
     }
@@ -551,8 +573,24 @@ static void range_of(const jstate *s, bool gather, uint32_t r, uint32_t g, uint6
     *n = gather ? s->gn[x] : s->sn[x];
 }
 
+/* Where the scales of FP8 send item it of message i lie in GPU g's staging (*to), their bytes
+ * (*bytes), and whether the quantizer can write them there (aligned to a scale). */
+static bool scales_at(const nccl *t, uint32_t g, uint32_t i, const rf_xfer_item *it, uint8_t **to,
+                      uint64_t *bytes)
+{
+    const rf_xfer_quant *x = &it->quant;
+    rf_quant_fmt f = {x->q.kind, x->q.br, x->q.bc};
+    uint64_t fp8;
+
+    rf_qcopy_bytes(&x->q, it->ndim, x->rows, x->cols, &it->box, &fp8);
+    *to = t->g[g].arena + t->js.moff[i] + it->msg_off + fp8;
+    *bytes = it->bytes - fp8;
+    return (uintptr_t)*to % rf_dtype_size(rf_quant_scale_dtype(&f)) == 0;
+}
+
 /* The FP8 matrices each GPU quantizes into its staging, uploaded as one plan per GPU in
- * js_init's order (round by round), where none is or its staging moved. */
+ * js_init's order (round by round), where none is or its staging moved; scales the payload
+ * cannot take in place go through the GPU's scratch (qfix). */
 static int quant_plans(nccl *t)
 {
     jstate *s = &t->js;
@@ -563,17 +601,44 @@ static int quant_plans(nccl *t)
 
     for (uint32_t g = 0; g < s->nl; g++) {
         gpu *G = &t->g[g];
-        uint64_t n = 0;
+        uint64_t n = 0, need = 0, nfix = 0;
 
         if (s->qn[g] == 0 || (s->qplan[g] && s->qarena[g] == G->arena))
             continue;
+        CUDA_TRY(&err, cudaSetDevice(G->dev));
         rf_quant_cuda_plan_free(s->qplan[g]);
         s->qplan[g] = NULL;
-        if (!(ops = malloc(s->qn[g] * sizeof(*ops)))) {
-            rc = fail(t, -ENOMEM, "out of memory for %llu FP8 matrices",
-                      (unsigned long long)s->qn[g]);
+        cudaFree(s->qscratch[g]);
+        s->qscratch[g] = NULL;
+        free(s->qfix[g]);
+        s->qfix[g] = NULL;
+        s->nqfix[g] = 0;
+        /* The scratch: every misplaced item's scales, 16-byte aligned each. */
+        for (uint32_t i = 0; i < job->nmsgs; i++) {
+            const rf_xfer_msg *m = &job->msgs[i];
+
+            for (uint32_t k = 0; m->kind == RF_PLAN_PACKED && s->mgpu[i] == g && m->send &&
+                                 k < m->nitems; k++) {
+                uint8_t *to;
+                uint64_t bytes;
+
+                if (quant_matrices(&m->items[k], true) > 0 &&
+                    !scales_at(t, g, i, &m->items[k], &to, &bytes)) {
+                    need += (bytes + 15) & ~(uint64_t)15;
+                    nfix++;
+                }
+            }
+        }
+        ops = malloc(s->qn[g] * sizeof(*ops));
+        s->qfix[g] = malloc((nfix ? nfix : 1) * sizeof(qfix));
+        if (!ops || !s->qfix[g]) {
+            rc = rf_err_set(&err, -ENOMEM, "out of memory for %llu FP8 matrices",
+                            (unsigned long long)s->qn[g]);
             goto out;
         }
+        if (need > 0)
+            CUDA_TRY(&err, cudaMalloc((void **)&s->qscratch[g], need));
+        need = 0;
         for (uint32_t i = 0; i < job->nmsgs; i++) {
             const rf_xfer_msg *m = &job->msgs[i];
 
@@ -582,7 +647,16 @@ static int quant_plans(nccl *t)
             for (uint32_t k = 0; k < m->nitems; k++) {
                 const rf_xfer_item *it = &m->items[k];
                 int nd = (int)it->ndim;
+                uint8_t *to, *from = NULL;
+                uint64_t bytes;
 
+                if (quant_matrices(it, true) == 0)
+                    continue;
+                if (!scales_at(t, g, i, it, &to, &bytes)) {
+                    from = s->qscratch[g] + need;
+                    s->qfix[g][s->nqfix[g]++] = (qfix){m->round, from, to, bytes};
+                    need += (bytes + 15) & ~(uint64_t)15;
+                }
                 for (uint64_t l = 0; l < quant_matrices(it, true); l++) {
                     rf_qcopy_matrix mx;
 
@@ -592,13 +666,13 @@ static int quant_plans(nccl *t)
                         .dt = it->quant.dt, .src = mx.src, .src_row_stride = mx.src_row_stride,
                         .rows = (uint64_t)it->box.extent[nd - 2],
                         .cols = (uint64_t)it->box.extent[nd - 1], .q = mx.q,
-                        .q_row_stride = mx.q_row_stride, .scales = mx.scales,
+                        .q_row_stride = mx.q_row_stride,
+                        .scales = from ? from + (mx.scales - to) : mx.scales,
                         .scale_row_stride = mx.scale_row_stride};
                 }
             }
         }
-        assert(n == s->qn[g]);
-        CUDA_TRY(&err, cudaSetDevice(G->dev));
+        assert(n == s->qn[g] && s->nqfix[g] == nfix);
         if ((rc = rf_quant_cuda_plan_new(ops, n, &s->qplan[g], &err)) < 0)
             goto out;
         s->qarena[g] = G->arena;
@@ -743,6 +817,11 @@ static int enqueue_round(nccl *t, uint32_t r)
             (rc = rf_quant_cuda_plan_launch(s->qplan[g], s->qfirst[(size_t)r * s->nl + g], n,
                                             G->s_pack, &err)) < 0)
             goto out;
+        for (uint64_t k = 0; n > 0 && !skip_copy && k < s->nqfix[g]; k++)
+            if (s->qfix[g][k].round == r)
+                CUDA_TRY(&err, cudaMemcpyAsync(s->qfix[g][k].to, s->qfix[g][k].from,
+                                               s->qfix[g][k].bytes, cudaMemcpyDeviceToDevice,
+                                               G->s_pack));
         CUDA_TRY(&err, cudaEventRecord(G->ev_packed[h], G->s_pack));
         CUDA_TRY(&err, cudaStreamWaitEvent(G->s_net, G->ev_packed[h], 0));
     }
