@@ -45,7 +45,7 @@ run_case() {
 want() { case " ${GPU_CASES:-q4b q30b fp8 fp8qr kill} " in *" $1 "*) return 0 ;; esac; return 1; }
 want q4b && run_case q4b qwen3-4b tp=2,dp=2 tp=4 10 4 4
 want q30b && run_case q30b qwen3-30b-a3b tp=2,ep=4 tp=4 10 4 4
-# FP8 engines: the receiver's log names the FP8 pieces; the plan says who quantizes.
+# FP8 engines: the engines' logs count their FP8 pieces; the daemons' logs say who quantized.
 fp8_case() { # NAME FORMAT ENGINE_LAYOUT ENGINES WHO
     local name=$1 fmt=$2 dst=$3 nen=$4 who=$5
     local saved=$E2E_COMMON
