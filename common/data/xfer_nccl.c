@@ -617,8 +617,9 @@ static int quant_plans(nccl *t)
         for (uint32_t i = 0; i < job->nmsgs; i++) {
             const rf_xfer_msg *m = &job->msgs[i];
 
-            for (uint32_t k = 0; m->kind == RF_PLAN_PACKED && s->mgpu[i] == g && m->send &&
-                                 k < m->nitems; k++) {
+            if (m->kind != RF_PLAN_PACKED || s->mgpu[i] != g || !m->send)
+                continue;
+            for (uint32_t k = 0; k < m->nitems; k++) {
                 uint8_t *to;
                 uint64_t bytes;
 
@@ -646,18 +647,18 @@ static int quant_plans(nccl *t)
                 continue;
             for (uint32_t k = 0; k < m->nitems; k++) {
                 const rf_xfer_item *it = &m->items[k];
+                uint64_t nm = quant_matrices(it, true), bytes;
                 int nd = (int)it->ndim;
                 uint8_t *to, *from = NULL;
-                uint64_t bytes;
 
-                if (quant_matrices(it, true) == 0)
+                if (nm == 0)
                     continue;
                 if (!scales_at(t, g, i, it, &to, &bytes)) {
                     from = s->qscratch[g] + need;
                     s->qfix[g][s->nqfix[g]++] = (qfix){m->round, from, to, bytes};
                     need += (bytes + 15) & ~(uint64_t)15;
                 }
-                for (uint64_t l = 0; l < quant_matrices(it, true); l++) {
+                for (uint64_t l = 0; l < nm; l++) {
                     rf_qcopy_matrix mx;
 
                     rf_qcopy_pack_matrix(it, l, G->arena + s->moff[i] + it->msg_off, &mx);
