@@ -3,6 +3,7 @@
 #include "layout.h"
 #include "quant_fmt.h"
 
+#include <assert.h>
 #include <inttypes.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -1094,9 +1095,16 @@ uint64_t rf_piece_runs(const rf_piece *p, int ndim, size_t esize, const rf_box *
 
 /* ---- destination overlap ----------------------------------------------------------------- */
 
+/* What the check compares are the byte sets a destination writes: each piece's elements and,
+ * for an FP8 piece, its scales, which the install writes like elements. An item code names
+ * one: 2 * piece id, plus 1 for the piece's scales. */
+#define ITEM_CODE(id, scales) (2 * (id) + (uint32_t)(scales))
+#define ITEM_ID(code)         ((code) / 2)
+#define ITEM_SCALES(code)     ((code) & 1)
+
 typedef struct span {
     uint64_t lo, hi; /* first and last byte */
-    uint32_t id;
+    uint32_t code;
 } span;
 
 static int cmp_span(const void *a, const void *b)
@@ -1107,7 +1115,7 @@ static int cmp_span(const void *a, const void *b)
         return x->lo < y->lo ? -1 : 1;
     if (x->hi != y->hi)
         return x->hi < y->hi ? -1 : 1;
-    return x->id < y->id ? -1 : x->id > y->id;
+    return x->code < y->code ? -1 : x->code > y->code;
 }
 
 static int cmp_u64(const void *a, const void *b)
@@ -1115,6 +1123,38 @@ static int cmp_u64(const void *a, const void *b)
     uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
 
     return x < y ? -1 : x > y;
+}
+
+/* The bytes of item code as a piece of its own (an FP8 piece's scales: rf_inv_quant_scales)
+ * and the size of one of its elements. */
+static size_t item_piece(const rf_inv *inv, uint32_t code, rf_piece *out)
+{
+    rf_piece p;
+    const rf_quant_decl *q;
+    rf_quant_fmt f;
+
+    rf_inv_piece(inv, RF_DST, ITEM_ID(code), &p);
+    if (!ITEM_SCALES(code)) {
+        *out = p;
+        return rf_inv_piece_esize(inv, &p);
+    }
+    q = rf_inv_quant(inv, p.quant);
+    assert(q != NULL);
+    f = (rf_quant_fmt){q->kind, q->br, q->bc};
+    rf_inv_quant_scales(inv, &p, out);
+    return rf_dtype_size(rf_quant_scale_dtype(&f));
+}
+
+/* "w [0:64, 0:64]", or "the FP8 scales of w [0:64, 0:64]", into buf. */
+static void item_format(const rf_inv *inv, uint32_t code, char *buf, size_t len)
+{
+    char bs[200];
+    rf_piece p;
+
+    rf_inv_piece(inv, RF_DST, ITEM_ID(code), &p);
+    rf_box_format(&p.box, inv->tensors[p.tensor].ndim, bs, sizeof(bs));
+    snprintf(buf, len, "%s%s %s", ITEM_SCALES(code) ? "the FP8 scales of " : "",
+             inv->tensors[p.tensor].name, bs);
 }
 
 /* The start bytes of every run of piece p (whole box), sorted; *nout runs of *run_bytes. */
@@ -1150,23 +1190,21 @@ static int piece_run_starts(const rf_piece *p, int ndim, size_t esize, uint64_t 
     return 0;
 }
 
-/* Exact test: whether pieces a and b share a byte; *at is the first shared byte found. */
-static int pieces_share_byte(const rf_inv *inv, uint32_t a, uint32_t b, bool *shared,
-                             uint64_t *at)
+/* Exact test: whether items a and b share a byte; *at is the first shared byte found. */
+static int items_share_byte(const rf_inv *inv, uint32_t a, uint32_t b, bool *shared,
+                            uint64_t *at)
 {
     rf_piece pa, pb;
-    const rf_tensor *ta, *tb;
+    size_t ea_size, eb_size;
     uint64_t *ra = NULL, *rb = NULL, na, nb, la, lb, i = 0, j = 0;
     int rc;
 
-    rf_inv_piece(inv, RF_DST, a, &pa);
-    rf_inv_piece(inv, RF_DST, b, &pb);
-    ta = &inv->tensors[pa.tensor];
-    tb = &inv->tensors[pb.tensor];
+    ea_size = item_piece(inv, a, &pa);
+    eb_size = item_piece(inv, b, &pb);
     *shared = false;
-    rc = piece_run_starts(&pa, ta->ndim, rf_inv_piece_esize(inv, &pa), &ra, &na, &la);
+    rc = piece_run_starts(&pa, inv->tensors[pa.tensor].ndim, ea_size, &ra, &na, &la);
     if (rc == 0)
-        rc = piece_run_starts(&pb, tb->ndim, rf_inv_piece_esize(inv, &pb), &rb, &nb, &lb);
+        rc = piece_run_starts(&pb, inv->tensors[pb.tensor].ndim, eb_size, &rb, &nb, &lb);
     if (rc < 0)
         goto out;
     /* Runs of one piece do not overlap each other in sane layouts, but a sweep that keeps the
@@ -1191,42 +1229,51 @@ out:
     return rc;
 }
 
+/* The region item code lies in. */
+static uint32_t item_region(const rf_inv *inv, const piece_rec *pr, uint32_t code)
+{
+    const piece_rec *r = &pr[ITEM_ID(code)];
+
+    return ITEM_SCALES(code) ? inv->quants[r->quant - 1].scale_region : r->region;
+}
+
 int rf_inv_check_dst_overlap(const rf_inv *inv, rf_err *err)
 {
     const piece_rec *pr = inv->pieces[RF_DST];
     uint32_t n = inv->npieces[RF_DST];
-    uint32_t *first = NULL, *order = NULL, maxg = 0;
+    uint32_t *first = NULL, *order = NULL, *fill = NULL, maxg = 0;
     span *sp = NULL;
     int rc = 0;
 
     if (n == 0)
         return 0;
-    /* Bucket the pieces by region (counting sort: O(n), 4 bytes a piece), then sort each
-     * region's few pieces by span in a scratch array sized for the largest region. */
+    if (n > UINT32_MAX / 2)
+        return rf_err_set(err, -E2BIG, "%u destination pieces are more than the overlap check "
+                          "counts (%u)", n, UINT32_MAX / 2);
+    /* Bucket the items by region (counting sort: O(n), 4 bytes an item), then sort each
+     * region's few items by span in a scratch array sized for the largest region. */
     first = calloc((size_t)inv->nregions + 1, sizeof(*first));
-    order = malloc((size_t)n * sizeof(*order));
-    if (first == NULL || order == NULL) {
+    order = malloc((size_t)n * 2 * sizeof(*order));
+    fill = malloc(((size_t)inv->nregions + 1) * sizeof(*fill));
+    if (first == NULL || order == NULL || fill == NULL) {
         rc = rf_err_set(err, -ENOMEM, "out of memory checking %u destination pieces", n);
         goto out;
     }
-    for (uint32_t i = 0; i < n; i++)
+    for (uint32_t i = 0; i < n; i++) {
         first[pr[i].region + 1]++;
+        if (pr[i].quant)
+            first[inv->quants[pr[i].quant - 1].scale_region + 1]++;
+    }
     for (uint32_t r = 0; r < inv->nregions; r++) {
         if (first[r + 1] > maxg)
             maxg = first[r + 1];
         first[r + 1] += first[r];
     }
-    {
-        uint32_t *fill = malloc((size_t)inv->nregions * sizeof(*fill));
-
-        if (fill == NULL) {
-            rc = rf_err_set(err, -ENOMEM, "out of memory checking %u destination pieces", n);
-            goto out;
-        }
-        memcpy(fill, first, (size_t)inv->nregions * sizeof(*fill));
-        for (uint32_t i = 0; i < n; i++)
-            order[fill[pr[i].region]++] = i;
-        free(fill);
+    memcpy(fill, first, (size_t)inv->nregions * sizeof(*fill));
+    for (uint32_t i = 0; i < n; i++) {
+        order[fill[pr[i].region]++] = ITEM_CODE(i, 0);
+        if (pr[i].quant)
+            order[fill[item_region(inv, pr, ITEM_CODE(i, 1))]++] = ITEM_CODE(i, 1);
     }
     sp = malloc((size_t)maxg * sizeof(*sp));
     if (sp == NULL) {
@@ -1240,15 +1287,26 @@ int rf_inv_check_dst_overlap(const rf_inv *inv, rf_err *err)
         if (k < 2)
             continue;
         for (uint32_t i = 0; i < k; i++) {
-            uint32_t id = order[first[r] + i];
-            const rf_tensor *t = &inv->tensors[pr[id].tensor];
-            const geom *g = &inv->geoms[pr[id].geom];
-            uint64_t last = 0;
+            uint32_t code = order[first[r] + i];
+            uint64_t last = 0, lo;
 
-            /* An FP8 piece holds one byte an element. */
-            piece_extent_bytes(&g->box, g->strides, t->ndim,
-                               pr[id].quant ? 1 : rf_dtype_size(t->dtype), &last);
-            sp[i] = (span){.lo = pr[id].offset, .hi = pr[id].offset + last, .id = id};
+            if (ITEM_SCALES(code)) {
+                rf_piece s;
+                size_t es = item_piece(inv, code, &s);
+
+                piece_extent_bytes(&s.box, s.strides, inv->tensors[s.tensor].ndim, es, &last);
+                lo = s.offset;
+            } else {
+                const piece_rec *p = &pr[ITEM_ID(code)];
+                const rf_tensor *t = &inv->tensors[p->tensor];
+                const geom *g = &inv->geoms[p->geom];
+
+                /* An FP8 piece holds one byte an element. */
+                piece_extent_bytes(&g->box, g->strides, t->ndim,
+                                   p->quant ? 1 : rf_dtype_size(t->dtype), &last);
+                lo = p->offset;
+            }
+            sp[i] = (span){.lo = lo, .hi = lo + last, .code = code};
             if (i && cmp_span(&sp[i - 1], &sp[i]) > 0)
                 sorted = false;
         }
@@ -1259,25 +1317,21 @@ int rf_inv_check_dst_overlap(const rf_inv *inv, rf_err *err)
                 bool shared;
                 uint64_t at = 0;
 
-                rc = pieces_share_byte(inv, sp[i].id, sp[j].id, &shared, &at);
+                rc = items_share_byte(inv, sp[i].code, sp[j].code, &shared, &at);
                 if (rc < 0) {
                     rc = rf_err_set(err, rc, "out of memory checking destination pieces %u and "
-                                    "%u for overlap", sp[i].id, sp[j].id);
+                                    "%u for overlap", ITEM_ID(sp[i].code), ITEM_ID(sp[j].code));
                     goto out;
                 }
                 if (shared) {
-                    char ba[200], bb[200];
-                    rf_piece a, b;
+                    char ba[RF_NAME_MAX + 240], bb[RF_NAME_MAX + 240];
 
-                    rf_inv_piece(inv, RF_DST, sp[i].id, &a);
-                    rf_inv_piece(inv, RF_DST, sp[j].id, &b);
-                    rf_box_format(&a.box, inv->tensors[a.tensor].ndim, ba, sizeof(ba));
-                    rf_box_format(&b.box, inv->tensors[b.tensor].ndim, bb, sizeof(bb));
-                    rc = rf_err_set(err, -EINVAL, "destination pieces %s %s and %s %s both write "
+                    item_format(inv, sp[i].code, ba, sizeof(ba));
+                    item_format(inv, sp[j].code, bb, sizeof(bb));
+                    rc = rf_err_set(err, -EINVAL, "destination pieces %s and %s both write "
                                     "byte %" PRIu64 " of region %u (endpoint %u): each "
-                                    "destination byte must belong to one piece",
-                                    inv->tensors[a.tensor].name, ba, inv->tensors[b.tensor].name,
-                                    bb, at, r, inv->regions[r].endpoint);
+                                    "destination byte, FP8 scales included, must belong to one "
+                                    "piece", ba, bb, at, r, inv->regions[r].endpoint);
                     goto out;
                 }
             }
@@ -1286,6 +1340,7 @@ int rf_inv_check_dst_overlap(const rf_inv *inv, rf_err *err)
 out:
     free(first);
     free(order);
+    free(fill);
     free(sp);
     return rc;
 }

@@ -163,8 +163,9 @@ void rf_inv_scale_box(const rf_quant_decl *q, int ndim, const int64_t *shape, co
 void rf_inv_quant_scales(const rf_inv *inv, const rf_piece *p, rf_piece *out);
 
 /* Checks that no two destination pieces write the same bytes of one region (exact, also for
- * strided pieces whose spans interleave). Run once when an inventory is sealed; -EINVAL
- * naming both pieces' tensors and boxes. */
+ * strided pieces whose spans interleave). The scales of an FP8 piece count as bytes it writes:
+ * they may share no byte with its own elements, nor with another piece's elements or scales.
+ * Run once when an inventory is sealed; -EINVAL naming both pieces' tensors and boxes. */
 int rf_inv_check_dst_overlap(const rf_inv *inv, rf_err *err);
 
 /* A copy of in in which every source endpoint is folded into one (node 0) and every

@@ -6,6 +6,7 @@
 #include <string.h>
 
 #include "layout.h"
+#include "quant_fmt.h"
 
 static rf_inv *inv;
 static void setup(void) { inv = rf_inv_new(); cr_assert_not_null(inv); }
@@ -563,6 +564,135 @@ Test(layout, dst_overlap_same_bytes)
     cr_assert(strstr(err.msg, "experts.0.gate_proj.weight [0:8, 0:4]") &&
               strstr(err.msg, "experts.0.up_proj.weight [0:8, 0:4]") && strstr(err.msg, "62"),
               "%s", err.msg);
+}
+
+/* An FP8 piece's scales are bytes its install writes: they may not lie in its own elements,
+ * nor in another piece's elements or scales. w is 128 x 64 in 64 x 64 blocks: 8192 bytes of
+ * FP8 and two fp32 scales (8 bytes). */
+static uint32_t fp8_piece(uint32_t t, uint32_t reg, uint64_t off, int64_t r0, uint32_t sreg,
+                          uint64_t soff, rf_err *err)
+{
+    rf_quant_decl qd = {.kind = RF_QUANT_BLOCK, .br = 64, .bc = 64, .scale_region = sreg,
+                        .scale_offset = soff, .scale_strides = {1, 1}};
+    rf_piece p = piece2(t, reg, off, r0, 64, 0, 64, 64, 1);
+    uint32_t id;
+
+    cr_assert_eq(rf_inv_add_quant(inv, &qd, &p.quant, err), 0, "%s", err->msg);
+    cr_assert_eq(rf_inv_add_piece(inv, &p, &id, err), 0, "%s", err->msg);
+    return id;
+}
+
+Test(layout, dst_overlap_fp8_scales_in_own_elements)
+{
+    uint32_t w = tensor2("w", RF_DT_BF16, 64, 64), r = region(RF_DST, 64 * 64 + 8);
+    rf_err err = {0};
+
+    fp8_piece(w, r, 0, 0, r, 64 * 64, &err); /* scales right after the elements */
+    cr_assert_eq(rf_inv_check_dst_overlap(inv, &err), 0, "%s", err.msg);
+    rf_inv_free(inv);
+    inv = rf_inv_new();
+    w = tensor2("w", RF_DT_BF16, 64, 64);
+    r = region(RF_DST, 64 * 64 + 8);
+    fp8_piece(w, r, 0, 0, r, 64 * 64 - 2, &err); /* the scale's first two bytes on elements */
+    cr_assert_eq(rf_inv_check_dst_overlap(inv, &err), -EINVAL);
+    cr_assert(strstr(err.msg, "the FP8 scales of w [0:64, 0:64]") &&
+              strstr(err.msg, "both write byte 4094 of region 0") &&
+              strstr(err.msg, "FP8 scales included"), "%s", err.msg);
+}
+
+Test(layout, dst_overlap_fp8_scales_across_pieces)
+{
+    uint32_t w = tensor2("w", RF_DT_BF16, 128, 64), r = region(RF_DST, 2 * 64 * 64);
+    uint32_t rs = rf_inv_nregions(inv), ep = rf_inv_region(inv, r)->endpoint, tmp;
+    rf_err err = {0};
+
+    cr_assert_eq(rf_inv_add_region(inv, ep, 64, &tmp, &err), 0, "%s", err.msg);
+    fp8_piece(w, r, 0, 0, rs, 0, &err);
+    fp8_piece(w, r, 64 * 64, 64, rs, 4, &err); /* the next scale: no byte shared */
+    cr_assert_eq(rf_inv_check_dst_overlap(inv, &err), 0, "%s", err.msg);
+    /* A third piece (another tensor) whose scale lands on the second piece's. */
+    {
+        uint32_t v = tensor2("v", RF_DT_BF16, 64, 64), rv;
+
+        cr_assert_eq(rf_inv_add_region(inv, ep, 64 * 64, &rv, &err), 0, "%s", err.msg);
+        fp8_piece(v, rv, 0, 0, rs, 6, &err);
+        cr_assert_eq(rf_inv_check_dst_overlap(inv, &err), -EINVAL);
+        cr_assert(strstr(err.msg, "the FP8 scales of w [64:128, 0:64]") &&
+                  strstr(err.msg, "the FP8 scales of v [0:64, 0:64]") &&
+                  strstr(err.msg, "byte 6 of region 1"), "%s", err.msg);
+    }
+}
+
+Test(layout, dst_overlap_fp8_scales_in_other_elements)
+{
+    uint32_t w = tensor2("w", RF_DT_BF16, 64, 64), v = tensor2("v", RF_DT_BF16, 64, 64);
+    uint32_t r = region(RF_DST, 3 * 64 * 64), ep = rf_inv_region(inv, r)->endpoint, rs;
+    rf_err err = {0};
+
+    cr_assert_eq(rf_inv_add_region(inv, ep, 64, &rs, &err), 0, "%s", err.msg);
+    fp8_piece(w, r, 0, 0, rs, 0, &err);
+    /* v's scales in the middle of w's elements, in w's region. */
+    fp8_piece(v, r, 64 * 64, 0, r, 100, &err);
+    cr_assert_eq(rf_inv_check_dst_overlap(inv, &err), -EINVAL);
+    cr_assert(strstr(err.msg, "w [0:64, 0:64] and the FP8 scales of v [0:64, 0:64] both write "
+                     "byte 100"), "%s", err.msg);
+}
+
+/* Random FP8 pieces whose elements and scales share one small region: the exact check agrees
+ * with a byte map that marks both. */
+Test(layout, dst_overlap_fp8_random_vs_bytemap)
+{
+    unsigned seed = 777;
+    int disagreements = 0, overlaps = 0;
+
+    for (int trial = 0; trial < 400; trial++) {
+        rf_inv *v = rf_inv_new();
+        uint8_t map[1024];
+        bool collide = false;
+        uint32_t ep, reg, t;
+        int64_t shape[2] = {16, 16};
+        rf_err err = {0};
+        int npieces = 1 + rand_r(&seed) % 3;
+
+        memset(map, 0, sizeof(map));
+        rf_inv_add_endpoint(v, RF_DST, 0, &ep, NULL);
+        rf_inv_add_region(v, ep, sizeof(map), &reg, NULL);
+        rf_inv_add_tensor(v, "t", RF_DT_BF16, 2, shape, &t, NULL);
+        for (int i = 0; i < npieces; i++) {
+            int64_t nr = 4 * (1 + rand_r(&seed) % 2), nc = 4 * (1 + rand_r(&seed) % 2);
+            int64_t s0 = nc + rand_r(&seed) % 6, ss0 = nc / 4 + rand_r(&seed) % 2;
+            uint64_t off = (uint64_t)(rand_r(&seed) % 600), soff = (uint64_t)(rand_r(&seed) % 900);
+            rf_quant_decl qd = {.kind = RF_QUANT_BLOCK, .br = 4, .bc = 4, .scale_region = reg,
+                                .scale_offset = soff, .scale_strides = {ss0, 1}};
+            rf_piece p = piece2(t, reg, off, 0, nr, 0, nc, s0, 1);
+
+            cr_assert_eq(rf_inv_add_quant(v, &qd, &p.quant, &err), 0, "%s", err.msg);
+            if (rf_inv_add_piece(v, &p, NULL, &err) != 0)
+                continue;
+            for (int64_t a = 0; a < nr; a++)
+                for (int64_t b = 0; b < nc; b++) {
+                    uint64_t o = off + (uint64_t)(a * s0 + b);
+
+                    collide |= map[o] != 0;
+                    map[o] = (uint8_t)(2 * i + 1);
+                }
+            for (int64_t a = 0; a < nr / 4; a++)
+                for (int64_t b = 0; b < nc / 4; b++)
+                    for (int k = 0; k < 4; k++) {
+                        uint64_t o = soff + (uint64_t)(a * ss0 + b) * 4 + (uint64_t)k;
+
+                        collide |= map[o] != 0;
+                        map[o] = (uint8_t)(2 * i + 2);
+                    }
+        }
+        overlaps += collide;
+        if ((rf_inv_check_dst_overlap(v, &err) != 0) != collide)
+            disagreements++;
+        rf_inv_free(v);
+    }
+    cr_assert_eq(disagreements, 0);
+    cr_assert_gt(overlaps, 20);
+    cr_assert_lt(overlaps, 380);
 }
 
 /* Random strided pieces in small regions: the exact check agrees with a byte map. */
