@@ -2,13 +2,17 @@
 the refit daemons. Trainers register host buffers and pieces and publish versions; engines
 register buffers and wait for versions; refitctl-like tools read status and trigger refits.
 
-Every failing call raises refit.Error(code, message), code being a negative errno.
+Every failing call raises refit.Error(code, message), code being a negative errno. Arguments
+librefit could not take as given (an integer outside its C type, a string with a NUL byte, a
+value of the wrong type) are refused before any call, with refit.ArgumentError (also a
+ValueError) or refit.ArgumentTypeError (also a TypeError), both refit.Error of code -EINVAL.
 The library is loaded from $REFIT_LIB, else from build/librefit.so of this source tree."""
 
 import ctypes
 import errno
 import fcntl
 import mmap
+import operator
 import os
 
 TRAINER, ENGINE, CTL = 1, 2, 3
@@ -30,6 +34,80 @@ class Error(Exception):
         super().__init__(f"{message} ({errno.errorcode.get(-code, code)})")
         self.code = code
         self.message = message
+
+
+class ArgumentError(Error, ValueError):
+    """An argument librefit cannot take as given: refused before the call (code -EINVAL)."""
+
+    def __init__(self, message):
+        super().__init__(-errno.EINVAL, message)
+
+
+class ArgumentTypeError(Error, TypeError):
+    """An argument of a type the call does not take: refused before the call (-EINVAL)."""
+
+    def __init__(self, message):
+        super().__init__(-errno.EINVAL, message)
+
+
+# The ranges of librefit's C argument types: ctypes would cut a larger Python int to its low
+# bits without a word (rank 1 << 40 arrives as rank 0), so each integer is checked first.
+I32 = (-2 ** 31, 2 ** 31 - 1)
+U32 = (0, 2 ** 32 - 1)
+I64 = (-2 ** 63, 2 ** 63 - 1)
+U64 = (0, 2 ** 64 - 1)
+
+
+def _int(what, value, lo_hi):
+    """value as a Python int when it is an integer in lo_hi; else ArgumentError or
+    ArgumentTypeError naming what and the range."""
+    lo, hi = lo_hi
+    if isinstance(value, bool):
+        raise ArgumentTypeError(f"{what} must be an integer, not a bool ({value})")
+    try:
+        v = operator.index(value)
+    except TypeError:
+        raise ArgumentTypeError(f"{what} must be an integer, not {type(value).__name__} "
+                                f"({value!r})") from None
+    if not lo <= v <= hi:
+        raise ArgumentError(f"{what} is {v}, outside {lo}..{hi}: librefit takes it as a "
+                            f"{'signed' if lo < 0 else 'unsigned'} "
+                            f"{(hi - lo).bit_length()}-bit integer")
+    return v
+
+
+def _cstr(what, s, none_ok=False):
+    """s (a str, sent as UTF-8, or bytes, sent as they are) as the bytes of a C string; None
+    only when none_ok. A NUL byte would end the C string there and the rest would be lost
+    silently: refused."""
+    if s is None and none_ok:
+        return None
+    if isinstance(s, str):
+        try:
+            b = s.encode()
+        except UnicodeEncodeError as e:
+            raise ArgumentError(f"{what} {s!r} cannot be sent as UTF-8: {e.reason} at "
+                                f"character {e.start}") from None
+    elif isinstance(s, (bytes, bytearray)):
+        b = bytes(s)
+    else:
+        raise ArgumentTypeError(f"{what} must be a str or bytes, not {type(s).__name__} "
+                                f"({s!r})")
+    i = b.find(b"\0")
+    if i >= 0:
+        raise ArgumentError(f"{what} {s!r} holds a NUL byte at byte {i}: librefit takes a C "
+                            "string, which would end there; remove the NUL")
+    return b
+
+
+def _dtype(what, dtype):
+    """A dtype name of DTYPES or a REFIT value, as the value."""
+    if isinstance(dtype, str):
+        if dtype not in DTYPES:
+            raise ArgumentError(f"{what}: unknown dtype {dtype!r}; one of "
+                                f"{', '.join(sorted(DTYPES))}")
+        return DTYPES[dtype]
+    return _int(f"{what}: dtype", dtype, I32)
 
 
 def _find_lib():
@@ -104,18 +182,28 @@ def _load():
     return lib
 
 
-def _i64s(values):
-    return (ctypes.c_int64 * len(values))(*values)
+def _i64s(what, values):
+    """A C array of int64 of the integers in values (each checked)."""
+    if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
+        raise ArgumentTypeError(f"{what} must be a sequence of integers, not "
+                                f"{type(values).__name__} ({values!r})")
+    vals = [_int(f"{what}[{k}]", v, I64) for k, v in enumerate(values)]
+    return (ctypes.c_int64 * len(vals))(*vals)
 
 
 def fp8_scale_shape(fmt, shape, start, extent):
     """The shape of the scales of an FP8 piece (the box's block grid) in format fmt, and the
     bytes of one scale (4: fp32; 1: E8M0 for mxfp8)."""
+    cfmt = _cstr("FP8 format", fmt)
+    shape, start, extent = (_i64s(w, v) for w, v in (("shape", shape), ("start", start),
+                                                       ("extent", extent)))
     n = len(shape)
+    if len(start) != n or len(extent) != n:
+        raise ArgumentError(f"FP8 scale shape: shape, start and extent need one value per dim "
+                            f"({n}, {len(start)}, {len(extent)} given)")
     out = (ctypes.c_int64 * n)()
     es = ctypes.c_size_t()
-    rc = _load().refit_fp8_scale_shape(fmt.encode(), n, _i64s(shape), _i64s(start),
-                                       _i64s(extent), out, ctypes.byref(es))
+    rc = _load().refit_fp8_scale_shape(cfmt, n, shape, start, extent, out, ctypes.byref(es))
     if rc < 0:
         raise Error(rc, f"FP8 format {fmt!r} on a {n}-dim tensor: expected block, "
                     "block:<rows>x<cols>, channel, tensor or mxfp8 and 2 dims or more")
@@ -128,8 +216,7 @@ class HostBuffer:
     what add_piece takes. It stays valid after the client closes."""
 
     def __init__(self, size):
-        if size <= 0:
-            raise Error(-errno.EINVAL, f"buffer size {size}: must be > 0")
+        size = _int("buffer size", size, (1, U64[1]))
         self.size = size
         self.fd = os.memfd_create("refit", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         os.ftruncate(self.fd, size)
@@ -150,12 +237,15 @@ class Client:
     the default socket of the kind (publisherd for trainers and ctl, receiverd for engines)."""
 
     def __init__(self, kind, name="", rank=0, socket=None):
+        self._c = None
+        kind = _int("kind", kind, I32)
+        cname = _cstr("client name", name, none_ok=True)
+        rank = _int("rank", rank, I32)
+        csock = _cstr("socket", socket) if socket else None
         lib = _load()
         self._lib = lib
-        self._c = None
         h = ctypes.c_void_p()
-        rc = lib.refit_connect(socket.encode() if socket else None, name.encode(), rank, kind,
-                               ctypes.byref(h))
+        rc = lib.refit_connect(csock, cname, rank, kind, ctypes.byref(h))
         if rc < 0:
             raise Error(rc, lib.refit_last_error(None).decode(errors="replace"))
         self._c = h
@@ -168,6 +258,7 @@ class Client:
 
     def register_memfd(self, fd, size):
         """Registers size bytes of a memfd (made with MFD_ALLOW_SEALING); returns the region."""
+        fd, size = _int("fd", fd, I32), _int("size", size, U64)
         region = ctypes.c_uint32()
         self._check(self._lib.refit_region_memfd(self._c, fd, size, ctypes.byref(region)))
         return region.value
@@ -178,6 +269,7 @@ class Client:
         region. Memory of PyTorch's default caching allocator is shared by CUDA IPC, VMM
         allocations (expandable segments) as POSIX fds where they allow it; host or managed
         memory raises Error saying what to use instead."""
+        ptr, size = _int("ptr", ptr, U64), _int("size", size, U64)
         region = ctypes.c_uint32()
         self._check(self._lib.refit_region_cuda(self._c, ctypes.c_void_p(ptr), size,
                                                 ctypes.byref(region)))
@@ -199,15 +291,20 @@ class Client:
         shape) at offset bytes in region; strides in elements, None for row-major. tensor is
         a str (sent as UTF-8) or bytes (sent as they are); the daemon takes printable UTF-8
         without spaces, quotes, backslashes or control characters."""
-        dt = DTYPES[dtype] if isinstance(dtype, str) else dtype
+        name = _cstr("tensor name", tensor)
+        what = f"tensor {tensor!r}"
+        dt = _dtype(what, dtype)
+        shape, start, extent = (_i64s(f"{what}: {w}", v) for w, v in
+                                (("shape", shape), ("start", start), ("extent", extent)))
+        strides = _i64s(f"{what}: strides", strides) if strides is not None else None
+        region = _int(f"{what}: region", region, U32)
+        offset = _int(f"{what}: offset", offset, U64)
         n = len(shape)
         if not (len(start) == len(extent) == n) or (strides is not None and len(strides) != n):
-            raise Error(-errno.EINVAL, f"tensor {tensor}: shape, start, extent and strides "
-                        "need one value per dim")
-        name = tensor if isinstance(tensor, bytes) else tensor.encode()
-        self._check(self._lib.refit_add_piece(
-            self._c, name, dt, n, _i64s(shape), region, offset, _i64s(start),
-            _i64s(extent), _i64s(strides) if strides is not None else None))
+            raise ArgumentError(f"{what}: shape, start, extent and strides need one value "
+                                "per dim")
+        self._check(self._lib.refit_add_piece(self._c, name, dt, n, shape, region, offset,
+                                              start, extent, strides))
 
     def add_piece_fp8(self, tensor, dtype, shape, region, offset, start, extent, fmt,
                       scale_region, scale_offset, strides=None, scale_strides=None):
@@ -218,30 +315,43 @@ class Client:
         over the box's block grid (fp8_scale_shape); strides in elements, None for
         row-major. A trainer that holds the weight in FP8 registers it the same way: its bytes
         and scales are copied as they are into engine FP8 pieces of the same format."""
-        dt = DTYPES[dtype] if isinstance(dtype, str) else dtype
+        name = _cstr("tensor name", tensor)
+        what = f"FP8 tensor {tensor!r}"
+        dt = _dtype(what, dtype)
+        cfmt = _cstr(f"{what}: FP8 format", fmt)
+        shape, start, extent = (_i64s(f"{what}: {w}", v) for w, v in
+                                (("shape", shape), ("start", start), ("extent", extent)))
+        strides = _i64s(f"{what}: strides", strides) if strides is not None else None
+        sstrides = _i64s(f"{what}: scale_strides", scale_strides) \
+            if scale_strides is not None else None
+        region = _int(f"{what}: region", region, U32)
+        offset = _int(f"{what}: offset", offset, U64)
+        scale_region = _int(f"{what}: scale_region", scale_region, U32)
+        scale_offset = _int(f"{what}: scale_offset", scale_offset, U64)
         n = len(shape)
         if not (len(start) == len(extent) == n) or (strides is not None and len(strides) != n) \
-                or (scale_strides is not None and len(scale_strides) != n):
-            raise Error(-errno.EINVAL, f"tensor {tensor}: shape, start, extent and strides "
-                        "need one value per dim")
-        name = tensor if isinstance(tensor, bytes) else tensor.encode()
+                or (sstrides is not None and len(sstrides) != n):
+            raise ArgumentError(f"{what}: shape, start, extent and strides need one value "
+                                "per dim")
         self._check(self._lib.refit_add_piece_fp8(
-            self._c, name, dt, n, _i64s(shape), region, offset, _i64s(start), _i64s(extent),
-            _i64s(strides) if strides is not None else None, fmt.encode(), scale_region,
-            scale_offset, _i64s(scale_strides) if scale_strides is not None else None))
+            self._c, name, dt, n, shape, region, offset, start, extent, strides, cfmt,
+            scale_region, scale_offset, sstrides))
 
     def seal(self):
         self._check(self._lib.refit_seal(self._c))
 
     def publish(self, version):
-        self._check(self._lib.refit_publish(self._c, version))
+        self._check(self._lib.refit_publish(self._c, _int("version", version, U64)))
 
     def wait_released(self, version, timeout_ms=-1):
-        self._check(self._lib.refit_wait_released(self._c, version, timeout_ms))
+        self._check(self._lib.refit_wait_released(self._c, _int("version", version, U64),
+                                                  _int("timeout_ms", timeout_ms, I32)))
 
     def wait_version(self, version, timeout_ms=-1):
         """Engines: waits until version or a later one is committed; returns the version the
         daemon committed, which the engine's memory holds (it may be later than version)."""
+        version = _int("version", version, U64)
+        timeout_ms = _int("timeout_ms", timeout_ms, I32)
         reached = ctypes.c_uint64()
         self._check(self._lib.refit_wait_version_reached(self._c, version, timeout_ms,
                                                          ctypes.byref(reached)))
@@ -249,6 +359,7 @@ class Client:
 
     def next_event(self, timeout_ms=-1):
         """(event name, version) of the next pushed event."""
+        timeout_ms = _int("timeout_ms", timeout_ms, I32)
         ev, ver = ctypes.c_int(), ctypes.c_uint64()
         self._check(self._lib.refit_next_event(self._c, timeout_ms, ctypes.byref(ev),
                                                ctypes.byref(ver)))
@@ -264,10 +375,11 @@ class Client:
             self._lib._free(p)
 
     def trigger(self, version):
-        self._check(self._lib.refit_trigger(self._c, version))
+        self._check(self._lib.refit_trigger(self._c, _int("version", version, U64)))
 
     def wait(self, version, timeout_ms=-1):
-        self._check(self._lib.refit_wait(self._c, version, timeout_ms))
+        self._check(self._lib.refit_wait(self._c, _int("version", version, U64),
+                                         _int("timeout_ms", timeout_ms, I32)))
 
     def gate(self):
         """Engines: hold installs until this client says consumed(); call before seal()."""
@@ -275,7 +387,7 @@ class Client:
 
     def consumed(self, version):
         """Engines (gated): done with committed version; the next may be installed."""
-        self._check(self._lib.refit_consumed(self._c, version))
+        self._check(self._lib.refit_consumed(self._c, _int("version", version, U64)))
 
     def close(self):
         if self._c is not None:

@@ -26,7 +26,7 @@ import threading
 
 import torch
 
-from . import Error, _load
+from . import I32, I64, U64, ArgumentError, ArgumentTypeError, Error, _cstr, _int, _load
 
 _ALIGN = 256  # every tensor of an arena starts here: any dtype's view is aligned
 
@@ -39,6 +39,10 @@ for _name, _code in (("float8_e4m3fn", 4), ("float8_e5m2", 5)):
     if hasattr(torch, _name):
         _TORCH_DTYPES[getattr(torch, _name)] = _code
 _REFIT_TO_TORCH = {v: k for k, v in _TORCH_DTYPES.items()}
+# What register_fp8 takes: the weight's bytes, and the dtypes of each kind of scales.
+_FP8_WEIGHT = tuple(getattr(torch, n) for n in ("uint8", "float8_e4m3fn") if hasattr(torch, n))
+_SCALE_FP32 = (torch.float32,)
+_SCALE_E8M0 = tuple(getattr(torch, n) for n in ("uint8", "float8_e8m0fnu") if hasattr(torch, n))
 
 
 # ---- host memory ---------------------------------------------------------------------------
@@ -53,8 +57,7 @@ class Arena:
     client. The memory stays mapped while the arena or any of its tensors lives."""
 
     def __init__(self, size):
-        if size <= 0:
-            raise Error(-errno.EINVAL, f"arena size {size}: must be > 0")
+        size = _int("arena size", size, (1, U64[1]))
         self.size = size
         self.fd = os.memfd_create("refit-torch", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
@@ -73,7 +76,7 @@ class Arena:
 
     def empty(self, shape, dtype=torch.float32):
         """A new tensor of shape and dtype inside the arena (contents undefined)."""
-        shape = tuple(shape)
+        shape = _shape(shape)
         numel = 1
         for s in shape:
             numel *= s
@@ -87,6 +90,18 @@ class Arena:
 
     def contains(self, ptr, nbytes):
         return self.base <= ptr and ptr + nbytes <= self.base + self.size
+
+
+def _shape(shape):
+    """shape as a tuple of sizes >= 0. A negative size is refused: torch's view() would take
+    -1 as "infer this dim" and hand out a tensor of another shape than asked."""
+    if isinstance(shape, int):
+        shape = (shape,)
+    if isinstance(shape, (str, bytes)) or not hasattr(shape, "__iter__"):
+        raise ArgumentTypeError(f"shape must be a sequence of sizes, not {type(shape).__name__} "
+                                f"({shape!r})")
+    return tuple(_int(f"shape {tuple(shape)}: size of dim {d}", n, (0, I64[1]))
+                 for d, n in enumerate(shape))
 
 
 def _arena_of(ptr, nbytes):
@@ -104,6 +119,7 @@ def empty(shape, dtype=torch.float32, arena=None):
     """A tensor in shared host memory that refit can move: from arena, else from this module's
     default arenas (256 MiB each, a larger one for a larger tensor)."""
     global _default_arena
+    shape = _shape(shape)
     if arena is not None:
         return arena.empty(shape, dtype)
     nbytes = torch.empty((), dtype=dtype).element_size()
@@ -227,7 +243,7 @@ def _span_bytes(tensor):
 
 def _check_tensor(tensor, what):
     if not isinstance(tensor, torch.Tensor):
-        raise Error(-errno.EINVAL, f"{what}: a {type(tensor).__name__} is not a torch.Tensor")
+        raise ArgumentTypeError(f"{what}: a {type(tensor).__name__} is not a torch.Tensor")
     if tensor.layout != torch.strided:
         raise Error(-errno.EINVAL, f"{what}: a {tensor.layout} tensor has no strided storage "
                     "refit can address; register its dense form (to_dense())")
@@ -236,6 +252,11 @@ def _check_tensor(tensor, what):
                     f"(one of {', '.join(str(d) for d in _TORCH_DTYPES)})")
     # Negative strides need no check: torch refuses to make them (as_strided, from_numpy of a
     # reversed array and DLPack all raise), so every strided tensor addresses forward.
+    if tensor.numel() == 0:
+        # Checked before its memory is looked for: an empty tensor has no bytes to find.
+        raise ArgumentError(f"{what}: the tensor is empty (shape {list(tensor.shape)}, no "
+                            "element), refit has nothing to move; register tensors with at "
+                            "least one element")
     return _TORCH_DTYPES[tensor.dtype]
 
 
@@ -305,6 +326,7 @@ def register(client, hf_name, tensor, box=None, global_shape=None):
     tensor; its allocation is registered once per client. A DTensor brings its own global shape
     and box (from device_mesh and placements): its local tensor is registered, an empty shard
     registers nothing. Returns the number of pieces registered (0 or 1)."""
+    _cstr("tensor name", hf_name)
     what = f"tensor {hf_name}"
     if _is_dtensor(tensor):
         if box is not None or global_shape is not None:
@@ -352,13 +374,13 @@ def register_fp8(client, hf_name, weight, scale, fmt="block", dtype=torch.bfloat
     engine FP8 pieces of the same format). Returns 1."""
     from . import fp8_scale_shape
 
+    _cstr("tensor name", hf_name)
     what = f"FP8 tensor {hf_name}"
     for t, name in ((weight, "weight"), (scale, "scale")):
         _check_tensor(t, f"{what}: its {name}")
-    if weight.element_size() != 1 or weight.is_floating_point() and \
-            str(weight.dtype) != "torch.float8_e4m3fn":
-        raise Error(-errno.EINVAL, f"{what}: the weight is {weight.dtype}; FP8 weights are "
-                    "float8_e4m3fn (uint8 where torch has no FP8 dtype)")
+    if weight.dtype not in _FP8_WEIGHT:
+        raise ArgumentError(f"{what}: the weight is {weight.dtype}; FP8 weights are "
+                            "float8_e4m3fn (uint8 where torch has no FP8 dtype)")
     if dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise Error(-errno.EINVAL, f"{what}: trainers' dtype {dtype} is not quantized; give "
                     "bfloat16, float16 or float32")
@@ -375,6 +397,12 @@ def register_fp8(client, hf_name, weight, scale, fmt="block", dtype=torch.bfloat
                         f"{shape} and come with global_shape")
         gshape = list(global_shape)
     sshape, ses = fp8_scale_shape(fmt, gshape, start, shape)
+    # The scales are fp32, or E8M0 bytes for mxfp8 (fp8_scale_shape's element size says which):
+    # another dtype of the same size (int32 for fp32) would be read as fp32 bits.
+    want = _SCALE_FP32 if ses == 4 else _SCALE_E8M0
+    if scale.dtype not in want:
+        raise ArgumentError(f"{what}: format {fmt} keeps its scales as "
+                            f"{' or '.join(str(d) for d in want)}; scale is {scale.dtype}")
     if list(scale.shape) != sshape or scale.element_size() != ses:
         raise Error(-errno.EINVAL, f"{what}: format {fmt} on box {shape} at {start} needs "
                     f"{sshape} scales of {ses} bytes; scale is {list(scale.shape)} of "
@@ -419,9 +447,12 @@ def layout(model, convention, parallel="", rank=0, shrink=1):
         lib.refit_layout_free.argtypes = [c_p]
         lib.refit_layout_free.restype = None
         lib._layout_sigs = True
+    cmodel = _cstr("model", str(model))
+    cconv = _cstr("convention", convention)
+    cpar = _cstr("parallel", parallel or "")
+    rank, shrink = _int("rank", rank, I32), _int("shrink", shrink, I32)
     h = ctypes.c_void_p()
-    rc = lib.refit_layout_open(str(model).encode(), shrink, convention.encode(),
-                               (parallel or "").encode(), rank, ctypes.byref(h))
+    rc = lib.refit_layout_open(cmodel, shrink, cconv, cpar, rank, ctypes.byref(h))
     if rc < 0:
         raise Error(rc, lib.refit_last_error(None).decode(errors="replace"))
     try:
