@@ -3,6 +3,7 @@
 #define RF_LOG_MODULE "coordinator"
 #include "coordinator.h"
 
+#include <limits.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -45,6 +46,15 @@ typedef struct member {
     double done_transfer_s;
     uint8_t digest[RF_XFER_DIGEST_BYTES];
     bool has_digest;
+    /* The member's own cluster-wide keys, as its last Inventory said (has_config false: an
+     * older build that sends none; nothing is compared). */
+    bool has_config;
+    struct member_config {
+        int transport, verify, refit_timeout_s, staging_mib, heartbeat_ms, peer_timeout_ms;
+        char file[256];
+    } config;
+    bool config_logged;  /* its differences were logged for this daemon_id */
+    char refused[512];   /* why the coordinator refuses it ("" : it is not refused) */
 } member;
 
 /* A plan build on the worker pool: inputs copied in, slices out. */
@@ -104,7 +114,7 @@ struct rf_coord {
     uint64_t committed;
     uint64_t trigger;      /* operator-requested version */
     double t_first_ready, t_start;
-    char last_error[256];
+    char last_error[512];
     struct {
         uint64_t version;
         char result[16];
@@ -163,6 +173,7 @@ static void changed(rf_coord *c)
 
 static void try_start(rf_coord *c);
 static void schedule_build(rf_coord *c);
+static int plan_staging_mib(const rf_coord *c);
 static void on_deadline(uv_timer_t *t);
 static void coord_release(rf_coord *c);
 static void deadline_closed(uv_handle_t *h);
@@ -341,6 +352,7 @@ static void try_start(rf_coord *c)
 {
     Refit__Envelope env = REFIT__ENVELOPE__INIT;
     Refit__Start st = REFIT__START__INIT;
+    Refit__ClusterConfig cc = REFIT__CLUSTER_CONFIG__INIT;
     uint64_t target = 0;
     bool ready = true;
     uint32_t i;
@@ -381,6 +393,14 @@ static void try_start(rf_coord *c)
     st.version = target;
     st.plan_id.data = c->plan_id;
     st.plan_id.len = RF_PLAN_ID_BYTES;
+    /* The refit's cluster-wide settings: every member runs it with the coordinator's. */
+    st.config = &cc;
+    cc.transport = (uint32_t)c->cfg->transport;
+    cc.verify = (uint32_t)c->cfg->verify;
+    cc.refit_timeout_s = (uint32_t)c->cfg->refit_timeout_s;
+    cc.staging_mib = (uint32_t)plan_staging_mib(c);
+    cc.heartbeat_ms = (uint32_t)c->cfg->heartbeat_ms;
+    cc.peer_timeout_ms = (uint32_t)c->cfg->peer_timeout_ms;
     env.body_case = REFIT__ENVELOPE__BODY_START;
     env.start = &st;
     /* Receivers first: they are ready to take bytes before any sender starts gathering, and
@@ -564,6 +584,19 @@ static void build_after(uv_work_t *w, int status)
     changed(c);
 }
 
+/* Staging is each member's own memory: the plan's budget per GPU is the smallest that the
+ * coordinator and any member allow. */
+static int plan_staging_mib(const rf_coord *c)
+{
+    int mib = c->cfg->staging_mib;
+    uint32_t i;
+
+    for (i = 0; i < c->nmembers; i++)
+        if (c->m[i].has_config && c->m[i].config.staging_mib < mib)
+            mib = c->m[i].config.staging_mib;
+    return mib;
+}
+
 static void schedule_build(rf_coord *c)
 {
     build_job *b;
@@ -572,7 +605,7 @@ static void schedule_build(rf_coord *c)
     if (c->building || c->closer.closing)
         return;
     for (i = 0; i < c->nmembers; i++)
-        if (!c->m[i].peer || !c->m[i].inv_complete)
+        if (!c->m[i].peer || !c->m[i].inv_complete || c->m[i].refused[0])
             return;
     b = calloc(1, sizeof(*b));
     if (!b)
@@ -610,7 +643,7 @@ static void schedule_build(rf_coord *c)
     }
     b->nccl = c->cfg->transport == RF_TRANSPORT_NCCL;
     rf_plan_opts_default(&b->opts);
-    b->opts.staging_bytes = (uint64_t)c->cfg->staging_mib << 20;
+    b->opts.staging_bytes = (uint64_t)plan_staging_mib(c) << 20;
     b->opts.direct_min_bytes = (uint64_t)c->cfg->direct_min_kib << 10;
     b->opts.relay = c->cfg->relay == RF_RELAY_ON;
     c->building = b;
@@ -696,7 +729,11 @@ int rf_coord__member_up(rf_coord *c, const Refit__Hello *h, void *peer, const ch
         m->inv_complete = false;
         m->ready = 0;
         m->idle = false;
+        m->has_config = false;
+        m->config_logged = false;
     }
+    /* Its next inventory says again whether it can follow the cluster's configuration. */
+    m->refused[0] = '\0';
     m->daemon_id = h->daemon_id;
     snprintf(m->node, sizeof(m->node), "%s", h->node);
     snprintf(m->host_id, sizeof(m->host_id), "%s", h->host_id);
@@ -729,6 +766,158 @@ static void peer_up(rf_peer *p, const Refit__Hello *h)
     rf_peer_close(p, err.msg);
 }
 
+static const char *transport_str(int t, char *buf, size_t len)
+{
+    if (t == RF_TRANSPORT_TCP || t == RF_TRANSPORT_NCCL)
+        return rf_transport_name(t);
+    snprintf(buf, len, "unknown (%d)", t);
+    return buf;
+}
+
+static const char *verify_str(int v, char *buf, size_t len)
+{
+    if (v >= RF_VERIFY_OFF && v <= RF_VERIFY_FULL)
+        return rf_verify_name(v);
+    snprintf(buf, len, "unknown (%d)", v);
+    return buf;
+}
+
+/* Member i's own cluster-wide keys against the coordinator's. A member cannot take its
+ * transport or its heartbeat timing from the coordinator (its clients registered memory for
+ * its transport; the timers run from its start): a mismatch there refuses it, -EINVAL with err
+ * naming the member, the key, both values and the fix. verify and refit_timeout_s it takes
+ * from every Start, and the plan's staging budget is the smallest of all: those only show. */
+static int check_config(rf_coord *c, uint32_t i, rf_err *err)
+{
+    const member *mb = &c->m[i];
+    const struct member_config *mc = &mb->config;
+    const rf_daemon_cfg *cfg = c->cfg;
+    char name[128], where[300], b1[32], b2[32];
+
+    member_name(c, i, name, sizeof(name));
+    snprintf(where, sizeof(where), "%s on %s", mc->file[0] ? mc->file : "its config file",
+             mb->node);
+    if (mc->transport != cfg->transport)
+        return rf_err_set(err, -EINVAL, "%s is refused: it runs transport = %s, the "
+                          "coordinator transport = %s: transport is cluster-wide and a daemon cannot switch it while "
+                          "it runs (its clients registered memory for its own); set transport "
+                          "= %s in %s and restart it, or run every daemon with transport = %s",
+                          name, transport_str(mc->transport, b1, sizeof(b1)),
+                          rf_transport_name(cfg->transport), rf_transport_name(cfg->transport),
+                          where, transport_str(mc->transport, b2, sizeof(b2)));
+    if (mc->heartbeat_ms >= cfg->peer_timeout_ms)
+        return rf_err_set(err, -EINVAL, "%s is refused: it sends a heartbeat every %d ms "
+                          "(heartbeat_ms), but the coordinator declares a member dead after %d ms without a frame "
+                          "(peer_timeout_ms): set heartbeat_ms below %d in %s, or "
+                          "peer_timeout_ms above %d in %s on the coordinator", name,
+                          mc->heartbeat_ms, cfg->peer_timeout_ms, cfg->peer_timeout_ms, where,
+                          mc->heartbeat_ms, cfg->config_path);
+    if (cfg->heartbeat_ms >= mc->peer_timeout_ms)
+        return rf_err_set(err, -EINVAL, "%s is refused: the coordinator sends a heartbeat "
+                          "every %d ms (heartbeat_ms), but it declares the coordinator dead after "
+                          "%d ms without a frame (peer_timeout_ms): set peer_timeout_ms above %d "
+                          "in %s, or heartbeat_ms below %d in %s on the coordinator", name,
+                          cfg->heartbeat_ms, mc->peer_timeout_ms, cfg->heartbeat_ms, where,
+                          mc->peer_timeout_ms, cfg->config_path);
+    return 0;
+}
+
+/* Where member i's config says otherwise than the coordinator's and the coordinator's value
+ * holds: one object per key (key, member, cluster, what happens). */
+static json_t *config_differs(const rf_coord *c, uint32_t i)
+{
+    const struct member_config *mc = &c->m[i].config;
+    json_t *a = json_array();
+    char b1[32];
+
+    if (!c->m[i].has_config)
+        return a;
+    if (mc->verify != c->cfg->verify)
+        json_array_append_new(a, json_pack("{s:s, s:s, s:s, s:s}", "key", "verify", "member",
+                              verify_str(mc->verify, b1, sizeof(b1)), "cluster",
+                              rf_verify_name(c->cfg->verify), "resolution",
+                              "adopted: the member runs every refit with the coordinator's "
+                              "value, sent with Start"));
+    if (mc->refit_timeout_s != c->cfg->refit_timeout_s)
+        json_array_append_new(a, json_pack("{s:s, s:i, s:i, s:s}", "key", "refit_timeout_s",
+                              "member", mc->refit_timeout_s, "cluster",
+                              c->cfg->refit_timeout_s, "resolution",
+                              "adopted: the member runs every refit with the coordinator's "
+                              "value, sent with Start"));
+    if (mc->staging_mib != c->cfg->staging_mib)
+        json_array_append_new(a, json_pack("{s:s, s:i, s:i, s:s}", "key", "staging_mib",
+                              "member", mc->staging_mib, "cluster", c->cfg->staging_mib,
+                              "resolution", "the plan's staging budget is the smallest of "
+                              "all daemons' (cluster.config.staging_mib)"));
+    return a;
+}
+
+/* The member's cluster-wide keys from its inventory: a member that cannot follow the
+ * coordinator's is refused (it holds the plan back until it comes back with another config),
+ * differences the coordinator's values resolve are logged once per daemon. */
+static void take_config(rf_coord *c, uint32_t i, const Refit__ClusterConfig *cc)
+{
+    member *mb = &c->m[i];
+    struct member_config *mc = &mb->config;
+    rf_err err = {0};
+    char name[128], line[512];
+    json_t *d;
+    size_t k;
+
+    mb->refused[0] = '\0';
+    if (!cc) {
+        mb->has_config = false;
+        return;
+    }
+    mb->has_config = true;
+    mc->transport = (int)(cc->transport > INT_MAX ? INT_MAX : cc->transport);
+    mc->verify = (int)(cc->verify > INT_MAX ? INT_MAX : cc->verify);
+    mc->refit_timeout_s = (int)(cc->refit_timeout_s > INT_MAX ? INT_MAX : cc->refit_timeout_s);
+    /* A budget of 0 would plan nothing; the key's own bounds start at 1. */
+    mc->staging_mib = cc->staging_mib < 1 ? 1 : cc->staging_mib > INT_MAX ? INT_MAX
+                                                                          : (int)cc->staging_mib;
+    mc->heartbeat_ms = (int)(cc->heartbeat_ms > INT_MAX ? INT_MAX : cc->heartbeat_ms);
+    mc->peer_timeout_ms = (int)(cc->peer_timeout_ms > INT_MAX ? INT_MAX : cc->peer_timeout_ms);
+    snprintf(mc->file, sizeof(mc->file), "%s", cc->config_file);
+    if (check_config(c, i, &err) < 0) {
+        Refit__Envelope env = REFIT__ENVELOPE__INIT;
+        Refit__Error e = REFIT__ERROR__INIT;
+
+        RF_WARN("%s", err.msg);
+        snprintf(mb->refused, sizeof(mb->refused), "%s", err.msg);
+        snprintf(c->last_error, sizeof(c->last_error), "%s", err.msg);
+        /* The member's log and status show it (it stays connected: nothing changes until it
+         * is restarted with another config). */
+        e.code = err.code;
+        e.message = err.msg;
+        env.body_case = REFIT__ENVELOPE__BODY_ERROR;
+        env.error = &e;
+        send_to(c, i, &env);
+        return;
+    }
+    if (mb->config_logged)
+        return;
+    mb->config_logged = true;
+    d = config_differs(c, i);
+    for (k = 0; k < json_array_size(d); k++) {
+        json_t *o = json_array_get(d, k), *mv = json_object_get(o, "member"),
+               *cv = json_object_get(o, "cluster");
+
+        if (json_is_string(mv))
+            snprintf(line, sizeof(line), "%s = %s in %s, the coordinator's %s",
+                     json_string_value(json_object_get(o, "key")), json_string_value(mv),
+                     mc->file[0] ? mc->file : "its config", json_string_value(cv));
+        else
+            snprintf(line, sizeof(line), "%s = %lld in %s, the coordinator's %lld",
+                     json_string_value(json_object_get(o, "key")),
+                     (long long)json_integer_value(mv), mc->file[0] ? mc->file : "its config",
+                     (long long)json_integer_value(cv));
+        RF_INFO("%s has %s: %s", member_name(c, i, name, sizeof(name)), line,
+                json_string_value(json_object_get(o, "resolution")));
+    }
+    json_decref(d);
+}
+
 static void on_inventory(rf_coord *c, uint32_t i, const Refit__Inventory *inv)
 {
     member *mb = &c->m[i];
@@ -746,6 +935,7 @@ static void on_inventory(rf_coord *c, uint32_t i, const Refit__Inventory *inv)
     mb->inv_len = len;
     mb->inv_complete = inv->complete;
     mb->inv_gen = inv->generation;
+    take_config(c, i, inv->config);
     /* A new inventory means new clients: their readiness comes in the Ready that follows. */
     mb->ready = 0;
     RF_INFO("inventory of %s: %s, %zu pieces", member_name(c, i, name, sizeof(name)),
@@ -992,6 +1182,12 @@ void rf_coord_status(json_t *status, void *arg)
             json_object_set_new(o, "ready", json_integer((json_int_t)m->ready));
         else
             json_object_set_new(o, "ready_to_install", json_boolean(m->idle));
+        /* Its cluster-wide keys: why it is refused, or where the coordinator's values hold
+         * over its own (null: it sent none, an older build). */
+        json_object_set_new(o, "refused", m->refused[0] ? json_string(m->refused)
+                                                        : json_null());
+        json_object_set_new(o, "config_differs", m->has_config ? config_differs(c, i)
+                                                               : json_null());
         json_array_append_new(members, o);
     }
     if (c->plan_ready)
@@ -1028,6 +1224,14 @@ void rf_coord_status(json_t *status, void *arg)
                         : json_integer((json_int_t)c->version));
     json_object_set_new(cl, "committed", json_integer((json_int_t)c->committed));
     json_object_set_new(cl, "members", members);
+    /* The cluster-wide keys every member runs with (README, "Cluster-wide keys"). */
+    json_object_set_new(cl, "config", json_pack("{s:s, s:s, s:i, s:i, s:s, s:i, s:i, s:i}",
+                        "transport", rf_transport_name(c->cfg->transport), "verify",
+                        rf_verify_name(c->cfg->verify), "refit_timeout_s",
+                        c->cfg->refit_timeout_s, "staging_mib", plan_staging_mib(c), "relay",
+                        c->cfg->relay == RF_RELAY_ON ? "on" : "off", "direct_min_kib",
+                        c->cfg->direct_min_kib, "heartbeat_ms", c->cfg->heartbeat_ms,
+                        "peer_timeout_ms", c->cfg->peer_timeout_ms));
     json_object_set_new(cl, "plan", plan);
     json_object_set_new(cl, "last_refit", last);
     json_object_set_new(cl, "last_error", json_string(c->last_error));

@@ -56,6 +56,10 @@ struct rf_node {
     rf_xfer_result res; /* their results merged */
     struct path_stat { uint64_t bytes; double seconds; } run_path[2];
     uint64_t version;
+    /* The cluster-wide settings the coordinator's last Start carried (this daemon's own
+     * config's until a Start brings them): the running refit's verify and deadline. */
+    int verify;
+    int timeout_s;
     uint64_t aborted; /* the last version the coordinator aborted: its Done, sent after, keeps
                          "aborted" and the abort's reason in the status */
     double t_start, t_begin;
@@ -68,7 +72,7 @@ struct rf_node {
         uint64_t peak_staging;
         struct path_stat path[2]; /* PATH_NET, PATH_LOCAL */
     } last;
-    char last_error[256];
+    char last_error[512];
     char slice_error[256];    /* why the slice of plan refused_plan was refused */
     uint8_t refused_plan[RF_PLAN_ID_BYTES];
 
@@ -151,10 +155,24 @@ static void drop_slice(rf_node *n);
 
 /* ---- inventory and readiness ------------------------------------------------------------ */
 
+/* This daemon's own cluster-wide keys, which the coordinator compares with its own. */
+static void own_config(const rf_node *n, Refit__ClusterConfig *cc)
+{
+    refit__cluster_config__init(cc);
+    cc->transport = (uint32_t)n->cfg->transport;
+    cc->verify = (uint32_t)n->cfg->verify;
+    cc->refit_timeout_s = (uint32_t)n->cfg->refit_timeout_s;
+    cc->staging_mib = (uint32_t)n->cfg->staging_mib;
+    cc->heartbeat_ms = (uint32_t)n->cfg->heartbeat_ms;
+    cc->peer_timeout_ms = (uint32_t)n->cfg->peer_timeout_ms;
+    cc->config_file = n->cfg->config_path ? n->cfg->config_path : (char *)"";
+}
+
 static void send_inventory(rf_node *n)
 {
     Refit__Envelope env = REFIT__ENVELOPE__INIT;
     Refit__Inventory inv = REFIT__INVENTORY__INIT;
+    Refit__ClusterConfig ccfg;
     bool complete = rf_registry_complete(n->reg);
 
     if (!n->coord)
@@ -170,6 +188,8 @@ static void send_inventory(rf_node *n)
         inv.complete = false;
     }
     inv.committed = n->committed;
+    own_config(n, &ccfg);
+    inv.config = &ccfg;
     env.body_case = REFIT__ENVELOPE__BODY_INVENTORY;
     env.inventory = &inv;
     send_env(n, &env);
@@ -331,7 +351,7 @@ static void send_done(rf_node *n, uint64_t version, const rf_xfer_result *res, c
         done.bytes = res->bytes_sent + res->bytes_recv;
         for (i = 0; i < RF_XFER_DIGEST_BYTES; i++)
             digest[i] = res->digest_sent[i] ^ res->digest_recv[i];
-        if (n->cfg->verify != RF_VERIFY_OFF) {
+        if (n->verify != RF_VERIFY_OFF) {
             done.digest.data = digest;
             done.digest.len = RF_XFER_DIGEST_BYTES;
         }
@@ -540,8 +560,8 @@ static int run_paths(rf_node *n, rf_err *err)
         n->pending++;
     }
     if (n->islice.nowners > 0) {
-        rc = rf_install_run(n->inst, &n->islice, n->version, n->cfg->verify,
-                            n->cfg->refit_timeout_s, on_installed, n, err);
+        rc = rf_install_run(n->inst, &n->islice, n->version, n->verify, n->timeout_s,
+                            on_installed, n, err);
         if (rc < 0 && n->pending) {
             fail_path(n, PATH_LOCAL, rc, err->msg);
             abort_paths(n);
@@ -551,6 +571,59 @@ static int run_paths(rf_node *n, rf_err *err)
             return rc;
         n->pending++;
     }
+    return 0;
+}
+
+/* One cluster-wide key the coordinator decides: logged when the value this daemon runs with
+ * changes to one its own config does not say, or back. */
+static void adopt(rf_node *n, const char *key, const char *mine, const char *cluster,
+                  const char *was)
+{
+    if (strcmp(cluster, was) == 0)
+        return;
+    if (strcmp(cluster, mine) == 0)
+        RF_INFO("%s: refits run with %s = %s again, as this daemon's config says", key, key,
+                cluster);
+    else
+        RF_WARN("%s: this daemon's config (%s) says %s, the coordinator's says %s: refits run "
+                "with %s = %s (%s is cluster-wide: the coordinator's value holds; set it "
+                "there, or set %s = %s here to silence this)", key, n->cfg->config_path, mine,
+                cluster, key, cluster, key, key, cluster);
+}
+
+/* The refit's verify and deadline: what Start carries (the coordinator's config), or this
+ * daemon's own with a coordinator that sends none. -EPROTO with msg when Start carries values
+ * this daemon cannot run with. */
+static int cluster_settings(rf_node *n, const Refit__Start *s, char *msg, size_t len)
+{
+    const Refit__ClusterConfig *cc = s->config;
+    char mine[16], cluster[16], was[16];
+    int verify = n->cfg->verify, timeout_s = n->cfg->refit_timeout_s;
+
+    if (cc) {
+        if (cc->verify > RF_VERIFY_FULL) {
+            snprintf(msg, len, "Start(%llu) refused: it carries verify = %u, which this daemon "
+                     "does not know (0 off, 1 sample, 2 full); is the coordinator's build newer "
+                     "than this one?", (unsigned long long)s->version, cc->verify);
+            return -EPROTO;
+        }
+        if (cc->refit_timeout_s < 1 || cc->refit_timeout_s > 86400) {
+            snprintf(msg, len, "Start(%llu) refused: it carries refit_timeout_s = %u, outside "
+                     "1 .. 86400; is the coordinator's build newer than this one?",
+                     (unsigned long long)s->version, cc->refit_timeout_s);
+            return -EPROTO;
+        }
+        verify = (int)cc->verify;
+        timeout_s = (int)cc->refit_timeout_s;
+    }
+    adopt(n, "verify", rf_verify_name(n->cfg->verify), rf_verify_name(verify),
+          rf_verify_name(n->verify));
+    snprintf(mine, sizeof(mine), "%d", n->cfg->refit_timeout_s);
+    snprintf(cluster, sizeof(cluster), "%d", timeout_s);
+    snprintf(was, sizeof(was), "%d", n->timeout_s);
+    adopt(n, "refit_timeout_s", mine, cluster, was);
+    n->verify = verify;
+    n->timeout_s = timeout_s;
     return 0;
 }
 
@@ -590,7 +663,14 @@ static void on_start(rf_node *n, const Refit__Start *s)
         send_done(n, s->version, NULL, msg);
         return;
     }
+    if (cluster_settings(n, s, msg, sizeof(msg)) < 0) {
+        RF_ERROR("%s", msg);
+        send_done(n, s->version, NULL, msg);
+        return;
+    }
     n->slice.job.version = s->version;
+    n->slice.job.verify = n->slice.ljob.verify = n->verify;
+    n->slice.job.timeout_s = n->slice.ljob.timeout_s = n->timeout_s;
     n->t_begin = now_s();
     rf_registry_hold(n->reg, true);
     rc = run_paths(n, &err);
@@ -718,10 +798,9 @@ static void install_slice(rf_node *n)
     /* The plan's budget is per endpoint (GPU); this daemon drives all of its endpoints. */
     n->slice.job.staging_bytes = ((uint64_t)n->cfg->staging_mib << 20) *
                                  (rf_inv_nendpoints(inv) ? rf_inv_nendpoints(inv) : 1);
-    n->slice.job.timeout_s = n->cfg->refit_timeout_s;
-    n->slice.job.verify = n->cfg->verify;
-    n->slice.ljob.timeout_s = n->cfg->refit_timeout_s;
-    n->slice.ljob.verify = n->cfg->verify;
+    /* The settings in force; each Start sets those it carries. */
+    n->slice.job.timeout_s = n->slice.ljob.timeout_s = n->timeout_s;
+    n->slice.job.verify = n->slice.ljob.verify = n->verify;
     if ((rc = rf_xfer_job_check(&n->slice.job, n->slice.npeers, &err)) < 0 ||
         (rc = rf_xfer_job_check(&n->slice.ljob, n->slice.npeers, &err)) < 0) {
         RF_ERROR("plan slice is inconsistent: %s", err.msg);
@@ -981,7 +1060,7 @@ static void coord_down(rf_peer *p, const char *reason)
 
 json_t *rf_node_status(rf_node *n)
 {
-    json_t *st = json_object(), *reg = rf_registry_status(n->reg), *last;
+    json_t *st = json_object(), *reg = rf_registry_status(n->reg), *last, *adopted;
     char plan[RF_PLAN_ID_HEX] = "";
     uint64_t iv;
     uint32_t inst_n, inst_left;
@@ -1002,6 +1081,19 @@ json_t *rf_node_status(rf_node *n)
     json_object_set_new(st, "plan_local_copies", json_integer(n->slice.complete ? n->slice.ljob.nmsgs : 0));
     json_object_set_new(st, "plan_local_bytes", json_integer((json_int_t)(n->slice.complete ? n->slice.lbytes : 0)));
     json_object_set_new(st, "local_copy", json_string(n->cfg->local_copy == RF_LOCAL_COPY_AUTO ? "auto" : "off"));
+    /* The cluster-wide keys this daemon runs with (the coordinator's, from its last Start),
+     * and those where that is not what its own config says. */
+    json_object_set_new(st, "verify", json_string(rf_verify_name(n->verify)));
+    json_object_set_new(st, "refit_timeout_s", json_integer(n->timeout_s));
+    adopted = json_object();
+    if (n->verify != n->cfg->verify)
+        json_object_set_new(adopted, "verify", json_pack("{s:s, s:s}", "config",
+                            rf_verify_name(n->cfg->verify), "cluster",
+                            rf_verify_name(n->verify)));
+    if (n->timeout_s != n->cfg->refit_timeout_s)
+        json_object_set_new(adopted, "refit_timeout_s", json_pack("{s:i, s:i}", "config",
+                            n->cfg->refit_timeout_s, "cluster", n->timeout_s));
+    json_object_set_new(st, "adopted", adopted);
     json_object_set_new(st, "committed", json_integer((json_int_t)n->committed));
     json_object_set_new(st, "refit_in_flight", n->running ? json_integer((json_int_t)n->version)
                                                           : json_null());
@@ -1192,6 +1284,8 @@ int rf_node_start(uv_loop_t *loop, const rf_node_opts *opts, rf_node **out, rf_e
     n->daemon_id = opts->daemon_id;
     n->metrics = opts->metrics;
     n->send = peer_send;
+    n->verify = cfg->verify;
+    n->timeout_s = cfg->refit_timeout_s;
     pthread_mutex_init(&n->snap_lock, NULL);
     rf_slice_job_init(&n->slice);
     snprintf(n->last.result, sizeof(n->last.result), "none");

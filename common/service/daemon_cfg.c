@@ -61,12 +61,15 @@ static const char *const relay_names[] = { "off", "on", NULL };
          "connection (HMAC-SHA256). Same content on every node, readable only by the daemon."), \
     KENUM(transport, "tcp", transport_names,                                                   \
           "How bytes move: nccl (GPU to GPU) or tcp (host memory over sockets; machines "      \
-          "without GPUs, tests). Must be the same on every daemon."),                          \
+          "without GPUs, tests). Cluster-wide: the coordinator refuses a daemon with another " \
+          "transport than its own."),                                                          \
     KINT(staging_mib, "256", 1, 65536,                                                         \
-         "Staging budget per GPU and round, MiB: the most extra GPU memory a refit uses."),    \
+         "Staging budget per GPU and round, MiB: the most extra GPU memory a refit uses. The "  \
+         "coordinator plans with the smallest budget of all daemons."),                        \
     KINT(direct_min_kib, "1024", 0, 1048576,                                                   \
          "Runs contiguous on both sides and at least this large (KiB) are sent directly "      \
-         "between client buffers instead of through staging."),                               \
+         "between client buffers instead of through staging. Read by the coordinator, which "  \
+         "plans; other daemons follow the plan."),                                             \
     KENUM(local_copy, "auto", local_copy_names,                                                \
           "Same-host refits: auto copies straight from the memory of trainers on this host "   \
           "into engine memory (no NCCL, no sockets), fetching the trainers' memory from the "  \
@@ -82,12 +85,17 @@ static const char *const relay_names[] = { "off", "on", NULL };
           "follow the plan they are given."),                                                  \
     KENUM(verify, "sample", verify_names,                                                      \
           "Digest check of transferred bytes before commit: off, sample (a sample of each "    \
-          "transfer) or full."),                                                               \
-    KINT(heartbeat_ms, "1000", 10, 60000, "Interval of heartbeats on control connections, ms."), \
+          "transfer) or full. Cluster-wide: every daemon runs each refit with the "             \
+          "coordinator's value, sent with its Start."),                                        \
+    KINT(heartbeat_ms, "1000", 10, 60000,                                                      \
+         "Interval of heartbeats on control connections, ms. A member's must be below the "    \
+         "coordinator's peer_timeout_ms and the coordinator's below the member's, or the "     \
+         "coordinator refuses the member."),                                                   \
     KINT(peer_timeout_ms, "10000", 100, 3600000,                                               \
          "A peer silent this long is declared dead, ms; must exceed heartbeat_ms."),          \
     KINT(refit_timeout_s, "600", 1, 86400,                                                     \
-         "A refit not done by then is aborted and the committed version stays, seconds."),    \
+         "A refit not done by then is aborted and the committed version stays, seconds. "      \
+         "Cluster-wide: every daemon runs each refit with the coordinator's value."),          \
     KENUM(log_level, "info", level_names, "Log level: error, warn, info or debug."),          \
     KINT(max_frame_mib, "64", 1, 2048,                                                         \
          "Largest control message accepted from another daemon (plan slices are the large "    \

@@ -1041,3 +1041,249 @@ Test(coord, relay_off_plans_none)
 {
     relay_cluster(false);
 }
+
+/* ---- cluster-wide configuration -------------------------------------------------------------- */
+
+/* A member's own cluster-wide keys as its inventory carries them: the coordinator's values
+ * until a test changes one. */
+static Refit__ClusterConfig member_config(void)
+{
+    Refit__ClusterConfig cc = REFIT__CLUSTER_CONFIG__INIT;
+
+    cc.transport = (uint32_t)H.cfg.transport;
+    cc.verify = (uint32_t)H.cfg.verify;
+    cc.refit_timeout_s = (uint32_t)H.cfg.refit_timeout_s;
+    cc.staging_mib = (uint32_t)H.cfg.staging_mib;
+    cc.heartbeat_ms = (uint32_t)H.cfg.heartbeat_ms;
+    cc.peer_timeout_ms = (uint32_t)H.cfg.peer_timeout_ms;
+    cc.config_file = "/etc/refit/receiverd.conf";
+    return cc;
+}
+
+static void inventory_with(uint32_t m, Refit__ClusterConfig *cc)
+{
+    H.inv[m].config = cc;
+    inventory(m, 0);
+    H.inv[m].config = NULL;
+}
+
+/* Member m's entry of the coordinator's status; *st holds it (the caller decrefs). */
+static json_t *st_member(uint32_t m, json_t **st)
+{
+    *st = cluster();
+    return json_array_get(json_object_get(json_object_get(*st, "cluster"), "members"), m);
+}
+
+/* The coordinator's status says member m is refused with want (NULL: not refused), and so
+ * does the cluster's last error. */
+static void check_refused(uint32_t m, const char *want)
+{
+    json_t *st, *mem = st_member(m, &st), *r = json_object_get(mem, "refused");
+    char err[512];
+
+    if (!want) {
+        cr_assert(json_is_null(r), "member %u is refused: %s", m, json_string_value(r));
+    } else {
+        cr_assert(json_is_string(r), "member %u is not refused in the status", m);
+        cr_assert(strstr(json_string_value(r), want), "member %u refused with: %s", m,
+                  json_string_value(r));
+        st_last_error(err, sizeof(err));
+        cr_assert_str_eq(err, json_string_value(r));
+    }
+    json_decref(st);
+}
+
+/* The last Error member m got since mark holds want. */
+static void check_error_to(uint32_t m, size_t mark, const char *want)
+{
+    const Refit__Envelope *e = last_since(mark, m, REFIT__ENVELOPE__BODY_ERROR, NULL);
+
+    cr_assert_not_null(e, "member %u got no Error", m);
+    cr_assert(strstr(e->error->message, want), "member %u was told: %s", m, e->error->message);
+}
+
+Test(coord, a_member_on_another_transport_is_refused_until_it_comes_back_on_the_coordinators)
+{
+    Refit__ClusterConfig cc;
+    size_t mark;
+
+    start_coord(NULL);
+    cc = member_config();
+    for (uint32_t m = 0; m < NMEM; m++)
+        cr_assert_eq(join(m), 0);
+    inventory_with(0, &cc);
+    inventory(1, 0); /* an older build: no config, nothing compared */
+    mark = H.nout;
+    cc.transport = RF_TRANSPORT_NCCL;
+    inventory_with(RECV0, &cc);
+    check_error_to(RECV0, mark, "receiver 0 (recv0) is refused: it runs transport = nccl, the "
+                   "coordinator transport = tcp: transport is cluster-wide");
+    check_error_to(RECV0, mark, "set transport = tcp in /etc/refit/receiverd.conf on recv0 and "
+                   "restart it, or run every daemon with transport = nccl");
+    check_refused(RECV0, "receiver 0 (recv0) is refused: it runs transport = nccl");
+    check_refused(0, NULL);
+    /* Every inventory is complete, but nothing is planned while a member is refused. */
+    uv_run(&H.loop, UV_RUN_NOWAIT);
+    for (uint32_t m = 0; m < NMEM; m++)
+        cr_assert_eq(count(m, REFIT__ENVELOPE__BODY_PLAN_SLICE), 0,
+                     "member %u got a plan slice beside a refused member", m);
+    cr_assert(!st_plan_ready());
+    /* Its inventory again (a client re-registered): still refused. */
+    cc.transport = 7;
+    mark = H.nout;
+    inventory_with(RECV0, &cc);
+    check_error_to(RECV0, mark, "it runs transport = unknown (7), the coordinator transport = "
+                   "tcp");
+    /* Restarted with the coordinator's transport: it joins the plan. */
+    rf_coord__member_down(H.c, &H.peers[RECV0], "restarting");
+    H.daemon_id[RECV0]++;
+    cr_assert_eq(join(RECV0), 0);
+    check_refused(RECV0, NULL);
+    cc.transport = RF_TRANSPORT_TCP;
+    inventory_with(RECV0, &cc);
+    wait_plan();
+    check_refused(RECV0, NULL);
+}
+
+Test(coord, heartbeats_one_side_would_miss_refuse_the_member)
+{
+    Refit__ClusterConfig cc;
+    size_t mark;
+
+    start_coord("--heartbeat-ms", "200", "--peer-timeout-ms", "2000", NULL);
+    cc = member_config();
+    for (uint32_t m = 0; m < NMEM; m++)
+        cr_assert_eq(join(m), 0);
+    inventory(0, 0);
+    inventory(1, 0);
+    /* The member's heartbeats come no more often than the coordinator gives up. */
+    cc.heartbeat_ms = 2000;
+    cc.peer_timeout_ms = 10000;
+    mark = H.nout;
+    inventory_with(RECV0, &cc);
+    check_error_to(RECV0, mark, "receiver 0 (recv0) is refused: it sends a heartbeat every "
+                   "2000 ms (heartbeat_ms), but the coordinator declares a member dead after "
+                   "2000 ms without a frame (peer_timeout_ms): set heartbeat_ms below 2000 in "
+                   "/etc/refit/receiverd.conf on recv0, or peer_timeout_ms above 2000 in ");
+    check_refused(RECV0, "it sends a heartbeat every 2000 ms");
+    /* The member gives up on the coordinator before its heartbeat comes. */
+    cc.heartbeat_ms = 100;
+    cc.peer_timeout_ms = 200;
+    mark = H.nout;
+    inventory_with(RECV0, &cc);
+    check_error_to(RECV0, mark, "receiver 0 (recv0) is refused: the coordinator sends a "
+                   "heartbeat every 200 ms (heartbeat_ms), but it declares the coordinator "
+                   "dead after 200 ms without a frame (peer_timeout_ms): set peer_timeout_ms "
+                   "above 200 in /etc/refit/receiverd.conf on recv0, or heartbeat_ms below "
+                   "200 in ");
+    check_refused(RECV0, "the coordinator sends a heartbeat every 200 ms");
+    uv_run(&H.loop, UV_RUN_NOWAIT);
+    cr_assert(!st_plan_ready());
+    /* Timings both sides keep: other values than the coordinator's, and no refusal. */
+    cc.peer_timeout_ms = 201;
+    cc.heartbeat_ms = 1999;
+    inventory_with(RECV0, &cc);
+    check_refused(RECV0, NULL);
+    wait_plan();
+}
+
+Test(coord, start_carries_the_coordinators_verify_and_deadline_and_the_status_shows_differences)
+{
+    Refit__ClusterConfig same, other;
+    json_t *st, *mem, *d;
+    char b[64];
+
+    start_coord("--verify", "full", "--refit-timeout-s", "30", NULL);
+    same = member_config();
+    other = member_config();
+    other.verify = RF_VERIFY_OFF;
+    other.refit_timeout_s = 600;
+    for (uint32_t m = 0; m < NMEM; m++)
+        cr_assert_eq(join(m), 0);
+    inventory_with(0, &same);
+    inventory(1, 0);
+    inventory_with(RECV0, &other);
+    wait_plan();
+    idle(RECV0, true, 0);
+    start(1);
+    for (uint32_t m = 0; m < NMEM; m++) {
+        const Refit__Start *s = last(m, REFIT__ENVELOPE__BODY_START)->start;
+
+        cr_assert_not_null(s->config, "member %u's Start carries no settings", m);
+        cr_assert_eq(s->config->verify, RF_VERIFY_FULL);
+        cr_assert_eq(s->config->refit_timeout_s, 30);
+        cr_assert_eq(s->config->transport, RF_TRANSPORT_TCP);
+    }
+    /* The receiver differs in verify and the deadline; it follows, so nothing is refused. */
+    check_refused(RECV0, NULL);
+    mem = st_member(RECV0, &st);
+    d = json_object_get(mem, "config_differs");
+    cr_assert_eq(json_array_size(d), 2, "%zu differences", json_array_size(d));
+    snprintf(b, sizeof(b), "%s %s %s",
+             json_string_value(json_object_get(json_array_get(d, 0), "key")),
+             json_string_value(json_object_get(json_array_get(d, 0), "member")),
+             json_string_value(json_object_get(json_array_get(d, 0), "cluster")));
+    cr_assert_str_eq(b, "verify off full");
+    cr_assert(strncmp(json_string_value(json_object_get(json_array_get(d, 0), "resolution")),
+                      "adopted", 7) == 0);
+    cr_assert_str_eq(json_string_value(json_object_get(json_array_get(d, 1), "key")),
+                     "refit_timeout_s");
+    cr_assert_eq(json_integer_value(json_object_get(json_array_get(d, 1), "member")), 600);
+    cr_assert_eq(json_integer_value(json_object_get(json_array_get(d, 1), "cluster")), 30);
+    json_decref(st);
+    /* The same keys: no difference; no config (an older build): null. */
+    mem = st_member(0, &st);
+    cr_assert_eq(json_array_size(json_object_get(mem, "config_differs")), 0);
+    json_decref(st);
+    mem = st_member(1, &st);
+    cr_assert(json_is_null(json_object_get(mem, "config_differs")));
+    json_decref(st);
+    st = cluster();
+    d = json_object_get(json_object_get(st, "cluster"), "config");
+    cr_assert_str_eq(json_string_value(json_object_get(d, "verify")), "full");
+    cr_assert_str_eq(json_string_value(json_object_get(d, "transport")), "tcp");
+    cr_assert_eq(json_integer_value(json_object_get(d, "refit_timeout_s")), 30);
+    json_decref(st);
+    /* The digests of members that all verified with the coordinator's setting commit. */
+    done(0, 1, true, 0x11, NULL);
+    done(1, 1, true, 0x22, NULL);
+    done(RECV0, 1, true, 0x33, NULL);
+    cr_assert_eq(st_int("committed"), 1);
+}
+
+Test(coord, the_plan_takes_the_smallest_staging_budget_of_any_member)
+{
+    Refit__ClusterConfig cc;
+    json_int_t rounds;
+    size_t mark;
+
+    start_coord(NULL);
+    cluster_up();
+    rounds = st_sub("plan", "rounds");
+    cr_assert_eq(st_sub("config", "staging_mib"), 256);
+    /* The receiver allows 1 MiB a GPU: the plan is built again within it, in more rounds. */
+    cc = member_config();
+    cc.staging_mib = 1;
+    inventory_with(RECV0, &cc);
+    cr_assert(!st_plan_ready());
+    wait_plan();
+    cr_assert_eq(st_sub("config", "staging_mib"), 1);
+    cr_assert_gt(st_sub("plan", "rounds"), rounds, "a 1 MiB budget planned %lld rounds, as "
+                 "256 MiB did", (long long)st_sub("plan", "rounds"));
+    check_refused(RECV0, NULL);
+    mark = H.nout;
+    ready(0, 1);
+    ready(1, 1);
+    cr_assert_eq(count_since(mark, RECV0, REFIT__ENVELOPE__BODY_START), 1);
+    cr_assert_not_null(last(RECV0, REFIT__ENVELOPE__BODY_START)->start->config);
+    cr_assert_eq(last(RECV0, REFIT__ENVELOPE__BODY_START)->start->config->staging_mib, 1);
+    /* A larger budget than the coordinator's changes nothing. */
+    cc.staging_mib = 4096;
+    rf_coord__member_down(H.c, &H.peers[RECV0], "restarting");
+    H.daemon_id[RECV0]++;
+    cr_assert_eq(join(RECV0), 0);
+    inventory_with(RECV0, &cc);
+    wait_plan();
+    cr_assert_eq(st_sub("config", "staging_mib"), 256);
+    cr_assert_eq(st_sub("plan", "rounds"), rounds);
+}

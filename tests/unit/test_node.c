@@ -147,7 +147,9 @@ static void from_coord(const Refit__Envelope *env)
     test_loop_run(&H.l, do_envelope, (void *)env);
 }
 
-static void send_start(uint64_t v, const uint8_t *plan_id)
+/* Start(v) of plan_id, with the coordinator's cluster-wide settings cc (NULL: none, as an
+ * older coordinator sends it). */
+static void send_start_with(uint64_t v, const uint8_t *plan_id, Refit__ClusterConfig *cc)
 {
     Refit__Envelope env = REFIT__ENVELOPE__INIT;
     Refit__Start s = REFIT__START__INIT;
@@ -155,9 +157,15 @@ static void send_start(uint64_t v, const uint8_t *plan_id)
     s.version = v;
     s.plan_id.data = (uint8_t *)plan_id;
     s.plan_id.len = 32;
+    s.config = cc;
     env.body_case = REFIT__ENVELOPE__BODY_START;
     env.start = &s;
     from_coord(&env);
+}
+
+static void send_start(uint64_t v, const uint8_t *plan_id)
+{
+    send_start_with(v, plan_id, NULL);
 }
 
 static void send_commit(uint64_t v)
@@ -688,4 +696,90 @@ Test(node, a_cluster_key_too_short_for_the_data_path_stops_start_up)
     cr_assert_null(n);
     cr_assert(strstr(err.msg, "the cluster key (31 bytes) cannot authenticate data connections; "
                      "it needs at least 32 bytes"), "%s", err.msg);
+}
+
+/* The cluster-wide keys: the node reports its own in every inventory and runs each refit with
+ * those its Start carries (the coordinator's), whatever its own file says. */
+Test(node, a_refit_runs_with_the_verify_and_deadline_its_start_carries)
+{
+    Refit__ClusterConfig cc = REFIT__CLUSTER_CONFIG__INIT;
+    const Refit__Inventory *inv;
+    const Refit__Envelope *e;
+    refit_client *t;
+    slices s = {0};
+    json_t *st;
+    size_t m;
+
+    start_node("publisher", "--verify", "off", "--staging-mib", "64", NULL);
+    test_loop_run(&H.l, do_coord_up, NULL);
+    m = mark();
+    t = client(REFIT_TRAINER, "t0");
+    inv = wait_complete_inventory(m);
+    cr_assert_not_null(inv->config, "the inventory carries no cluster-wide keys");
+    cr_assert_eq(inv->config->verify, RF_VERIFY_OFF);
+    cr_assert_eq(inv->config->transport, RF_TRANSPORT_TCP);
+    cr_assert_eq(inv->config->refit_timeout_s, 1);
+    cr_assert_eq(inv->config->staging_mib, 64);
+    cr_assert_eq(inv->config->heartbeat_ms, 1000);
+    cr_assert_eq(inv->config->peer_timeout_ms, 10000);
+    cr_assert_str_eq(inv->config->config_file, H.conf);
+    build_slices(inv, &s);
+    OK(refit_publish(t, 1), t);
+    give_slices(&s);
+    cr_assert(status_plan_is(s.plan_id));
+    /* The coordinator verifies in full: the Done carries the digest, though this daemon's
+     * file says off (its data path fails at the receiver's closed port: the Done is a failed
+     * one, with what moved). */
+    cc.verify = RF_VERIFY_FULL;
+    cc.refit_timeout_s = 2;
+    m = mark();
+    send_start_with(1, s.plan_id, &cc);
+    e = wait_sent_ms(m, REFIT__ENVELOPE__BODY_DONE, 10000);
+    cr_assert_not_null(e, "no Done within 10 s");
+    cr_assert(strstr(e->done->error, "data path of version 1 failed"), "%s", e->done->error);
+    cr_assert_eq(e->done->digest.len, 32, "verify = full from Start, but the Done has no digest");
+    st = node_status();
+    cr_assert_str_eq(json_string_value(json_object_get(st, "verify")), "full");
+    cr_assert_eq(json_integer_value(json_object_get(st, "refit_timeout_s")), 2);
+    cr_assert_str_eq(json_string_value(json_object_get(json_object_get(json_object_get(
+                     st, "adopted"), "verify"), "config")), "off");
+    cr_assert_str_eq(json_string_value(json_object_get(json_object_get(json_object_get(
+                     st, "adopted"), "verify"), "cluster")), "full");
+    cr_assert_eq(json_integer_value(json_object_get(json_object_get(json_object_get(
+                 st, "adopted"), "refit_timeout_s"), "config")), 1);
+    json_decref(st);
+    /* A coordinator that sends none: this daemon's own verify, off, and no digest. */
+    m = mark();
+    send_start(1, s.plan_id);
+    e = wait_sent_ms(m, REFIT__ENVELOPE__BODY_DONE, 10000);
+    cr_assert_not_null(e, "no Done within 10 s");
+    cr_assert(strstr(e->done->error, "data path of version 1 failed"), "%s", e->done->error);
+    cr_assert_eq(e->done->digest.len, 0, "verify = off, but the Done has a digest");
+    st = node_status();
+    cr_assert_str_eq(json_string_value(json_object_get(st, "verify")), "off");
+    cr_assert_eq(json_object_size(json_object_get(st, "adopted")), 0);
+    json_decref(st);
+    /* Values this daemon cannot run with: the Start is refused, naming them. */
+    cc.verify = 3;
+    m = mark();
+    send_start_with(1, s.plan_id, &cc);
+    e = wait_sent(m, REFIT__ENVELOPE__BODY_DONE);
+    cr_assert(!e->done->ok);
+    cr_assert(strstr(e->done->error, "Start(1) refused: it carries verify = 3, which this "
+                     "daemon does not know"), "%s", e->done->error);
+    cc.verify = RF_VERIFY_SAMPLE;
+    cc.refit_timeout_s = 0;
+    m = mark();
+    send_start_with(1, s.plan_id, &cc);
+    e = wait_sent(m, REFIT__ENVELOPE__BODY_DONE);
+    cr_assert(strstr(e->done->error, "Start(1) refused: it carries refit_timeout_s = 0, outside "
+                     "1 .. 86400"), "%s", e->done->error);
+    cc.refit_timeout_s = 86401;
+    m = mark();
+    send_start_with(1, s.plan_id, &cc);
+    e = wait_sent(m, REFIT__ENVELOPE__BODY_DONE);
+    cr_assert(strstr(e->done->error, "refit_timeout_s = 86401, outside"), "%s", e->done->error);
+    /* A refused Start changes nothing the daemon runs with. */
+    cr_assert_eq(status_int("refit_timeout_s"), 1);
+    refit_close(t);
 }
