@@ -784,6 +784,12 @@ int refit__call(refit_client *c, Refit__Rpc__Request *req, int timeout_ms,
     return call(c, req, -1, timeout_ms, out);
 }
 
+int refit__call_fd(refit_client *c, Refit__Rpc__Request *req, int fd, int timeout_ms,
+                   Refit__Rpc__Response **out)
+{
+    return call(c, req, fd, timeout_ms, out);
+}
+
 int refit__next_install(refit_client *c, int timeout_ms, Refit__Rpc__Response **out)
 {
     int64_t deadline = timeout_ms < 0 ? -1 : now_ms() + timeout_ms;

@@ -24,7 +24,7 @@
 #include "srcmap.h"
 #include "xfer.h"
 
-/* How long the installer waits for the daemon's answers and for a publisherd's export. */
+/* How long the installer waits for the daemon's answers and for the fds of an export. */
 #define CALL_MS 30000
 #define EXPORT_TIMEOUT_S 30.0
 
@@ -50,31 +50,41 @@ struct refit_installer {
     rf_xfer_result res;
 };
 
-/* ---- the Export proof, computed by the receiverd ---- */
+/* ---- the trainers' memory, handed over by the receiverd ---- */
 
-static int sign(void *ctx, const uint8_t *ns, const uint8_t *nc, uint8_t *mac, rf_err *err)
+/* The receiverd holds the key and the plan: it fetches from the publisherd exactly the regions
+ * this engine's part of the plan reads and passes them on a back channel (memfds read-only).
+ * What the installer would ask for (socket, pieces) is the receiverd's to decide. */
+static int fetch(void *ctx, uint64_t daemon_id, uint64_t generation, const char *sock,
+                 const uint32_t *pieces, size_t npieces, rf_export **out, rf_err *err)
 {
     refit_installer *in = ctx;
     Refit__Rpc__Request q = REFIT__RPC__REQUEST__INIT;
-    Refit__Rpc__InstallSign m = REFIT__RPC__INSTALL_SIGN__INIT;
+    Refit__Rpc__InstallSources m = REFIT__RPC__INSTALL_SOURCES__INIT;
     Refit__Rpc__Response *r = NULL;
+    int sv[2] = {-1, -1};
     int rc;
 
-    m.server_nonce.data = (uint8_t *)ns;
-    m.server_nonce.len = RF_EXPORT_NONCE_BYTES;
-    m.client_nonce.data = (uint8_t *)nc;
-    m.client_nonce.len = RF_EXPORT_NONCE_BYTES;
-    q.body_case = REFIT__RPC__REQUEST__BODY_INSTALL_SIGN;
-    q.install_sign = &m;
-    if ((rc = refit__call(in->c, &q, CALL_MS, &r)) < 0)
-        return rf_err_set(err, rc, "the receiverd did not sign the export proof: %s",
-                          refit_last_error(in->c));
-    if (r->mac.len != RF_EXPORT_MAC_BYTES)
-        rc = rf_err_set(err, -EBADMSG, "the receiverd answered InstallSign with %zu bytes",
-                        r->mac.len);
+    (void)sock;
+    (void)pieces;
+    (void)npieces;
+    if (socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, sv) < 0)
+        return rf_err_set(err, -errno, "socketpair for the trainers' memory: %s",
+                          strerror(errno));
+    m.daemon_id = daemon_id;
+    m.generation = generation;
+    q.body_case = REFIT__RPC__REQUEST__BODY_INSTALL_SOURCES;
+    q.install_sources = &m;
+    rc = refit__call_fd(in->c, &q, sv[1], CALL_MS, &r);
+    close(sv[1]);
+    if (rc < 0)
+        rc = rf_err_set(err, rc, "the receiverd gave no memory of publisher %016llx: %s",
+                        (unsigned long long)daemon_id, refit_last_error(in->c));
     else
-        memcpy(mac, r->mac.data, RF_EXPORT_MAC_BYTES);
-    refit__rpc__response__free_unpacked(r, NULL);
+        rc = rf_export_take("refit-receiverd", r, sv[0], EXPORT_TIMEOUT_S, out, err);
+    if (r)
+        refit__rpc__response__free_unpacked(r, NULL);
+    close(sv[0]);
     return rc;
 }
 
@@ -124,7 +134,7 @@ static int plan_begin(refit_installer *in, const Refit__Rpc__InstallPlan *p, rf_
     return 0;
 }
 
-/* A slice frame: its local messages' sources mapped (fetched from each publisherd once per
+/* A slice frame: its local messages' sources mapped (handed over once per publisher
  * generation), then added to the job. */
 static int plan_frame(refit_installer *in, const Refit__Rpc__InstallPlan *p, rf_err *err)
 {
@@ -140,24 +150,15 @@ static int plan_frame(refit_installer *in, const Refit__Rpc__InstallPlan *p, rf_
     }
     for (size_t i = 0; i < ps->n_msgs; i++) {
         const Refit__SliceMsg *sm = ps->msgs[i];
-        const Refit__PeerAddr *pa;
 
         if (sm->kind != RF_PLAN_LOCAL || sm->peer >= ps->n_peers) {
             rc = rf_err_set(err, -EPROTO, "message %u is not a local copy from a listed peer",
                             sm->seq);
             goto out;
         }
-        if (!srcs && !(srcs = calloc(ps->n_peers, sizeof(*srcs)))) {
-            rc = rf_err_set(err, -ENOMEM, "out of memory");
-            goto out;
-        }
-        if (srcs[sm->peer].inv)
-            continue;
-        pa = ps->peers[sm->peer];
-        if ((rc = rf_srcmap_get(in->srcs, pa->daemon_id, pa->generation, pa->local_sock,
-                                &srcs[sm->peer], err)) < 0)
-            goto out;
     }
+    if ((rc = rf_srcmap_frame(in->srcs, ps, &srcs, err)) < 0)
+        goto out;
     rc = rf_slice_job_add(&in->sj, ps, in->inv, RF_DST, in->bases, srcs, err);
     if (rc == 0 && in->sj.complete) {
         const char **addrs = calloc(in->sj.npeers ? in->sj.npeers : 1, sizeof(*addrs));
@@ -353,7 +354,6 @@ int refit__installer_start(refit_client *engine, const char *path, const char *n
 {
     Refit__Rpc__Request q = REFIT__RPC__REQUEST__INIT;
     Refit__Rpc__InstallerAttach m = REFIT__RPC__INSTALLER_ATTACH__INIT;
-    rf_export_signer signer;
     refit_installer *in;
     rf_err err = {0};
     int rc;
@@ -394,9 +394,7 @@ int refit__installer_start(refit_client *engine, const char *path, const char *n
         goto fail;
     }
 #endif
-    signer.fn = sign;
-    signer.ctx = in;
-    if ((rc = rf_srcmap_new_signed(&signer, EXPORT_TIMEOUT_S, &in->srcs, &err)) < 0 ||
+    if ((rc = rf_srcmap_new_fetcher(fetch, in, &in->srcs, &err)) < 0 ||
         (rc = rf_xfer_local_new(&in->loop, gpu, &in->lx, &err)) < 0) {
         rc = refit__fail(engine, rc, "starting the installer: %s", err.msg);
         goto fail;

@@ -33,6 +33,9 @@ int refit__connect(const char *socket_path, const char *name, int rank, int kind
 /* Sends req and waits for its answer (*out, may be NULL: freed then). */
 int refit__call(refit_client *c, Refit__Rpc__Request *req, int timeout_ms,
                 Refit__Rpc__Response **out);
+/* The same with fd passed as SCM_RIGHTS on the request (a back channel). */
+int refit__call_fd(refit_client *c, Refit__Rpc__Request *req, int fd, int timeout_ms,
+                   Refit__Rpc__Response **out);
 /* The next pushed Install (the response holding it, caller frees), waiting up to timeout_ms
  * (< 0: for ever; 0: only what has arrived); -ETIMEDOUT, or the connection's error. */
 int refit__next_install(refit_client *c, int timeout_ms, Refit__Rpc__Response **out);

@@ -287,6 +287,13 @@ static int check_regions(const xchg *x, const Refit__Rpc__Response *r,
         bool fd_kind = g->kind == REFIT__RPC__MEM_KIND__MEM_MEMFD ||
                        g->kind == REFIT__RPC__MEM_KIND__MEM_CUDA_VMM_FD;
 
+        /* A region that holds no asked-for piece is not granted: nothing but its place. */
+        if (g->kind == REFIT__RPC__MEM_KIND__MEM_UNKNOWN) {
+            if (g->has_fd || g->n_chunks > 0 || g->handle.len > 0)
+                return rf_err_set(err, -EBADMSG, "same-host export from %s: region %zu is not "
+                                  "granted but carries a handle or fds", x->path, i);
+            continue;
+        }
         if ((!fd_kind && g->kind != REFIT__RPC__MEM_KIND__MEM_CUDA_IPC) ||
             g->device == NULL || g->device[0] == '\0' || g->has_fd != fd_kind)
             return rf_err_set(err, -EBADMSG, "same-host export from %s: region %zu has "
@@ -355,6 +362,8 @@ static int build(const xchg *x, const Refit__Rpc__Response *r, Refit__Inventory 
         rf_mem_desc *d = &e->regions[i];
         uint8_t *h = NULL;
 
+        if (g->kind == REFIT__RPC__MEM_KIND__MEM_UNKNOWN)
+            continue; /* not granted: kind 0, no device, nothing to map */
         d->kind = (rf_mem_kind)g->kind;
         d->size = g->size;
         d->offset = g->offset;
@@ -399,64 +408,84 @@ out:
     return rc;
 }
 
-typedef struct key_signer {
-    const uint8_t *key;
-    size_t len;
-} key_signer;
-
-static int sign_with_key(void *ctx, const uint8_t *ns, const uint8_t *nc, uint8_t *mac,
-                         rf_err *err)
+static int set_deadline(xchg *x, double timeout_s, rf_err *err)
 {
-    const key_signer *k = ctx;
-
-    (void)err;
-    rf_export_mac(k->key, k->len, ns, nc, mac);
+    if (!(timeout_s > 0 && timeout_s < 1e6))
+        return rf_err_set(err, -EINVAL, "same-host export: timeout %g s: give 0 < timeout < "
+                          "1e6 s", timeout_s);
+    x->timeout_s = timeout_s;
+    clock_gettime(CLOCK_MONOTONIC, &x->deadline);
+    x->deadline.tv_sec += (time_t)timeout_s;
+    x->deadline.tv_nsec += (long)((timeout_s - (double)(time_t)timeout_s) * 1e9);
+    if (x->deadline.tv_nsec >= 1000000000) {
+        x->deadline.tv_sec++;
+        x->deadline.tv_nsec -= 1000000000;
+    }
     return 0;
 }
 
-int rf_export_fetch(const char *socket_path, const uint8_t *key, size_t key_len,
-                    double timeout_s, rf_export **out, rf_err *err)
+static void close_fds(int *fds, uint32_t n)
 {
-    key_signer k = {key, key_len};
-    rf_export_signer s = {sign_with_key, &k};
-
-    *out = NULL;
-    if (key == NULL || key_len < RF_EXPORT_KEY_MIN || key_len > RF_EXPORT_KEY_MAX)
-        return rf_err_set(err, -EINVAL, "same-host export: a cluster key of %d to %d bytes is "
-                          "needed, got %zu", RF_EXPORT_KEY_MIN, RF_EXPORT_KEY_MAX,
-                          key ? key_len : 0);
-    return rf_export_fetch_signed(socket_path, &s, timeout_s, out, err);
+    for (uint32_t i = 0; fds && i < n; i++)
+        if (fds[i] >= 0)
+            close(fds[i]);
+    free(fds);
 }
 
-int rf_export_fetch_signed(const char *socket_path, const rf_export_signer *signer,
-                           double timeout_s, rf_export **out, rf_err *err)
+/* Checks an Export's answer r against its own inventory and reads the fds it announces from
+ * chan: *inv and *fds (*nfds of them) are the caller's on success. */
+static int take_answer(const xchg *x, const Refit__Rpc__Response *r, int chan,
+                       Refit__Inventory **inv, int **fds, uint32_t *nfds, rf_err *err)
+{
+    int rc;
+
+    *fds = NULL;
+    *nfds = 0;
+    *inv = refit__inventory__unpack(NULL, r->inventory.len, r->inventory.data);
+    if (*inv == NULL)
+        return rf_err_set(err, -EBADMSG, "same-host export from %s: the exported inventory "
+                          "(%zu bytes) does not decode as refit.Inventory", x->path,
+                          r->inventory.len);
+    rc = check_regions(x, r, *inv, nfds, err);
+    if (rc == 0 && (*fds = malloc((*nfds ? *nfds : 1) * sizeof(**fds))) == NULL)
+        rc = rf_err_set(err, -ENOMEM, "same-host export from %s: out of memory", x->path);
+    for (uint32_t i = 0; rc == 0 && i < *nfds; i++)
+        (*fds)[i] = -1;
+    if (rc == 0)
+        rc = recv_fds(x, chan, *fds, *nfds, err);
+    if (rc < 0) {
+        close_fds(*fds, *nfds);
+        *fds = NULL;
+        *nfds = 0;
+        refit__inventory__free_unpacked(*inv, NULL);
+        *inv = NULL;
+    }
+    return rc;
+}
+
+/* Hello as a peer, ExportHello, then Export of pieces with the key's proof: *out is the
+ * answer, whose fds wait on *chan (the caller closes it). */
+static int request(xchg *x, const uint8_t *key, size_t key_len, const uint32_t *pieces,
+                   size_t npieces, Refit__Rpc__Response **out, int *chan, rf_err *err)
 {
     Refit__Rpc__Request q = REFIT__RPC__REQUEST__INIT;
     Refit__Rpc__Hello hello = REFIT__RPC__HELLO__INIT;
     Refit__Rpc__ExportHello ehello = REFIT__RPC__EXPORT_HELLO__INIT;
     Refit__Rpc__Export ex = REFIT__RPC__EXPORT__INIT;
     Refit__Rpc__Response *r = NULL;
-    Refit__Inventory *inv = NULL;
     uint8_t ns[RF_EXPORT_NONCE_BYTES], nc[RF_EXPORT_NONCE_BYTES], mac[RF_EXPORT_MAC_BYTES];
-    xchg x = {socket_path, -1, timeout_s, {0, 0}, 0};
-    int sv[2] = {-1, -1}, *fds = NULL;
-    uint32_t nfds = 0, i;
+    int sv[2] = {-1, -1};
     int rc;
 
     *out = NULL;
-    if (!(timeout_s > 0 && timeout_s < 1e6))
-        return rf_err_set(err, -EINVAL, "same-host export: timeout %g s: give 0 < timeout < "
-                          "1e6 s", timeout_s);
+    *chan = -1;
+    if (key == NULL || key_len < RF_EXPORT_KEY_MIN || key_len > RF_EXPORT_KEY_MAX)
+        return rf_err_set(err, -EINVAL, "same-host export: a cluster key of %d to %d bytes is "
+                          "needed, got %zu", RF_EXPORT_KEY_MIN, RF_EXPORT_KEY_MAX,
+                          key ? key_len : 0);
     if (sodium_init() < 0)
         return rf_err_set(err, -EIO, "libsodium failed to initialise (no entropy source?)");
-    clock_gettime(CLOCK_MONOTONIC, &x.deadline);
-    x.deadline.tv_sec += (time_t)timeout_s;
-    x.deadline.tv_nsec += (long)((timeout_s - (double)(time_t)timeout_s) * 1e9);
-    if (x.deadline.tv_nsec >= 1000000000) {
-        x.deadline.tv_sec++;
-        x.deadline.tv_nsec -= 1000000000;
-    }
-    rc = dial(&x, err);
+    rc = dial(x, err);
     if (rc < 0)
         goto out;
 
@@ -466,7 +495,7 @@ int rf_export_fetch_signed(const char *socket_path, const rf_export_signer *sign
     hello.pid = (int32_t)getpid();
     q.body_case = REFIT__RPC__REQUEST__BODY_HELLO;
     q.hello = &hello;
-    rc = call(&x, &q, -1, "Hello", &r, err);
+    rc = call(x, &q, -1, "Hello", &r, err);
     if (rc < 0)
         goto out;
     refit__rpc__response__free_unpacked(r, NULL);
@@ -474,13 +503,12 @@ int rf_export_fetch_signed(const char *socket_path, const rf_export_signer *sign
 
     q.body_case = REFIT__RPC__REQUEST__BODY_EXPORT_HELLO;
     q.export_hello = &ehello;
-    rc = call(&x, &q, -1, "ExportHello", &r, err);
+    rc = call(x, &q, -1, "ExportHello", &r, err);
     if (rc < 0)
         goto out;
     if (r->nonce.len != RF_EXPORT_NONCE_BYTES) {
         rc = rf_err_set(err, -EBADMSG, "same-host export from %s: ExportHello answered with a "
-                        "%zu-byte nonce, not %d", socket_path, r->nonce.len,
-                        RF_EXPORT_NONCE_BYTES);
+                        "%zu-byte nonce, not %d", x->path, r->nonce.len, RF_EXPORT_NONCE_BYTES);
         goto out;
     }
     memcpy(ns, r->nonce.data, sizeof(ns));
@@ -488,63 +516,160 @@ int rf_export_fetch_signed(const char *socket_path, const rf_export_signer *sign
     r = NULL;
 
     randombytes_buf(nc, sizeof(nc));
-    if ((rc = signer->fn(signer->ctx, ns, nc, mac, err)) < 0)
-        goto out;
+    rf_export_mac(key, key_len, ns, nc, mac);
     if (socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, sv) < 0) {
         rc = rf_err_set(err, -errno, "same-host export from %s: socketpair for the region fds: "
-                        "%s", socket_path, strerror(errno));
+                        "%s", x->path, strerror(errno));
         goto out;
     }
     ex.nonce.data = nc;
     ex.nonce.len = sizeof(nc);
     ex.mac.data = mac;
     ex.mac.len = sizeof(mac);
+    ex.pieces = (uint32_t *)pieces;
+    ex.n_pieces = npieces;
     q.body_case = REFIT__RPC__REQUEST__BODY_EXPORT_REQUEST;
     q.export_request = &ex;
-    rc = call(&x, &q, sv[1], "Export", &r, err);
+    rc = call(x, &q, sv[1], "Export", &r, err);
     /* Only the publisherd's copy of our end may stay open: its close ends the fds. */
     close(sv[1]);
     sv[1] = -1;
     if (rc < 0)
         goto out;
-    inv = refit__inventory__unpack(NULL, r->inventory.len, r->inventory.data);
-    if (inv == NULL) {
-        rc = rf_err_set(err, -EBADMSG, "same-host export from %s: the exported inventory (%zu "
-                        "bytes) does not decode as refit.Inventory", socket_path,
-                        r->inventory.len);
-        goto out;
-    }
-    rc = check_regions(&x, r, inv, &nfds, err);
-    if (rc < 0)
-        goto out;
-    fds = malloc((nfds ? nfds : 1) * sizeof(*fds));
-    if (fds == NULL) {
-        rc = rf_err_set(err, -ENOMEM, "same-host export from %s: out of memory", socket_path);
-        goto out;
-    }
-    for (i = 0; i < nfds; i++)
-        fds[i] = -1;
-    rc = recv_fds(&x, sv[0], fds, nfds, err);
-    if (rc < 0)
-        goto out;
-    rc = build(&x, r, inv, fds, out, err);
+    *out = r;
+    r = NULL;
+    *chan = sv[0];
+    sv[0] = -1;
 out:
-    for (i = 0; fds && i < nfds; i++)
-        if (fds[i] >= 0)
-            close(fds[i]);
-    free(fds);
-    if (inv)
-        refit__inventory__free_unpacked(inv, NULL);
     if (r)
         refit__rpc__response__free_unpacked(r, NULL);
     if (sv[0] >= 0)
         close(sv[0]);
-    if (sv[1] >= 0)
-        close(sv[1]);
-    if (x.fd >= 0)
-        close(x.fd);
     sodium_memzero(mac, sizeof(mac));
     return rc;
+}
+
+int rf_export_fetch(const char *socket_path, const uint8_t *key, size_t key_len,
+                    const uint32_t *pieces, size_t npieces, double timeout_s, rf_export **out,
+                    rf_err *err)
+{
+    xchg x = {socket_path, -1, timeout_s, {0, 0}, 0};
+    Refit__Rpc__Response *r = NULL;
+    Refit__Inventory *inv = NULL;
+    int chan = -1, *fds = NULL;
+    uint32_t nfds = 0;
+    int rc;
+
+    *out = NULL;
+    if ((rc = set_deadline(&x, timeout_s, err)) < 0 ||
+        (rc = request(&x, key, key_len, pieces, npieces, &r, &chan, err)) < 0 ||
+        (rc = take_answer(&x, r, chan, &inv, &fds, &nfds, err)) < 0)
+        goto out;
+    rc = build(&x, r, inv, fds, out, err);
+out:
+    close_fds(fds, nfds);
+    if (inv)
+        refit__inventory__free_unpacked(inv, NULL);
+    if (r)
+        refit__rpc__response__free_unpacked(r, NULL);
+    if (chan >= 0)
+        close(chan);
+    if (x.fd >= 0)
+        close(x.fd);
+    return rc;
+}
+
+int rf_export_fetch_answer(const char *socket_path, const uint8_t *key, size_t key_len,
+                           const uint32_t *pieces, size_t npieces, double timeout_s,
+                           rf_export_answer *out, rf_err *err)
+{
+    xchg x = {socket_path, -1, timeout_s, {0, 0}, 0};
+    Refit__Rpc__Response *r = NULL;
+    Refit__Inventory *inv = NULL;
+    int chan = -1;
+    int rc;
+
+    memset(out, 0, sizeof(*out));
+    if ((rc = set_deadline(&x, timeout_s, err)) < 0 ||
+        (rc = request(&x, key, key_len, pieces, npieces, &r, &chan, err)) < 0 ||
+        (rc = take_answer(&x, r, chan, &inv, &out->fds, &out->nfds, err)) < 0)
+        goto out;
+    out->resp = r;
+    r = NULL;
+out:
+    if (inv)
+        refit__inventory__free_unpacked(inv, NULL);
+    if (r)
+        refit__rpc__response__free_unpacked(r, NULL);
+    if (chan >= 0)
+        close(chan);
+    if (x.fd >= 0)
+        close(x.fd);
+    return rc;
+}
+
+void rf_export_answer_free(rf_export_answer *a)
+{
+    close_fds(a->fds, a->nfds);
+    if (a->resp)
+        refit__rpc__response__free_unpacked(a->resp, NULL);
+    memset(a, 0, sizeof(*a));
+}
+
+int rf_export_take(const char *from, const Refit__Rpc__Response *r, int chan, double timeout_s,
+                   rf_export **out, rf_err *err)
+{
+    xchg x = {from, -1, timeout_s, {0, 0}, 0};
+    Refit__Inventory *inv = NULL;
+    int *fds = NULL;
+    uint32_t nfds = 0;
+    int rc;
+
+    *out = NULL;
+    if ((rc = set_deadline(&x, timeout_s, err)) < 0 ||
+        (rc = take_answer(&x, r, chan, &inv, &fds, &nfds, err)) < 0)
+        return rc;
+    rc = build(&x, r, inv, fds, out, err);
+    close_fds(fds, nfds);
+    refit__inventory__free_unpacked(inv, NULL);
+    return rc;
+}
+
+int rf_export_pass_fds(int chan, const int *fds, uint32_t n, rf_err *err)
+{
+    uint32_t i = 0;
+
+    while (i < n) {
+        uint32_t k = n - i < RF_EXPORT_FDS_PER_PACKET ? n - i : RF_EXPORT_FDS_PER_PACKET;
+        union {
+            struct cmsghdr h;
+            char space[CMSG_SPACE(sizeof(int) * RF_EXPORT_FDS_PER_PACKET)];
+        } ctl;
+        uint8_t byte = (uint8_t)k;
+        struct iovec iov = {&byte, 1};
+        struct msghdr mh = {0};
+        struct cmsghdr *cm;
+
+        memset(&ctl, 0, sizeof(ctl));
+        mh.msg_iov = &iov;
+        mh.msg_iovlen = 1;
+        mh.msg_control = ctl.space;
+        mh.msg_controllen = CMSG_SPACE(k * sizeof(int));
+        cm = CMSG_FIRSTHDR(&mh);
+        cm->cmsg_level = SOL_SOCKET;
+        cm->cmsg_type = SCM_RIGHTS;
+        cm->cmsg_len = CMSG_LEN(k * sizeof(int));
+        memcpy(CMSG_DATA(cm), fds + i, k * sizeof(int));
+        while (sendmsg(chan, &mh, MSG_DONTWAIT | MSG_NOSIGNAL) < 0) {
+            if (errno == EINTR)
+                continue;
+            return rf_err_set(err, -errno, "cannot pass the region fds on the back channel: "
+                              "%s%s", strerror(errno), errno == EPIPE ? " (the other end "
+                              "closed it)" : "");
+        }
+        i += k;
+    }
+    return 0;
 }
 
 void rf_export_close_fds(rf_export *e, uint32_t i)

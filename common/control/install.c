@@ -2,13 +2,28 @@
 #define RF_LOG_MODULE "install"
 #include "install.h"
 
+#include <fcntl.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
+#include <sodium.h>
+
+#include "export.h"
 #include "log.h"
 #include "plan.h"
 #include "slice.h"
+
+/* What an engine's part of the plan reads from one publisherd on this host: all its installer
+ * may be given of that publisher's memory. */
+typedef struct install_grant {
+    uint64_t daemon_id, generation;
+    char *sock;
+    uint32_t *pieces; /* the publisher's local source piece ids, sorted and unique once the
+                         owner's last frame is in */
+    uint32_t npieces, cap;
+} install_grant;
 
 struct rf_install_owner {
     uint64_t uid;
@@ -16,6 +31,8 @@ struct rf_install_owner {
     size_t *lens;
     uint32_t nframes, cap;
     bool closed;      /* its last frame is in */
+    install_grant *grants;
+    uint32_t ngrants;
 };
 
 /* ---- the engines' part of a plan ---- */
@@ -35,6 +52,70 @@ static rf_install_owner *owner_of(rf_install_plan *p, uint64_t uid)
     memset(o, 0, sizeof(*o));
     o->uid = uid;
     return o;
+}
+
+static int cmp_u32(const void *a, const void *b)
+{
+    uint32_t x = *(const uint32_t *)a, y = *(const uint32_t *)b;
+
+    return x < y ? -1 : x > y;
+}
+
+/* Records the source pieces that msgs (of frame ps) read, per publisher. */
+static int owner_grants(rf_install_owner *o, const Refit__PlanSlice *ps, Refit__SliceMsg **msgs,
+                        size_t n, rf_err *err)
+{
+    for (size_t i = 0; i < n; i++) {
+        const Refit__SliceMsg *sm = msgs[i];
+        const Refit__PeerAddr *pa;
+        install_grant *g = NULL;
+
+        if (sm->peer >= ps->n_peers)
+            return rf_err_set(err, -EPROTO, "plan slice message %u names peer %u of %zu",
+                              sm->seq, sm->peer, ps->n_peers);
+        pa = ps->peers[sm->peer];
+        for (uint32_t k = 0; k < o->ngrants && !g; k++)
+            if (o->grants[k].daemon_id == pa->daemon_id)
+                g = &o->grants[k];
+        if (g == NULL) {
+            install_grant *ng = realloc(o->grants, (o->ngrants + 1) * sizeof(*ng));
+
+            if (ng == NULL)
+                return rf_err_set(err, -ENOMEM, "out of memory holding an engine's plan");
+            o->grants = ng;
+            g = &o->grants[o->ngrants];
+            memset(g, 0, sizeof(*g));
+            if ((g->sock = strdup(pa->local_sock ? pa->local_sock : "")) == NULL)
+                return rf_err_set(err, -ENOMEM, "out of memory holding an engine's plan");
+            o->ngrants++;
+            g->daemon_id = pa->daemon_id;
+            g->generation = pa->generation;
+        }
+        for (size_t t = 0; t < sm->n_xfers; t++) {
+            if (g->npieces == g->cap) {
+                uint32_t cap = g->cap ? 2 * g->cap : 64;
+                uint32_t *np = realloc(g->pieces, cap * sizeof(*np));
+
+                if (np == NULL)
+                    return rf_err_set(err, -ENOMEM, "out of memory holding an engine's plan");
+                g->pieces = np;
+                g->cap = cap;
+            }
+            g->pieces[g->npieces++] = sm->xfers[t]->src_piece;
+        }
+    }
+    if (ps->last)
+        for (uint32_t k = 0; k < o->ngrants; k++) {
+            install_grant *g = &o->grants[k];
+            uint32_t w = 0;
+
+            qsort(g->pieces, g->npieces, sizeof(*g->pieces), cmp_u32);
+            for (uint32_t r = 0; r < g->npieces; r++)
+                if (w == 0 || g->pieces[w - 1] != g->pieces[r])
+                    g->pieces[w++] = g->pieces[r];
+            g->npieces = w;
+        }
+    return 0;
 }
 
 /* Appends ps with msgs (n of them) as one packed frame of o. */
@@ -69,7 +150,7 @@ static int owner_frame(rf_install_owner *o, const Refit__PlanSlice *ps, Refit__S
     o->frames[o->nframes] = buf;
     o->lens[o->nframes++] = len;
     o->closed = ps->last;
-    return 0;
+    return owner_grants(o, ps, msgs, n, err);
 }
 
 int rf_install_plan_add(rf_install_plan *p, const rf_registry *reg, const Refit__PlanSlice *ps,
@@ -156,6 +237,11 @@ void rf_install_plan_reset(rf_install_plan *p)
             free(p->owners[i].frames[k]);
         free(p->owners[i].frames);
         free(p->owners[i].lens);
+        for (uint32_t k = 0; k < p->owners[i].ngrants; k++) {
+            free(p->owners[i].grants[k].sock);
+            free(p->owners[i].grants[k].pieces);
+        }
+        free(p->owners[i].grants);
     }
     free(p->owners);
     memset(p, 0, sizeof(*p));
@@ -172,6 +258,10 @@ typedef struct inst_state {
 struct rf_install {
     uv_loop_t *loop;
     rf_registry *reg;
+    uint8_t *key;         /* the cluster key: proves this daemon to the local publisherds */
+    size_t key_len;
+    double fetch_timeout_s;
+    const rf_install_plan *plan; /* the plan of the run in flight (valid while running) */
     uint64_t abort_at;    /* loop time (ms) after which unanswered aborts are given up */
     inst_state *st;
     uint32_t nst;
@@ -200,12 +290,18 @@ static inst_state *state_of(rf_install *in, uint64_t uid, bool add)
     return s;
 }
 
-int rf_install_new(uv_loop_t *loop, rf_registry *reg, rf_install **out, rf_err *err)
+int rf_install_new(uv_loop_t *loop, rf_registry *reg, const uint8_t *key, size_t key_len,
+                   double fetch_timeout_s, rf_install **out, rf_err *err)
 {
     rf_install *in = calloc(1, sizeof(*in));
 
-    if (in == NULL)
+    if (in == NULL || (in->key = malloc(key_len ? key_len : 1)) == NULL) {
+        free(in);
         return rf_err_set(err, -ENOMEM, "out of memory for in-process installs");
+    }
+    memcpy(in->key, key, key_len);
+    in->key_len = key_len;
+    in->fetch_timeout_s = fetch_timeout_s;
     in->loop = loop;
     in->reg = reg;
     *out = in;
@@ -216,6 +312,8 @@ void rf_install_free(rf_install *in)
 {
     if (in == NULL)
         return;
+    sodium_memzero(in->key, in->key_len);
+    free(in->key);
     free(in->st);
     free(in);
 }
@@ -249,6 +347,7 @@ static void settle(rf_install *in, inst_state *s, int code, const char *error, u
         return;
     }
     in->running = in->aborting = false;
+    in->plan = NULL;
     in->cb(&in->res, in->arg);
 }
 
@@ -354,6 +453,7 @@ int rf_install_run(rf_install *in, const rf_install_plan *p, uint64_t version, i
         return rf_err_set(err, in->res.code, "%s", in->res.error);
     in->version = version;
     in->total = in->left;
+    in->plan = p;
     in->running = true;
     in->aborting = false;
     in->cb = cb;
@@ -437,4 +537,83 @@ void rf_install_on_lost(rf_install *in, uint64_t uid, const char *why)
         return;
     s->sent_serial = 0; /* a new installer gets the plan again */
     settle(in, s, -EPIPE, why, 0, 0, NULL, NULL);
+}
+
+/* A memfd reopened read-only: what the installer maps of it cannot write the trainer's
+ * memory through that descriptor. */
+static int reopen_ro(int fd, rf_err *err)
+{
+    char path[64];
+    int ro;
+
+    snprintf(path, sizeof(path), "/proc/self/fd/%d", fd);
+    if ((ro = open(path, O_RDONLY | O_CLOEXEC)) < 0)
+        return rf_err_set(err, -errno, "cannot reopen a trainer memfd read-only through %s: %s",
+                          path, strerror(errno));
+    return ro;
+}
+
+int rf_install_sources(rf_install *in, uint64_t uid, const Refit__Rpc__InstallSources *m,
+                       int chan, Refit__Rpc__Response **out, rf_err *err)
+{
+    const char *name = rf_registry_client_name(in->reg, uid);
+    const rf_install_owner *o = NULL;
+    const install_grant *g = NULL;
+    rf_export_answer a = {0};
+    uint32_t k = 0, nro = 0, ngranted = 0;
+    int rc;
+
+    *out = NULL;
+    if (!in->running || in->plan == NULL)
+        return rf_err_set(err, -ESTALE, "no refit is in flight: the trainers' memory is handed "
+                          "out only for the plan being run");
+    for (uint32_t i = 0; i < in->plan->nowners && !o; i++)
+        if (in->plan->owners[i].uid == uid)
+            o = &in->plan->owners[i];
+    for (uint32_t i = 0; o && i < o->ngrants && !g; i++)
+        if (o->grants[i].daemon_id == m->daemon_id)
+            g = &o->grants[i];
+    if (g == NULL)
+        return rf_err_set(err, -EACCES, "engine '%s' copies nothing from publisher %016llx in "
+                          "the plan in flight: its installer gets none of that memory", name,
+                          (unsigned long long)m->daemon_id);
+    if (g->generation != m->generation)
+        return rf_err_set(err, -ESTALE, "the plan in flight reads publisher %016llx at "
+                          "generation %llu, not %llu", (unsigned long long)m->daemon_id,
+                          (unsigned long long)g->generation,
+                          (unsigned long long)m->generation);
+    rc = rf_export_fetch_answer(g->sock, in->key, in->key_len, g->pieces, g->npieces,
+                                in->fetch_timeout_s, &a, err);
+    if (rc < 0)
+        return rc;
+    /* The fds are in region order, a region's chunks together (rf_export_fetch's order). */
+    for (size_t i = 0; i < a.resp->n_regions; i++) {
+        const Refit__Rpc__ExportRegion *er = a.resp->regions[i];
+
+        ngranted += er->kind != REFIT__RPC__MEM_KIND__MEM_UNKNOWN;
+        if (!er->has_fd)
+            continue;
+        if (er->kind == REFIT__RPC__MEM_KIND__MEM_MEMFD) {
+            int ro = reopen_ro(a.fds[k], err);
+
+            if (ro < 0) {
+                rc = ro;
+                goto out;
+            }
+            close(a.fds[k]);
+            a.fds[k] = ro;
+            nro++;
+        }
+        k += er->n_chunks ? (uint32_t)er->n_chunks : 1;
+    }
+    if ((rc = rf_export_pass_fds(chan, a.fds, a.nfds, err)) < 0)
+        goto out;
+    RF_INFO("engine '%s': its installer was given %u of the %zu regions of publisher %016llx "
+            "(%u pieces its plan reads; %u memfds read-only)", name, ngranted,
+            a.resp->n_regions, (unsigned long long)m->daemon_id, g->npieces, nro);
+    *out = a.resp;
+    a.resp = NULL;
+out:
+    rf_export_answer_free(&a);
+    return rc;
 }

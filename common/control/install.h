@@ -16,6 +16,7 @@
 #include "err.h"
 #include "refit.pb-c.h"
 #include "registry.h"
+#include "rpc.pb-c.h"
 #include "xfer.h"
 
 /* An installer that has not answered InstallAbort within this long is given up: the refit
@@ -47,7 +48,10 @@ typedef struct rf_install rf_install;
  * during the call. */
 typedef void (*rf_install_done_cb)(const rf_xfer_result *res, void *arg);
 
-int rf_install_new(uv_loop_t *loop, rf_registry *reg, rf_install **out, rf_err *err);
+/* key (key_len bytes, copied): the cluster key, which proves this daemon to the publisherds
+ * on its host when an installer asks for their memory; fetch_timeout_s bounds one fetch. */
+int rf_install_new(uv_loop_t *loop, rf_registry *reg, const uint8_t *key, size_t key_len,
+                   double fetch_timeout_s, rf_install **out, rf_err *err);
 /* NULL is fine. Not while a run is in flight (its callback would never come). */
 void rf_install_free(rf_install *in);
 /* Runs version on the installers of plan p: each is sent the plan first if it has not got
@@ -65,6 +69,14 @@ void rf_install_tick(rf_install *in);
  * have not answered yet, and whether it is being aborted. false with nothing running. */
 bool rf_install_running(const rf_install *in, uint64_t *version, uint32_t *installers,
                         uint32_t *unanswered, bool *aborting);
+/* The installer of engine uid asks for the memory of the local publisher m names: only while
+ * a run is in flight (-ESTALE otherwise), only a publisher and generation the engine's part
+ * of that run's plan reads from (-EACCES, -ESTALE), and only the regions holding the pieces
+ * that part reads. Fetched from the publisherd with the key (blocking, bounded by the fetch
+ * timeout), its memfds reopened read-only and every fd passed on chan; *out is the Export's
+ * answer to relay (the caller frees it). */
+int rf_install_sources(rf_install *in, uint64_t uid, const Refit__Rpc__InstallSources *m,
+                       int chan, Refit__Rpc__Response **out, rf_err *err);
 /* The registry's callbacks, forwarded by the daemon. */
 void rf_install_on_done(rf_install *in, uint64_t uid, const Refit__Rpc__InstallDone *m);
 void rf_install_on_lost(rf_install *in, uint64_t uid, const char *why);

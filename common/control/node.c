@@ -280,6 +280,15 @@ static void on_install_lost(rf_registry *r, uint64_t uid, const char *why, void 
         rf_install_on_lost(n->inst, uid, why);
 }
 
+static int on_install_sources(rf_registry *r, uint64_t uid, const Refit__Rpc__InstallSources *m,
+                              int chan, Refit__Rpc__Response **out, rf_err *err, void *ud)
+{
+    rf_node *n = ud;
+
+    (void)r;
+    return rf_install_sources(n->inst, uid, m, chan, out, err);
+}
+
 static void on_consumed(rf_registry *r, uint64_t consumed, void *ud)
 {
     (void)r;
@@ -841,38 +850,17 @@ static void drop_slice(rf_node *n)
     }
 }
 
-/* The trainers' memory that the local copies of frame ps read: *out gets one entry per peer
- * (NULL when the frame has no local copy), mapped through the srcmap, fetched from a
- * publisherd only the first time its generation appears. */
+/* The trainers' memory that the local copies of frame ps read, mapped through the srcmap:
+ * only the regions of the pieces they read, fetched from a publisherd the first time its
+ * generation (or a piece not mapped yet) appears. */
 static int local_sources(rf_node *n, const Refit__PlanSlice *ps, rf_slice_src **out, rf_err *err)
 {
-    size_t i;
-    int rc;
-
     *out = NULL;
-    for (i = 0; i < ps->n_msgs; i++) {
-        const Refit__SliceMsg *sm = ps->msgs[i];
-        const Refit__PeerAddr *p;
-
-        if (sm->kind != RF_PLAN_LOCAL)
-            continue;
-        if (!n->srcs)
+    for (size_t i = 0; i < ps->n_msgs; i++)
+        if (ps->msgs[i]->kind == RF_PLAN_LOCAL && !n->srcs)
             return rf_err_set(err, -EPROTO, "the plan has local copies for this daemon, which "
                               "runs with local_copy = off (is the coordinator's build older?)");
-        if (sm->peer >= ps->n_peers)
-            return rf_err_set(err, -EPROTO, "plan slice message %u names peer %u of %zu",
-                              sm->seq, sm->peer, ps->n_peers);
-        if (!*out && !(*out = calloc(ps->n_peers, sizeof(**out))))
-            return rf_err_set(err, -ENOMEM, "out of memory for the plan slice");
-        if ((*out)[sm->peer].inv)
-            continue;
-        p = ps->peers[sm->peer];
-        rc = rf_srcmap_get(n->srcs, p->daemon_id, p->generation, p->local_sock,
-                           &(*out)[sm->peer], err);
-        if (rc < 0)
-            return rc;
-    }
-    return 0;
+    return n->srcs ? rf_srcmap_frame(n->srcs, ps, out, err) : 0;
 }
 
 /* Frames collect in n->next; a complete slice replaces n->slice once no data path runs. */
@@ -1332,17 +1320,18 @@ int rf_node_start(uv_loop_t *loop, const rf_node_opts *opts, rf_node **out, rf_e
     cb.on_consumed = on_consumed;
     cb.on_install_done = on_install_done;
     cb.on_install_lost = on_install_lost;
+    if (cfg->local_copy == RF_LOCAL_COPY_AUTO && n->side == RF_DST)
+        cb.on_install_sources = on_install_sources;
     rc = rf_registry_open(loop, &ro, &cb, n, &n->reg, err);
     if (rc < 0)
         goto fail;
     if (cfg->local_copy == RF_LOCAL_COPY_AUTO && n->side == RF_DST) {
-        /* Engines that install in their own process map the trainers' memory themselves:
-         * the registry signs their Export proofs (InstallSign), never handing out the key. */
-        if ((rc = rf_registry_set_export_key(n->reg, opts->key->bytes, opts->key->len)) < 0 ||
-            (rc = rf_install_new(loop, n->reg, &n->inst, err)) < 0) {
-            rf_err_set(err, rc, "out of memory setting up in-process installs");
+        /* Engines that install in their own process get, per plan, the trainers' memory their
+         * part reads, fetched here with the key (which never leaves this daemon). */
+        rc = rf_install_new(loop, n->reg, opts->key->bytes, opts->key->len,
+                            cfg->peer_timeout_ms / 1000.0, &n->inst, err);
+        if (rc < 0)
             goto fail;
-        }
     }
     if (cfg->local_copy == RF_LOCAL_COPY_AUTO && n->side == RF_SRC) {
         /* Receiverds on this host fetch the trainers' memory here, proving the cluster key. */

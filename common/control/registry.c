@@ -1,6 +1,7 @@
 /* common/control/registry.c - the daemon side of the local RPC: clients, their regions and pieces,
  * the local inventory, the version handshakes with trainers, engines and refitctl, and the
  * export of the trainers' memory to a receiverd on the same host. */
+#define RF_LOG_MODULE "registry"
 #include "registry.h"
 
 #include <assert.h>
@@ -15,6 +16,7 @@
 #include <sodium.h>
 
 #include "export.h"
+#include "log.h"
 #include "quant_fmt.h"
 #include "refit.pb-c.h"
 #include "rpc.h"
@@ -1234,71 +1236,76 @@ static void do_export_hello(rf_registry *r, reg_client *c, uint64_t id)
     rf_rpc_conn_send(c->conn, &resp);
 }
 
-/* Passes the fds of the regions in tab (in order, those that have one) on the peer's back
- * channel, at most RF_EXPORT_FDS_PER_PACKET a packet. The channel is a socket the
- * peer holds the other end of; it never blocks the loop: the packets are small and the
- * kernel queues them whole or refuses them (-EAGAIN). */
-static int send_fds(int chan, reg_region *const *tab, uint32_t n, rf_err *err)
+/* Passes the fds of the regions in tab that are granted (in order, those that have one, a
+ * region's chunks in order) on the peer's back channel. */
+static int send_fds(int chan, reg_region *const *tab, const bool *grant, uint32_t n,
+                    rf_err *err)
 {
-    int fds[RF_EXPORT_FDS_PER_PACKET];
-    uint32_t i = 0, j = 0, k;
+    uint32_t nfds = 0, i, k = 0;
+    int *fds, rc;
 
-    while (i < n) {
-        union {
-            struct cmsghdr h;
-            char space[CMSG_SPACE(sizeof(fds))];
-        } ctl;
-        uint8_t byte = 0;
-        struct iovec iov = {&byte, 1};
-        struct msghdr mh = {0};
-        struct cmsghdr *cm;
+    for (i = 0; i < n; i++)
+        if (grant[i])
+            nfds += tab[i]->nchunks ? tab[i]->nchunks : tab[i]->fd >= 0;
+    if ((fds = malloc((nfds ? nfds : 1) * sizeof(*fds))) == NULL)
+        return rf_err_set(err, -ENOMEM, "daemon out of memory passing the region fds");
+    for (i = 0; i < n; i++) {
+        if (!grant[i])
+            continue;
+        for (uint32_t j = 0; j < tab[i]->nchunks; j++)
+            fds[k++] = tab[i]->chunks[j].fd;
+        if (tab[i]->nchunks == 0 && tab[i]->fd >= 0)
+            fds[k++] = tab[i]->fd;
+    }
+    rc = rf_export_pass_fds(chan, fds, nfds, err);
+    free(fds);
+    return rc;
+}
 
-        /* j walks the chunks of region i, whose fds may straddle two packets. */
-        for (k = 0; i < n && k < RF_EXPORT_FDS_PER_PACKET;) {
-            if (j < tab[i]->nchunks) {
-                fds[k++] = tab[i]->chunks[j++].fd;
-                if (j < tab[i]->nchunks)
-                    continue;
-            } else if (tab[i]->fd >= 0) {
-                fds[k++] = tab[i]->fd;
+/* The regions an Export may have: those holding one of its pieces, and an FP8 piece's scales.
+ * -ESTALE for a piece this inventory does not hold (the asker's plan is of another
+ * generation). */
+static int grant_regions(const rf_registry *r, const Refit__Rpc__Export *m, bool *grant,
+                         uint32_t *ngrant, rf_err *err)
+{
+    uint32_t npieces = rf_inv_npieces(r->inv, RF_SRC);
+
+    *ngrant = 0;
+    for (size_t i = 0; i < m->n_pieces; i++) {
+        rf_piece p;
+        uint32_t reg[2];
+        int nreg = 1;
+
+        if (m->pieces[i] >= npieces)
+            return rf_err_set(err, -ESTALE, "Export asks for piece %u, this publisherd holds "
+                              "%u (generation %llu): the plan is stale", m->pieces[i], npieces,
+                              (unsigned long long)r->generation);
+        rf_inv_piece(r->inv, RF_SRC, m->pieces[i], &p);
+        reg[0] = p.region;
+        if (p.quant != 0)
+            reg[nreg++] = rf_inv_quant(r->inv, p.quant)->scale_region;
+        for (int k = 0; k < nreg; k++)
+            if (!grant[reg[k]]) {
+                grant[reg[k]] = true;
+                (*ngrant)++;
             }
-            i++;
-            j = 0;
-        }
-        if (k == 0)
-            break;
-        memset(&ctl, 0, sizeof(ctl));
-        mh.msg_iov = &iov;
-        mh.msg_iovlen = 1;
-        mh.msg_control = ctl.space;
-        mh.msg_controllen = CMSG_SPACE(k * sizeof(int));
-        cm = CMSG_FIRSTHDR(&mh);
-        cm->cmsg_level = SOL_SOCKET;
-        cm->cmsg_type = SCM_RIGHTS;
-        cm->cmsg_len = CMSG_LEN(k * sizeof(int));
-        memcpy(CMSG_DATA(cm), fds, k * sizeof(int));
-        byte = (uint8_t)k;
-        while (sendmsg(chan, &mh, MSG_DONTWAIT | MSG_NOSIGNAL) < 0) {
-            if (errno == EINTR)
-                continue;
-            return rf_err_set(err, -errno, "cannot pass the region fds on the Export's back "
-                              "channel: %s%s", strerror(errno), errno == EPIPE ? " (the "
-                              "receiverd closed its end)" : "");
-        }
     }
     return 0;
 }
 
 /* The answer to an authenticated Export: the local inventory, one ExportRegion per local
- * region id, and their fds on the back channel before the answer. */
-static void export_reply(rf_registry *r, reg_client *c, uint64_t id, int chan)
+ * region id (granted: as registered; the others kind 0, empty), and the granted regions' fds
+ * on the back channel before the answer. */
+static void export_reply(rf_registry *r, reg_client *c, uint64_t id,
+                         const Refit__Rpc__Export *m, int chan)
 {
     Refit__Rpc__Response resp = REFIT__RPC__RESPONSE__INIT;
     Refit__Inventory inv = REFIT__INVENTORY__INIT;
     Refit__Rpc__ExportRegion *er = NULL, **erp = NULL;
     Refit__Rpc__VmmChunk *chunk_msgs;
     reg_region **tab = NULL;
-    uint32_t n = rf_inv_nregions(r->inv), i;
+    bool *grant = NULL;
+    uint32_t n = rf_inv_nregions(r->inv), i, ngrant = 0, nfds = 0;
     uint64_t at;
     uint8_t *packed = NULL;
     bool inv_built = false;
@@ -1310,7 +1317,16 @@ static void export_reply(rf_registry *r, reg_client *c, uint64_t id, int chan)
     tab = calloc(n ? n : 1, sizeof(*tab));
     er = calloc(n ? n : 1, sizeof(*er));
     erp = calloc(n ? n : 1, sizeof(*erp));
-    rc = tab && er && erp ? rf_slice_inv_pack(r->inv, RF_SRC, r->generation, &inv) : -ENOMEM;
+    grant = calloc(n ? n : 1, sizeof(*grant));
+    if (!tab || !er || !erp || !grant) {
+        rf_rpc_conn_reply(c->conn, id, -ENOMEM, "daemon out of memory answering Export");
+        goto out;
+    }
+    if ((rc = grant_regions(r, m, grant, &ngrant, &err)) < 0) {
+        rf_rpc_conn_reply(c->conn, id, rc, "%s", err.msg);
+        goto out;
+    }
+    rc = rf_slice_inv_pack(r->inv, RF_SRC, r->generation, &inv);
     if (rc < 0) {
         rf_rpc_conn_reply(c->conn, id, rc, "daemon out of memory answering Export");
         goto out;
@@ -1325,6 +1341,10 @@ static void export_reply(rf_registry *r, reg_client *c, uint64_t id, int chan)
     for (i = 0; i < n; i++) {
         assert(tab[i] != NULL);
         refit__rpc__export_region__init(&er[i]);
+        erp[i] = &er[i];
+        if (!grant[i])
+            continue; /* kind 0: its place in the table, nothing to reach it by */
+        nfds += tab[i]->nchunks ? tab[i]->nchunks : tab[i]->fd >= 0;
         er[i].kind = (Refit__Rpc__MemKind)tab[i]->kind;
         er[i].device = tab[i]->device;
         er[i].size = tab[i]->size;
@@ -1356,7 +1376,6 @@ static void export_reply(rf_registry *r, reg_client *c, uint64_t id, int chan)
                 at += tab[i]->chunks[k].size;
             }
         }
-        erp[i] = &er[i];
     }
     size = refit__inventory__get_packed_size(&inv);
     packed = malloc(size ? size : 1);
@@ -1380,12 +1399,20 @@ static void export_reply(rf_registry *r, reg_client *c, uint64_t id, int chan)
                           rf_inv_npieces(r->inv, RF_SRC), size, RF_RPC_MAX_OUTPUT);
         goto out;
     }
-    rc = send_fds(chan, tab, n, &err);
+    rc = send_fds(chan, tab, grant, n, &err);
     if (rc < 0) {
         rf_rpc_conn_reply(c->conn, id, rc, "%s", err.msg);
         goto out;
     }
     rf_rpc_conn_send(c->conn, &resp);
+    {
+        pid_t pid = 0;
+
+        rf_rpc_conn_cred(c->conn, &pid, NULL, NULL);
+        RF_INFO("exported %u of %u regions (%u fds) holding %zu asked-for pieces to pid %d "
+                "(generation %llu)", ngrant, n, nfds, m->n_pieces, (int)pid,
+                (unsigned long long)r->generation);
+    }
 out:
     if (inv_built)
         rf_slice_inv_msg_free(&inv);
@@ -1398,6 +1425,7 @@ out:
     }
     free(er);
     free(tab);
+    free(grant);
 }
 
 static void do_export(rf_registry *r, reg_client *c, uint64_t id, const Refit__Rpc__Export *m,
@@ -1451,7 +1479,7 @@ static void do_export(rf_registry *r, reg_client *c, uint64_t id, const Refit__R
                           r->expected);
         goto out;
     }
-    export_reply(r, c, id, chan);
+    export_reply(r, c, id, m, chan);
 out:
     sodium_memzero(ns, sizeof(ns));
     if (chan >= 0)
@@ -1518,31 +1546,43 @@ static void do_installer_attach(rf_registry *r, reg_client *c, uint64_t id,
     check_complete(r);
 }
 
-static void do_install_sign(rf_registry *r, reg_client *c, uint64_t id,
-                            const Refit__Rpc__InstallSign *m)
+/* The trainers' memory an installer's plan reads: the daemon's callback fetches it (the
+ * registry never hands out the key nor signs for anyone) and passes the fds on chan. */
+static void do_install_sources(rf_registry *r, reg_client *c, uint64_t id,
+                               const Refit__Rpc__InstallSources *m, int chan)
 {
-    Refit__Rpc__Response resp = REFIT__RPC__RESPONSE__INIT;
-    uint8_t mac[RF_EXPORT_MAC_BYTES];
+    Refit__Rpc__Response *resp = NULL;
+    rf_err err = {0};
+    int type = 0, rc;
+    socklen_t tlen = sizeof(type);
 
-    if (!installer_only(c, id, "InstallSign", true))
-        return;
-    if (r->export_key == NULL) {
+    if (!installer_only(c, id, "InstallSources", true))
+        goto out;
+    if (chan < 0 || getsockopt(chan, SOL_SOCKET, SO_TYPE, &type, &tlen) < 0 ||
+        type != SOCK_SEQPACKET) {
+        rf_rpc_conn_reply(c->conn, id, -EINVAL, "InstallSources without its back channel: "
+                          "send one end of an AF_UNIX SOCK_SEQPACKET socketpair with the "
+                          "request (the region fds come on it)");
+        goto out;
+    }
+    if (r->cb.on_install_sources == NULL) {
         rf_rpc_conn_reply(c->conn, id, -ENOKEY, "this receiverd copies nothing from trainers "
-                          "on its host (local_copy = off): nothing to sign");
-        return;
+                          "on its host (local_copy = off): no trainer memory to give");
+        goto out;
     }
-    if (m->server_nonce.len != RF_EXPORT_NONCE_BYTES ||
-        m->client_nonce.len != RF_EXPORT_NONCE_BYTES) {
-        rf_rpc_conn_reply(c->conn, id, -EINVAL, "InstallSign nonces must be %d bytes each",
-                          RF_EXPORT_NONCE_BYTES);
-        return;
+    rc = r->cb.on_install_sources(r, c->engine->uid, m, chan, &resp, &err, r->ud);
+    if (rc < 0) {
+        rf_rpc_conn_reply(c->conn, id, rc, "%s", err.msg);
+        goto out;
     }
-    rf_export_mac(r->export_key, r->export_key_len, m->server_nonce.data,
-                  m->client_nonce.data, mac);
-    resp.id = id;
-    resp.mac.data = mac;
-    resp.mac.len = sizeof(mac);
-    rf_rpc_conn_send(c->conn, &resp);
+    resp->id = id;
+    resp->code = 0;
+    rf_rpc_conn_send(c->conn, resp);
+out:
+    if (resp)
+        refit__rpc__response__free_unpacked(resp, NULL);
+    if (chan >= 0)
+        close(chan);
 }
 
 static void do_install_done(rf_registry *r, reg_client *c, uint64_t id,
@@ -1564,8 +1604,8 @@ static void on_request(rf_rpc_conn *conn, const Refit__Rpc__Request *q, void *ud
 
     _Static_assert(RF_RPC_MAX_FDS >= RF_MEM_MAX_CHUNKS, "a region's chunk fds fit a request");
     /* Only requests that travel with descriptors claim them, so fds stay matched to requests:
-     * regions of the kinds that are fds (one per chunk when it lists chunks), and Export (its
-     * back channel). */
+     * regions of the kinds that are fds (one per chunk when it lists chunks), Export and
+     * InstallSources (their back channels). */
     if (q->body_case == REFIT__RPC__REQUEST__BODY_REGISTER_REGION &&
         (q->register_region->kind == REFIT__RPC__MEM_KIND__MEM_MEMFD ||
          q->register_region->kind == REFIT__RPC__MEM_KIND__MEM_CUDA_VMM_FD ||
@@ -1576,7 +1616,8 @@ static void on_request(rf_rpc_conn *conn, const Refit__Rpc__Request *q, void *ud
         for (i = 0; i < nfds; i++)
             fds[i] = rf_rpc_conn_take_fd(conn);
         fd = fds[0];
-    } else if (q->body_case == REFIT__RPC__REQUEST__BODY_EXPORT_REQUEST) {
+    } else if (q->body_case == REFIT__RPC__REQUEST__BODY_EXPORT_REQUEST ||
+               q->body_case == REFIT__RPC__REQUEST__BODY_INSTALL_SOURCES) {
         fd = rf_rpc_conn_take_fd(conn);
     }
     if (q->body_case != REFIT__RPC__REQUEST__BODY_HELLO && !c->hello) {
@@ -1634,8 +1675,8 @@ static void on_request(rf_rpc_conn *conn, const Refit__Rpc__Request *q, void *ud
     case REFIT__RPC__REQUEST__BODY_INSTALLER_ATTACH:
         do_installer_attach(r, c, q->id, q->installer_attach);
         break;
-    case REFIT__RPC__REQUEST__BODY_INSTALL_SIGN:
-        do_install_sign(r, c, q->id, q->install_sign);
+    case REFIT__RPC__REQUEST__BODY_INSTALL_SOURCES:
+        do_install_sources(r, c, q->id, q->install_sources, fd);
         break;
     case REFIT__RPC__REQUEST__BODY_INSTALL_DONE:
         do_install_done(r, c, q->id, q->install_done);

@@ -58,6 +58,13 @@ typedef struct rf_registry_cb {
     void (*on_install_done)(rf_registry *r, uint64_t uid, const Refit__Rpc__InstallDone *m,
                             void *ud);
     void (*on_install_lost)(rf_registry *r, uint64_t uid, const char *why, void *ud);
+    /* The installer of engine uid asks for the trainers' memory of a local publisher
+     * (InstallSources, m valid during the call): pass the region fds on chan and set *out to
+     * the answer (the registry sends and frees it), or fail with err. NULL: refused, the
+     * daemon copies nothing from trainers on its host. */
+    int (*on_install_sources)(rf_registry *r, uint64_t uid,
+                              const Refit__Rpc__InstallSources *m, int chan,
+                              Refit__Rpc__Response **out, rf_err *err, void *ud);
 } rf_registry_cb;
 
 typedef struct rf_registry_opts {

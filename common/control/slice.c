@@ -958,6 +958,17 @@ int rf_slice_job_add(rf_slice_job *j, const Refit__PlanSlice *frame, const rf_in
 
                 rc = resolve_item(NULL, sm, sx, sx->src_piece, src->inv, RF_SRC, src->bases,
                                   &xm->src_items[k], err);
+                /* A publisherd grants only the regions asked for: one missing here means the
+                 * export was asked for other pieces than this frame reads. */
+                if (rc == 0 && (xm->src_items[k].base == NULL ||
+                                (xm->src_items[k].piece.quant != 0 &&
+                                 xm->src_items[k].quant.scale_base == NULL)))
+                    rc = rf_err_set(err, -EACCES, "plan slice message %u copies %s from trainer "
+                                    "memory of publisher %u that was not granted to this "
+                                    "process", sm->seq,
+                                    rf_inv_tensor(src->inv,
+                                                  xm->src_items[k].piece.tensor)->name,
+                                    sm->peer);
                 if (rc == 0)
                     quant_src_of(&xm->items[k], &xm->src_items[k]);
                 if (rc == 0 &&

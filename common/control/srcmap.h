@@ -13,21 +13,34 @@
 
 typedef struct rf_srcmap rf_srcmap;
 
+/* How a process without the key gets an export (an engine's installer asks its receiverd): the
+ * export of pieces (sorted, unique; the publisher's local ids) of publisher daemon_id at
+ * generation, or the error. */
+typedef int (*rf_srcmap_fetch_fn)(void *ctx, uint64_t daemon_id, uint64_t generation,
+                                  const char *socket_path, const uint32_t *pieces,
+                                  size_t npieces, rf_export **out, rf_err *err);
+
 /* key: the cluster key (proves this daemon to the publisherd); timeout_s bounds one fetch. */
 int rf_srcmap_new(const uint8_t *key, size_t key_len, double timeout_s, rf_srcmap **out,
                   rf_err *err);
-/* The same for a process without the key (an engine's installer): signer proves it. */
-int rf_srcmap_new_signed(const rf_export_signer *signer, double timeout_s, rf_srcmap **out,
-                         rf_err *err);
+/* The same for a process without the key: fetch gets each export. */
+int rf_srcmap_new_fetcher(rf_srcmap_fetch_fn fetch, void *ctx, rf_srcmap **out, rf_err *err);
 /* Unmaps everything: call when no job reads from it any more. */
 void rf_srcmap_free(rf_srcmap *m);
 
-/* The publisher daemon_id at generation, fetched from socket_path and imported unless held
- * already: *out (its inventory and mapped region bases) stays valid until an rf_srcmap_prune
- * that does not keep it. A publisher that answers with another generation than the plan's is
- * -ESTALE (its trainers changed; the coordinator replans). */
+/* The publisher daemon_id at generation, with the regions of pieces (npieces of the
+ * publisher's local ids; sorted in place) fetched from socket_path and imported unless held
+ * already: *out (its inventory and the bases of the regions granted so far, NULL for the
+ * others) stays valid until an rf_srcmap_prune that does not keep it. Only the pieces whose
+ * memory is not mapped yet are asked for. A publisher that answers with another generation
+ * than the plan's is -ESTALE (its trainers changed; the coordinator replans). */
 int rf_srcmap_get(rf_srcmap *m, uint64_t daemon_id, uint64_t generation,
-                  const char *socket_path, rf_slice_src *out, rf_err *err);
+                  const char *socket_path, uint32_t *pieces, size_t npieces, rf_slice_src *out,
+                  rf_err *err);
+/* The trainers' memory that the local copies of frame ps read: *out (malloc'd, NULL when the
+ * frame has no local copy) gets one entry per peer, filled for the peers local messages name,
+ * each through rf_srcmap_get with the source pieces of those messages. */
+int rf_srcmap_frame(rf_srcmap *m, const Refit__PlanSlice *ps, rf_slice_src **out, rf_err *err);
 /* Releases every publisher mapping that job's peers do not name at their generation; the
  * caller guarantees no running job reads the others. */
 void rf_srcmap_prune(rf_srcmap *m, const rf_slice_job *keep);

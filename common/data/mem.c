@@ -59,7 +59,7 @@ static int memfd_import(const rf_mem_desc *d, rf_mem_map *m, rf_err *err)
 {
     struct stat st;
     void *p;
-    int seals, rc;
+    int seals, prot, rc;
 
     if (fstat(d->fd, &st) < 0)
         return rf_err_set(err, -errno, "fstat of the region's memfd: %s", strerror(errno));
@@ -74,7 +74,10 @@ static int memfd_import(const rf_mem_desc *d, rf_mem_map *m, rf_err *err)
                           "with MFD_ALLOW_SEALING and add F_SEAL_SHRINK (librefit does this)");
     if (m->len == 0)
         return rf_err_set(err, -EINVAL, "memfd is empty: size it with ftruncate first");
-    p = mmap(NULL, m->len, PROT_READ | PROT_WRITE, MAP_SHARED, d->fd, 0);
+    /* A memfd handed over read-only (trainer memory for an engine's installer) is read only
+     * and can be mapped no other way. */
+    prot = (fcntl(d->fd, F_GETFL) & O_ACCMODE) == O_RDONLY ? PROT_READ : PROT_READ | PROT_WRITE;
+    p = mmap(NULL, m->len, prot, MAP_SHARED, d->fd, 0);
     if (p == MAP_FAILED)
         return rf_err_set(err, -errno, "cannot map memfd of %llu bytes: %s",
                           (unsigned long long)m->len, strerror(errno));

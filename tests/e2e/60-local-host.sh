@@ -27,9 +27,18 @@ grep -Eq '^refit_path_bytes_total\{path="local"\} [1-9]' "$E2E_DIR/metrics.txt" 
     fail "no local bytes in /metrics: $(grep path_bytes "$E2E_DIR/metrics.txt")"
 grep -q '^refit_path_bytes_total{path="network"} 0$' "$E2E_DIR/metrics.txt" ||
     fail "network bytes in /metrics: $(grep path_bytes "$E2E_DIR/metrics.txt")"
-grep -q "mapped [0-9]* trainer regions" "$E2E_DIR/recv0.log" || fail "the receiverd did not map the trainers' memory"
+grep -q "mapped [0-9]* of the [0-9]* trainer regions" "$E2E_DIR/recv0.log" ||
+    fail "the receiverd did not map the trainers' memory"
 [ "$(grep -c "mapped .* trainer regions" "$E2E_DIR/recv0.log")" = 1 ] ||
     fail "the trainers' memory was fetched more than once for one plan"
+# Least privilege: the trainers are tp=2, so each replicated tensor (norms) is read from one
+# rank only, and the regions of the other rank's copies are never handed out.
+read -r GOT ALL < <(sed -n 's/.*exported \([0-9]*\) of \([0-9]*\) regions.*/\1 \2/p' \
+    "$E2E_DIR/pub0.log" | head -1)
+[ -n "$GOT" ] && [ "$GOT" -gt 0 ] && [ "$GOT" -lt "$ALL" ] ||
+    fail "the publisherd exported ${GOT:-?} of ${ALL:-?} regions: not only those the plan reads"
+grep -q "mapped $GOT of the $ALL trainer regions" "$E2E_DIR/recv0.log" ||
+    fail "the receiverd mapped other regions than the $GOT it was given"
 echo "ok: 3 refits as same-host copies, every byte verified"
 
 # ---- part 2: one refit over both paths --------------------------------------------------------

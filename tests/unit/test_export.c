@@ -72,9 +72,17 @@ static void open_registry(rf_side side, unsigned expected, bool with_key)
         test_loop_run(&H.l, call_set_key, KEY);
 }
 
+/* Every piece id, for the fetches that ask for all the trainers' memory: all_n of them. */
+static uint32_t ALLP[4096];
+static size_t all_n;
+
 static void setup(void)
 {
     size_t i;
+
+    for (i = 0; i < sizeof(ALLP) / sizeof(ALLP[0]); i++)
+        ALLP[i] = (uint32_t)i;
+    all_n = 4;
 
     memset(&H, 0, sizeof(H));
     test_loop_init(&H.l);
@@ -257,7 +265,8 @@ static rf_export *fetch_ok(void)
     rf_export *e = NULL;
     rf_err err = {0};
 
-    cr_assert_eq(rf_export_fetch(H.path, KEY, sizeof(KEY), 5, &e, &err), 0, "%s", err.msg);
+    cr_assert_eq(rf_export_fetch(H.path, KEY, sizeof(KEY), ALLP, all_n, 5, &e, &err), 0, "%s",
+                 err.msg);
     cr_assert_not_null(e);
     return e;
 }
@@ -266,7 +275,7 @@ static rf_export *fetch_ok(void)
     do {                                                                                      \
         rf_export *e_ = (rf_export *)1;                                                       \
         rf_err err_ = {0};                                                                    \
-        int rc_ = rf_export_fetch((path), (key), (klen), (tmo), &e_, &err_);                  \
+        int rc_ = rf_export_fetch((path), (key), (klen), ALLP, all_n, (tmo), &e_, &err_);     \
         cr_assert_eq(rc_, (code), "fetch returned %d: %s", rc_, err_.msg);                    \
         cr_assert_null(e_);                                                                   \
         cr_assert(strstr(err_.msg, (text)), "message '%s' lacks '%s'", err_.msg, (text));     \
@@ -335,6 +344,58 @@ Test(export, fetch_gives_the_inventory_regions_and_trainer_memory)
         munmap(maps[i], lens[i]);
     rf_export_free(e);
     rf_mem_cache_free(cache);
+    stop_trainers(&T);
+}
+
+/* Least privilege: an Export gets the regions of the pieces it names (and nothing of the
+ * others but their place), no pieces the inventory alone, a piece it does not hold -ESTALE. */
+Test(export, only_the_regions_of_the_asked_pieces_are_granted)
+{
+    const uint32_t one[1] = {3}, stale[2] = {1, 4};
+    trainers T;
+    rf_export *e = NULL;
+    rf_err err = {0};
+    uint32_t i, granted = 0;
+    int base;
+
+    open_registry(RF_SRC, 2, true);
+    start_trainers(&T, true);
+    base = count_fds();
+    cr_assert_eq(rf_export_fetch(H.path, KEY, sizeof(KEY), one, 1, 5, &e, &err), 0, "%s",
+                 err.msg);
+    cr_assert_eq(e->nregions, 4);
+    for (i = 0; i < e->nregions; i++) {
+        const rf_mem_desc *d = &e->regions[i];
+        rf_piece p;
+
+        rf_inv_piece(e->inv, RF_SRC, 3, &p);
+        if (i == p.region) {
+            cr_assert_eq(d->kind, RF_MEM_MEMFD);
+            cr_assert_geq(d->fd, 0);
+            granted++;
+        } else {
+            cr_assert_eq(d->kind, 0, "region %u of no asked piece is granted", i);
+            cr_assert_eq(d->fd, -1);
+            cr_assert_null(d->device);
+        }
+    }
+    cr_assert_eq(granted, 1);
+    rf_export_free(e);
+    wait_fds(base);
+    e = NULL;
+    /* No pieces: what the publisherd holds, none of its memory. */
+    cr_assert_eq(rf_export_fetch(H.path, KEY, sizeof(KEY), NULL, 0, 5, &e, &err), 0, "%s",
+                 err.msg);
+    cr_assert_eq(rf_inv_npieces(e->inv, RF_SRC), 4);
+    for (i = 0; i < e->nregions; i++)
+        cr_assert_eq(e->regions[i].kind, 0);
+    rf_export_free(e);
+    e = (rf_export *)1;
+    cr_assert_eq(rf_export_fetch(H.path, KEY, sizeof(KEY), stale, 2, 5, &e, &err), -ESTALE,
+                 "%s", err.msg);
+    cr_assert_null(e);
+    cr_assert(strstr(err.msg, "asks for piece 4, this publisherd holds 4"), "%s", err.msg);
+    wait_fds(base);
     stop_trainers(&T);
 }
 
@@ -557,6 +618,8 @@ static Refit__Rpc__Response *raw_export(int fd, const uint8_t *ns, const uint8_t
     ex.nonce.len = nonce_len;
     ex.mac.data = mac;
     ex.mac.len = mac_len;
+    ex.pieces = ALLP;
+    ex.n_pieces = all_n;
     q.id = 3;
     q.body_case = REFIT__RPC__REQUEST__BODY_EXPORT_REQUEST;
     q.export_request = &ex;
@@ -610,7 +673,7 @@ Test(export, raw_protocol_refusals)
     seqpacket(sv);
     close(sv[0]);
     raw_export_hello(fd, ns);
-    expect(raw_export(fd, ns, KEY, 32, 32, sv[1]), -EPIPE, "the receiverd closed its end");
+    expect(raw_export(fd, ns, KEY, 32, 32, sv[1]), -EPIPE, "the other end closed it");
     close(sv[1]);
     /* Wrong lengths: refused and closed, and the nonce is spent. */
     seqpacket(sv);
@@ -975,7 +1038,7 @@ Test(export, a_region_over_several_allocations_comes_with_its_chunk_fds)
     fake f;
 
     fake_start(&f, FK_CHUNKS);
-    rc = rf_export_fetch(f.path, KEY, sizeof(KEY), 5, &e, &err);
+    rc = rf_export_fetch(f.path, KEY, sizeof(KEY), ALLP, 1, 5, &e, &err);
     cr_assert_eq(rc, 0, "%s", err.msg);
     fake_stop(&f);
     cr_assert_eq(e->nregions, 1);
@@ -1072,6 +1135,7 @@ Test(export, many_regions_come_in_order)
     OK(refit_seal(t), t);
     wait_inventory(1);
     base = count_fds();
+    all_n = n;
     e = fetch_ok();
     cr_assert_eq(e->nregions, n);
     for (i = 0; i < n; i++) {

@@ -95,7 +95,7 @@ static int cb_wait(rf_registry *r, uint64_t v, rf_err *err, void *ud)
 static void open_registry(rf_side side, unsigned expected)
 {
     static const rf_registry_cb cb = {cb_inventory, cb_change, cb_ready, cb_status, cb_refit,
-                                      cb_wait, cb_consumed, NULL, NULL};
+                                      cb_wait, cb_consumed, NULL, NULL, NULL};
     rf_registry_opts o = {0};
     rf_err err = {0};
 
@@ -1043,7 +1043,7 @@ Test(registry, chunked_region_refusals_close_every_fd)
 Test(registry, chunked_region_of_non_cuda_fds_refused_on_a_gpu_daemon)
 {
     static const rf_registry_cb cb = {cb_inventory, cb_change, cb_ready, cb_status, cb_refit,
-                                      cb_wait, cb_consumed, NULL, NULL};
+                                      cb_wait, cb_consumed, NULL, NULL, NULL};
     const uint64_t mib2 = 2u << 20;
     const uint64_t sizes[3] = {mib2, mib2, mib2}, at[3] = {0, mib2, 2 * mib2};
     rf_registry_opts o = {0};
@@ -1154,11 +1154,13 @@ Test(registry, inproc_regions_and_installer_refusals)
     Refit__Rpc__RegisterRegion rr = REFIT__RPC__REGISTER_REGION__INIT;
     Refit__Rpc__Seal seal = REFIT__RPC__SEAL__INIT;
     Refit__Rpc__InstallerAttach at = REFIT__RPC__INSTALLER_ATTACH__INIT;
-    Refit__Rpc__InstallSign sg = REFIT__RPC__INSTALL_SIGN__INIT;
+    Refit__Rpc__InstallSources sg = REFIT__RPC__INSTALL_SOURCES__INIT;
     Refit__Rpc__InstallDone dn = REFIT__RPC__INSTALL_DONE__INIT;
     Refit__Rpc__Response *r;
-    uint8_t token[RF_REGISTRY_TOKEN_BYTES], bad[RF_REGISTRY_TOKEN_BYTES] = {0}, n32[32] = {0};
-    int eng, ins, ins2, status;
+    uint8_t token[RF_REGISTRY_TOKEN_BYTES], bad[RF_REGISTRY_TOKEN_BYTES] = {0};
+    /* Request { id = 16, field 17 (InstallSign, retired) = {} }, framed. */
+    static const uint8_t sign_frame[] = {0, 0, 0, 5, 0x08, 16, 0x8a, 0x01, 0x00};
+    int eng, ins, ins2, status, sv[2];
     pid_t pid;
 
     open_registry(RF_DST, 1);
@@ -1192,8 +1194,8 @@ Test(registry, inproc_regions_and_installer_refusals)
 
     /* An engine's requests are not an installer's. */
     q.id = 7;
-    q.body_case = REFIT__RPC__REQUEST__BODY_INSTALL_SIGN;
-    q.install_sign = &sg;
+    q.body_case = REFIT__RPC__REQUEST__BODY_INSTALL_SOURCES;
+    q.install_sources = &sg;
     expect_raw(eng, &q, -EPERM, "for installer clients");
 
     cr_assert_eq(rf_rpc_dial(H.path, &ins, NULL), 0);
@@ -1263,23 +1265,57 @@ Test(registry, inproc_regions_and_installer_refusals)
     raw_hello(ins2, REFIT__RPC__CLIENT_KIND__CLIENT_INSTALLER);
     q.id = 13;
     expect_raw(ins2, &q, -EBUSY, "has an installer attached");
-    /* No export key (local_copy = off): nothing to sign; and nonces must be 32 bytes. */
+    /* Trainer memory comes on a back channel, and only from a daemon that copies from
+     * trainers on its host (its node answers; this registry has no such callback). */
     q.id = 14;
-    q.body_case = REFIT__RPC__REQUEST__BODY_INSTALL_SIGN;
-    q.install_sign = &sg;
-    expect_raw(ins, &q, -ENOKEY, "nothing to sign");
-    test_loop_run(&H.l, set_key, NULL);
+    q.body_case = REFIT__RPC__REQUEST__BODY_INSTALL_SOURCES;
+    q.install_sources = &sg;
+    expect_raw(ins, &q, -EINVAL, "without its back channel");
+    cr_assert_eq(socketpair(AF_UNIX, SOCK_SEQPACKET, 0, sv), 0);
     q.id = 15;
-    expect_raw(ins, &q, -EINVAL, "nonces must be 32 bytes");
-    sg.server_nonce.data = n32;
-    sg.server_nonce.len = sizeof(n32);
-    sg.client_nonce.data = n32;
-    sg.client_nonce.len = sizeof(n32);
-    q.id = 16;
-    r = raw_call(ins, &q);
-    cr_assert_eq(r->code, 0, "%s", r->message);
-    cr_assert_eq(r->mac.len, RF_EXPORT_MAC_BYTES);
-    refit__rpc__response__free_unpacked(r, NULL);
+    cr_assert_eq(rf_rpc_send(ins, &q, sv[1], NULL), 0);
+    close(sv[1]);
+    {
+        rf_wire_reader rd;
+        uint8_t buf[4096];
+        ssize_t n;
+
+        r = NULL;
+        rf_wire_reader_init(&rd, 0);
+        while (r == NULL && (n = recv(ins, buf, sizeof(buf), 0)) > 0)
+            cr_assert_eq(rf_wire_reader_feed(&rd, buf, (size_t)n, grab, &r), 0);
+        rf_wire_reader_reset(&rd);
+        cr_assert_not_null(r);
+        cr_assert_eq(r->code, -ENOKEY, "%d: %s", r->code, r->message);
+        cr_assert(strstr(r->message, "no trainer memory to give"), "%s", r->message);
+        refit__rpc__response__free_unpacked(r, NULL);
+    }
+    /* The registry closed its copy of the back channel: nothing was passed on it. */
+    {
+        char b;
+
+        cr_assert_eq(recv(sv[0], &b, 1, MSG_DONTWAIT), 0);
+        close(sv[0]);
+    }
+    /* InstallSign, which signed an Export proof for any nonce, is gone, key or not. */
+    test_loop_run(&H.l, set_key, NULL);
+    cr_assert_eq(write(ins, sign_frame, sizeof(sign_frame)), (ssize_t)sizeof(sign_frame));
+    {
+        rf_wire_reader rd;
+        uint8_t buf[4096];
+        ssize_t n;
+
+        r = NULL;
+        rf_wire_reader_init(&rd, 0);
+        while (r == NULL && (n = recv(ins, buf, sizeof(buf), 0)) > 0)
+            cr_assert_eq(rf_wire_reader_feed(&rd, buf, (size_t)n, grab, &r), 0);
+        rf_wire_reader_reset(&rd);
+        cr_assert_not_null(r);
+        cr_assert_eq(r->id, 16);
+        cr_assert_eq(r->code, -EOPNOTSUPP, "%d: %s", r->code, r->message);
+        cr_assert(strstr(r->message, "unknown request"), "%s", r->message);
+        refit__rpc__response__free_unpacked(r, NULL);
+    }
     close(ins2);
     close(ins);
     close(eng);

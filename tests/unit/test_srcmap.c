@@ -86,7 +86,8 @@ static rf_export *export_when_sealed(void)
         len += (size_t)n;
         cr_assert_lt(len, sizeof(buf));
     }
-    cr_assert_eq(rf_export_fetch(sock, key, sizeof(key), 5.0, &e, &err), 0, "%s", err.msg);
+    cr_assert_eq(rf_export_fetch(sock, key, sizeof(key), NULL, 0, 5.0, &e, &err), 0, "%s",
+                 err.msg);
     return e;
 }
 
@@ -161,36 +162,62 @@ Test(srcmap, one_fetch_per_generation_stale_and_refusals)
     rf_slice_src a = {0}, b = {0};
     rf_slice_job keep;
     rf_err err = {0};
+    uint32_t p0[1] = {0}, p[2];
+    rf_piece first, other;
+    uint32_t np, i;
 
-    cr_assert_gt(e->nregions, 0);
+    cr_assert_gt(e->nregions, 1, "the trainer holds several regions");
+    /* A piece in another region than piece 0's. */
+    np = rf_inv_npieces(e->inv, RF_SRC);
+    rf_inv_piece(e->inv, RF_SRC, 0, &first);
+    for (i = 1; i < np; i++) {
+        rf_inv_piece(e->inv, RF_SRC, i, &other);
+        if (other.region != first.region)
+            break;
+    }
+    cr_assert_lt(i, np, "no piece outside piece 0's region");
     rf_export_free(e);
     cr_assert_eq(rf_srcmap_new(key, 0, 5.0, &m, &err), -EINVAL);
     cr_assert_eq(rf_srcmap_new(key, sizeof(key), 5.0, &m, &err), 0, "%s", err.msg);
 
-    /* Mapped once; the same generation again is the same mapping, without a fetch. */
-    cr_assert_eq(rf_srcmap_get(m, 42, gen, sock, &a, &err), 0, "%s", err.msg);
-    cr_assert_eq(rf_srcmap_get(m, 42, gen, sock, &b, &err), 0, "%s", err.msg);
+    /* Mapped once, the region of the piece asked for and no other; the same piece again is
+     * the same mapping, without a fetch. */
+    cr_assert_eq(rf_srcmap_get(m, 42, gen, sock, p0, 1, &a, &err), 0, "%s", err.msg);
+    p0[0] = 0;
+    cr_assert_eq(rf_srcmap_get(m, 42, gen, sock, p0, 1, &b, &err), 0, "%s", err.msg);
     cr_assert_eq(a.inv, b.inv);
     cr_assert_eq(a.bases, b.bases);
     cr_assert_eq(rf_srcmap_fetches(m), 1);
     cr_assert_eq(rf_srcmap_count(m), 1);
     cr_assert_gt(rf_inv_npieces(a.inv, RF_SRC), 0);
-    cr_assert_not_null(a.bases[0]);
-
-    /* A plan built on another generation of the trainers: stale, nothing kept. */
-    cr_assert_eq(rf_srcmap_get(m, 42, gen + 1, sock, &b, &err), -ESTALE);
-    cr_assert(strstr(err.msg, "its trainers changed"), "%s", err.msg);
-    cr_assert_eq(rf_srcmap_count(m), 1);
+    cr_assert_not_null(a.bases[first.region]);
+    cr_assert_null(a.bases[other.region], "a region no asked piece lies in was mapped");
+    /* A later frame that reads more asks for what is missing only, once. */
+    p[0] = i;
+    p[1] = 0;
+    cr_assert_eq(rf_srcmap_get(m, 42, gen, sock, p, 2, &b, &err), 0, "%s", err.msg);
+    cr_assert_eq(rf_srcmap_fetches(m), 2);
+    cr_assert_eq(b.bases, a.bases);
+    cr_assert_not_null(a.bases[other.region]);
+    p[0] = i;
+    p[1] = 0;
+    cr_assert_eq(rf_srcmap_get(m, 42, gen, sock, p, 2, &b, &err), 0, "%s", err.msg);
     cr_assert_eq(rf_srcmap_fetches(m), 2);
 
+    /* A plan built on another generation of the trainers: stale, nothing kept. */
+    cr_assert_eq(rf_srcmap_get(m, 42, gen + 1, sock, p0, 1, &b, &err), -ESTALE);
+    cr_assert(strstr(err.msg, "its trainers changed"), "%s", err.msg);
+    cr_assert_eq(rf_srcmap_count(m), 1);
+    cr_assert_eq(rf_srcmap_fetches(m), 3);
+
     /* No socket announced, nobody listening, the wrong key. */
-    cr_assert_eq(rf_srcmap_get(m, 43, gen, "", &b, &err), -EPROTO);
+    cr_assert_eq(rf_srcmap_get(m, 43, gen, "", p0, 1, &b, &err), -EPROTO);
     cr_assert(strstr(err.msg, "announced no socket"), "%s", err.msg);
-    cr_assert_lt(rf_srcmap_get(m, 43, gen, "/nonexistent/pub.sock", &b, &err), 0);
+    cr_assert_lt(rf_srcmap_get(m, 43, gen, "/nonexistent/pub.sock", p0, 1, &b, &err), 0);
     cr_assert(strstr(err.msg, "/nonexistent/pub.sock"), "%s", err.msg);
     cr_assert_eq(rf_srcmap_new((const uint8_t *)"another key of at least 32 bytes!", 33, 5.0, &bad,
                                &err), 0);
-    cr_assert_eq(rf_srcmap_get(bad, 42, gen, sock, &b, &err), -EACCES, "%s", err.msg);
+    cr_assert_eq(rf_srcmap_get(bad, 42, gen, sock, p0, 1, &b, &err), -EACCES, "%s", err.msg);
     rf_srcmap_free(bad);
 
     /* A plan that names the publisher at that generation keeps it; one that does not, not. */
@@ -202,7 +229,7 @@ Test(srcmap, one_fetch_per_generation_stale_and_refusals)
     keep.peers = &(rf_slice_peer){.daemon_id = 42, .generation = gen + 1};
     rf_srcmap_prune(m, &keep);
     cr_assert_eq(rf_srcmap_count(m), 0);
-    cr_assert_eq(rf_srcmap_get(m, 42, gen, sock, &a, &err), 0, "%s", err.msg);
-    cr_assert_eq(rf_srcmap_fetches(m), 3);
+    cr_assert_eq(rf_srcmap_get(m, 42, gen, sock, p0, 1, &a, &err), 0, "%s", err.msg);
+    cr_assert_eq(rf_srcmap_fetches(m), 4);
     rf_srcmap_free(m);
 }
