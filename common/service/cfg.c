@@ -184,6 +184,30 @@ static void list_names(const char *const *names, char *buf, size_t len, const ch
     }
 }
 
+/* A STRING value against its key's length bound and RF_CFG_WORD. The value itself is not
+ * printed: it may hold the very bytes that are refused (a newline would split the message). */
+static int check_string(const rf_cfg_key *k, const char *value, const char *where, rf_err *err)
+{
+    size_t len = strlen(value);
+
+    if (k->max > 0 && len > (unsigned long long)k->max)
+        return rf_err_set(err, -EINVAL, "%s: '%s' is %zu bytes long; the limit is %lld", where,
+                          k->name, len, k->max);
+    if (!(k->flags & RF_CFG_WORD))
+        return 0;
+    for (size_t i = 0; i < len; i++) {
+        unsigned char ch = (unsigned char)value[i];
+
+        if (ch >= 0x21 && ch <= 0x7e)
+            continue;
+        return rf_err_set(err, -EINVAL, "%s: '%s' holds %s 0x%02x at byte %zu; it must be one "
+                          "word of printable ASCII (no spaces or control characters)", where,
+                          k->name, ch == ' ' ? "a space," : ch < 0x20 || ch == 0x7f ?
+                          "the control character" : "the non-ASCII byte", ch, i);
+    }
+    return 0;
+}
+
 /* Parses one value of key k into obj; the messages name where and the key. */
 static int set_value(const rf_cfg_key *k, void *obj, const char *value, const char *where,
                      rf_err *err)
@@ -206,9 +230,12 @@ static int set_value(const rf_cfg_key *k, void *obj, const char *value, const ch
     case RF_CFG_STRING:
     case RF_CFG_HOSTPORT: {
         char *copy;
+        int rc;
 
         if (*value == '\0' && !(k->flags & RF_CFG_EMPTY_OK))
             return rf_err_set(err, -EINVAL, "%s: '%s' must not be empty", where, k->name);
+        if (k->type == RF_CFG_STRING && (rc = check_string(k, value, where, err)) < 0)
+            return rc;
         if (k->type == RF_CFG_HOSTPORT && *value != '\0') {
             rf_addr a;
 
@@ -497,7 +524,11 @@ void rf_cfg_print_help(const rf_cfg_table *t, FILE *f)
 
         switch (k->type) {
         case RF_CFG_STRING:
-            snprintf(type, sizeof(type), "STRING");
+            if (k->max > 0)
+                snprintf(type, sizeof(type), "%s of at most %lld bytes",
+                         (k->flags & RF_CFG_WORD) ? "WORD" : "STRING", k->max);
+            else
+                snprintf(type, sizeof(type), "%s", (k->flags & RF_CFG_WORD) ? "WORD" : "STRING");
             break;
         case RF_CFG_INT:
             snprintf(type, sizeof(type), "INT %lld..%lld", k->min, k->max);

@@ -15,7 +15,7 @@
 #define RF_CFG_EXIT_CONFIG 78
 
 typedef enum rf_cfg_type {
-    RF_CFG_STRING,   /* char * (malloc'd) */
+    RF_CFG_STRING,   /* char * (malloc'd); max > 0: at most max bytes */
     RF_CFG_INT,      /* int, between min and max; the key name carries the unit (_ms, _mib) */
     RF_CFG_BOOL,     /* bool: true/false, yes/no, on/off, 1/0 */
     RF_CFG_DOUBLE,   /* double, between dmin and dmax */
@@ -28,6 +28,9 @@ typedef enum rf_cfg_type {
 
 /* Flags of a key. */
 #define RF_CFG_EMPTY_OK 0x1 /* STRING/HOSTPORT: "" is a valid value */
+#define RF_CFG_WORD     0x2 /* STRING: one word of printable ASCII (0x21..0x7e): no spaces,
+                               control characters or other bytes, which would change how a
+                               log line, a status document or a comparison reads it */
 
 typedef struct rf_cfg_uids {
     size_t n;
@@ -39,7 +42,7 @@ typedef struct rf_cfg_key {
     rf_cfg_type type;
     size_t offset;             /* of the field in the program's config struct */
     const char *def;           /* default, in file syntax; parsed and checked like a value */
-    long long min, max;        /* INT bounds; HOSTPORT port bounds */
+    long long min, max;        /* INT bounds; HOSTPORT port bounds; STRING max length */
     double dmin, dmax;         /* DOUBLE bounds */
     const char *const *names;  /* ENUM: NULL-terminated value names */
     unsigned flags;

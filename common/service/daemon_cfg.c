@@ -23,6 +23,8 @@ static const char *const relay_names[] = { "off", "on", NULL };
 
 #define OFF(f) offsetof(rf_daemon_cfg, f)
 #define KSTR(n, def, fl, help) { #n, RF_CFG_STRING, OFF(n), def, 0, 0, 0, 0, NULL, fl, help }
+#define KWORD(n, def, maxlen, fl, help) \
+    { #n, RF_CFG_STRING, OFF(n), def, 0, maxlen, 0, 0, NULL, (fl) | RF_CFG_WORD, help }
 #define KADDR(n, def, lo, fl, help) \
     { #n, RF_CFG_HOSTPORT, OFF(n), def, lo, 65535, 0, 0, NULL, fl, help }
 #define KINT(n, def, lo, hi, help) { #n, RF_CFG_INT, OFF(n), def, lo, hi, 0, 0, NULL, 0, help }
@@ -74,10 +76,11 @@ static const char *const relay_names[] = { "off", "on", NULL };
           "Same-host refits: auto copies straight from the memory of trainers on this host "   \
           "into engine memory (no NCCL, no sockets), fetching the trainers' memory from the "  \
           "local publisherd's socket; off sends every byte over the transport."),             \
-    KSTR(host_id, "", RF_CFG_EMPTY_OK,                                                         \
-         "Identity of this machine for local_copy: daemons with the same host_id share "       \
-         "memory. Empty means the kernel's boot id (else /etc/machine-id); set it when "      \
-         "daemons that cannot share memory run on one kernel (separate IPC namespaces)."),   \
+    KWORD(host_id, "", RF_DAEMON_HOST_ID_MAX, RF_CFG_EMPTY_OK,                               \
+          "Identity of this machine for local_copy: daemons with the same host_id share "      \
+          "memory. Empty means the kernel's boot id (else /etc/machine-id); set it when "     \
+          "daemons that cannot share memory run on one kernel (separate IPC namespaces). One " \
+          "word of printable ASCII."),                                                         \
     KENUM(relay, "off", relay_names,                                                           \
           "Relays (read by the coordinator): on lets engine replicas forward bytes they "      \
           "received earlier in a refit to other replicas, so trainers send each byte about "   \

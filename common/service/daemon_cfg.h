@@ -67,6 +67,9 @@ void rf_daemon_cfg_free(rf_daemon_cfg *c);
 int rf_daemon_cfg_check(const rf_daemon_cfg *c, rf_peer_key *key, rf_err *err);
 
 const char *rf_transport_name(int transport);
+/* The longest host_id, bytes: one word of printable ASCII (RF_CFG_WORD), so that it reads the
+ * same in logs, status and the Hello that compares it. */
+#define RF_DAEMON_HOST_ID_MAX 255
 /* This machine's identity for same-host refits: c->host_id, or else the kernel's boot id
  * (/proc/sys/kernel/random/boot_id: one per running kernel, so containers of one machine
  * agree and a reboot is another host), or else /etc/machine-id. 0, or -errno with err when

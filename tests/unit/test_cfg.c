@@ -267,6 +267,21 @@ static struct bad_case bad_cases[] = {
     { 0, "heartbeat_ms = 1000\npeer_timeout_ms = 1000\n", NULL, -EINVAL,
       "@: 'peer_timeout_ms' (1000) must be larger than 'heartbeat_ms' (1000), or every peer is "
       "declared dead between two heartbeats" },
+    { 0, "host_id = rack 7\n", NULL, -EINVAL,
+      "@:1: 'host_id' holds a space, 0x20 at byte 4; it must be one word of printable ASCII "
+      "(no spaces or control characters)" },
+    { 0, "host_id = a\001b\n", NULL, -EINVAL,
+      "@:1: 'host_id' holds the control character 0x01 at byte 1; it must be one word of "
+      "printable ASCII (no spaces or control characters)" },
+    { 0, "host_id = h\xc3\xa9te\n", NULL, -EINVAL,
+      "@:1: 'host_id' holds the non-ASCII byte 0xc3 at byte 1; it must be one word of "
+      "printable ASCII (no spaces or control characters)" },
+    { 1, "", "--host-id=node-1\nnode-2", -EINVAL,
+      "--host-id: 'host_id' holds the control character 0x0a at byte 6; it must be one word of "
+      "printable ASCII (no spaces or control characters)" },
+    { 0, "", "--host-id=tab\there", -EINVAL,
+      "--host-id: 'host_id' holds the control character 0x09 at byte 3; it must be one word of "
+      "printable ASCII (no spaces or control characters)" },
     { 0, "coordinator_addr = 10.0.0.1:0\n", NULL, -EINVAL,
       "@: 'coordinator_addr' (connected to, as coordinator = false): address '10.0.0.1:0' has "
       "port 0, which only a listener may use (the system then picks a free port); give the "
@@ -448,6 +463,8 @@ Test(cfg, help_lists_every_key_with_type_and_default)
     cr_assert_not_null(strstr(out, "  status_listen = HOST:PORT or \"\"  (default: "
                                    "127.0.0.1:9464)\n"), "%s", out);
     cr_assert_not_null(strstr(out, "  node = STRING  (default: \"\")\n"), "%s", out);
+    cr_assert_not_null(strstr(out, "  host_id = WORD of at most 255 bytes  (default: \"\")\n"),
+                       "%s", out);
     for (size_t i = 0; i < rf_daemon_cfg_publisherd.nkeys; i++) {
         char line[128];
 
@@ -460,6 +477,51 @@ Test(cfg, help_lists_every_key_with_type_and_default)
 }
 
 static char key[160];
+
+/* host_id is compared between daemons and printed in logs and status: at most 255 bytes of
+ * one printable word. --check-config refuses a longer one (10 KB, 256 bytes) without printing
+ * "valid"; 255 bytes and every printable character pass. */
+Test(cfg, host_id_is_one_bounded_printable_word)
+{
+    rf_cfg_next next;
+    char text[512], *flag, *out;
+    int rc;
+
+    flag = malloc(10 + 10240 + 1);
+    cr_assert_not_null(flag);
+    memcpy(flag, "--host-id=", 10);
+    memset(flag + 10, 'h', 10240);
+    flag[10 + 10240] = '\0';
+    write_conf("");
+    run_argv = (char *[]){ "refit-publisherd", "--check-config", "--config", conf, flag, NULL };
+    run_argc = 5;
+    out = capture_stdout(run_daemon, &next, &rc);
+    cr_assert_eq(rc, -EINVAL, "%s", err.msg);
+    cr_assert_str_eq(err.msg, "--host-id: 'host_id' is 10240 bytes long; the limit is 255");
+    cr_assert_null(strstr(out, "valid"), "%s", out);
+    free(flag);
+
+    /* (A file line holds at most 197 characters: the bound is reached from flags.) */
+    snprintf(text, sizeof(text), "--host-id=%0256d", 0);
+    cr_assert_eq(LOAD("--check-config", text), -EINVAL);
+    cr_assert_str_eq(err.msg, "--host-id: 'host_id' is 256 bytes long; the limit is 255");
+    snprintf(text, sizeof(text), "--host-id=%0255d", 7);
+    cr_assert_eq(LOAD(text), 0, "%s", err.msg);
+    cr_assert_eq(strlen(c.host_id), 255);
+    {
+        char all[0x7f - 0x21 + 1];
+
+        for (int ch = 0x21; ch < 0x7f; ch++)
+            all[ch - 0x21] = (char)ch;
+        all[sizeof(all) - 1] = '\0';
+        snprintf(text, sizeof(text), "--host-id=%s", all);
+        cr_assert_eq(LOAD(text), 0, "%s", err.msg);
+        cr_assert_str_eq(c.host_id, all);
+    }
+    write_conf("host_id = \"\"\n");
+    cr_assert_eq(LOAD("--staging-mib=1"), 0, "%s", err.msg);
+    cr_assert_str_eq(c.host_id, "");
+}
 
 /* A 32-byte cluster key in dir with the given mode. */
 static void write_key(mode_t mode)
