@@ -68,3 +68,34 @@ def parse_fields(b):
 
 def frame(body):
     return struct.pack(">I", len(body)) + body
+
+
+def parse_all(b):
+    """The top-level fields of a message, every value of each number in order (repeated
+    fields, and packed varints left as their bytes)."""
+    i, out = 0, {}
+    while i < len(b):
+        key, i = read_varint(b, i)
+        num, wt = key >> 3, key & 7
+        if wt == 0:
+            v, i = read_varint(b, i)
+        elif wt == 2:
+            n, i = read_varint(b, i)
+            v, i = b[i:i + n], i + n
+        elif wt == 1:
+            v, i = b[i:i + 8], i + 8
+        elif wt == 5:
+            v, i = b[i:i + 4], i + 4
+        else:
+            raise ValueError("wire type %d" % wt)
+        out.setdefault(num, []).append(v)
+    return out
+
+
+def zigzag(n):
+    """A sint32/sint64 field's varint for n."""
+    return (n << 1) ^ (n >> 63)
+
+
+def unzigzag(v):
+    return (v >> 1) ^ -(v & 1)
