@@ -312,23 +312,36 @@ out:
     return rc;
 }
 
+static void slice_xfer_free(Refit__SliceXfer *sx)
+{
+    for (size_t o = 0; o < sx->n_origins; o++) {
+        free(sx->origins[o]->start);
+        free(sx->origins[o]->extent);
+        free(sx->origins[o]);
+    }
+    free(sx->origins);
+    free(sx->relay_to);
+    free(sx->start);
+    free(sx->extent);
+    free(sx);
+}
+
+static void slice_msg_del(Refit__SliceMsg *sm)
+{
+    for (size_t k = 0; k < sm->n_xfers; k++)
+        slice_xfer_free(sm->xfers[k]);
+    free(sm->xfers);
+    free(sm);
+}
+
 void rf_slice_msg_free(Refit__PlanSlice *s)
 {
-    size_t i, k;
+    size_t i;
 
     if (!s)
         return;
-    for (i = 0; i < s->n_msgs; i++) {
-        Refit__SliceMsg *msg = s->msgs[i];
-
-        for (k = 0; k < msg->n_xfers; k++) {
-            free(msg->xfers[k]->start);
-            free(msg->xfers[k]->extent);
-            free(msg->xfers[k]);
-        }
-        free(msg->xfers);
-        free(msg);
-    }
+    for (i = 0; i < s->n_msgs; i++)
+        slice_msg_del(s->msgs[i]);
     for (i = 0; i < s->n_peers; i++) {
         free(s->peers[i]->data_addr);
         free(s->peers[i]->local_sock);
@@ -433,6 +446,64 @@ static int push_frame(Refit__PlanSlice ***out, size_t *nout, size_t *cap, Refit_
     return 0;
 }
 
+/* Relays end to end (xfer.h, rf_xfer_origin): the tree of transfer i of plan message pm, and
+ * how many entries its end (send) lists: the receiving end of a relay its tree's origins, the
+ * sending end of an origin its tree's relays; 0 for any other. */
+static uint32_t e2e_count(const rf_plan *plan, const rf_plan_msg *pm, uint64_t i, bool send,
+                          uint32_t *chunk)
+{
+    const uint32_t *o, *r;
+    uint32_t no, nr;
+
+    *chunk = rf_plan_xfer_chunk(plan, i);
+    if (*chunk == RF_PLAN_NO_CHUNK || pm->kind == RF_PLAN_LOCAL)
+        return 0;
+    rf_plan_chunk(plan, *chunk, &o, &no, &r, &nr);
+    if (!send && pm->relay != 0)
+        return no;
+    return send && pm->relay == 0 ? nr : 0;
+}
+
+/* The end-to-end entries of transfer i (send: its end) into sx. -ENOMEM. */
+static int slice_e2e(const rf_plan *plan, const rf_plan_msg *pm, uint64_t i, bool send, int nd,
+                     Refit__SliceXfer *sx)
+{
+    const uint32_t *o, *r;
+    uint32_t no, nr, c, n = e2e_count(plan, pm, i, send, &c);
+
+    if (n == 0)
+        return 0;
+    sx->id = i;
+    rf_plan_chunk(plan, c, &o, &no, &r, &nr);
+    if (send) {
+        if (!(sx->relay_to = malloc(n * sizeof(*sx->relay_to))))
+            return -ENOMEM;
+        for (uint32_t k = 0; k < n; k++)
+            sx->relay_to[sx->n_relay_to++] = r[k];
+        return 0;
+    }
+    if (!(sx->origins = calloc(n, sizeof(*sx->origins))))
+        return -ENOMEM;
+    for (uint32_t k = 0; k < n; k++) {
+        const rf_plan_xfer *x = rf_plan_xfer_at(plan, o[k]);
+        const rf_box *b = rf_plan_box(plan, x->box);
+        Refit__SliceXfer__Origin *so = malloc(sizeof(*so));
+
+        if (!so)
+            return -ENOMEM;
+        refit__slice_xfer__origin__init(so);
+        sx->origins[sx->n_origins++] = so;
+        so->id = o[k];
+        so->seq = x->msg;
+        so->n_start = so->n_extent = (size_t)nd;
+        so->start = dup_dims(b->start, nd);
+        so->extent = dup_dims(b->extent, nd);
+        if (!so->start || !so->extent)
+            return -ENOMEM;
+    }
+    return 0;
+}
+
 /* Member m's side of plan message seq: send says which end it is (a publisher always sends;
  * a receiver receives, and sends the relays it forwards, whose transfers' sources are its own
  * destination pieces, so piece ids translate through the member's one piece base either way). */
@@ -487,19 +558,25 @@ static Refit__SliceMsg *slice_msg_new(const rf_plan *plan, const rf_slice_map *m
         sx->n_start = sx->n_extent = (size_t)nd;
         sx->start = dup_dims(b->start, nd);
         sx->extent = dup_dims(b->extent, nd);
-        if (!sx->start || !sx->extent)
+        if (!sx->start || !sx->extent ||
+            slice_e2e(plan, pm, (uint64_t)pm->first + k, send, nd, sx) < 0)
             goto fail;
     }
     return sm;
 fail:
-    for (k = 0; k < sm->n_xfers; k++) {
-        free(sm->xfers[k]->start);
-        free(sm->xfers[k]->extent);
-        free(sm->xfers[k]);
-    }
-    free(sm->xfers);
-    free(sm);
+    slice_msg_del(sm);
     return NULL;
+}
+
+/* What a message weighs against a frame's max_xfers: its transfers and their end-to-end
+ * entries, each about one transfer's size on the wire or less. */
+static size_t slice_msg_weight(const Refit__SliceMsg *sm)
+{
+    size_t w = sm->n_xfers;
+
+    for (size_t k = 0; k < sm->n_xfers; k++)
+        w += sm->xfers[k]->n_relay_to + sm->xfers[k]->n_origins;
+    return w;
 }
 
 int rf_slice_build(const rf_plan *plan, const rf_slice_map *map, uint32_t m,
@@ -510,7 +587,7 @@ int rf_slice_build(const rf_plan *plan, const rf_slice_map *map, uint32_t m,
     uint32_t nmsgs = rf_plan_nmsgs(plan), i, nranks;
     uint32_t *rank = malloc((rf_inv_nendpoints(rf_plan_inv(plan)) + 1) * sizeof(*rank));
     Refit__PlanSlice *cur = NULL;
-    size_t cap = 0, cur_msgs_cap = 0, cur_xfers = 0;
+    size_t cap = 0, cur_msgs_cap = 0, cur_xfers = 0, w;
     int rc = 0;
 
     *out = NULL;
@@ -538,36 +615,38 @@ int rf_slice_build(const rf_plan *plan, const rf_slice_map *map, uint32_t m,
             continue; /* only a relay has a receiver at its sending end */
         if (pm->kind == RF_PLAN_LOCAL && me->side == RF_SRC)
             continue; /* the receiver's daemon copies it */
-        if (cur->n_msgs > 0 && cur_xfers + pm->count > max_xfers) {
-            rc = push_frame(out, nout, &cap, cur);
-            if (rc < 0)
-                goto fail;
-            cur = new_frame(plan, map, peers, generation, m, nccl_id, rank, nranks);
-            cur_msgs_cap = 0;
-            cur_xfers = 0;
-            if (!cur) {
-                rc = -ENOMEM;
-                goto fail;
-            }
-        }
-        if (cur->n_msgs == cur_msgs_cap) {
-            size_t ncap = cur_msgs_cap ? cur_msgs_cap * 2 : 64;
-            Refit__SliceMsg **n = realloc(cur->msgs, ncap * sizeof(*n));
-
-            if (!n) {
-                rc = -ENOMEM;
-                goto fail;
-            }
-            cur->msgs = n;
-            cur_msgs_cap = ncap;
-        }
         sm = slice_msg_new(plan, map, m, i / 2, rank, send);
         if (!sm) {
             rc = -ENOMEM;
             goto fail;
         }
+        w = slice_msg_weight(sm);
+        if (cur->n_msgs > 0 && cur_xfers + w > max_xfers) {
+            rc = push_frame(out, nout, &cap, cur);
+            cur = rc < 0 ? cur : new_frame(plan, map, peers, generation, m, nccl_id, rank,
+                                           nranks);
+            cur_msgs_cap = 0;
+            cur_xfers = 0;
+            if (rc == 0 && !cur)
+                rc = -ENOMEM;
+        }
+        if (rc == 0 && cur->n_msgs == cur_msgs_cap) {
+            size_t ncap = cur_msgs_cap ? cur_msgs_cap * 2 : 64;
+            Refit__SliceMsg **n = realloc(cur->msgs, ncap * sizeof(*n));
+
+            if (n) {
+                cur->msgs = n;
+                cur_msgs_cap = ncap;
+            } else {
+                rc = -ENOMEM;
+            }
+        }
+        if (rc < 0) {
+            slice_msg_del(sm); /* in no frame yet */
+            goto fail;
+        }
         cur->msgs[cur->n_msgs++] = sm;
-        cur_xfers += pm->count;
+        cur_xfers += w;
     }
     cur->last = true;
     rc = push_frame(out, nout, &cap, cur);
@@ -827,6 +906,58 @@ static int resolve_item(rf_slice_job *j, const Refit__SliceMsg *sm, const Refit_
     return 0;
 }
 
+/* n items and the end-to-end entries they list (rf_xfer_origin), in one block that freeing
+ * the items releases. */
+static rf_xfer_item *items_alloc(size_t n, size_t norigins, size_t nrelay_to,
+                                 rf_xfer_origin **origins, uint64_t **relay_to)
+{
+    size_t a = (n ? n : 1) * sizeof(rf_xfer_item), b = norigins * sizeof(rf_xfer_origin);
+    uint8_t *p = calloc(1, a + b + nrelay_to * sizeof(uint64_t));
+
+    if (!p)
+        return NULL;
+    *origins = (rf_xfer_origin *)(p + a);
+    *relay_to = (uint64_t *)(p + a + b);
+    return (rf_xfer_item *)p;
+}
+
+/* Transfer sx's end-to-end entries into item it (resolved), from the room at *o and *r on. */
+static int resolve_e2e(const Refit__SliceMsg *sm, const Refit__SliceXfer *sx, rf_xfer_item *it,
+                       const rf_inv *inv, rf_xfer_origin **o, uint64_t **r, rf_err *err)
+{
+    if (sx->n_origins == 0 && sx->n_relay_to == 0)
+        return 0;
+    it->id = sx->id;
+    if (sx->n_relay_to > 0) {
+        memcpy(*r, sx->relay_to, sx->n_relay_to * sizeof(**r));
+        it->relay_to = *r;
+        it->nrelay_to = (uint32_t)sx->n_relay_to;
+        *r += sx->n_relay_to;
+    }
+    if (sx->n_origins == 0)
+        return 0;
+    it->origins = *o;
+    for (size_t k = 0; k < sx->n_origins; k++) {
+        const Refit__SliceXfer__Origin *so = sx->origins[k];
+        rf_xfer_origin *x = &(*o)[k];
+
+        if (so->n_start != (size_t)it->ndim || so->n_extent != (size_t)it->ndim)
+            return rf_err_set(err, -EPROTO, "plan slice message %u relays %s from an origin "
+                              "transfer whose box has %zu dims, the tensor %d: the plan is "
+                              "stale", sm->seq, rf_inv_tensor(inv, it->piece.tensor)->name,
+                              so->n_start, it->ndim);
+        x->id = so->id;
+        x->seq = so->seq;
+        for (int d = 0; d < RF_MAX_DIMS; d++) {
+            x->box.start[d] = d < it->ndim ? so->start[d] : 0;
+            x->box.extent[d] = d < it->ndim ? so->extent[d] : 1;
+        }
+    }
+    it->norigins = (uint32_t)sx->n_origins;
+    *o += sx->n_origins;
+    return 0;
+}
+
 static int grow_msgs(rf_xfer_job *job, uint32_t *cap, size_t more, rf_err *err)
 {
     uint32_t ncap = *cap ? *cap : 64;
@@ -910,6 +1041,9 @@ int rf_slice_job_add(rf_slice_job *j, const Refit__PlanSlice *frame, const rf_in
         bool is_local = sm->kind == RF_PLAN_LOCAL;
         rf_xfer_job *job = is_local ? &j->ljob : &j->job;
         rf_xfer_msg *xm = &job->msgs[job->nmsgs];
+        rf_xfer_origin *orig = NULL;
+        uint64_t *relay_to = NULL;
+        size_t norig = 0, nrelay_to = 0;
 
         memset(xm, 0, sizeof(*xm));
         if (sm->peer >= j->npeers)
@@ -933,7 +1067,11 @@ int rf_slice_job_add(rf_slice_job *j, const Refit__PlanSlice *frame, const rf_in
         xm->ep = is_local ? frame->global_ep_base + sm->local_ep : j->ranks[sm->local_ep];
         xm->peer_ep = sm->peer_ep;
         xm->bytes = sm->bytes;
-        xm->items = calloc(sm->n_xfers ? sm->n_xfers : 1, sizeof(*xm->items));
+        for (k = 0; k < sm->n_xfers; k++) {
+            norig += sm->xfers[k]->n_origins;
+            nrelay_to += sm->xfers[k]->n_relay_to;
+        }
+        xm->items = items_alloc(sm->n_xfers, norig, nrelay_to, &orig, &relay_to);
         if (is_local)
             xm->src_items = calloc(sm->n_xfers ? sm->n_xfers : 1, sizeof(*xm->src_items));
         job->nmsgs++;
@@ -943,6 +1081,8 @@ int rf_slice_job_add(rf_slice_job *j, const Refit__PlanSlice *frame, const rf_in
             const Refit__SliceXfer *sx = sm->xfers[k];
 
             rc = resolve_item(j, sm, sx, sx->piece, local, side, bases, &xm->items[k], err);
+            if (rc == 0)
+                rc = resolve_e2e(sm, sx, &xm->items[k], local, &orig, &relay_to, err);
             /* A relay reads what this daemon installed; memory only its engine's process
              * maps (an in-process region, no base here) cannot be forwarded. */
             if (rc == 0 && sm->send && side == RF_DST && xm->items[k].base == NULL)
@@ -1049,12 +1189,19 @@ int rf_slice_msg_from_plan(const rf_plan *plan, uint32_t mi, rf_side side,
     const rf_plan_msg *pm = rf_plan_msg_at(plan, mi);
     /* A relay's sending end reads destination pieces. */
     rf_side pside = pm->relay ? RF_DST : side;
+    bool send = side == RF_SRC;
+    rf_xfer_origin *orig = NULL;
+    uint64_t *relay_to = NULL;
+    size_t ne2e = 0;
+    uint32_t c;
 
     *out = (rf_xfer_msg){.seq = mi, .round = pm->round, .kind = pm->kind,
-                         .send = side == RF_SRC, .peer = peer, .bytes = pm->bytes,
+                         .send = send, .peer = peer, .bytes = pm->bytes,
                          .nitems = pm->count, .ep = side == RF_SRC ? pm->src_ep : pm->dst_ep,
                          .peer_ep = side == RF_SRC ? pm->dst_ep : pm->src_ep};
-    out->items = calloc(pm->count ? pm->count : 1, sizeof(*out->items));
+    for (uint32_t k = 0; k < pm->count; k++)
+        ne2e += e2e_count(plan, pm, (uint64_t)pm->first + k, send, &c);
+    out->items = items_alloc(pm->count, send ? 0 : ne2e, send ? ne2e : 0, &orig, &relay_to);
     if (!out->items)
         return rf_err_set(err, -ENOMEM, "out of memory for the %u items of message %u",
                           pm->count, mi);
@@ -1062,6 +1209,8 @@ int rf_slice_msg_from_plan(const rf_plan *plan, uint32_t mi, rf_side side,
         const rf_plan_xfer *x = rf_plan_xfer_at(plan, (uint64_t)pm->first + k);
         rf_xfer_item *it = &out->items[k];
         const rf_tensor *t;
+        const uint32_t *o, *r;
+        uint32_t no, nr, n = e2e_count(plan, pm, (uint64_t)pm->first + k, send, &c);
 
         rf_inv_piece(inv, pside, side == RF_SRC ? x->src : x->dst, &it->piece);
         t = rf_inv_tensor(inv, it->piece.tensor);
@@ -1071,6 +1220,27 @@ int rf_slice_msg_from_plan(const rf_plan *plan, uint32_t mi, rf_side side,
         it->box = *rf_plan_box(plan, x->box);
         it->msg_off = x->msg_off;
         it->bytes = x->bytes;
+        if (n > 0) {
+            it->id = (uint64_t)pm->first + k;
+            rf_plan_chunk(plan, c, &o, &no, &r, &nr);
+            for (uint32_t e = 0; e < n && send; e++)
+                relay_to[e] = r[e];
+            for (uint32_t e = 0; e < n && !send; e++) {
+                const rf_plan_xfer *ox = rf_plan_xfer_at(plan, o[e]);
+
+                orig[e] = (rf_xfer_origin){.id = o[e], .seq = ox->msg,
+                                           .box = *rf_plan_box(plan, ox->box)};
+            }
+            if (send) {
+                it->relay_to = relay_to;
+                it->nrelay_to = n;
+                relay_to += n;
+            } else {
+                it->origins = orig;
+                it->norigins = n;
+                orig += n;
+            }
+        }
         if (rf_inv_piece_recs(inv, RF_DST)[x->dst].quant != 0) {
             rf_xfer_item d = {0};
 

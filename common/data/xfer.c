@@ -15,6 +15,7 @@
 
 #include "macros.h"
 #include "qcopy.h"
+#include "quant_fmt.h"
 
 typedef struct span {
     uint64_t off, bytes;
@@ -65,9 +66,44 @@ static int check_item_of(const rf_xfer_msg *m, const rf_xfer_item *it, uint32_t 
                       (unsigned long long)it->msg_off, (unsigned long long)m->bytes, what);
 }
 
+/* The ends of a relay tree (rf_xfer_origin): origins only where a relay transfer is received,
+ * inside its box; recipients only where an origin transfer is sent. */
+static int check_item_e2e(const rf_xfer_msg *m, const rf_xfer_item *it, uint32_t k, rf_err *err)
+{
+    char box[160], ob[160];
+
+    if ((it->norigins > 0 && it->origins == NULL) || (it->nrelay_to > 0 && it->relay_to == NULL))
+        return rf_err_set(err, -EINVAL, "message seq %u item %u counts %u origins and %u relay "
+                          "recipients without their arrays; the job was built wrong", m->seq, k,
+                          it->norigins, it->nrelay_to);
+    if ((it->norigins > 0 && (m->send || m->kind == RF_PLAN_LOCAL)) ||
+        (it->nrelay_to > 0 && !m->send))
+        return rf_err_set(err, -EINVAL, "message seq %u item %u lists %s on its %s end; only "
+                          "a received relay lists origins and a sent origin recipients: the "
+                          "job was built wrong", m->seq, k,
+                          it->norigins > 0 ? "relay origins" : "relay recipients",
+                          m->send ? "sending" : "receiving");
+    for (uint32_t o = 0; o < it->norigins; o++) {
+        const rf_box *b = &it->origins[o].box;
+
+        if (!rf_box_empty(b, it->ndim) && rf_box_contains(&it->box, b, it->ndim))
+            continue;
+        rf_box_format(&it->box, it->ndim, box, sizeof(box));
+        rf_box_format(b, it->ndim, ob, sizeof(ob));
+        return rf_err_set(err, -EINVAL, "message seq %u item %u relays box %s, but its origin "
+                          "transfer %llu is box %s, empty or outside it; the job was built "
+                          "wrong", m->seq, k, box, (unsigned long long)it->origins[o].id, ob);
+    }
+    return 0;
+}
+
 static int check_item(const rf_xfer_msg *m, uint32_t k, rf_err *err)
 {
-    return check_item_of(m, &m->items[k], k, "", err);
+    int rc = check_item_of(m, &m->items[k], k, "", err);
+
+    if (rc == 0 && (m->items[k].norigins > 0 || m->items[k].nrelay_to > 0))
+        rc = check_item_e2e(m, &m->items[k], k, err);
+    return rc;
 }
 
 /* A local message's source item k moves the very elements of its destination item k: the
@@ -384,10 +420,149 @@ void rf_xfer__digest_msg(rf_xfer_core *t, const rf_xfer_msg *m, const uint8_t *p
 {
     rf_xfer_digest d;
 
-    if (!rf_xfer__digest_begin(t, m, &d))
+    if (rf_xfer__digest_begin(t, m, &d)) {
+        rf_xfer__digest_add(&d, payload, d.left);
+        rf_xfer__digest_end(&d);
+    }
+    for (uint32_t k = 0; k < m->nitems; k++)
+        if (rf_xfer__e2e_bytes(t->job, m, &m->items[k]) > 0)
+            rf_xfer__e2e_item(t, &m->items[k], payload + m->items[k].msg_off);
+}
+
+/* ---- relays end to end ---- */
+
+static void put_le64(uint8_t *p, uint64_t v)
+{
+    for (int i = 0; i < 8; i++)
+        p[i] = (uint8_t)(v >> (8 * i));
+}
+
+void rf_xfer_e2e_term(uint64_t relay, uint64_t origin, const uint8_t content[RF_XFER_DIGEST_BYTES],
+                      uint8_t out[RF_XFER_DIGEST_BYTES])
+{
+    static const char tag[] = "refit-relay-e2e-v1";
+    uint8_t buf[sizeof(tag) - 1 + 16 + RF_XFER_DIGEST_BYTES];
+
+    memcpy(buf, tag, sizeof(tag) - 1);
+    put_le64(buf + sizeof(tag) - 1, relay);
+    put_le64(buf + sizeof(tag) - 1 + 8, origin);
+    memcpy(buf + sizeof(tag) - 1 + 16, content, RF_XFER_DIGEST_BYTES);
+    crypto_generichash(out, RF_XFER_DIGEST_BYTES, buf, sizeof(buf), NULL, 0);
+}
+
+/* The payload bytes of box b of item it's tensor: its elements, or for an FP8 item its FP8
+ * elements and its blocks' scales. */
+static uint64_t box_payload(const rf_xfer_item *it, const rf_box *b)
+{
+    if (it->quant.q.kind != 0)
+        return rf_qcopy_bytes(&it->quant.q, it->ndim, it->quant.rows, it->quant.cols, b, NULL);
+    return (uint64_t)rf_box_numel(b, it->ndim) * it->esize;
+}
+
+uint64_t rf_xfer__e2e_bytes(const rf_xfer_job *job, const rf_xfer_msg *m, const rf_xfer_item *it)
+{
+    if (job->verify == RF_VERIFY_OFF)
+        return 0;
+    if (it->nrelay_to > 0)
+        return rf_xfer_seq_verified(job, m->seq) ? rf_xfer_digest_bytes(job, it->bytes) : 0;
+    for (uint32_t o = 0; o < it->norigins; o++)
+        if (rf_xfer_seq_verified(job, it->origins[o].seq))
+            return it->bytes;
+    return 0;
+}
+
+/* Feeds sub-box `in` of a payload that holds box `out` dense and row-major (elements of esize
+ * bytes from p on) to the hash, in `in`'s own row-major order, until *left bytes went in. */
+static void hash_subbox(crypto_generichash_state *st, const uint8_t *p, const rf_box *out,
+                        const rf_box *in, int nd, size_t esize, uint64_t *left)
+{
+    int64_t idx[RF_MAX_DIMS] = {0}, stride[RF_MAX_DIMS], s = 1;
+    uint64_t row = (uint64_t)in->extent[nd - 1] * esize;
+
+    for (int d = nd - 1; d >= 0; d--) {
+        stride[d] = s;
+        s *= out->extent[d];
+    }
+    while (*left > 0) {
+        uint64_t off = 0, n = row < *left ? row : *left;
+        int d;
+
+        for (d = 0; d < nd; d++)
+            off += (uint64_t)(in->start[d] - out->start[d] + idx[d]) * (uint64_t)stride[d];
+        crypto_generichash_update(st, p + off * esize, n);
+        *left -= n;
+        /* The next row: the dims before the last count like an odometer. */
+        for (d = nd - 2; d >= 0; d--) {
+            if (++idx[d] < in->extent[d])
+                break;
+            idx[d] = 0;
+        }
+        if (d < 0)
+            break;
+    }
+}
+
+/* The content digest of origin o from the payload p of relay item it (box it->box): the bytes
+ * of o's box as o's own payload lays them out, of which the first `left`. */
+static void origin_content(const rf_xfer_item *it, const rf_xfer_origin *o, const uint8_t *p,
+                           uint64_t left, uint8_t out[RF_XFER_DIGEST_BYTES])
+{
+    crypto_generichash_state st;
+
+    crypto_generichash_init(&st, NULL, 0, RF_XFER_DIGEST_BYTES);
+    if (it->quant.q.kind == 0) {
+        hash_subbox(&st, p, &it->box, &o->box, it->ndim, it->esize, &left);
+    } else {
+        /* FP8: the elements, one byte each, then the scales of the blocks, each payload over
+         * its own box; o lies on the grid, so its blocks are some of the item's. */
+        const rf_quant_decl *q = &it->quant.q;
+        rf_quant_fmt f = {q->kind, q->br, q->bc};
+        int64_t shape[RF_MAX_DIMS] = {0};
+        rf_box sb_it, sb_o;
+        uint64_t fp8;
+
+        shape[it->ndim - 2] = it->quant.rows;
+        shape[it->ndim - 1] = it->quant.cols;
+        rf_inv_scale_box(q, it->ndim, shape, &it->box, &sb_it);
+        rf_inv_scale_box(q, it->ndim, shape, &o->box, &sb_o);
+        rf_qcopy_bytes(q, it->ndim, it->quant.rows, it->quant.cols, &it->box, &fp8);
+        hash_subbox(&st, p, &it->box, &o->box, it->ndim, 1, &left);
+        hash_subbox(&st, p + fp8, &sb_it, &sb_o, it->ndim,
+                    rf_dtype_size(rf_quant_scale_dtype(&f)), &left);
+    }
+    assert(left == 0);
+    crypto_generichash_final(&st, out, RF_XFER_DIGEST_BYTES);
+}
+
+static void xor_into(uint8_t *acc, const uint8_t *h)
+{
+    for (int i = 0; i < RF_XFER_DIGEST_BYTES; i++)
+        acc[i] ^= h[i];
+}
+
+void rf_xfer__e2e_item(rf_xfer_core *t, const rf_xfer_item *it, const uint8_t *p)
+{
+    const rf_xfer_job *job = t->job;
+    uint8_t c[RF_XFER_DIGEST_BYTES], term[RF_XFER_DIGEST_BYTES];
+
+    if (it->nrelay_to > 0) {
+        /* One digest of the bytes sent, then one small hash per relay that forwards them. */
+        crypto_generichash(c, sizeof(c), p, rf_xfer_digest_bytes(job, it->bytes), NULL, 0);
+        for (uint32_t r = 0; r < it->nrelay_to; r++) {
+            rf_xfer_e2e_term(it->relay_to[r], it->id, c, term);
+            xor_into(t->result.digest_sent, term);
+        }
         return;
-    rf_xfer__digest_add(&d, payload, d.left);
-    rf_xfer__digest_end(&d);
+    }
+    for (uint32_t k = 0; k < it->norigins; k++) {
+        const rf_xfer_origin *o = &it->origins[k];
+
+        if (!rf_xfer_seq_verified(job, o->seq))
+            continue;
+        origin_content(it, o, p, rf_xfer_digest_bytes(job, box_payload(it, &o->box)), c);
+        rf_xfer_e2e_term(it->id, o->id, c, term);
+        xor_into(t->result.digest_recv, term);
+    }
 }
 
 /* Steps the backend until the job is complete, fails, is aborted or runs out of time; the

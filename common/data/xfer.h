@@ -31,6 +31,20 @@ typedef struct rf_xfer_quant {
     rf_piece scale;       /* receiving side: the piece's scales (rf_inv_quant_scales) */
 } rf_xfer_quant;
 
+/* Relays' end-to-end check (plan.h, "Relay trees"). A relay forwards bytes from its own
+ * memory, so the digests of its messages prove only that they arrived as the relay sent them.
+ * Each replica fed by a relay therefore also checks what it received against what the
+ * trainers sent: for every origin transfer t of the tree, its sender adds, per relay transfer
+ * r of the tree, the TERM H(r, t, C) with C the digest of t's payload, and the receiver of r
+ * adds the same term over the bytes of t's box in what it received (see rf_xfer_result). A
+ * term names its recipient r, so that wrong bytes which reach two replicas alike do not
+ * cancel. An origin transfer as the relay's receiver sees it: */
+typedef struct rf_xfer_origin {
+    uint64_t id;          /* the origin transfer (its index in the plan) */
+    uint32_t seq;         /* its message's: verify = sample picks an origin by it */
+    rf_box box;           /* inside the relay item's box; on the FP8 grid for an FP8 item */
+} rf_xfer_origin;
+
 typedef struct rf_xfer_item {
     uint8_t *base;
     rf_piece piece;
@@ -39,6 +53,14 @@ typedef struct rf_xfer_item {
     rf_box box;
     uint64_t msg_off, bytes;
     rf_xfer_quant quant;
+    /* End to end (above), 0 and NULL elsewhere: the sending end of an origin transfer lists
+     * the nrelay_to relay transfers whose receivers check its bytes; the receiving end of a
+     * relay transfer lists the norigins origins whose boxes tile its own. id is this
+     * transfer's index in the plan. */
+    uint64_t id;
+    uint32_t nrelay_to, norigins;
+    const uint64_t *relay_to;
+    const rf_xfer_origin *origins;
 } rf_xfer_item;
 
 /* One message of the plan, local side. seq is the message's index in the global plan, the
@@ -100,8 +122,10 @@ typedef struct rf_xfer_job {
 
 /* What a job did. With verify on, digest_sent is the XOR over the messages this daemon sent
  * of BLAKE2b-256(seq as 4 bytes little-endian || payload), digest_recv the same over the
- * messages it received: the XOR of every daemon's digest_sent equals the XOR of every
- * daemon's digest_recv when every byte arrived as sent. */
+ * messages it received; and, for relays, digest_sent XORs the terms of the origin transfers
+ * this daemon sent, digest_recv those of the relay transfers it received (rf_xfer_origin,
+ * rf_xfer_e2e_term). The XOR of every daemon's digest_sent equals the XOR of every daemon's
+ * digest_recv when every byte arrived as sent and every relay forwarded the trainers' bytes. */
 typedef struct rf_xfer_result {
     int code; /* 0 or a negative errno */
     char error[256];
@@ -179,20 +203,41 @@ bool rf_xfer_has_world(const rf_xfer_transport *t);
  * when staging_bytes is set, each round's packed bytes inside it (-ENOSPC). The message
  * names the offending message's seq. */
 int rf_xfer_job_check(const rf_xfer_job *job, uint32_t npeers, rf_err *err);
+/* Whether the message of this seq is digested under the job's verify setting. */
+static inline bool rf_xfer_seq_verified(const rf_xfer_job *job, uint32_t seq)
+{
+    return job->verify == RF_VERIFY_FULL ||
+           (job->verify == RF_VERIFY_SAMPLE && seq % RF_XFER_SAMPLE_EVERY == 0);
+}
+
+/* How many leading bytes of a verified payload of `bytes` the digest covers. */
+static inline uint64_t rf_xfer_digest_bytes(const rf_xfer_job *job, uint64_t bytes)
+{
+    if (job->verify == RF_VERIFY_SAMPLE && bytes > RF_XFER_SAMPLE_BYTES)
+        return RF_XFER_SAMPLE_BYTES;
+    return bytes;
+}
+
 /* Whether the payload of m is digested under the job's verify setting. */
 static inline bool rf_xfer_msg_verified(const rf_xfer_job *job, const rf_xfer_msg *m)
 {
-    return job->verify == RF_VERIFY_FULL ||
-           (job->verify == RF_VERIFY_SAMPLE && m->seq % RF_XFER_SAMPLE_EVERY == 0);
+    return rf_xfer_seq_verified(job, m->seq);
 }
 
 /* How many leading payload bytes of a verified message the digest covers. */
 static inline uint64_t rf_xfer_msg_digest_bytes(const rf_xfer_job *job, const rf_xfer_msg *m)
 {
-    if (job->verify == RF_VERIFY_SAMPLE && m->bytes > RF_XFER_SAMPLE_BYTES)
-        return RF_XFER_SAMPLE_BYTES;
-    return m->bytes;
+    return rf_xfer_digest_bytes(job, m->bytes);
 }
+
+/* Relays' end-to-end check (rf_xfer_origin): both ends of an origin transfer t pick it by the
+ * seq of t's message, as for a message digest, and digest the first rf_xfer_digest_bytes of
+ * t's payload (its box's elements row-major; for FP8, then its blocks' scales). The term of
+ * relay transfer `relay` for origin `origin` whose payload digest (BLAKE2b-256) is content:
+ * BLAKE2b-256("refit-relay-e2e-v1" || relay || origin (8 bytes little-endian each) ||
+ * content). */
+void rf_xfer_e2e_term(uint64_t relay, uint64_t origin, const uint8_t content[RF_XFER_DIGEST_BYTES],
+                      uint8_t out[RF_XFER_DIGEST_BYTES]);
 
 /* Where a direct message's bytes lie in local memory (after rf_xfer_job_check). */
 uint8_t *rf_xfer_direct_ptr(const rf_xfer_msg *m);

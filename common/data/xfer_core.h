@@ -155,7 +155,13 @@ typedef struct rf_xfer_digest {
 bool rf_xfer__digest_begin(rf_xfer_core *t, const rf_xfer_msg *m, rf_xfer_digest *d);
 void rf_xfer__digest_add(rf_xfer_digest *d, const uint8_t *p, uint64_t n);
 void rf_xfer__digest_end(rf_xfer_digest *d);
-/* The whole of it for a payload in host memory. */
+/* Relays' end-to-end terms (xfer.h, rf_xfer_origin) of item it of message m: rf_xfer__e2e_bytes
+ * says how many leading bytes of its payload they read (0: none, it is no end of a relay tree
+ * or verify picks none of its origins), rf_xfer__e2e_item folds them into the running job's
+ * digests from p, those bytes in host memory. */
+uint64_t rf_xfer__e2e_bytes(const rf_xfer_job *job, const rf_xfer_msg *m, const rf_xfer_item *it);
+void rf_xfer__e2e_item(rf_xfer_core *t, const rf_xfer_item *it, const uint8_t *p);
+/* All of it for a payload in host memory: the message's digest and its items' terms. */
 void rf_xfer__digest_msg(rf_xfer_core *t, const rf_xfer_msg *m, const uint8_t *payload);
 
 #endif

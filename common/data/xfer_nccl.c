@@ -933,6 +933,41 @@ out:
     return rc;
 }
 
+/* The end-to-end terms of m's items that are ends of relay trees (xfer.h, rf_xfer_origin), its
+ * payload p in device memory: the bytes each item's terms read are copied to the host first. */
+static int e2e_dev(nccl *t, const rf_xfer_msg *m, const uint8_t *p)
+{
+    uint8_t *big = NULL;
+    rf_err err = {0};
+    int rc = 0;
+
+    for (uint32_t k = 0; k < m->nitems; k++) {
+        const rf_xfer_item *it = &m->items[k];
+        uint64_t n = rf_xfer__e2e_bytes(t->base.job, m, it);
+        uint8_t *h = t->js.bounce;
+
+        if (n == 0)
+            continue;
+        if (n > VERIFY_CHUNK) {
+            free(big);
+            if (!(big = malloc(n))) {
+                rc = rf_err_set(&err, -ENOMEM, "out of memory for %llu bytes",
+                                (unsigned long long)n);
+                goto out;
+            }
+            h = big;
+        }
+        CUDA_TRY(&err, cudaMemcpy(h, p + it->msg_off, n, cudaMemcpyDeviceToHost));
+        rf_xfer__e2e_item(&t->base, it, h);
+    }
+out:
+    free(big);
+    if (rc < 0)
+        fail(t, rc, "copying message seq %u to the host to verify its relays end to end: %s",
+             m->seq, err.msg);
+    return rc;
+}
+
 /* A round is done: account its bytes, digest its payloads (staging still holds them: the
  * round that reuses this half is not started yet), free its staging. */
 static int retire_round(nccl *t, uint32_t r)
@@ -946,7 +981,7 @@ static int retire_round(nccl *t, uint32_t r)
         const uint8_t *p = m->kind == RF_PLAN_PACKED ? t->g[s->mgpu[i]].arena + s->moff[i]
                                                      : rf_xfer_direct_ptr(m);
 
-        if ((rc = digest_dev(t, m, p)) < 0)
+        if ((rc = digest_dev(t, m, p)) < 0 || (rc = e2e_dev(t, m, p)) < 0)
             return rc;
         rf_xfer__moved(&t->base, m);
     }

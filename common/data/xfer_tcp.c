@@ -164,6 +164,11 @@ typedef struct tcp {
     uint32_t *msg_first;
     uint64_t runs_key;
     rf_copy_desc desc; /* the general case, one item at a time */
+    /* Test hook, never set in production: REFIT_TEST_CORRUPT_RELAY=1 in the environment at
+     * creation makes this transport a faulty relay, flipping the first byte of every packed
+     * message it forwards (a job's sends that also receives) after gathering it and before
+     * digesting it, so that only the end-to-end check can tell (tests/e2e/82). */
+    bool corrupt_relays;
     /* The worker's poll set, kept between steps and jobs: what each entry is and for whom. */
     struct pollfd *pfd;
     uint32_t *pref;
@@ -651,6 +656,8 @@ static int prepare_send(tcp *t, conn *c, uint32_t i)
     if (m->kind == RF_PLAN_PACKED) {
         copy_items(t, i, s->staging[i], true);
         c->payload = s->staging[i];
+        if (t->corrupt_relays && s->order.gated && m->bytes > 0)
+            c->payload[0] ^= 0xff;
     } else {
         c->payload = rf_xfer_direct_ptr(m);
     }
@@ -1620,6 +1627,14 @@ int rf_xfer_tcp_new(uv_loop_t *loop, const char *listen_addr, rf_xfer_transport 
     t = (tcp *)core;
     t->lfd = lfd;
     memcpy(t->addr, addr, sizeof(t->addr));
+    {
+        const char *hook = getenv("REFIT_TEST_CORRUPT_RELAY");
+
+        t->corrupt_relays = hook && hook[0] && strcmp(hook, "0") != 0;
+        if (t->corrupt_relays)
+            RF_WARN("REFIT_TEST_CORRUPT_RELAY is set: this data path corrupts every packed "
+                    "message it relays (a test hook; unset it outside tests)");
+    }
     *out = &core->pub;
     return 0;
 }

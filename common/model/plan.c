@@ -5,6 +5,7 @@
 #include "plan.h"
 #include "quant_fmt.h"
 
+#include <assert.h>
 #include <inttypes.h>
 #include <sodium.h>
 #include <stdlib.h>
@@ -41,6 +42,13 @@ struct rf_plan {
     uint64_t *recv;
     uint64_t *path; /* [kind * nendpoints + endpoint]: sent or received bytes per path */
     rf_plan_stats st;
+    /* Relay trees (rf_plan_chunk), NULL and 0 without relays: xchunk[i] is the tree of the
+     * i-th transfer in message order, or RF_PLAN_NO_CHUNK; tree c's transfers are cx[cfirst[c]
+     * .. cfirst[c + 1]), its origins first (corig[c] of them), then its relays, each part in
+     * message order. */
+    uint32_t *xchunk;
+    uint32_t nchunks;
+    uint32_t *cfirst, *corig, *cx;
 };
 
 void rf_plan_opts_default(rf_plan_opts *o)
@@ -2522,6 +2530,83 @@ out:
     return rc;
 }
 
+/* The relay trees (rf_plan_chunk), once the transfers are in message order. A unit's tree is
+ * the unit its first replica got from the sources (relay_chunk): a relay's unit belongs to the
+ * tree of the unit it reads, which was made before it, so one pass in build order finds them.
+ * Trees without a relay are left out: their one replica took the chunk from the trainers, and
+ * the message digests check that already. */
+static int relay_trees(builder *b, rf_err *err)
+{
+    rf_plan *pl = b->plan;
+    uint64_t nx = pl->nxfers, nu = b->nunits;
+    uint32_t *root = malloc((nu + 1) * sizeof(uint32_t));
+    uint32_t *cid = malloc((nu + 1) * sizeof(uint32_t));
+    uint32_t *nrel = calloc(nu + 1, sizeof(uint32_t)), *ofill = NULL, *rfill = NULL, nc = 0;
+    int rc = 0;
+
+    if (root == NULL || cid == NULL || nrel == NULL)
+        goto nomem;
+    for (uint64_t u = 0; u < nu; u++)
+        root[u] = (uint32_t)u;
+    for (uint64_t i = 0; i < b->nrl; i++) {
+        const rlay *r = &b->rl[i];
+
+        assert(r->src_unit < r->unit);
+        root[r->unit] = root[r->src_unit];
+        nrel[root[r->unit]]++;
+    }
+    for (uint64_t u = 0; u < nu; u++)
+        cid[u] = root[u] == u && nrel[u] > 0 ? nc++ : RF_PLAN_NO_CHUNK;
+    if (nc == 0)
+        goto out;
+    pl->xchunk = malloc((nx + 1) * sizeof(uint32_t));
+    pl->cfirst = calloc((uint64_t)nc + 1, sizeof(uint32_t));
+    pl->corig = calloc((uint64_t)nc + 1, sizeof(uint32_t));
+    ofill = calloc((uint64_t)nc + 1, sizeof(uint32_t));
+    rfill = calloc((uint64_t)nc + 1, sizeof(uint32_t));
+    if (pl->xchunk == NULL || pl->cfirst == NULL || pl->corig == NULL || ofill == NULL ||
+        rfill == NULL)
+        goto nomem;
+    pl->nchunks = nc;
+    for (uint64_t i = 0; i < nx; i++) {
+        uint32_t x = pl->order[i], u = b->wunit[x];
+        uint32_t c = u == NO_UNIT ? RF_PLAN_NO_CHUNK : cid[root[u]];
+
+        pl->xchunk[i] = c;
+        if (c == RF_PLAN_NO_CHUNK)
+            continue;
+        pl->cfirst[c + 1]++;
+        if (pl->msgs[pl->xfers[x].msg].relay == 0)
+            pl->corig[c]++;
+    }
+    for (uint32_t c = 0; c < nc; c++)
+        pl->cfirst[c + 1] += pl->cfirst[c];
+    pl->cx = malloc(((uint64_t)pl->cfirst[nc] + 1) * sizeof(uint32_t));
+    if (pl->cx == NULL)
+        goto nomem;
+    for (uint64_t i = 0; i < nx; i++) {
+        uint32_t c = pl->xchunk[i], x = pl->order[i];
+
+        if (c == RF_PLAN_NO_CHUNK)
+            continue;
+        if (pl->msgs[pl->xfers[x].msg].relay == 0)
+            pl->cx[pl->cfirst[c] + ofill[c]++] = (uint32_t)i;
+        else
+            pl->cx[pl->cfirst[c] + pl->corig[c] + rfill[c]++] = (uint32_t)i;
+    }
+    goto out;
+nomem:
+    rc = rf_err_set(err, -ENOMEM, "plan: out of memory for the relay trees of %llu transfers",
+                    (unsigned long long)nx);
+out:
+    free(root);
+    free(cid);
+    free(nrel);
+    free(ofill);
+    free(rfill);
+    return rc;
+}
+
 static void builder_free(builder *b)
 {
     free(b->si.first);
@@ -2811,6 +2896,8 @@ int rf_plan_build(const rf_inv *inv, const rf_plan_opts *opts, rf_plan **out, rf
     }
     pl->nxfers = b.nx;
     rc = schedule(&b, err);
+    if (rc == 0 && b.relay)
+        rc = relay_trees(&b, err);
     if (rc)
         goto out;
     /* The transfer array was reserved for one transfer per piece and grown by doubling. */
@@ -2881,6 +2968,10 @@ void rf_plan_free(rf_plan *plan)
     free(plan->sent);
     free(plan->recv);
     free(plan->path);
+    free(plan->xchunk);
+    free(plan->cfirst);
+    free(plan->corig);
+    free(plan->cx);
     free(plan);
 }
 
@@ -2941,8 +3032,42 @@ const rf_plan_stats *rf_plan_stats_get(const rf_plan *plan)
 
 size_t rf_plan_memory(const rf_plan *plan)
 {
+    size_t chunks = plan->xchunk ? plan->nxfers * sizeof(uint32_t) +
+                                       (2 * (size_t)plan->nchunks + 1) * sizeof(uint32_t) +
+                                       (size_t)plan->cfirst[plan->nchunks] * sizeof(uint32_t)
+                                 : 0;
+
     return sizeof(*plan) + plan->nxfers * (sizeof(rf_plan_xfer) + sizeof(uint32_t)) + plan->nmsgs * sizeof(rf_plan_msg) +
-           plan->nboxes * sizeof(rf_box) + 5 * (size_t)plan->nendpoints * sizeof(uint64_t);
+           plan->nboxes * sizeof(rf_box) + 5 * (size_t)plan->nendpoints * sizeof(uint64_t) +
+           chunks;
+}
+
+uint32_t rf_plan_nchunks(const rf_plan *plan)
+{
+    return plan->nchunks;
+}
+
+uint32_t rf_plan_xfer_chunk(const rf_plan *plan, uint64_t i)
+{
+    return plan->xchunk && i < plan->nxfers ? plan->xchunk[i] : RF_PLAN_NO_CHUNK;
+}
+
+void rf_plan_chunk(const rf_plan *plan, uint32_t c, const uint32_t **origins,
+                   uint32_t *norigins, const uint32_t **relays, uint32_t *nrelays)
+{
+    uint32_t a, o;
+
+    if (c >= plan->nchunks) {
+        *origins = *relays = NULL;
+        *norigins = *nrelays = 0;
+        return;
+    }
+    a = plan->cfirst[c];
+    o = plan->corig[c];
+    *origins = &plan->cx[a];
+    *norigins = o;
+    *relays = &plan->cx[a + o];
+    *nrelays = plan->cfirst[c + 1] - a - o;
 }
 
 uint64_t rf_plan_sent_bytes(const rf_plan *plan, uint32_t ep)

@@ -57,6 +57,14 @@ void rf_plan_opts_default(rf_plan_opts *o);
  * - Only network paths relay: a destination endpoint that shares a host with some source
  *   endpoint is planned as without relays (its same-host cells copied locally) and relays
  *   nothing, since its local copies run beside the network rounds, unordered by them. */
+/* Relay trees: the replicas of one chunk (every relay of it moves the chunk's whole box) form
+ * trees, each rooted at a replica that the sources fed. That replica received the chunk in
+ * the tree's ORIGIN transfers, trainers' transfers whose boxes tile the chunk; every other
+ * replica of the tree received it in one RELAY transfer. A relay reads its own memory, so no
+ * message digest proves that it forwarded what the trainers sent: the verification checks
+ * each relay transfer's bytes against its tree's origins end to end (xfer.h, "Relays").
+ * Transfers are named by their index in message order (rf_plan_xfer_at). */
+#define RF_PLAN_NO_CHUNK UINT32_MAX
 #define RF_PLAN_RELAY_CHUNK (16ull << 20)
 #define RF_PLAN_RELAY_MAX_DEPTH 16 /* hops from a trainer, at most */
 #define RF_PLAN_RELAY_FANOUT 4     /* replicas one holder of a chunk feeds, at most */
@@ -162,6 +170,13 @@ const rf_plan_msg *rf_plan_msg_at(const rf_plan *plan, uint32_t i); /* sorted by
 const rf_box *rf_plan_box(const rf_plan *plan, uint32_t i);
 const rf_plan_stats *rf_plan_stats_get(const rf_plan *plan);
 size_t rf_plan_memory(const rf_plan *plan); /* bytes held by the plan */
+/* Relay trees (above): how many trees have a relay; the tree of transfer i (an origin or a
+ * relay), RF_PLAN_NO_CHUNK for a transfer of none (no relays, or a tree without a relay);
+ * tree c's origins and relays, as transfer indices in message order (empty for a bad c). */
+uint32_t rf_plan_nchunks(const rf_plan *plan);
+uint32_t rf_plan_xfer_chunk(const rf_plan *plan, uint64_t i);
+void rf_plan_chunk(const rf_plan *plan, uint32_t c, const uint32_t **origins,
+                   uint32_t *norigins, const uint32_t **relays, uint32_t *nrelays);
 /* Bytes sent by endpoint ep (a source, or a destination relaying) / received by destination
  * endpoint ep. */
 uint64_t rf_plan_sent_bytes(const rf_plan *plan, uint32_t ep);

@@ -1778,6 +1778,76 @@ static void check_relay_order(const rf_plan *pl)
     free(feeds);
 }
 
+/* The relay trees (rf_plan_chunk) that the end-to-end verification rests on: every relay
+ * transfer is in exactly one tree, and so is every origin; a tree's relays all move one box
+ * into distinct replicas other than its root, each reading the root or another replica of the
+ * tree; its origins are the root's transfers from the sources, and their boxes tile that box
+ * (check_plan proved writes into a piece disjoint, so volumes adding up means a tiling). */
+static void check_relay_trees(const rf_plan *pl)
+{
+    const rf_inv *inv = rf_plan_inv(pl);
+    uint64_t n = rf_plan_nxfers(pl), relays = 0;
+    uint8_t *seen = calloc(n + 1, 1);
+    const uint32_t *o, *r;
+    uint32_t no, nr;
+
+    cr_assert_not_null(seen);
+    for (uint32_t c = 0; c < rf_plan_nchunks(pl); c++) {
+        const rf_plan_xfer *x0;
+        const rf_box *b;
+        int64_t need, got = 0;
+        int nd;
+
+        rf_plan_chunk(pl, c, &o, &no, &r, &nr);
+        cr_assert(no > 0 && nr > 0, "tree %u has %u origins and %u relays", c, no, nr);
+        x0 = rf_plan_xfer_at(pl, r[0]);
+        b = rf_plan_box(pl, x0->box);
+        nd = rf_inv_tensor(inv, rf_inv_piece_tensor(inv, RF_DST, x0->dst))->ndim;
+        need = rf_box_numel(b, nd);
+        for (uint32_t k = 0; k < no; k++) {
+            const rf_plan_xfer *x = rf_plan_xfer_at(pl, o[k]);
+            const rf_plan_xfer *y = rf_plan_xfer_at(pl, o[0]);
+
+            cr_assert(!seen[o[k]], "transfer %u is in two trees", o[k]);
+            seen[o[k]] = 1;
+            cr_assert_eq(rf_plan_xfer_chunk(pl, o[k]), c);
+            cr_assert_eq(rf_plan_msg_at(pl, x->msg)->relay, 0, "an origin is a relay");
+            cr_assert_eq(x->dst, y->dst, "the origins of tree %u feed two pieces", c);
+            cr_assert(rf_box_contains(b, rf_plan_box(pl, x->box), nd),
+                      "an origin of tree %u lies outside its box", c);
+            got += rf_box_numel(rf_plan_box(pl, x->box), nd);
+        }
+        cr_assert_eq(got, need, "tree %u: origins of %lld elements for a box of %lld", c,
+                     (long long)got, (long long)need);
+        for (uint32_t k = 0; k < nr; k++) {
+            const rf_plan_xfer *x = rf_plan_xfer_at(pl, r[k]);
+            bool fed = x->src == rf_plan_xfer_at(pl, o[0])->dst;
+
+            cr_assert(!seen[r[k]], "transfer %u is in two trees", r[k]);
+            seen[r[k]] = 1;
+            relays++;
+            cr_assert_eq(rf_plan_xfer_chunk(pl, r[k]), c);
+            cr_assert_neq(rf_plan_msg_at(pl, x->msg)->relay, 0, "a relay of tree %u is not", c);
+            cr_assert(rf_box_equal(rf_plan_box(pl, x->box), b, nd), "tree %u moves two boxes", c);
+            cr_assert_neq(x->dst, rf_plan_xfer_at(pl, o[0])->dst, "a relay into the root");
+            for (uint32_t j = 0; j < nr; j++) {
+                cr_assert(j == k || rf_plan_xfer_at(pl, r[j])->dst != x->dst,
+                          "tree %u feeds one replica twice", c);
+                fed |= rf_plan_xfer_at(pl, r[j])->dst == x->src;
+            }
+            cr_assert(fed, "a relay of tree %u reads a piece outside the tree", c);
+        }
+    }
+    for (uint64_t i = 0; i < n; i++)
+        cr_assert(seen[i] || (!rf_plan_msg_at(pl, rf_plan_xfer_at(pl, i)->msg)->relay &&
+                              rf_plan_xfer_chunk(pl, i) == RF_PLAN_NO_CHUNK),
+                  "transfer %llu is in no tree", (unsigned long long)i);
+    cr_assert_eq(relays, rf_plan_stats_get(pl)->relay_transfers);
+    rf_plan_chunk(pl, rf_plan_nchunks(pl), &o, &no, &r, &nr);
+    cr_assert(o == NULL && r == NULL && no == 0 && nr == 0);
+    free(seen);
+}
+
 /* max over endpoints of max(bytes sent, bytes received): the busiest link. */
 static uint64_t busiest(const rf_plan *pl)
 {
@@ -1848,6 +1918,8 @@ Test(plan_relay, off_keeps_the_plans_from_before_relays, .timeout = 60)
         for (uint32_t k = 0; k < rf_plan_nmsgs(pl); k++)
             cr_assert_eq(rf_plan_msg_at(pl, k)->relay, 0);
         cr_assert_eq(rf_plan_stats_get(pl)->relay_bytes, 0);
+        cr_assert_eq(rf_plan_nchunks(pl), 0);
+        cr_assert_eq(rf_plan_xfer_chunk(pl, 0), RF_PLAN_NO_CHUNK);
         cr_assert_eq(rf_plan_stats_get(pl)->source_bytes, rf_plan_stats_get(pl)->dst_bytes);
         rf_plan_free(pl);
         rf_inv_free(inv);
@@ -1927,6 +1999,7 @@ Test(plan_relay, random_layouts_execute_in_round_order, .timeout = 120)
                      (unsigned long long)seed, err.msg);
         check_plan(a, o);
         check_relay_order(a);
+        check_relay_trees(a);
         relay_exec(&c, a);
         /* Every third seed again through the tables for very large inventories (relay links
          * and open relay messages in hash tables, no geometry cache): the same plan. */
@@ -1964,6 +2037,7 @@ Test(plan_relay, dp_replicas_busiest_link_reduced, .timeout = 60)
     cr_assert_eq(rf_plan_build(inv, &on, &p1, &err), 0, "%s", err.msg);
     check_plan(p1, &on);
     check_relay_order(p1);
+    check_relay_trees(p1);
     cr_assert(busiest(p1) * 3 < busiest(p0), "busiest link %llu with relays, %llu without",
               (unsigned long long)busiest(p1), (unsigned long long)busiest(p0));
     cr_assert_eq(rf_plan_stats_get(p1)->source_bytes, rf_model_bytes(m),
@@ -2020,6 +2094,7 @@ Test(plan_relay, chunks_pipeline)
     cr_assert_eq(rf_plan_build(c.inv, &o, &pl, &err), 0, "%s", err.msg);
     check_plan(pl, &o);
     check_relay_order(pl);
+    check_relay_trees(pl);
     const rf_plan_stats *st = rf_plan_stats_get(pl);
     cr_assert_eq(st->source_bytes, 64 * 64 * 4, "the trainer sends the tensor once");
     cr_assert_eq(st->relay_bytes, 3 * 64 * 64 * 4);
@@ -2084,6 +2159,7 @@ Test(plan_relay, many_replicas_form_a_tree)
     cr_assert_eq(rf_plan_build(c.inv, &o, &pl, &err), 0, "%s", err.msg);
     check_plan(pl, &o);
     check_relay_order(pl);
+    check_relay_trees(pl);
     const rf_plan_stats *st = rf_plan_stats_get(pl);
     cr_assert_eq(st->relay_fanout, RF_PLAN_RELAY_FANOUT);
     cr_assert(st->relay_depth >= 2);
@@ -2122,6 +2198,7 @@ Test(plan_relay, local_copies_stay_and_do_not_relay, .timeout = 60)
     cr_assert_eq(rf_plan_build(inv, &o, &pl, &err), 0, "%s", err.msg);
     check_plan(pl, &o);
     check_relay_order(pl);
+    check_relay_trees(pl);
     for (uint32_t mi = 0; mi < rf_plan_nmsgs(pl); mi++) {
         const rf_plan_msg *m2 = rf_plan_msg_at(pl, mi);
         if (m2->relay)

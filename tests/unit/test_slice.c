@@ -553,9 +553,9 @@ Test(slice, a_receivers_slice_holds_the_relays_it_forwards)
     rf_plan *plan = NULL;
     rf_inv *g = NULL;
     rf_err err = {0};
-    uint64_t sent = 0, recvd = 0, relayed = 0;
+    uint64_t sent = 0, recvd = 0, relayed = 0, origins = 0, relay_to = 0;
     uint32_t msgs_seen = 0, m;
-    bool refused = false;
+    bool refused = false, bad_dims = false;
 
     for (m = 0; m < RELAY_MEM; m++) {
         Refit__Inventory msg;
@@ -601,7 +601,33 @@ Test(slice, a_receivers_slice_holds_the_relays_it_forwards)
         rf_slice_job_init(&job);
         for (size_t f = 0; f < n; f++) {
             Refit__PlanSlice *back = frame_through_wire(frames[f]);
+            size_t weight = 0;
 
+            /* A frame holds at most 300 transfers and end-to-end entries (one message of more
+             * goes alone). */
+            for (size_t i = 0; i < back->n_msgs; i++)
+                for (size_t k = 0; k < back->msgs[i]->n_xfers; k++)
+                    weight += 1 + back->msgs[i]->xfers[k]->n_relay_to +
+                              back->msgs[i]->xfers[k]->n_origins;
+            cr_assert(weight <= 300 || back->n_msgs == 1, "member %u frame %zu weighs %zu", m,
+                      f, weight);
+            /* An origin whose box has another number of dims than its tensor: refused. */
+            for (size_t i = 0; i < back->n_msgs && !bad_dims; i++) {
+                Refit__SliceXfer *sx = back->msgs[i]->xfers[0];
+                rf_slice_job scratch;
+
+                if (sx->n_origins == 0)
+                    continue;
+                sx->origins[0]->n_start--;
+                rf_slice_job_init(&scratch);
+                cr_assert_eq(rf_slice_job_add(&scratch, back, rlocal[m], rsides[m], bases[m],
+                                              NULL, &err), -EPROTO);
+                cr_assert(strstr(err.msg, "from an origin transfer whose box has 1 dims, the "
+                                 "tensor 2: the plan is stale"), "%s", err.msg);
+                rf_slice_job_reset(&scratch);
+                sx->origins[0]->n_start++;
+                bad_dims = true;
+            }
             cr_assert_eq(rf_slice_job_add(&job, back, rlocal[m], rsides[m], bases[m], NULL,
                                           &err), 0, "member %u frame %zu: %s", m, f, err.msg);
             /* The same frame with the memory of a relay's source in-process: refused. */
@@ -659,6 +685,22 @@ Test(slice, a_receivers_slice_holds_the_relays_it_forwards)
                 cr_assert(rf_box_equal(&xm->items[k].box, &want.items[k].box,
                                        xm->items[k].ndim));
                 cr_assert_eq(xm->items[k].msg_off, want.items[k].msg_off);
+                /* The relay trees' ends: the same as the plan gives without daemons. */
+                cr_assert_eq(xm->items[k].norigins, want.items[k].norigins, "seq %u", xm->seq);
+                cr_assert_eq(xm->items[k].nrelay_to, want.items[k].nrelay_to, "seq %u", xm->seq);
+                if (xm->items[k].norigins || xm->items[k].nrelay_to)
+                    cr_assert_eq(xm->items[k].id, want.items[k].id);
+                for (uint32_t r = 0; r < xm->items[k].nrelay_to; r++)
+                    cr_assert_eq(xm->items[k].relay_to[r], want.items[k].relay_to[r]);
+                for (uint32_t o = 0; o < xm->items[k].norigins; o++) {
+                    const rf_xfer_origin *a = &xm->items[k].origins[o];
+                    const rf_xfer_origin *b = &want.items[k].origins[o];
+
+                    cr_assert(a->id == b->id && a->seq == b->seq &&
+                              memcmp(&a->box, &b->box, sizeof(a->box)) == 0);
+                }
+                origins += xm->items[k].norigins;
+                relay_to += xm->items[k].nrelay_to;
             }
             free(want.items);
             if (xm->send) {
@@ -678,6 +720,11 @@ Test(slice, a_receivers_slice_holds_the_relays_it_forwards)
         rf_slice_job_reset(&job);
     }
     cr_assert(refused, "no relay send was tried with in-process memory");
+    cr_assert(bad_dims, "no relay lists its origins");
+    /* Every relay transfer's receiver lists its tree's origins, every origin's sender the
+     * tree's relays: the two lists hold one entry per (origin, relay) pair alike. */
+    cr_assert_gt(origins, 0);
+    cr_assert_eq(origins, relay_to);
     cr_assert_eq(msgs_seen, 2 * rf_plan_nmsgs(plan));
     cr_assert_eq(sent, rf_plan_stats_get(plan)->dst_bytes);
     cr_assert_eq(recvd, rf_plan_stats_get(plan)->dst_bytes);

@@ -22,6 +22,7 @@
 #include "macros.h"
 #include "model.h"
 #include "plan.h"
+#include "quant_fmt.h"
 #include "slice.h"
 #include "xfer.h"
 #include "xfer_data.h"
@@ -2735,4 +2736,493 @@ Test(xfer_relay, a_relay_that_fails_mid_forward_fails_the_job)
     free(rl.src2);
     free(bmem);
     free(cmem);
+}
+
+/* ---- relays checked end to end (xfer.h, rf_xfer_origin) ------------------------------------ */
+
+/* Whether the XOR of every daemon's sent digests equals that of their received ones: what the
+ * coordinator's commit rests on. */
+static bool digests_match(const world *w)
+{
+    uint8_t x[RF_XFER_DIGEST_BYTES] = {0};
+
+    for (int i = 0; i < w->n; i++)
+        for (int b = 0; b < RF_XFER_DIGEST_BYTES; b++)
+            x[b] ^= w->res[i].digest_sent[b] ^ w->res[i].digest_recv[b];
+    for (int b = 0; b < RF_XFER_DIGEST_BYTES; b++)
+        if (x[b])
+            return false;
+    return true;
+}
+
+/* The relay trees' ends of the jobs: items that list origins, and those with more than one. */
+static void count_ends(const rf_xfer_job *jobs, int n, uint64_t *ends, uint64_t *multi)
+{
+    *ends = *multi = 0;
+    for (int d = 0; d < n; d++)
+        for (uint32_t i = 0; i < jobs[d].nmsgs; i++)
+            for (uint32_t k = 0; k < jobs[d].msgs[i].nitems; k++) {
+                const rf_xfer_item *it = &jobs[d].msgs[i].items[k];
+
+                *ends += it->norigins > 0 || it->nrelay_to > 0;
+                *multi += it->norigins > 1;
+            }
+}
+
+/* The jobs as digests of messages alone would check them: no relay tree's ends. */
+static void strip_ends(rf_xfer_job *jobs, int n)
+{
+    for (int d = 0; d < n; d++)
+        for (uint32_t i = 0; i < jobs[d].nmsgs; i++)
+            for (uint32_t k = 0; k < jobs[d].msgs[i].nitems; k++)
+                jobs[d].msgs[i].items[k].norigins = jobs[d].msgs[i].items[k].nrelay_to = 0;
+}
+
+/* Under verify = sample, whether a relay corrupted by the test hook (the first byte of each
+ * packed relay it sends) shows: the first item of a received packed relay holds that byte,
+ * in the origin whose box starts where the item's does, and only a sampled origin is checked. */
+static bool sampled_corruption(const rf_xfer_job *jobs, int n)
+{
+    for (int d = 0; d < n; d++)
+        for (uint32_t i = 0; i < jobs[d].nmsgs; i++) {
+            const rf_xfer_msg *m = &jobs[d].msgs[i];
+            const rf_xfer_item *it = m->nitems ? &m->items[0] : NULL;
+
+            if (m->send || m->kind != RF_PLAN_PACKED || !it || it->norigins == 0)
+                continue;
+            for (uint32_t o = 0; o < it->norigins; o++)
+                if (rf_box_equal(&it->origins[o].box, &it->box, it->ndim) ||
+                    memcmp(it->origins[o].box.start, it->box.start,
+                           sizeof(it->box.start)) == 0)
+                    if (it->origins[o].seq % RF_XFER_SAMPLE_EVERY == 0)
+                        return true;
+        }
+    return false;
+}
+
+/* Runs plan pl on 4 daemons (ep_daemon) with verify, version v: the jobs stay in jobs. */
+static void run_relay_jobs(world *w, const rf_plan *pl, const rf_plan_opts *o,
+                           const uint32_t *ep_daemon, cluster *c, uint64_t v, int verify,
+                           rf_xfer_job *jobs, bool strip)
+{
+    rf_xfer_job *jp[MAXD];
+
+    fill_sources(c, v);
+    jobs_from_plan(pl, o, ep_daemon, 4, c->bases, v, verify, jobs);
+    if (strip)
+        strip_ends(jobs, 4);
+    for (int d = 0; d < 4; d++)
+        jp[d] = &jobs[d];
+    world_run(w, jp);
+    for (int d = 0; d < 4; d++)
+        cr_assert_eq(w->res[d].code, 0, "daemon %d: %s", d, w->res[d].error);
+}
+
+/* A relay that forwards other bytes than it received (the tcp transport's test hook flips the
+ * first byte of every packed message it relays, before digesting it): qwen3 from two trainers
+ * (tp=2: the replicas' chunks of the row-parallel weights are tiled by both trainers' shards)
+ * to three replicas. Clean, the digests agree under full and sample. Corrupted, the engines
+ * hold wrong bytes, the digests of messages alone still agree (each hop digests what it moved:
+ * that is how such a relay committed), and with the relay trees' ends they differ: a root that
+ * feeds two replicas the same wrong bytes does not cancel out. Under sample the corruption
+ * shows too: the plan's messages are small enough that a sampled origin is among those hit. */
+Test(xfer_relay, a_relay_that_forwards_wrong_bytes_fails_the_digests, .timeout = 60)
+{
+    rf_inv *inv = rf_inv_new();
+    rf_plan_opts o = {.staging_bytes = 256 << 10, .direct_min_bytes = 64 << 10, .relay = 1};
+    static const uint32_t ep_daemon[5] = {0, 0, 1, 2, 3};
+    rf_xfer_job jobs[MAXD];
+    uint64_t ends, multi, wrong, stray;
+    rf_plan *pl = NULL;
+    cluster c;
+    world w;
+    rf_err err;
+
+    shrunk_qwen3("tp=2", "tp=1,dp=3", inv);
+    cr_assert_eq(rf_inv_nendpoints(inv), 5);
+    cr_assert_eq(rf_plan_build(inv, &o, &pl, &err), 0, "%s", err.msg);
+    cr_assert_gt(rf_plan_stats_get(pl)->relay_messages, 0, "the plan relays nothing");
+    cluster_alloc(&c, inv);
+
+    world_open(&w, 4);
+    run_relay_jobs(&w, pl, &o, ep_daemon, &c, 1, RF_VERIFY_FULL, jobs, false);
+    check_destinations(&c, 1);
+    cr_assert(digests_match(&w), "clean relays, verify full: the digests differ");
+    count_ends(jobs, 4, &ends, &multi);
+    cr_assert_gt(ends, 0, "no relay tree's end in the jobs");
+    cr_assert_gt(multi, 0, "no relayed chunk is tiled by two trainers' shards");
+    for (int d = 0; d < 4; d++)
+        job_free(&jobs[d]);
+    run_relay_jobs(&w, pl, &o, ep_daemon, &c, 2, RF_VERIFY_SAMPLE, jobs, false);
+    check_destinations(&c, 2);
+    cr_assert(digests_match(&w), "clean relays, verify sample: the digests differ");
+    for (int d = 0; d < 4; d++)
+        job_free(&jobs[d]);
+    world_close(&w);
+
+    cr_assert_eq(setenv("REFIT_TEST_CORRUPT_RELAY", "1", 1), 0);
+    world_open(&w, 4);
+    cr_assert_eq(unsetenv("REFIT_TEST_CORRUPT_RELAY"), 0);
+    run_relay_jobs(&w, pl, &o, ep_daemon, &c, 3, RF_VERIFY_FULL, jobs, true);
+    xd_check(inv, c.bases, 3, &wrong, &stray);
+    cr_assert_gt(wrong, 0, "the test hook corrupted nothing");
+    cr_assert(digests_match(&w), "the digests of messages alone caught a faulty relay");
+    for (int d = 0; d < 4; d++)
+        job_free(&jobs[d]);
+    run_relay_jobs(&w, pl, &o, ep_daemon, &c, 4, RF_VERIFY_FULL, jobs, false);
+    xd_check(inv, c.bases, 4, &wrong, &stray);
+    cr_assert_gt(wrong, 0);
+    cr_assert(!digests_match(&w), "a relay forwarded wrong bytes and the digests agree");
+    for (int d = 0; d < 4; d++)
+        job_free(&jobs[d]);
+    run_relay_jobs(&w, pl, &o, ep_daemon, &c, 5, RF_VERIFY_SAMPLE, jobs, false);
+    cr_assert(sampled_corruption(jobs, 4), "verify sample checks no origin the hook corrupts");
+    cr_assert(!digests_match(&w), "verify sample: a corrupted origin is sampled, yet the "
+              "digests agree");
+    for (int d = 0; d < 4; d++)
+        job_free(&jobs[d]);
+    world_close(&w);
+    cluster_free(&c);
+    rf_plan_free(pl);
+    rf_inv_free(inv);
+}
+
+/* A dense piece of box (start, extent) of tensor on endpoint ep, in a region of its own; FP8
+ * in format q (its scales in another region of ep) unless q is NULL. */
+static void fp8_relay_piece(rf_inv *inv, uint32_t ep, uint32_t tensor, const int64_t *start,
+                            const int64_t *extent, const rf_quant_fmt *q)
+{
+    const rf_tensor *t = rf_inv_tensor(inv, tensor);
+    int nd = t->ndim;
+    rf_piece p = {0};
+    uint64_t n = 1;
+    int64_t s = 1;
+    uint32_t id;
+    rf_err err;
+
+    for (int d = RF_MAX_DIMS - 1; d >= 0; d--) {
+        p.box.start[d] = d < nd ? start[d] : 0;
+        p.box.extent[d] = d < nd ? extent[d] : 1;
+        p.strides[d] = d < nd ? s : 0;
+        s *= d < nd ? extent[d] : 1;
+        n *= (uint64_t)p.box.extent[d];
+    }
+    p.tensor = tensor;
+    cr_assert_eq(rf_inv_add_region(inv, ep, q ? n : n * rf_dtype_size(t->dtype), &p.region,
+                                   &err), 0, "%s", err.msg);
+    if (q) {
+        rf_quant_decl qd = {.kind = q->kind, .br = q->br, .bc = q->bc};
+        int64_t ss = 1;
+        rf_box sb;
+
+        rf_inv_scale_box(&qd, nd, t->shape, &p.box, &sb);
+        for (int d = nd - 1; d >= 0; d--) {
+            qd.scale_strides[d] = ss;
+            ss *= sb.extent[d];
+        }
+        cr_assert_eq(rf_inv_add_region(inv, ep, (uint64_t)ss *
+                                       rf_dtype_size(rf_quant_scale_dtype(q)),
+                                       &qd.scale_region, &err), 0, "%s", err.msg);
+        cr_assert_eq(rf_inv_add_quant(inv, &qd, &p.quant, &err), 0, "%s", err.msg);
+    }
+    cr_assert_eq(rf_inv_add_piece(inv, &p, &id, &err), 0, "%s", err.msg);
+}
+
+/* Two bf16 trainers (one daemon) holding the column halves of a weight [256, 384] and of
+ * experts [4, 128, 96] (split at column 64: the last block of each row is partial), three
+ * engine replicas holding both whole in FP8 format fmt, one daemon each. */
+static rf_inv *fp8_relay_inv(const char *fmt)
+{
+    static const int64_t ws[2] = {256, 384}, es[3] = {4, 128, 96};
+    rf_inv *inv = rf_inv_new();
+    rf_quant_fmt q;
+    uint32_t w, e, ep;
+    rf_err err;
+
+    cr_assert_eq(rf_quant_fmt_parse(fmt, &q, &err), 0, "%s", err.msg);
+    cr_assert_eq(rf_inv_add_tensor(inv, "w.weight", RF_DT_BF16, 2, ws, &w, &err), 0);
+    cr_assert_eq(rf_inv_add_tensor(inv, "e.weight", RF_DT_BF16, 3, es, &e, &err), 0);
+    for (int r = 0; r < 2; r++) {
+        cr_assert_eq(rf_inv_add_endpoint(inv, RF_SRC, 0, &ep, &err), 0);
+        fp8_relay_piece(inv, ep, w, (int64_t[]){0, r * 192}, (int64_t[]){256, 192}, NULL);
+        fp8_relay_piece(inv, ep, e, (int64_t[]){0, 0, r * 64}, (int64_t[]){4, 128, r ? 32 : 64},
+                        NULL);
+    }
+    for (uint32_t r = 0; r < 3; r++) {
+        cr_assert_eq(rf_inv_add_endpoint(inv, RF_DST, 1 + r, &ep, &err), 0);
+        fp8_relay_piece(inv, ep, w, (int64_t[]){0, 0}, ws, &q);
+        fp8_relay_piece(inv, ep, e, (int64_t[]){0, 0, 0}, es, &q);
+    }
+    return inv;
+}
+
+/* Wrong bytes of the replicas' FP8 elements and scales against replica 0's (every region of a
+ * replica endpoint in order); *written: replica 0's bytes that are not the untouched 0xee. */
+static uint64_t fp8_replicas_differ(const rf_inv *inv, uint8_t **bases, uint64_t *written)
+{
+    uint32_t regs[3][8], nr[3] = {0};
+    uint64_t wrong = 0;
+
+    for (uint32_t r = 0; r < rf_inv_nregions(inv); r++) {
+        uint32_t ep = rf_inv_region(inv, r)->endpoint;
+
+        if (rf_inv_endpoint(inv, ep)->side == RF_DST)
+            regs[ep - 2][nr[ep - 2]++] = r;
+    }
+    *written = 0;
+    for (uint32_t k = 0; k < nr[0]; k++) {
+        uint64_t size = rf_inv_region(inv, regs[0][k])->size;
+
+        for (uint64_t b = 0; b < size; b++) {
+            *written += bases[regs[0][k]][b] != 0xee;
+            for (int r = 1; r < 3; r++)
+                wrong += bases[regs[r][k]][b] != bases[regs[0][k]][b];
+        }
+    }
+    return wrong;
+}
+
+/* FP8 replicas relay their payload as it is (FP8 elements, then the blocks' scales), and each
+ * replica fed by a relay checks the trainers' quantized tiles inside it: the weight's chunks
+ * are tiled by both trainers' column halves, the experts' by a tile of whole blocks and one
+ * whose last block is partial, over a leading dim. Clean, the replicas agree byte for byte and
+ * so do the digests; with a relay that corrupts what it forwards, the digests differ, though
+ * those of messages alone agree. Blocks of 32x64 (fp32 scales) and MXFP8 (one-byte scales). */
+Test(xfer_relay, fp8_relays_are_checked_end_to_end, .timeout = 60)
+{
+    static const char *fmts[2] = {"block:32x64", "mxfp8"};
+    static const uint32_t ep_daemon[5] = {0, 0, 1, 2, 3};
+    rf_plan_opts o = {.staging_bytes = 64 << 10, .direct_min_bytes = 4 << 20, .relay = 1};
+
+    for (int f = 0; f < 2; f++) {
+        rf_inv *inv = fp8_relay_inv(fmts[f]);
+        rf_xfer_job jobs[MAXD];
+        uint64_t ends, multi, written;
+        rf_plan *pl = NULL;
+        cluster c;
+        world w;
+        rf_err err;
+
+        cr_assert_eq(rf_plan_build(inv, &o, &pl, &err), 0, "%s: %s", fmts[f], err.msg);
+        cr_assert_gt(rf_plan_stats_get(pl)->relay_transfers, 0, "%s: no relays", fmts[f]);
+        cluster_alloc(&c, inv);
+        world_open(&w, 4);
+        run_relay_jobs(&w, pl, &o, ep_daemon, &c, 1, RF_VERIFY_FULL, jobs, false);
+        cr_assert_eq(fp8_replicas_differ(inv, c.bases, &written), 0, "%s: replicas differ",
+                     fmts[f]);
+        cr_assert_gt(written, 0);
+        cr_assert(digests_match(&w), "%s: clean FP8 relays, yet the digests differ", fmts[f]);
+        count_ends(jobs, 4, &ends, &multi);
+        cr_assert_gt(multi, 0, "%s: no relayed chunk is tiled by two trainers' shards",
+                     fmts[f]);
+        for (int d = 0; d < 4; d++)
+            job_free(&jobs[d]);
+        world_close(&w);
+
+        cr_assert_eq(setenv("REFIT_TEST_CORRUPT_RELAY", "1", 1), 0);
+        world_open(&w, 4);
+        cr_assert_eq(unsetenv("REFIT_TEST_CORRUPT_RELAY"), 0);
+        run_relay_jobs(&w, pl, &o, ep_daemon, &c, 2, RF_VERIFY_FULL, jobs, true);
+        cr_assert_gt(fp8_replicas_differ(inv, c.bases, &written), 0,
+                     "%s: the test hook corrupted nothing", fmts[f]);
+        cr_assert(digests_match(&w), "%s: the digests of messages alone caught the relay",
+                  fmts[f]);
+        for (int d = 0; d < 4; d++)
+            job_free(&jobs[d]);
+        run_relay_jobs(&w, pl, &o, ep_daemon, &c, 3, RF_VERIFY_FULL, jobs, false);
+        cr_assert(!digests_match(&w), "%s: a relay forwarded wrong FP8 bytes and the digests "
+                  "agree", fmts[f]);
+        for (int d = 0; d < 4; d++)
+            job_free(&jobs[d]);
+        world_close(&w);
+        cluster_free(&c);
+        rf_plan_free(pl);
+        rf_inv_free(inv);
+    }
+}
+
+/* Box [r0, r0 + nr) x [c0, c0 + nc) of a dense fp32 [rows, cols] matrix at base. */
+static rf_xfer_item item_box(float *base, int64_t rows, int64_t cols, int64_t r0, int64_t nr,
+                             int64_t c0, int64_t nc, uint64_t msg_off)
+{
+    rf_xfer_item it;
+
+    memset(&it, 0, sizeof(it));
+    it.base = (uint8_t *)base;
+    it.ndim = 2;
+    it.esize = 4;
+    rf_box_full(&it.piece.box, 2, (int64_t[]){rows, cols});
+    it.piece.strides[0] = cols;
+    it.piece.strides[1] = 1;
+    it.box = it.piece.box;
+    it.box.start[0] = r0;
+    it.box.extent[0] = nr;
+    it.box.start[1] = c0;
+    it.box.extent[1] = nc;
+    it.msg_off = msg_off;
+    it.bytes = (uint64_t)(nr * nc) * 4;
+    return it;
+}
+
+/* The term of relay transfer r for origin o over bytes, as xfer.h documents it. */
+static void term_ref(uint64_t r, uint64_t o, const void *bytes, size_t n,
+                     uint8_t acc[RF_XFER_DIGEST_BYTES])
+{
+    uint8_t c[RF_XFER_DIGEST_BYTES], h[RF_XFER_DIGEST_BYTES], le[16];
+    crypto_generichash_state st;
+
+    crypto_generichash(c, sizeof(c), bytes, n, NULL, 0);
+    for (int i = 0; i < 8; i++) {
+        le[i] = (uint8_t)(r >> (8 * i));
+        le[8 + i] = (uint8_t)(o >> (8 * i));
+    }
+    crypto_generichash_init(&st, NULL, 0, sizeof(h));
+    crypto_generichash_update(&st, (const uint8_t *)"refit-relay-e2e-v1", 18);
+    crypto_generichash_update(&st, le, sizeof(le));
+    crypto_generichash_update(&st, c, sizeof(c));
+    crypto_generichash_final(&st, h, sizeof(h));
+    for (int i = 0; i < RF_XFER_DIGEST_BYTES; i++)
+        acc[i] ^= h[i];
+}
+
+/* The relay terms are exactly the documented ones. A trainer (daemon 0) sends the left and
+ * right halves of an fp32 [8, 16] matrix (origins 0 and 1) in one packed message to a relay
+ * (daemon 1), which forwards the whole matrix (relay transfer 2) to daemon 2: the trainer's
+ * sent digest is its message's and the terms of both origins for relay 2 over the halves'
+ * bytes, the last receiver's received digest is its message's and the same terms, over the
+ * halves cut out of the whole it received; under sample too (seq 0 is picked), under off none. */
+Test(xfer_relay, relay_terms_are_the_documented_ones)
+{
+    enum { R = 8, C = 16, H = C / 2 };
+    float src[R * C], mid[R * C], leaf[R * C], halves[2][R * H];
+    rf_xfer_item ti[2], bi[3], ci;
+    rf_xfer_origin org[2];
+    uint64_t to[1] = {2};
+    rf_xfer_msg am, bm[2], cm;
+    rf_xfer_job aj, bj, cj;
+    world w;
+
+    for (int i = 0; i < R * C; i++)
+        src[i] = (float)i * 0.5f - 3.0f;
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++)
+            halves[c / H][r * H + c % H] = src[r * C + c];
+    ti[0] = item_box(src, R, C, 0, R, 0, H, 0);
+    ti[1] = item_box(src, R, C, 0, R, H, H, sizeof(halves[0]));
+    bi[0] = item_box(mid, R, C, 0, R, 0, H, 0);
+    bi[1] = item_box(mid, R, C, 0, R, H, H, sizeof(halves[0]));
+    bi[2] = item_box(mid, R, C, 0, R, 0, C, 0);
+    ci = item_box(leaf, R, C, 0, R, 0, C, 0);
+    for (int k = 0; k < 2; k++) {
+        ti[k].id = (uint64_t)k;
+        ti[k].relay_to = to;
+        ti[k].nrelay_to = 1;
+        org[k] = (rf_xfer_origin){.id = (uint64_t)k, .seq = 0, .box = ti[k].box};
+    }
+    ci.id = 2;
+    ci.origins = org;
+    ci.norigins = 2;
+    am = (rf_xfer_msg){.seq = 0, .round = 0, .kind = RF_PLAN_PACKED, .send = true, .peer = 1,
+                       .bytes = sizeof(src), .nitems = 2, .items = ti};
+    bm[0] = am;
+    bm[0].send = false;
+    bm[0].peer = 0;
+    bm[0].items = bi;
+    bm[1] = (rf_xfer_msg){.seq = 1, .round = 1, .kind = RF_PLAN_PACKED, .send = true, .peer = 2,
+                          .bytes = sizeof(src), .nitems = 1, .items = &bi[2]};
+    cm = bm[1];
+    cm.send = false;
+    cm.peer = 1;
+    cm.items = &ci;
+    aj = (rf_xfer_job){.version = 4, .nrounds = 2, .nmsgs = 1, .msgs = &am, .timeout_s = 20};
+    bj = aj;
+    bj.nmsgs = 2;
+    bj.msgs = bm;
+    cj = aj;
+    cj.msgs = &cm;
+    world_open(&w, 3);
+    for (int v = RF_VERIFY_OFF; v <= RF_VERIFY_FULL; v++) {
+        uint8_t sent[RF_XFER_DIGEST_BYTES] = {0}, recv[RF_XFER_DIGEST_BYTES] = {0};
+
+        aj.verify = bj.verify = cj.verify = v;
+        memset(mid, 0, sizeof(mid));
+        memset(leaf, 0, sizeof(leaf));
+        world_run(&w, (rf_xfer_job *[]){&aj, &bj, &cj});
+        for (int d = 0; d < 3; d++)
+            cr_assert_eq(w.res[d].code, 0, "daemon %d: %s", d, w.res[d].error);
+        cr_assert(memcmp(leaf, src, sizeof(src)) == 0);
+        if (v != RF_VERIFY_OFF) {
+            digest_ref(0, halves, sizeof(halves), sent);
+            if (v == RF_VERIFY_FULL) /* sample picks seq 0 only */
+                digest_ref(1, src, sizeof(src), recv);
+            for (int k = 0; k < 2; k++) {
+                term_ref(2, (uint64_t)k, halves[k], sizeof(halves[k]), sent);
+                term_ref(2, (uint64_t)k, halves[k], sizeof(halves[k]), recv);
+            }
+        }
+        cr_assert(memcmp(w.res[0].digest_sent, sent, sizeof(sent)) == 0, "verify %d", v);
+        cr_assert(memcmp(w.res[2].digest_recv, recv, sizeof(recv)) == 0, "verify %d", v);
+        cr_assert(digests_match(&w), "verify %d", v);
+    }
+    world_close(&w);
+}
+
+/* The ends of a relay tree where they cannot be: refused by the job check, naming the message
+ * and item. */
+Test(xfer_check, relay_ends_out_of_place_are_refused)
+{
+    rf_xfer_origin inside = {.id = 7, .seq = 3}, outside = inside, empty = inside;
+    uint64_t to[1] = {9};
+
+    for (int c = 0; c < 5; c++) {
+        pair p;
+        rf_xfer_job *j;
+        const char *says = "";
+        rf_err err;
+
+        pair_init(&p, 1);
+        inside.box = p.r_items[0].box;
+        inside.box.extent[0] = ROWS / 2;
+        outside.box = p.r_items[0].box;
+        outside.box.start[0] = ROWS / 2;
+        empty.box = inside.box;
+        empty.box.extent[1] = 0;
+        j = &p.rjob;
+        switch (c) {
+        case 0:
+            p.r_items[0].norigins = 1;
+            says = "counts 1 origins and 0 relay recipients without their arrays";
+            break;
+        case 1:
+            p.s_items[0].origins = &inside;
+            p.s_items[0].norigins = 1;
+            j = &p.sjob;
+            says = "seq 10 item 0 lists relay origins on its sending end";
+            break;
+        case 2:
+            p.r_items[1].relay_to = to;
+            p.r_items[1].nrelay_to = 1;
+            says = "seq 11 item 0 lists relay recipients on its receiving end";
+            break;
+        case 3:
+            p.r_items[0].origins = &outside;
+            p.r_items[0].norigins = 1;
+            says = "origin transfer 7 is box [128:384, 0:1024], empty or outside it";
+            break;
+        case 4:
+            p.r_items[0].origins = &empty;
+            p.r_items[0].norigins = 1;
+            says = "empty or outside it";
+            break;
+        }
+        rf_err_clear(&err);
+        cr_assert_eq(rf_xfer_job_check(j, 2, &err), -EINVAL, "case %d", c);
+        cr_assert(strstr(err.msg, says), "case %d: %s", c, err.msg);
+        /* The same item as a well-placed end passes. */
+        if (c == 3) {
+            p.r_items[0].origins = &inside;
+            cr_assert_eq(rf_xfer_job_check(j, 2, &err), 0, "%s", err.msg);
+        }
+        pair_free(&p);
+    }
 }

@@ -340,6 +340,180 @@ Test(xfer_nccl_self, fp8_tensor_quantized_by_the_sender) { fp8_refit("tensor", t
 Test(xfer_nccl_self, fp8_block_sources_copied) { fp8_refit("block:32x64", false, true); }
 Test(xfer_nccl_self, fp8_mxfp8_sources_copied) { fp8_refit("mxfp8", false, true); }
 
+/* ---- relays checked end to end ------------------------------------------------------------ */
+
+/* Whether the job's relay trees have ends (xfer.h, rf_xfer_origin): receivers of relays that
+ * list two origins or more, and senders of origins. */
+static void relay_ends(const rf_xfer_job *job, uint64_t *multi, uint64_t *senders)
+{
+    *multi = *senders = 0;
+    for (uint32_t i = 0; i < job->nmsgs; i++)
+        for (uint32_t k = 0; k < job->msgs[i].nitems; k++) {
+            *multi += job->msgs[i].items[k].norigins > 1;
+            *senders += job->msgs[i].items[k].nrelay_to > 0;
+        }
+}
+
+/* The same job as message digests alone would check it. */
+static void strip_ends(rf_xfer_job *job)
+{
+    for (uint32_t i = 0; i < job->nmsgs; i++)
+        for (uint32_t k = 0; k < job->msgs[i].nitems; k++)
+            job->msgs[i].items[k].norigins = job->msgs[i].items[k].nrelay_to = 0;
+}
+
+/* Runs plan pl (with relays) as one job of this rank: versions 1 to 3 in full, in sample,
+ * and in full without the relay trees' ends, each checked (check) and with equal digests at
+ * both ends; then version 3 again with the ends: the terms of both ends (read from device
+ * staging or memory) agree, and they are there (its digests differ from those without). */
+static void relay_runs(self *w, const rf_plan *pl, const rf_plan_opts *o, gmem *g,
+                       void (*fill)(void *, uint64_t), void (*check)(void *, uint64_t), void *arg)
+{
+    uint8_t without[RF_XFER_DIGEST_BYTES];
+    uint64_t multi, senders;
+    rf_xfer_job job;
+
+    for (uint64_t v = 1; v <= 3; v++) {
+        fill(arg, v);
+        gmem_sync(g, RF_SRC);
+        self_job(pl, o, g->dev, v, v == 2 ? RF_VERIFY_SAMPLE : RF_VERIFY_FULL, 0, &job);
+        relay_ends(&job, &multi, &senders);
+        cr_assert(multi > 0 && senders > 0, "the relay trees have no ends to check");
+        if (v == 3)
+            strip_ends(&job);
+        run_ok(w, &job);
+        gmem_sync(g, RF_DST);
+        check(arg, v);
+        job_free(&job);
+    }
+    /* Version 3 again, with the trees' ends: its digests differ from those without. */
+    memcpy(without, w->res.digest_sent, sizeof(without));
+    self_job(pl, o, g->dev, 3, RF_VERIFY_FULL, 0, &job);
+    run_ok(w, &job);
+    cr_assert_neq(memcmp(without, w->res.digest_sent, sizeof(without)), 0,
+                  "the relay trees' terms changed nothing: they were not computed");
+    job_free(&job);
+}
+
+typedef struct bf16_ctx {
+    const rf_inv *inv;
+    gmem *g;
+} bf16_ctx;
+
+static void bf16_fill(void *arg, uint64_t v)
+{
+    bf16_ctx *c = arg;
+
+    xd_fill(c->inv, c->g->host, v);
+}
+
+static void bf16_check(void *arg, uint64_t v)
+{
+    bf16_ctx *c = arg;
+    uint64_t wrong, stray;
+
+    xd_check(c->inv, c->g->host, v, &wrong, &stray);
+    cr_assert(wrong == 0 && stray == 0, "version %llu: %llu bytes wrong, %llu stray",
+              (unsigned long long)v, (unsigned long long)wrong, (unsigned long long)stray);
+}
+
+/* Relays over NCCL: qwen3 shrunk, trainer tp=2 to three engine replicas (tp=1,dp=3), relays
+ * on, every endpoint this rank's: a relay's gather waits for the rounds before it, and each
+ * replica fed by a relay checks the trainers' bytes end to end (the terms of both ends read
+ * from the GPU), byte for byte right, under full and sample. */
+Test(xfer_nccl_self, relays_checked_end_to_end)
+{
+    rf_model *m, *s;
+    rf_inv *inv = rf_inv_new();
+    rf_plan *pl = NULL;
+    rf_plan_opts o = {.staging_bytes = 256 << 10, .direct_min_bytes = 64 << 10, .relay = 1};
+    rf_par ps, pd;
+    gmem g;
+    self w;
+    rf_err err;
+
+    NEED_GPU();
+    cr_assert_eq(rf_model_load("qwen3-0.6b", &m, &err), 0, "%s", err.msg);
+    cr_assert_eq(rf_model_shrink(m, 16, &s, &err), 0, "%s", err.msg);
+    cr_assert_eq(rf_par_parse("tp=2", RF_SRC, s, &ps, &err), 0, "%s", err.msg);
+    cr_assert_eq(rf_par_parse("tp=1,dp=3", RF_DST, s, &pd, &err), 0, "%s", err.msg);
+    cr_assert_eq(rf_model_build_inv(s, &ps, &pd, 8, inv, &err), 0, "%s", err.msg);
+    cr_assert_eq(rf_plan_build(inv, &o, &pl, &err), 0, "%s", err.msg);
+    cr_assert_gt(rf_plan_stats_get(pl)->relay_messages, 0, "the plan relays nothing");
+    gmem_alloc(&g, inv, NULL);
+    self_open(&w);
+    relay_runs(&w, pl, &o, &g, bf16_fill, bf16_check, &(bf16_ctx){.inv = inv, .g = &g});
+    self_close(&w);
+    gmem_free(&g);
+    rf_plan_free(pl);
+    rf_inv_free(inv);
+    rf_model_free(s);
+    rf_model_free(m);
+}
+
+static void fp8_fill(void *arg, uint64_t v)
+{
+    fixture *f = arg;
+
+    xd_fill(f->inv, f->bases, v);
+}
+
+static void fp8_check(void *arg, uint64_t v)
+{
+    fixture *f = arg;
+
+    for (int r = 0; r < 3; r++)
+        cr_assert_eq(check_fp8(f, f->dst_w[r], v), 0, "version %llu: replica %d wrong",
+                     (unsigned long long)v, r);
+}
+
+/* FP8 replicas (block:32x64, MXFP8) fed by relays over NCCL: two bf16 trainers hold w's column
+ * halves, so each relayed chunk holds two origins, quantized by the sender on the GPU; the
+ * replicas forward their FP8 elements and scales as they are, every byte and scale of each
+ * against the reference, the terms of both ends equal. */
+static void fp8_relays(const char *name)
+{
+    rf_plan_opts o = {.staging_bytes = 64 << 10, .direct_min_bytes = 4 << 20, .relay = 1};
+    int64_t ws[2] = {W_ROWS, W_COLS}, s0[2] = {0, 0}, half[2] = {W_ROWS, W_COLS / 2};
+    rf_quant_fmt q;
+    rf_plan *pl = NULL;
+    uint32_t ep, id;
+    fixture f;
+    gmem g;
+    self w;
+    rf_err err = {0};
+
+    NEED_GPU();
+    memset(&f, 0, sizeof(f));
+    f.inv = rf_inv_new();
+    cr_assert_eq(rf_quant_fmt_parse(name, &q, &err), 0, "%s", err.msg);
+    cr_assert_eq(rf_inv_add_tensor(f.inv, "w.weight", RF_DT_BF16, 2, ws, &f.w, &err), 0);
+    for (int r = 0; r < 2; r++) {
+        int64_t st[2] = {0, r * W_COLS / 2};
+
+        cr_assert_eq(rf_inv_add_endpoint(f.inv, RF_SRC, 0, &ep, &err), 0);
+        cr_assert_eq(add(&f, ep, f.w, 2, st, half, NULL, &id, &err), 0, "%s", err.msg);
+    }
+    for (uint32_t r = 0; r < 3; r++) {
+        cr_assert_eq(rf_inv_add_endpoint(f.inv, RF_DST, 1 + r, &ep, &err), 0);
+        cr_assert_eq(add(&f, ep, f.w, 2, s0, ws, &q, &f.dst_w[r], &err), 0, "%s", err.msg);
+    }
+    f.nregions = rf_inv_nregions(f.inv);
+    cr_assert_eq(rf_plan_build(f.inv, &o, &pl, &err), 0, "%s: %s", name, err.msg);
+    cr_assert_gt(rf_plan_stats_get(pl)->relay_transfers, 0, "%s: no relays", name);
+    f.bases = calloc(f.nregions, sizeof(*f.bases));
+    gmem_alloc(&g, f.inv, f.bases);
+    self_open(&w);
+    relay_runs(&w, pl, &o, &g, fp8_fill, fp8_check, &f);
+    self_close(&w);
+    gmem_free(&g); /* and f.bases, the mirrors */
+    rf_plan_free(pl);
+    rf_inv_free(f.inv);
+}
+
+Test(xfer_nccl_self, fp8_block_relays_checked_end_to_end) { fp8_relays("block:32x64"); }
+Test(xfer_nccl_self, fp8_mxfp8_relays_checked_end_to_end) { fp8_relays("mxfp8"); }
+
 /* Scales the payload cannot take in place: bf16 tensors of an odd number of elements packed
  * before FP8 ones put the FP8 items' fp32 scales off a 4-byte boundary in staging; the sender
  * quantizes them into scratch and copies them into place. Trainers (host 1) hold every tensor
