@@ -549,29 +549,27 @@ out:
     return rc;
 }
 
-int rf_export_fetch(const char *socket_path, const uint8_t *key, size_t key_len,
-                    const uint32_t *pieces, size_t npieces, double timeout_s, rf_export **out,
-                    rf_err *err)
+/* request and take_answer in one bounded exchange: *r, *inv and *fds are the caller's on
+ * success (every fd, chan and the connection closed on failure). */
+static int fetch(const char *socket_path, const uint8_t *key, size_t key_len,
+                 const uint32_t *pieces, size_t npieces, double timeout_s,
+                 Refit__Rpc__Response **r, Refit__Inventory **inv, int **fds, uint32_t *nfds,
+                 rf_err *err)
 {
     xchg x = {socket_path, -1, timeout_s, {0, 0}, 0};
-    Refit__Rpc__Response *r = NULL;
-    Refit__Inventory *inv = NULL;
-    int chan = -1, *fds = NULL;
-    uint32_t nfds = 0;
-    int rc;
+    int chan = -1, rc;
 
-    *out = NULL;
-    if ((rc = set_deadline(&x, timeout_s, err)) < 0 ||
-        (rc = request(&x, key, key_len, pieces, npieces, &r, &chan, err)) < 0 ||
-        (rc = take_answer(&x, r, chan, &inv, &fds, &nfds, err)) < 0)
-        goto out;
-    rc = build(&x, r, inv, fds, out, err);
-out:
-    close_fds(fds, nfds);
-    if (inv)
-        refit__inventory__free_unpacked(inv, NULL);
-    if (r)
-        refit__rpc__response__free_unpacked(r, NULL);
+    *r = NULL;
+    *inv = NULL;
+    *fds = NULL;
+    *nfds = 0;
+    if ((rc = set_deadline(&x, timeout_s, err)) == 0 &&
+        (rc = request(&x, key, key_len, pieces, npieces, r, &chan, err)) == 0)
+        rc = take_answer(&x, *r, chan, inv, fds, nfds, err);
+    if (rc < 0 && *r) {
+        refit__rpc__response__free_unpacked(*r, NULL);
+        *r = NULL;
+    }
     if (chan >= 0)
         close(chan);
     if (x.fd >= 0)
@@ -579,32 +577,40 @@ out:
     return rc;
 }
 
+int rf_export_fetch(const char *socket_path, const uint8_t *key, size_t key_len,
+                    const uint32_t *pieces, size_t npieces, double timeout_s, rf_export **out,
+                    rf_err *err)
+{
+    xchg x = {socket_path, -1, timeout_s, {0, 0}, 0};
+    Refit__Rpc__Response *r;
+    Refit__Inventory *inv;
+    uint32_t nfds;
+    int *fds, rc;
+
+    *out = NULL;
+    rc = fetch(socket_path, key, key_len, pieces, npieces, timeout_s, &r, &inv, &fds, &nfds,
+               err);
+    if (rc < 0)
+        return rc;
+    rc = build(&x, r, inv, fds, out, err);
+    close_fds(fds, nfds);
+    refit__inventory__free_unpacked(inv, NULL);
+    refit__rpc__response__free_unpacked(r, NULL);
+    return rc;
+}
+
 int rf_export_fetch_answer(const char *socket_path, const uint8_t *key, size_t key_len,
                            const uint32_t *pieces, size_t npieces, double timeout_s,
                            rf_export_answer *out, rf_err *err)
 {
-    xchg x = {socket_path, -1, timeout_s, {0, 0}, 0};
-    Refit__Rpc__Response *r = NULL;
-    Refit__Inventory *inv = NULL;
-    int chan = -1;
+    Refit__Inventory *inv;
     int rc;
 
     memset(out, 0, sizeof(*out));
-    if ((rc = set_deadline(&x, timeout_s, err)) < 0 ||
-        (rc = request(&x, key, key_len, pieces, npieces, &r, &chan, err)) < 0 ||
-        (rc = take_answer(&x, r, chan, &inv, &out->fds, &out->nfds, err)) < 0)
-        goto out;
-    out->resp = r;
-    r = NULL;
-out:
-    if (inv)
+    rc = fetch(socket_path, key, key_len, pieces, npieces, timeout_s, &out->resp, &inv,
+               &out->fds, &out->nfds, err);
+    if (rc == 0)
         refit__inventory__free_unpacked(inv, NULL);
-    if (r)
-        refit__rpc__response__free_unpacked(r, NULL);
-    if (chan >= 0)
-        close(chan);
-    if (x.fd >= 0)
-        close(x.fd);
     return rc;
 }
 

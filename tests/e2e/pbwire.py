@@ -47,23 +47,7 @@ def field(num, payload):
 
 def parse_fields(b):
     """The top-level fields of a message, the last of each number kept."""
-    i, out = 0, {}
-    while i < len(b):
-        key, i = read_varint(b, i)
-        num, wt = key >> 3, key & 7
-        if wt == 0:
-            v, i = read_varint(b, i)
-        elif wt == 2:
-            n, i = read_varint(b, i)
-            v, i = b[i:i + n], i + n
-        elif wt == 1:
-            v, i = b[i:i + 8], i + 8
-        elif wt == 5:
-            v, i = b[i:i + 4], i + 4
-        else:
-            raise ValueError("wire type %d" % wt)
-        out[num] = v
-    return out
+    return {num: vals[-1] for num, vals in parse_all(b).items()}
 
 
 def frame(body):

@@ -524,8 +524,8 @@ static int grab(void *ctx, const uint8_t *b, uint32_t len)
     return 0;
 }
 
-/* Raw requests the C API never sends: before Hello, Hello twice, a CUDA region here. */
-static Refit__Rpc__Response *raw_call(int fd, Refit__Rpc__Request *q)
+/* The next answer on fd. */
+static Refit__Rpc__Response *raw_read(int fd)
 {
     rf_wire_reader rd;
     Refit__Rpc__Response *out = NULL;
@@ -533,12 +533,18 @@ static Refit__Rpc__Response *raw_call(int fd, Refit__Rpc__Request *q)
     ssize_t n;
 
     rf_wire_reader_init(&rd, 0);
-    cr_assert_eq(rf_rpc_send(fd, q, -1, NULL), 0);
     while (out == NULL && (n = recv(fd, buf, sizeof(buf), 0)) > 0)
         cr_assert_eq(rf_wire_reader_feed(&rd, buf, (size_t)n, grab, &out), 0);
     rf_wire_reader_reset(&rd);
     cr_assert_not_null(out);
     return out;
+}
+
+/* Raw requests the C API never sends: before Hello, Hello twice, a CUDA region here. */
+static Refit__Rpc__Response *raw_call(int fd, Refit__Rpc__Request *q)
+{
+    cr_assert_eq(rf_rpc_send(fd, q, -1, NULL), 0);
+    return raw_read(fd);
 }
 
 static void expect_raw(int fd, Refit__Rpc__Request *q, int code, const char *text)
@@ -1276,16 +1282,7 @@ Test(registry, inproc_regions_and_installer_refusals)
     cr_assert_eq(rf_rpc_send(ins, &q, sv[1], NULL), 0);
     close(sv[1]);
     {
-        rf_wire_reader rd;
-        uint8_t buf[4096];
-        ssize_t n;
-
-        r = NULL;
-        rf_wire_reader_init(&rd, 0);
-        while (r == NULL && (n = recv(ins, buf, sizeof(buf), 0)) > 0)
-            cr_assert_eq(rf_wire_reader_feed(&rd, buf, (size_t)n, grab, &r), 0);
-        rf_wire_reader_reset(&rd);
-        cr_assert_not_null(r);
+        r = raw_read(ins);
         cr_assert_eq(r->code, -ENOKEY, "%d: %s", r->code, r->message);
         cr_assert(strstr(r->message, "no trainer memory to give"), "%s", r->message);
         refit__rpc__response__free_unpacked(r, NULL);
@@ -1301,16 +1298,7 @@ Test(registry, inproc_regions_and_installer_refusals)
     test_loop_run(&H.l, set_key, NULL);
     cr_assert_eq(write(ins, sign_frame, sizeof(sign_frame)), (ssize_t)sizeof(sign_frame));
     {
-        rf_wire_reader rd;
-        uint8_t buf[4096];
-        ssize_t n;
-
-        r = NULL;
-        rf_wire_reader_init(&rd, 0);
-        while (r == NULL && (n = recv(ins, buf, sizeof(buf), 0)) > 0)
-            cr_assert_eq(rf_wire_reader_feed(&rd, buf, (size_t)n, grab, &r), 0);
-        rf_wire_reader_reset(&rd);
-        cr_assert_not_null(r);
+        r = raw_read(ins);
         cr_assert_eq(r->id, 16);
         cr_assert_eq(r->code, -EOPNOTSUPP, "%d: %s", r->code, r->message);
         cr_assert(strstr(r->message, "unknown request"), "%s", r->message);
