@@ -10,11 +10,13 @@
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <poll.h>
+#include <pthread.h>
 #include <sodium.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/eventfd.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
 #include <unistd.h>
@@ -48,7 +50,10 @@
  * whole message passed; direct ones land in a per-connection bounce buffer and are copied
  * into client memory once they passed. Nothing is encrypted: an observer on the path reads
  * the weights. A connection that fails the hello is closed without touching the job or the
- * peer's authenticated connection; a frame that fails its tag fails the job (-EBADMSG). */
+ * peer's authenticated connection; a frame that fails its tag fails the job (-EBADMSG).
+ * The listener is served at all times: during a job by the job's worker, between jobs by an
+ * idle thread of the transport's own, so that a connection is challenged when it arrives and
+ * closed when its hello fails or does not come within HELLO_TIMEOUT_S, job or not. */
 #define HELLO_MAGIC 0x48584652u /* "RFXH" */
 #define ACK_MAGIC 0x41584652u   /* "RFXA" */
 #define FRAME_MAGIC 0x46584652u /* "RFXF" */
@@ -72,6 +77,9 @@ _Static_assert(HELLO_LEN == HELLO_BODY + MAC_LEN, "xfer_tcp.h's hello size is th
 #define ADDR_MAX 300
 
 enum { MSG_PENDING = 0, MSG_BUSY, MSG_DONE };
+
+/* What the idle thread is asked to do. */
+enum { IDLE_SERVE = 0, IDLE_PARK, IDLE_QUIT };
 
 /* Where an outgoing connection is in its handshake; frames go out only once it is ready. */
 enum { OUT_READY = 0, OUT_CONNECTING, OUT_NONCE, OUT_HELLO, OUT_ACK };
@@ -146,8 +154,29 @@ typedef struct tcp {
     char addr[ADDR_MAX];
     conn *out, *in; /* base.npeers each, indexed by peer */
     rf_addr *to;    /* base.npeers: where each peer listens, parsed by set_peers */
+    /* The peer table hellos are checked against: base's self and npeers as set_peers last
+     * took them. The core updates base's own after set_peers returns, while the idle thread
+     * may already serve the listener again, so the handshake reads these. */
+    uint32_t self, npeers;
     conn *pending;  /* accepted, hello not read yet */
     size_t npending, cap_pending;
+    /* Between jobs the idle thread serves the listener and the pending connections (accept,
+     * challenge, hello, expiry). It is the only one to touch them, the peer table and the
+     * key while it serves: a job's worker parks it before its first step and lets it serve
+     * again after the last; set_peers, set_key and release park it too. Started with the
+     * first key (the hellos need one). */
+    pthread_t idle_thread;
+    pthread_mutex_t idle_mu;
+    pthread_cond_t idle_cv;
+    int idle_fd;     /* eventfd: wakes the idle thread's poll to look at idle_want */
+    int idle_want;   /* IDLE_SERVE, IDLE_PARK, IDLE_QUIT; under idle_mu */
+    bool idle_parked; /* under idle_mu: the idle thread touches nothing until idle_want changes */
+    bool idle_started;
+    /* A hello that failed authentication between jobs: the likely cause of a job's silence,
+     * handed to base.note when the next job starts (base.note is the job's). */
+    char idle_note[sizeof(((rf_xfer_core *)0)->note)];
+    struct pollfd *idle_pfd;
+    size_t idle_pcap;
     /* The cluster key the hellos are authenticated with (rf_xfer_tcp_set_key). */
     uint8_t *key;
     size_t key_len;
@@ -1124,24 +1153,39 @@ int rf_xfer_tcp__hello_check(const uint8_t *key, size_t key_len, uint32_t self,
     return ok ? 0 : -EACCES;
 }
 
-/* Reads the hello of an accepted connection. Only a hello that proves the key makes the
- * connection the incoming one of its peer, replacing an older one (which the peer abandoned
- * when it reconnected); anything else is dropped and logged, and neither the job nor the
- * peer's connection notices. */
+/* Where peer p listens, as set_peers parsed it (the idle thread does not read base.addrs,
+ * which the core replaces after set_peers). */
+static const char *peer_name(const tcp *t, uint32_t p, char *buf, size_t len)
+{
+    const rf_addr *a = &t->to[p];
+
+    snprintf(buf, len, strchr(a->host, ':') ? "[%s]:%s" : "%s:%s", a->host, a->port);
+    return buf;
+}
+
+/* Reads the hello of an accepted connection, in a job or between jobs (t->js.job NULL).
+ * Only a hello that proves the key makes the connection the incoming one of its peer,
+ * replacing an older one (which the peer abandoned when it reconnected); anything else is
+ * dropped and logged, and neither the job nor the peer's connection notices. */
 static int hello_progress(tcp *t, size_t k)
 {
     conn *c = &t->pending[k];
     ssize_t n = recv(c->fd, c->buf + c->buf_done, HELLO_LEN - c->buf_done, MSG_DONTWAIT);
+    bool idle = t->js.job == NULL;
     uint8_t ack[ACK_LEN];
+    char pname[ADDR_MAX];
     uint32_t from;
     int rc;
 
     if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR))
         return 0;
     if (n <= 0) {
+        /* A connection closed before it said anything (a port check) goes unlogged. */
         if (c->buf_done > 0)
             drop_pending(c, "it closed after %zu of the %d bytes of its hello", c->buf_done,
                          HELLO_LEN);
+        else if (n < 0)
+            drop_pending(c, "it was reset before it sent its hello: %s", strerror(errno));
         else
             conn_close(c);
         return 0;
@@ -1157,29 +1201,34 @@ static int hello_progress(tcp *t, size_t k)
     }
     if (c->buf_done < HELLO_LEN)
         return 0;
-    rc = rf_xfer_tcp__hello_check(t->key, t->key_len, t->base.self, t->base.npeers, c->nonce,
-                                  c->buf, &from);
+    rc = rf_xfer_tcp__hello_check(t->key, t->key_len, t->self, t->npeers, c->nonce, c->buf,
+                                  &from);
     /* Its magic and protocol passed above. */
     assert(rc != -EPROTO);
     if (rc == -ENXIO) {
         drop_pending(c, "its hello is from peer %u to peer %u, this daemon is peer %u of %u",
-                     from, get32(c->buf + 12), t->base.self, t->base.npeers);
+                     from, get32(c->buf + 12), t->self, t->npeers);
         return 0;
     }
     if (rc < 0) {
-        snprintf(t->base.note, sizeof(t->base.note), "a data connection from %s claiming to be "
-                 "peer %u failed authentication: cluster keys differ?", c->raddr, from);
+        char *note = idle ? t->idle_note : t->base.note;
+
+        snprintf(note, sizeof(t->base.note), "a data connection from %s claiming to be peer %u "
+                 "failed authentication: cluster keys differ?", c->raddr, from);
         drop_pending(c, "its hello claims to be peer %u (%s) but fails authentication: the "
                      "peer holds another cluster key, or the hello is forged or replayed",
-                     from, t->base.addrs[from]);
+                     from, peer_name(t, from, pname, sizeof(pname)));
         return 0;
     }
+    /* Between jobs every incoming connection is between messages (a job ends with all its
+     * messages in, a failed one closes them all). */
+    assert(!idle || (t->in[from].cur < 0 && t->in[from].buf_done == 0));
     if (t->in[from].cur >= 0 || t->in[from].buf_done > 0) {
         const rf_xfer_msg *m = t->in[from].cur >= 0 ? &t->js.job->msgs[t->in[from].cur] : NULL;
 
         conn_close(c);
         return fail(t, -ECONNRESET, "peer %u (%s) reconnected in the middle of message seq %u; "
-                    "it restarted or failed", from, t->base.addrs[from],
+                    "it restarted or failed", from, peer_name(t, from, pname, sizeof(pname)),
                     m ? m->seq : expected_seq(t, from));
     }
     /* The acceptance proves the key in turn: the connector sends nothing to an impostor. */
@@ -1274,6 +1323,158 @@ static void compact_pending(tcp *t)
     t->npending = j;
 }
 
+/* ---- between jobs: the idle thread ---- */
+
+/* The time left until the first pending connection's hello is due, in ms for poll (-1: none
+ * pending). */
+static int pending_wait_ms(const tcp *t)
+{
+    double now = rf_xfer__now(), first = -1.0;
+
+    for (size_t i = 0; i < t->npending; i++) {
+        double left = t->pending[i].since + HELLO_TIMEOUT_S - now;
+
+        if (first < 0 || left < first)
+            first = left;
+    }
+    if (first < 0)
+        return -1;
+    return first <= 0 ? 0 : (int)(first * 1000) + 1;
+}
+
+/* One poll over the wake-up, the listener and the pending connections, then what each ready
+ * one can do: what a job's worker does for them, without a job. */
+static void idle_step(tcp *t)
+{
+    size_t need = 2 + t->npending, n = 0;
+    struct pollfd *pfd;
+    uint64_t drain;
+
+    if (need > t->idle_pcap) {
+        pfd = realloc(t->idle_pfd, need * sizeof(*pfd));
+        if (pfd == NULL) {
+            /* Out of memory: what waits stays for the next job's worker, which expires it. */
+            RF_WARN("xfer tcp: out of memory serving %zu data connections between jobs; they "
+                    "wait for the next job", t->npending);
+            poll(&(struct pollfd){.fd = t->idle_fd, .events = POLLIN}, 1, 1000);
+            return;
+        }
+        t->idle_pfd = pfd;
+        t->idle_pcap = need;
+    }
+    pfd = t->idle_pfd;
+    pfd[n++] = (struct pollfd){.fd = t->idle_fd, .events = POLLIN};
+    pfd[n++] = (struct pollfd){.fd = t->lfd, .events = POLLIN};
+    for (size_t k = 0; k < t->npending; k++)
+        pfd[n++] = (struct pollfd){.fd = t->pending[k].fd, .events = POLLIN};
+    if (poll(pfd, n, pending_wait_ms(t)) < 0)
+        return;
+    if (pfd[0].revents)
+        while (read(t->idle_fd, &drain, sizeof(drain)) > 0)
+            ;
+    for (size_t k = 0; k + 2 < n; k++)
+        if (pfd[k + 2].revents)
+            hello_progress(t, k);
+    expire_pending(t);
+    compact_pending(t);
+    if (pfd[1].revents)
+        accept_all(t);
+}
+
+static void *idle_main(void *arg)
+{
+    tcp *t = arg;
+
+    pthread_mutex_lock(&t->idle_mu);
+    while (t->idle_want != IDLE_QUIT) {
+        if (t->idle_want == IDLE_PARK) {
+            t->idle_parked = true;
+            pthread_cond_broadcast(&t->idle_cv);
+            while (t->idle_want == IDLE_PARK)
+                pthread_cond_wait(&t->idle_cv, &t->idle_mu);
+            t->idle_parked = false;
+            continue;
+        }
+        pthread_mutex_unlock(&t->idle_mu);
+        idle_step(t);
+        pthread_mutex_lock(&t->idle_mu);
+    }
+    t->idle_parked = true;
+    pthread_cond_broadcast(&t->idle_cv);
+    pthread_mutex_unlock(&t->idle_mu);
+    return NULL;
+}
+
+/* Asks the idle thread for want (IDLE_PARK, IDLE_QUIT) and waits until it touches nothing. */
+static void idle_stop(tcp *t, int want)
+{
+    uint64_t one = 1;
+
+    if (!t->idle_started)
+        return;
+    pthread_mutex_lock(&t->idle_mu);
+    t->idle_want = want;
+    /* A parked thread waits on the condition, a serving one in poll: wake both. */
+    pthread_cond_broadcast(&t->idle_cv);
+    if (write(t->idle_fd, &one, sizeof(one)) < 0) {
+        /* The counter is full: the thread has a wake-up waiting anyway. */
+    }
+    while (!t->idle_parked)
+        pthread_cond_wait(&t->idle_cv, &t->idle_mu);
+    pthread_mutex_unlock(&t->idle_mu);
+}
+
+/* Lets a parked idle thread serve again. */
+static void idle_serve(tcp *t)
+{
+    if (!t->idle_started)
+        return;
+    pthread_mutex_lock(&t->idle_mu);
+    t->idle_want = IDLE_SERVE;
+    pthread_cond_broadcast(&t->idle_cv);
+    pthread_mutex_unlock(&t->idle_mu);
+}
+
+/* Starts the idle thread (once); 0 or a negative errno. */
+static int idle_start(tcp *t)
+{
+    int rc;
+
+    if (t->idle_started)
+        return 0;
+    t->idle_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    if (t->idle_fd < 0)
+        return -errno;
+    pthread_mutex_init(&t->idle_mu, NULL);
+    pthread_cond_init(&t->idle_cv, NULL);
+    t->idle_want = IDLE_SERVE;
+    t->idle_parked = false;
+    rc = pthread_create(&t->idle_thread, NULL, idle_main, t);
+    if (rc != 0) {
+        pthread_cond_destroy(&t->idle_cv);
+        pthread_mutex_destroy(&t->idle_mu);
+        close(t->idle_fd);
+        t->idle_fd = -1;
+        return -rc;
+    }
+    t->idle_started = true;
+    return 0;
+}
+
+/* Stops the idle thread for good and frees what it held. */
+static void idle_end(tcp *t)
+{
+    if (!t->idle_started)
+        return;
+    idle_stop(t, IDLE_QUIT);
+    pthread_join(t->idle_thread, NULL);
+    pthread_cond_destroy(&t->idle_cv);
+    pthread_mutex_destroy(&t->idle_mu);
+    close(t->idle_fd);
+    t->idle_fd = -1;
+    t->idle_started = false;
+}
+
 /* ---- the worker: the job ---- */
 
 enum { PF_EVENT, PF_LISTEN, PF_PENDING, PF_IN, PF_OUT };
@@ -1285,6 +1486,12 @@ static int tcp_start(rf_xfer_core *base)
     const rf_xfer_job *job = base->job;
     int rc;
 
+    /* The listener is the worker's from here to tcp_finish. */
+    idle_stop(t, IDLE_PARK);
+    if (t->idle_note[0]) {
+        memcpy(base->note, t->idle_note, sizeof(base->note));
+        t->idle_note[0] = '\0';
+    }
     if ((rc = js_init(s, job, base->npeers)) < 0)
         return fail(t, rc, "out of memory for a job of %u messages", job->nmsgs);
     for (uint32_t p = 0; p < base->npeers; p++) {
@@ -1401,6 +1608,7 @@ static void tcp_finish(rf_xfer_core *base, int rc)
     /* A failed job leaves streams mid-frame or with stale frames: start over. */
     if (rc < 0)
         close_all_conns(t);
+    idle_serve(t);
 }
 
 /* ---- the loop thread ---- */
@@ -1409,6 +1617,7 @@ static void tcp_release(rf_xfer_core *base)
 {
     tcp *t = (tcp *)base;
 
+    idle_end(t);
     close_all_conns(t);
     if (t->lfd >= 0)
         close(t->lfd);
@@ -1422,6 +1631,7 @@ static void tcp_release(rf_xfer_core *base)
     free(t->pfd);
     free(t->pref);
     free(t->pkind);
+    free(t->idle_pfd);
     if (t->key)
         sodium_memzero(t->key, t->key_len);
     free(t->key);
@@ -1440,6 +1650,7 @@ static int tcp_set_peers(rf_xfer_core *base, uint32_t self, uint32_t npeers,
     uint32_t p;
     int rc = 0;
 
+    idle_stop(t, IDLE_PARK);
     nout = malloc(npeers * sizeof(*nout));
     nin = malloc(npeers * sizeof(*nin));
     nto = malloc(npeers * sizeof(*nto));
@@ -1475,12 +1686,15 @@ static int tcp_set_peers(rf_xfer_core *base, uint32_t self, uint32_t npeers,
     t->out = nout;
     t->in = nin;
     t->to = nto;
+    t->self = self;
+    t->npeers = npeers;
     nout = nin = NULL;
     nto = NULL;
 out:
     free(nout);
     free(nin);
     free(nto);
+    idle_serve(t);
     return rc;
 }
 
@@ -1517,6 +1731,7 @@ size_t rf_xfer_tcp__accept_headers(const rf_xfer_job *job, uint32_t npeers, uint
     if (!t)
         goto out;
     t->lfd = -1;
+    t->idle_fd = -1;
     t->base.pub.ops = &tcp_backend;
     t->base.job = job;
     t->base.npeers = npeers;
@@ -1626,6 +1841,7 @@ int rf_xfer_tcp_new(uv_loop_t *loop, const char *listen_addr, rf_xfer_transport 
     }
     t = (tcp *)core;
     t->lfd = lfd;
+    t->idle_fd = -1;
     memcpy(t->addr, addr, sizeof(t->addr));
     {
         const char *hook = getenv("REFIT_TEST_CORRUPT_RELAY");
@@ -1652,6 +1868,7 @@ int rf_xfer_tcp_set_key(rf_xfer_transport *base, const uint8_t *key, size_t len)
     if (!copy)
         return -ENOMEM;
     memcpy(copy, key, len);
+    idle_stop(t, IDLE_PARK);
     /* Connections proved the old key; with a new one they must prove it again. */
     if (t->key && (t->key_len != len || sodium_memcmp(t->key, key, len) != 0))
         close_all_conns(t);
@@ -1660,7 +1877,12 @@ int rf_xfer_tcp_set_key(rf_xfer_transport *base, const uint8_t *key, size_t len)
     free(t->key);
     t->key = copy;
     t->key_len = len;
-    return 0;
+    if (t->idle_started) {
+        idle_serve(t);
+        return 0;
+    }
+    /* From the first key on, the listener is served between jobs too. */
+    return idle_start(t);
 }
 
 const char *rf_xfer_tcp_addr(const rf_xfer_transport *base)
