@@ -17,6 +17,7 @@
 #include <sodium.h>
 
 #include "addr.h"
+#include "admit.h"
 #include "macros.h"
 #include "wire.h"
 
@@ -52,9 +53,9 @@ struct rf_peer {
     rf_peer_listener *listener; /* exactly one of listener and connector is set */
     rf_peer_connector *connector;
     rf_peer *next, **pprev;     /* the listener's list */
+    rf_admit_entry adm;         /* in its listener's table while in its handshake */
     int open_handles;
     int established;            /* TCP connected or accepted: on_down will be called */
-    int pending;                /* counted in its listener's handshakes in progress */
     int challenged;             /* the peer's Challenge arrived (a connector then proved) */
     int up;                     /* both proofs checked: frames carry seq and MAC from now on */
     int closing;                /* no more reads or sends; waiting for shutdown or linger */
@@ -80,10 +81,11 @@ struct rf_peer_listener {
     uv_tcp_t tcp;
     struct peer_settings set;
     rf_peer *peers;
-    uint32_t pending;           /* accepted connections still in their handshake */
+    rf_admit pending;           /* accepted connections in their handshake, not closing */
     int port;
     int closing;
     int tcp_closed;
+    rf_admit_src srcs[];        /* max_pending: the sources of pending */
 };
 
 struct rf_peer_connector {
@@ -259,14 +261,12 @@ static void peer_set_reason(rf_peer *p, const char *fmt, ...)
     va_end(ap);
 }
 
-/* The connection left its handshake (it came up, or it is gone): it no longer counts
+/* The connection left its handshake (it came up, or it is closing): it no longer counts
  * against its listener's limit. */
 static void peer_unpend(rf_peer *p)
 {
-    if (!p->pending)
-        return;
-    p->pending = 0;
-    p->listener->pending--;
+    if (p->listener)
+        rf_admit_remove(&p->listener->pending, &p->adm);
 }
 
 static void peer_release(rf_peer *p)
@@ -304,6 +304,7 @@ static void peer_close_now(rf_peer *p)
         return;
     p->handles_closing = 1;
     p->closing = 1;
+    peer_unpend(p);
     rf_wire_read_stop(&p->ws);
     uv_close((uv_handle_t *)&p->tcp, peer_tcp_closed);
     uv_close((uv_handle_t *)&p->timer, peer_timer_closed);
@@ -325,6 +326,7 @@ static void peer_linger_close(rf_peer *p)
     if (p->closing)
         return;
     p->closing = 1;
+    peer_unpend(p);
     if (!p->established) {
         peer_close_now(p);
         return;
@@ -924,11 +926,10 @@ static void listener_peer_gone(rf_peer_listener *l, rf_peer *p)
     listener_maybe_free(l);
 }
 
-/* One connection over the limit of handshakes in progress: closed as it is accepted, before
- * anything is allocated for it but the peer itself. Each connection still in its handshake
- * holds at most a small frame, and goes at the handshake deadline. The Error is best effort
- * (one non-blocking write); the owner hears the reason through on_down. */
-static void listener_refuse(rf_peer_listener *l, rf_peer *p)
+/* The listener's table of connections in their handshake is full and a new one came: v, the
+ * oldest connection of the source holding the most places, goes to make room. The Error is
+ * best effort (one non-blocking write); the owner hears the reason through on_down. */
+static void listener_evict(rf_peer_listener *l, rf_peer *v, const char *newcomer)
 {
     Refit__Envelope env = REFIT__ENVELOPE__INIT;
     Refit__Error e = REFIT__ERROR__INIT;
@@ -936,26 +937,42 @@ static void listener_refuse(rf_peer_listener *l, rf_peer *p)
     size_t len;
     uv_buf_t b;
 
-    p->established = 1;
-    peer_describe_remote(p);
-    peer_set_reason(p, "refused at once: %" PRIu32 " connections to this listener are already "
-                    "in their handshake (limit %" PRIu32 "); a flood of connections that do not "
-                    "authenticate?", l->pending, l->set.max_pending);
+    peer_set_reason(v, "closed to make room for a new connection from %s: %" PRIu32 " "
+                    "connections to this listener were in their handshake (limit %" PRIu32 "), "
+                    "%" PRIu32 " of them from the address of this one (%s), which no address "
+                    "exceeded, and this was its oldest; a flood of connections that do not "
+                    "authenticate?", newcomer, l->pending.count, l->set.max_pending,
+                    rf_admit_src_count(&v->adm), v->remote);
     e.code = -EBUSY;
-    e.message = p->reason;
+    e.message = v->reason;
     env.body_case = REFIT__ENVELOPE__BODY_ERROR;
     env.error = &e;
     if (rf_wire_pack(&env.base, &buf, &len) == 0) {
         b = uv_buf_init((char *)buf, (unsigned int)len);
-        uv_try_write((uv_stream_t *)&p->tcp, &b, 1);
+        uv_try_write((uv_stream_t *)&v->tcp, &b, 1);
         free(buf);
     }
-    peer_close_now(p);
+    peer_close_now(v);
 }
 
+/* Until a connection proves the key, nothing tells a daemon of the cluster from a stranger,
+ * so every new connection is admitted, and the table of max_pending connections in their
+ * handshake bounds what strangers hold (a small frame each, until the handshake deadline).
+ * When it is full the newcomer does not wait or get refused (then a stranger re-opening what
+ * is closed keeps every place taken, and a daemon that proves the key in milliseconds never
+ * gets one): the oldest connection of the source address holding the most places is closed
+ * instead. A daemon is then closed only when it is the oldest of the largest source: never
+ * while a stranger on another address holds more places than the daemon's address, and on
+ * the daemon's own address only after max_pending newer connections from there came before its
+ * proof, which arrives one round trip after it connects. Places reserved for the configured
+ * members would not help: a member is known by its Hello, which anyone can send, and its
+ * address, which it shares with whatever else runs on its host. */
 static void listener_accept(uv_stream_t *server, int status)
 {
     rf_peer_listener *l = container_of((uv_tcp_t *)server, rf_peer_listener, tcp);
+    struct sockaddr_storage ss;
+    int sslen = sizeof(ss);
+    rf_admit_entry *victim;
     rf_peer *p;
 
     /* A failed accept (out of descriptors, say) concerns that one connection only. */
@@ -970,16 +987,17 @@ static void listener_accept(uv_stream_t *server, int status)
         l->peers->pprev = &p->next;
     p->pprev = &l->peers;
     l->peers = p;
-    if (uv_accept(server, (uv_stream_t *)&p->tcp) < 0) {
+    if (uv_accept(server, (uv_stream_t *)&p->tcp) < 0 ||
+        uv_tcp_getpeername(&p->tcp, (struct sockaddr *)&ss, &sslen) < 0) {
+        /* Reset before it could be served: nothing to tell anyone. */
         peer_close_now(p);
         return;
     }
-    if (l->pending >= l->set.max_pending) {
-        listener_refuse(l, p);
-        return;
-    }
-    l->pending++;
-    p->pending = 1;
+    peer_describe_remote(p);
+    victim = rf_admit_victim(&l->pending);
+    if (victim != NULL)
+        listener_evict(l, container_of(victim, rf_peer, adm), p->remote);
+    rf_admit_add(&l->pending, &p->adm, (struct sockaddr *)&ss);
     peer_start(p);
 }
 
@@ -992,9 +1010,14 @@ int rf_peer_listen(uv_loop_t *loop, const char *addr, const rf_peer_config *cfg,
     struct sockaddr_storage ss;
     const char *node;
     rf_addr a;
+    uint32_t max_pending = cfg->max_pending ? cfg->max_pending : RF_PEER_MAX_PENDING_DEFAULT;
     int len = sizeof(ss), rc, have_gai = 0;
 
     *out = NULL;
+    if (max_pending > RF_PEER_MAX_PENDING_MAX)
+        return rf_err_set(err, -EINVAL, "cannot listen on %s: %" PRIu32 " connections in their "
+                          "handshake is more than the %d a listener may hold", addr, max_pending,
+                          RF_PEER_MAX_PENDING_MAX);
     rc = rf_addr_parse(addr, RF_ADDR_LISTEN, &a, err);
     if (rc < 0)
         goto out;
@@ -1007,7 +1030,7 @@ int rf_peer_listen(uv_loop_t *loop, const char *addr, const rf_peer_config *cfg,
         goto out;
     }
     have_gai = 1;
-    l = calloc(1, sizeof(*l));
+    l = calloc(1, sizeof(*l) + (size_t)max_pending * sizeof(l->srcs[0]));
     if (l == NULL) {
         rc = rf_err_set(err, -ENOMEM, "cannot listen on %s: out of memory", addr);
         goto out;
@@ -1018,6 +1041,7 @@ int rf_peer_listen(uv_loop_t *loop, const char *addr, const rf_peer_config *cfg,
         l = NULL;
         goto out;
     }
+    rf_admit_init(&l->pending, l->srcs, l->set.max_pending);
     uv_tcp_init(loop, &l->tcp);
     rc = uv_tcp_bind(&l->tcp, gai.addrinfo->ai_addr, 0);
     if (rc == 0)

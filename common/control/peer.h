@@ -27,6 +27,7 @@
  * fit the limit above. */
 #define RF_PEER_HELLO_STR_MAX 960
 #define RF_PEER_MAX_PENDING_DEFAULT 64
+#define RF_PEER_MAX_PENDING_MAX 65536
 #define RF_PEER_KEY_MIN 32
 #define RF_PEER_KEY_MAX 1024
 #define RF_PEER_HEARTBEAT_MS_DEFAULT 1000
@@ -75,9 +76,11 @@ typedef struct rf_peer_config {
     uint64_t heartbeat_ms;       /* 0: RF_PEER_HEARTBEAT_MS_DEFAULT */
     uint64_t timeout_ms;         /* 0: RF_PEER_TIMEOUT_MS_DEFAULT; also bounds the connect, and
                                   * the whole handshake from the moment TCP is up */
-    uint32_t max_pending;        /* listeners, 0: RF_PEER_MAX_PENDING_DEFAULT. At most this many
-                                  * accepted connections may be in their handshake at once; one
-                                  * more is closed as it is accepted (on_down says why) */
+    uint32_t max_pending;        /* listeners, 0: RF_PEER_MAX_PENDING_DEFAULT, at most
+                                  * RF_PEER_MAX_PENDING_MAX. At most this many accepted
+                                  * connections may be in their handshake at once; for one more,
+                                  * the oldest of the source address that holds the most of them
+                                  * is closed (on_down says why) */
     uint64_t backoff_min_ms;     /* 0: RF_PEER_BACKOFF_MIN_MS_DEFAULT (connectors) */
     uint64_t backoff_max_ms;     /* 0: RF_PEER_BACKOFF_MAX_MS_DEFAULT (connectors) */
     rf_peer_callbacks cb;

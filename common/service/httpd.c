@@ -20,22 +20,38 @@
 #include <unistd.h>
 
 #include "addr.h"
+#include "admit.h"
 #include "log.h"
+#include "macros.h"
 
 #define METRICS_TYPE "text/plain; version=0.0.4; charset=utf-8"
 
 /* Slow or half-open clients (a request line and never the end of its headers) must not keep
- * /status from its scraper. Every client we serve sends its request at once, so a connection
- * idle for HTTPD_TIMEOUT_S is dropped; one address holds at most HTTPD_PER_IP connections, so
- * one host cannot fill the server; and the server holds up to HTTPD_MAX_CONNS connections (a
- * quarter of the descriptors the process may open, at most), so the half-open connections of
- * many hosts fit beside the real scrapers. */
+ * /status from a person or a scraper, wherever they connect from. Every client we serve sends
+ * its request at once, so a connection idle for HTTPD_TIMEOUT_S is dropped, and the server
+ * holds up to HTTPD_MAX_CONNS connections (a quarter of the descriptors the process may open,
+ * at most). All but HTTPD_BUSY_RESERVE of them may be waiting for their request; when that
+ * many wait, a new connection is not refused (whoever holds them, from the person's own
+ * address say, would keep everyone out) but the oldest waiting connection of the address
+ * holding the most of them is closed (shut down; libmicrohttpd then sees its end). A client
+ * that sends its request as it connects leaves the table one round trip later, so it is never
+ * the oldest for long, and one address cannot push out another's while it holds more. A limit
+ * per address below the table's would lock the person on that address out instead. */
 #define HTTPD_TIMEOUT_S 5u
-#define HTTPD_PER_IP 32u
 #define HTTPD_MAX_CONNS 1024u
 #define HTTPD_MIN_CONNS 64u
+#define HTTPD_BUSY_RESERVE 32u
 #define HTTPD_BACKLOG 256u
 #define HTTPD_WARN_EVERY_S 10
+_Static_assert(HTTPD_MIN_CONNS > HTTPD_BUSY_RESERVE, "the table of waiting connections has room");
+
+/* One connection, from libmicrohttpd's notice of its start to that of its end; in the table
+ * while no request of it is being answered. */
+struct hconn {
+    rf_admit_entry adm;
+    struct MHD_Connection *c;
+    struct hconn *next_free;
+};
 
 struct rf_httpd {
     struct MHD_Daemon *d;
@@ -44,9 +60,14 @@ struct rf_httpd {
     void *status_arg;
     int port;
     unsigned max_conns;
-    pthread_mutex_t log_mu; /* mhd_log's rate limit */
+    pthread_mutex_t log_mu; /* warn_limited's rate limit */
     time_t log_window;
     unsigned log_held;
+    /* Touched only on libmicrohttpd's one thread. */
+    rf_admit waiting;       /* connections without a request being answered */
+    rf_admit_src *srcs;     /* the table's sources */
+    struct hconn *conns;    /* max_conns records: libmicrohttpd holds no more connections */
+    struct hconn *free_conns;
 };
 
 static enum MHD_Result reply(struct MHD_Connection *conn, unsigned code, const char *type,
@@ -93,10 +114,15 @@ static enum MHD_Result handle(void *cls, struct MHD_Connection *conn, const char
                               size_t *upload_size, void **req_cls)
 {
     rf_httpd *h = cls;
+    const union MHD_ConnectionInfo *ci =
+        MHD_get_connection_info(conn, MHD_CONNECTION_INFO_SOCKET_CONTEXT);
 
     (void)version;
     (void)upload_data;
     (void)req_cls;
+    /* A request is being answered: the connection is no longer one that waits. */
+    if (ci != NULL && ci->socket_context != NULL)
+        rf_admit_remove(&h->waiting, &((struct hconn *)ci->socket_context)->adm);
     if (*upload_size != 0) {
         /* Nothing here accepts a body; drop it and answer once it has been read. */
         *upload_size = 0;
@@ -126,41 +152,128 @@ static enum MHD_Result handle(void *cls, struct MHD_Connection *conn, const char
                       url);
 }
 
-/* Runs on libmicrohttpd's thread (and on ours while it starts). A client that opens
- * connections past the limits makes a warning per refused connection: one line per
- * HTTPD_WARN_EVERY_S is logged, with the count of the ones held back. */
-static void mhd_log(void *cls, const char *fmt, va_list ap)
+/* Warnings about clients that hold connections come per connection: one line per
+ * HTTPD_WARN_EVERY_S is logged. True when this one may be, with *held the count held back
+ * since the last. Runs on libmicrohttpd's thread (and on ours while it starts). */
+static bool warn_turn(rf_httpd *h, unsigned *held)
 {
-    rf_httpd *h = cls;
-    char msg[512];
-    unsigned before = 0;
-    bool say = false;
     time_t now = time(NULL);
-    size_t n;
+    bool say = false;
 
-    vsnprintf(msg, sizeof(msg), fmt, ap);
-    n = strlen(msg);
-    while (n > 0 && msg[n - 1] == '\n')
-        msg[--n] = '\0';
     pthread_mutex_lock(&h->log_mu);
     if (now - h->log_window >= HTTPD_WARN_EVERY_S) {
         h->log_window = now;
-        before = h->log_held;
+        *held = h->log_held;
         h->log_held = 0;
         say = true;
     } else {
         h->log_held++;
     }
     pthread_mutex_unlock(&h->log_mu);
-    if (!say)
+    if (say && *held > 0)
+        RF_WARN("status http: %u more warnings like the next were held back", *held);
+    return say;
+}
+
+static void mhd_log(void *cls, const char *fmt, va_list ap)
+{
+    rf_httpd *h = cls;
+    char msg[512];
+    unsigned held;
+    size_t n;
+
+    vsnprintf(msg, sizeof(msg), fmt, ap);
+    n = strlen(msg);
+    while (n > 0 && msg[n - 1] == '\n')
+        msg[--n] = '\0';
+    if (!warn_turn(h, &held))
         return;
-    if (before > 0)
-        RF_WARN("status http: %u more warnings like the next were held back", before);
     if (strstr(msg, "connection limit") != NULL)
-        RF_WARN("status http: %s (limits: %u connections, %u from one address; idle ones are "
-                "closed after %u s)", msg, h->max_conns, HTTPD_PER_IP, HTTPD_TIMEOUT_S);
+        RF_WARN("status http: %s (limits: %u connections, %u of them waiting for a request; "
+                "idle ones are closed after %u s)", msg, h->max_conns, h->waiting.cap,
+                HTTPD_TIMEOUT_S);
     else
         RF_WARN("status http: %s", msg);
+}
+
+static const struct sockaddr *conn_addr(struct MHD_Connection *c)
+{
+    const union MHD_ConnectionInfo *i =
+        MHD_get_connection_info(c, MHD_CONNECTION_INFO_CLIENT_ADDRESS);
+
+    return i != NULL ? i->client_addr : NULL;
+}
+
+static void addr_name(const struct sockaddr *sa, char *buf, size_t len)
+{
+    char ip[INET6_ADDRSTRLEN] = "an unknown address";
+
+    if (sa != NULL && sa->sa_family == AF_INET)
+        inet_ntop(AF_INET, &((const struct sockaddr_in *)sa)->sin_addr, ip, sizeof(ip));
+    else if (sa != NULL && sa->sa_family == AF_INET6)
+        inet_ntop(AF_INET6, &((const struct sockaddr_in6 *)sa)->sin6_addr, ip, sizeof(ip));
+    snprintf(buf, len, "%s", ip);
+}
+
+/* hc just connected and waits for its request: it becomes the newest entry of the table, and
+ * when the table is full the oldest connection of the address holding the most entries is
+ * shut down first. A connection waits only once: the handler answers a request as soon as its
+ * headers are in, and libmicrohttpd closes a connection whose response came that early
+ * (Connection: close), so no connection is kept open to wait for a second request. */
+static void wait_for_request(rf_httpd *h, struct hconn *hc)
+{
+    rf_admit_entry *v = rf_admit_victim(&h->waiting);
+
+    if (v != NULL) {
+        struct hconn *vc = container_of(v, struct hconn, adm);
+        const union MHD_ConnectionInfo *fd =
+            MHD_get_connection_info(vc->c, MHD_CONNECTION_INFO_CONNECTION_FD);
+        char who[INET6_ADDRSTRLEN + 32], to[INET6_ADDRSTRLEN + 32];
+        unsigned n = rf_admit_src_count(v), held;
+
+        rf_admit_remove(&h->waiting, v);
+        /* libmicrohttpd owns the descriptor and closes it once it reads the end; a failure
+         * here means the connection is already ending. */
+        if (fd != NULL)
+            shutdown(fd->connect_fd, SHUT_RDWR);
+        if (warn_turn(h, &held)) {
+            addr_name(conn_addr(vc->c), who, sizeof(who));
+            addr_name(conn_addr(hc->c), to, sizeof(to));
+            RF_WARN("status http: closed the oldest connection from %s that had no request "
+                    "being answered, for a new one from %s: %u connections were waiting for "
+                    "a request (the limit), %u of them from %s, which no address exceeded "
+                    "(clients that connect and do not send their request?)", who, to,
+                    h->waiting.cap, n, who);
+        }
+    }
+    rf_admit_add(&h->waiting, &hc->adm, conn_addr(hc->c));
+}
+
+static void on_connection(void *cls, struct MHD_Connection *c, void **ctx,
+                          enum MHD_ConnectionNotificationCode what)
+{
+    rf_httpd *h = cls;
+    struct hconn *hc = *ctx;
+
+    if (what == MHD_CONNECTION_NOTIFY_STARTED) {
+        /* libmicrohttpd holds at most max_conns connections, one record each; a connection
+         * without one would only be bounded by the idle timeout. */
+        hc = h->free_conns;
+        if (hc == NULL)
+            return;
+        h->free_conns = hc->next_free;
+        hc->c = c;
+        *ctx = hc;
+        wait_for_request(h, hc);
+        return;
+    }
+    if (hc == NULL)
+        return;
+    rf_admit_remove(&h->waiting, &hc->adm);
+    hc->c = NULL;
+    hc->next_free = h->free_conns;
+    h->free_conns = hc;
+    *ctx = NULL;
 }
 
 /* The connection limit: HTTPD_MAX_CONNS, or a quarter of RLIMIT_NOFILE when that is lower,
@@ -229,15 +342,24 @@ int rf_httpd_start(rf_httpd **out, const char *listen_addr, rf_metrics *metrics,
     rf_httpd *h = NULL;
     unsigned flags = MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_ITC | MHD_USE_ERROR_LOG |
                      MHD_USE_AUTO;
+    unsigned max = conn_limit();
     int fd = -1, ipv6 = 0, rc;
 
-    h = calloc(1, sizeof(*h));
+    /* One allocation: h, a record per connection, a source per place in the table. */
+    h = calloc(1, sizeof(*h) + max * sizeof(struct hconn) + max * sizeof(rf_admit_src));
     if (h == NULL)
         return rf_err_set(err, -ENOMEM, "out of memory starting the status server");
     h->metrics = metrics;
     h->status = status;
     h->status_arg = status_arg;
-    h->max_conns = conn_limit();
+    h->max_conns = max;
+    h->conns = (struct hconn *)(h + 1);
+    h->srcs = (rf_admit_src *)(h->conns + max);
+    for (unsigned i = max; i-- > 0;) {
+        h->conns[i].next_free = h->free_conns;
+        h->free_conns = &h->conns[i];
+    }
+    rf_admit_init(&h->waiting, h->srcs, max - HTTPD_BUSY_RESERVE);
     pthread_mutex_init(&h->log_mu, NULL);
     rc = listen_on(listen_addr, &fd, &h->port, &ipv6, err);
     if (rc != 0)
@@ -251,8 +373,8 @@ int rf_httpd_start(rf_httpd **out, const char *listen_addr, rf_metrics *metrics,
                             MHD_OPTION_EXTERNAL_LOGGER, mhd_log, h,
                             MHD_OPTION_LISTEN_SOCKET, fd,
                             MHD_OPTION_CONNECTION_LIMIT, h->max_conns,
-                            MHD_OPTION_PER_IP_CONNECTION_LIMIT, HTTPD_PER_IP,
                             MHD_OPTION_CONNECTION_TIMEOUT, HTTPD_TIMEOUT_S,
+                            MHD_OPTION_NOTIFY_CONNECTION, on_connection, h,
                             MHD_OPTION_END);
     fd = -1;
     if (h->d == NULL) {

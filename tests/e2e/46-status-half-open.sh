@@ -1,8 +1,9 @@
 #!/bin/bash
 # /status stays answerable while many half-open requests (a request line and never the end of
 # the headers) hold connections: 200 of them from ten addresses are held by the daemon when a
-# fresh GET /status is answered at once; one address gets at most 32 connections, the rest are
-# closed at once (one rate-limited warning); idle connections are closed after 5 s.
+# fresh GET /status is answered at once; one address has no limit of its own below the server's
+# (40 more from one address are all held, and its GET is answered); idle connections are closed
+# after 5 s. tests/e2e/49-keyless-flood.sh and test_httpd close the oldest for newer ones.
 . "$(dirname "$0")/lib.sh"
 E2E_PUBLISHERS=1 E2E_RECEIVERS=1
 start_publisher 0 1
@@ -94,15 +95,15 @@ if took > 1.0:
 print("GET /status answered in %.3f s while the daemon held %d half-open connections"
       % (took, server_side))
 
-# One address: 32 connections are held, the 8 beyond are closed at once.
+# One address: 40 more connections are all held, and a GET from that address is answered.
 flood = half_open("127.0.0.12", 40)
-wait("the daemon closing the connections beyond 32 from one address",
-     lambda: sum(state(s) == "closed" for s in flood) >= 8, 4)
+wait("the daemon holding 40 more half-open connections from one address",
+     lambda: daemon_sockets() >= base + 240, 4)
+took = get_status("127.0.0.12")
 nopen = sum(state(s) == "open" for s in flood)
-if nopen != 32:
-    raise SystemExit("FAIL: %d connections from one address stayed open, not 32" % nopen)
-took = get_status("127.0.0.1")
-print("per-address limit: 32 of 40 held, /status answered in %.3f s" % took)
+if nopen != 40:
+    raise SystemExit("FAIL: %d of 40 connections from one address stayed open" % nopen)
+print("one address: 40 held, its /status answered in %.3f s" % took)
 
 # Idle connections are closed by the daemon after its 5 s timeout, not before.
 wait("the daemon closing idle connections", lambda: all(state(s) == "closed" for s in held),
@@ -115,11 +116,5 @@ print("idle half-open connections closed after %.1f s" % idle)
 for s in held + flood:
     s.close()
 PY
-warned=$(grep 'status http' "$E2E_DIR/pub0.log")
-n=$(grep -c "status http: Server reached connection limit" "$E2E_DIR/pub0.log")
-[ "$n" -ge 1 ] || fail "no warning for the refused connections: $warned"
-[ "$n" -le 2 ] || fail "$n warning lines for 8 refused connections (they should be rate-limited)"
-grep -q "limits: [0-9]* connections, 32 from one address; idle ones are closed after 5 s" \
-    "$E2E_DIR/pub0.log" || fail "the warning does not state the limits: $warned"
 kill -0 "$PUB0_PID" || fail "the publisherd died"
-echo "ok: /status answered beside 200 half-open connections; per-address limit; idle timeout"
+echo "ok: /status answered beside 200 half-open connections and 40 more from one address; idle timeout"

@@ -442,7 +442,8 @@ static void raw_init(struct raw *w, int fd)
     w->fd = fd;
 }
 
-static void raw_open(struct raw *w, int port)
+/* Connects from src (a loopback address such as "127.0.0.2"; NULL: the system's choice). */
+static void raw_open_from(struct raw *w, int port, const char *src)
 {
     struct sockaddr_in a;
     int fd = socket(AF_INET, SOCK_STREAM, 0);
@@ -451,9 +452,19 @@ static void raw_open(struct raw *w, int port)
     raw_init(w, fd);
     memset(&a, 0, sizeof(a));
     a.sin_family = AF_INET;
+    if (src != NULL) {
+        cr_assert_eq(inet_pton(AF_INET, src, &a.sin_addr), 1);
+        cr_assert_eq(bind(w->fd, (struct sockaddr *)&a, sizeof(a)), 0, "bind %s: %s", src,
+                     strerror(errno));
+    }
     a.sin_port = htons((uint16_t)port);
     a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
     cr_assert_eq(connect(w->fd, (struct sockaddr *)&a, sizeof(a)), 0);
+}
+
+static void raw_open(struct raw *w, int port)
+{
+    raw_open_from(w, port, NULL);
 }
 
 static void raw_close(struct raw *w)
@@ -1097,6 +1108,12 @@ Test(peer, listen_errors)
     cr_assert_eq(rf_peer_connect(&loop, "::1:80", &cfg, &c, &err), -EINVAL);
     cr_assert(strstr(err.msg, "write [::1]:80"), "%s", err.msg);
     cr_assert_null(c);
+    cfg.max_pending = RF_PEER_MAX_PENDING_MAX + 1;
+    cr_assert_eq(rf_peer_listen(&loop, "127.0.0.1:0", &cfg, &l, &err), -EINVAL);
+    cr_assert(strstr(err.msg, "65537 connections in their handshake is more than the 65536"),
+              "%s", err.msg);
+    cr_assert_null(l);
+    cfg.max_pending = 0;
     cfg.key = &shortkey;
     cr_assert_eq(rf_peer_listen(&loop, "127.0.0.1:0", &cfg, &l, &err), -EINVAL);
     cr_assert(strstr(err.msg, "cluster key"), "%s", err.msg);
@@ -1365,11 +1382,13 @@ Test(peer, small_frames_until_authenticated)
     finish();
 }
 
-/* At most 64 connections of a listener may be in their handshake at once; the 65th is
- * closed as it is accepted, with the reason given to the owner (and, best effort, to the
- * client). A connection that leaves its handshake (closed, or authenticated) frees its
- * place. */
-Test(peer, unauthenticated_connections_are_capped)
+/* At most 64 connections of a listener may be in their handshake at once. For one more, the
+ * oldest connection of the source address holding the most of them is closed, with the reason
+ * given to the owner (and, best effort, to the client), and the newcomer is served: not the
+ * oldest connection overall when another address holds more, and never a connection that
+ * already left its handshake. A daemon of the cluster connecting while the table is full gets
+ * in. */
+Test(peer, full_handshake_table_closes_oldest_of_the_largest_source)
 {
     struct side L = {0}, C = {0};
     rf_peer_config lc = mkcfg(&L, &key1, REFIT__ROLE__ROLE_COORDINATOR, "coord");
@@ -1378,44 +1397,109 @@ Test(peer, unauthenticated_connections_are_capped)
     rf_peer_connector *c;
     static struct raw w[RF_PEER_MAX_PENDING_DEFAULT + 2];
     const int cap = RF_PEER_MAX_PENDING_DEFAULT;
-    struct raw over;
-    char expect[128];
+    struct raw lone, up;
+    char expect[256];
     const char *msg;
 
     lc.timeout_ms = 20000;      /* nobody reaches the deadline here */
     l = listen_on(&L, &key1, "127.0.0.1:0", &lc);
-    for (int i = 0; i < cap; i++) {
-        raw_open(&w[i], rf_peer_listener_port(l));
+    /* An authenticated peer, then the oldest stranger alone on its address, then 63 from
+     * another: the table is full. */
+    raw_open(&up, rf_peer_listener_port(l));
+    raw_handshake(&up, &key1, REFIT__ROLE__ROLE_COORDINATOR);
+    cr_assert(run_until(&L.up, 1, 3000));
+    raw_open_from(&lone, rf_peer_listener_port(l), "127.0.0.3");
+    cr_assert(raw_pump(&lone, 2, 3000), "the lone stranger was not served");
+    for (int i = 0; i < cap - 1; i++) {
+        raw_open_from(&w[i], rf_peer_listener_port(l), "127.0.0.2");
         cr_assert(raw_pump(&w[i], 2, 3000), "connection %d not served", i);
     }
-    raw_open(&over, rf_peer_listener_port(l));
-    cr_assert(raw_pump(&over, -1, 3000), "connection %d not closed at once", cap + 1);
-    cr_assert_eq(raw_count(&over, REFIT__ENVELOPE__BODY_HELLO), 0);
-    msg = raw_error(&over);
-    snprintf(expect, sizeof(expect), "refused at once: %d connections to this listener are "
-             "already in their handshake (limit %d)", cap, cap);
-    cr_assert(msg && strstr(msg, expect), "%s", msg ? msg : "(no Error)");
+    cr_assert_eq(L.down, 0);
+
+    /* One more from the crowded address: served, and that address's oldest goes. */
+    raw_open_from(&w[cap - 1], rf_peer_listener_port(l), "127.0.0.2");
+    cr_assert(raw_pump(&w[cap - 1], 2, 3000), "the newcomer was not served");
+    cr_assert(raw_pump(&w[0], -1, 3000), "the oldest connection of 127.0.0.2 was not closed");
+    msg = raw_error(&w[0]);
+    snprintf(expect, sizeof(expect), "%d connections to this listener were in their handshake "
+             "(limit %d), %d of them from the address of this one (127.0.0.2:", cap, cap,
+             cap - 1);
+    cr_assert(msg && strstr(msg, "closed to make room for a new connection from 127.0.0.2:") &&
+              strstr(msg, expect), "%s", msg ? msg : "(no Error)");
     cr_assert(run_until(&L.down, 1, 3000));
     cr_assert(strstr(L.down_reason, expect), "%s", L.down_reason);
-    raw_close(&over);
-    /* The others are still there, waiting. */
-    for (int i = 0; i < cap; i++)
-        cr_assert_not(w[i].eof, "connection %d was closed", i);
 
-    /* One leaves: a daemon gets its place and authenticates, which frees it again. */
-    raw_close(&w[0]);
+    /* One from a third address: again 127.0.0.2's oldest, not the older lone stranger. */
+    raw_open_from(&w[cap], rf_peer_listener_port(l), "127.0.0.4");
+    cr_assert(raw_pump(&w[cap], 2, 3000), "the newcomer from 127.0.0.4 was not served");
+    cr_assert(raw_pump(&w[1], -1, 3000), "the second oldest of 127.0.0.2 was not closed");
     cr_assert(run_until(&L.down, 2, 3000));
+
+    /* A daemon with the key comes up through the full table. */
     c = connect_to(&C, rf_peer_listener_port(l), &cc);
-    cr_assert(run_until(&C.up, 1, 3000));
-    cr_assert(run_until(&L.up, 1, 3000));
-    raw_open(&w[0], rf_peer_listener_port(l));
-    cr_assert(raw_pump(&w[0], 2, 3000), "the place of an authenticated peer was not freed");
-    raw_open(&w[cap], rf_peer_listener_port(l));
-    cr_assert(raw_pump(&w[cap], -1, 3000), "over the limit again, not closed");
-    cr_assert_eq(raw_count(&w[cap], REFIT__ENVELOPE__BODY_HELLO), 0);
+    cr_assert(run_until(&C.up, 1, 3000), "the daemon did not come up: %s", C.retry_reason);
+    cr_assert(run_until(&L.up, 2, 3000));
+    cr_assert(raw_pump(&w[2], -1, 3000), "the third oldest of 127.0.0.2 was not closed");
     cr_assert(run_until(&L.down, 3, 3000));
-    cr_assert(strstr(L.down_reason, "refused at once"), "%s", L.down_reason);
+    run_for(50);
+    cr_assert_not(lone.eof, "the lone stranger was closed, though 127.0.0.2 held more");
+    cr_assert_not(up.eof, "the authenticated peer was closed");
+    for (int i = 3; i <= cap; i++)
+        cr_assert_not(w[i].eof, "connection %d was closed", i);
+    cr_assert_eq(L.down, 3);
+
+    /* A connection that leaves its handshake frees its place: the next newcomer closes no
+     * one. */
+    raw_close(&w[3]);
+    cr_assert(run_until(&L.down, 4, 3000));
+    raw_open_from(&w[3], rf_peer_listener_port(l), "127.0.0.2");
+    cr_assert(raw_pump(&w[3], 2, 3000), "the connection in a freed place was not served");
+    run_for(50);
+    cr_assert_eq(L.down, 4);
+    cr_assert_not(w[4].eof, "a connection was closed though a place was free");
     for (int i = 0; i <= cap; i++)
+        raw_close(&w[i]);
+    raw_close(&lone);
+    raw_close(&up);
+    rf_peer_connector_close(c);
+    rf_peer_listener_close(l);
+    finish();
+}
+
+/* Strangers on the daemon's own address keep arriving (four per turn of the loop) into a full
+ * table while a daemon with the key connects: it comes up, because it proves the key long
+ * before 64 newer connections could make it the oldest. */
+Test(peer, keyed_daemon_gets_in_through_a_flood_from_its_address)
+{
+    struct side L = {0}, C = {0};
+    rf_peer_config lc = mkcfg(&L, &key1, REFIT__ROLE__ROLE_COORDINATOR, "coord");
+    rf_peer_config cc = mkcfg(&C, &key1, REFIT__ROLE__ROLE_RECEIVER, "good");
+    rf_peer_listener *l;
+    rf_peer_connector *c;
+    static struct raw w[RF_PEER_MAX_PENDING_DEFAULT + 400];
+    int n = 0, turns = 0;
+
+    lc.timeout_ms = 20000;
+    l = listen_on(&L, &key1, "127.0.0.1:0", &lc);
+    for (; n < RF_PEER_MAX_PENDING_DEFAULT; n++) {
+        raw_open(&w[n], rf_peer_listener_port(l));
+        cr_assert(raw_pump(&w[n], 2, 3000), "connection %d not served", n);
+    }
+    c = connect_to(&C, rf_peer_listener_port(l), &cc);
+    while (C.up == 0 && n + 4 <= (int)(sizeof(w) / sizeof(w[0]))) {
+        for (int k = 0; k < 4; k++, n++)
+            raw_open(&w[n], rf_peer_listener_port(l));
+        uv_run(&loop, UV_RUN_NOWAIT);
+        turns++;
+    }
+    cr_assert_eq(C.up, 1, "the daemon did not come up while %d strangers came (%s)",
+                 n - RF_PEER_MAX_PENDING_DEFAULT, C.retry_reason);
+    cr_assert(run_until(&L.up, 1, 3000));
+    cr_assert_eq(C.retries, 0, "the daemon had to retry: %s", C.retry_reason);
+    cr_assert(run_until(&L.down, n - RF_PEER_MAX_PENDING_DEFAULT, 3000),
+              "%d strangers closed, %d expected", L.down, n - RF_PEER_MAX_PENDING_DEFAULT);
+    cr_assert_gt(turns, 0);
+    for (int i = 0; i < n; i++)
         raw_close(&w[i]);
     rf_peer_connector_close(c);
     rf_peer_listener_close(l);
