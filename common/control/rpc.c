@@ -364,16 +364,83 @@ void rf_rpc_conn_cred(const rf_rpc_conn *c, pid_t *pid, uid_t *uid, gid_t *gid)
         *gid = c->cred.gid;
 }
 
+static bool get_varint(const uint8_t *b, size_t len, size_t *i, uint64_t *v)
+{
+    *v = 0;
+    for (int shift = 0; shift < 64 && *i < len; shift += 7) {
+        uint8_t c = b[(*i)++];
+
+        *v |= (uint64_t)(c & 0x7f) << shift;
+        if (!(c & 0x80))
+            return true;
+    }
+    return false;
+}
+
+/* Whether no string field of message d in b (at any depth) holds a NUL byte: protobuf-c
+ * hands strings over NUL-terminated, so "block\0x" would be read as "block" and a name cut
+ * short without a word. Whatever else is wrong with b is left to the unpacker: this walk only
+ * says false for a NUL it found (depth is bounded like the unpacker's nesting). */
+static bool strings_nul_free(const ProtobufCMessageDescriptor *d, const uint8_t *b, size_t len,
+                             int depth, const char **field)
+{
+    size_t i = 0;
+
+    while (i < len) {
+        const ProtobufCFieldDescriptor *f;
+        uint64_t key, n;
+
+        if (!get_varint(b, len, &i, &key))
+            return true;
+        switch (key & 7) {
+        case 0:
+            if (!get_varint(b, len, &i, &n))
+                return true;
+            continue;
+        case 1:
+            i += 8;
+            continue;
+        case 5:
+            i += 4;
+            continue;
+        case 2:
+            break;
+        default:
+            return true;
+        }
+        if (!get_varint(b, len, &i, &n) || n > len - i)
+            return true;
+        f = protobuf_c_message_descriptor_get_field(d, (unsigned)(key >> 3));
+        if (f && f->type == PROTOBUF_C_TYPE_STRING && memchr(b + i, 0, n)) {
+            *field = f->name;
+            return false;
+        }
+        if (f && f->type == PROTOBUF_C_TYPE_MESSAGE && depth < 8 &&
+            !strings_nul_free(f->descriptor, b + i, n, depth + 1, field))
+            return false;
+        i += n;
+    }
+    return true;
+}
+
 static int on_frame(void *ctx, const uint8_t *body, uint32_t len)
 {
     rf_rpc_conn *c = ctx;
     rf_rpc_server *s = c->srv;
     Refit__Rpc__Request *req;
+    const char *field = "";
 
     req = refit__rpc__request__unpack(NULL, len, body);
     if (req == NULL) {
         rf_rpc_conn_reply(c, 0, -EBADMSG, "malformed request frame (%u bytes that do not "
                           "decode as refit.rpc.Request): closing the connection", len);
+        return -EBADMSG;
+    }
+    if (!strings_nul_free(&refit__rpc__request__descriptor, body, len, 0, &field)) {
+        rf_rpc_conn_reply(c, req->id, -EINVAL, "request %llu holds a NUL byte inside its "
+                          "string field '%s' (names and formats are text without NUL): "
+                          "closing the connection", (unsigned long long)req->id, field);
+        refit__rpc__request__free_unpacked(req, NULL);
         return -EBADMSG;
     }
     if (req->body_case == REFIT__RPC__REQUEST__BODY__NOT_SET) {

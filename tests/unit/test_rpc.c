@@ -786,3 +786,66 @@ Test(rpc, peer_uid_not_allowed)
     cr_assert_eq(S.connects, 1, "the refused client never reached on_connect");
     pthread_mutex_unlock(&S.mu);
 }
+
+/* A string field with a NUL inside (protobuf-c would hand it over cut at the NUL: a format
+ * "block\0garbage" read as "block") closes the connection naming the field, at any depth;
+ * a NUL in a bytes field is data. Frames written by hand: id 5, then the body. */
+static void expect_nul_refused(const uint8_t *body, size_t n, const char *field)
+{
+    uint8_t frame[128];
+    Refit__Rpc__Response *r;
+    uint32_t len = htonl((uint32_t)n);
+    char want[64];
+    int fd = dial();
+
+    cr_assert_lt(n + 4, sizeof(frame));
+    memcpy(frame, &len, 4);
+    memcpy(frame + 4, body, n);
+    cr_assert_eq(send(fd, frame, n + 4, 0), (ssize_t)(n + 4));
+    r = read_resp(fd);
+    cr_assert_not_null(r, "no answer");
+    cr_assert_eq(r->id, 5);
+    cr_assert_eq(r->code, -EINVAL, "code %d: %s", r->code, r->message);
+    snprintf(want, sizeof(want), "string field '%s'", field);
+    cr_assert(strstr(r->message, want), "'%s' lacks '%s'", r->message, want);
+    refit__rpc__response__free_unpacked(r, NULL);
+    cr_assert_null(read_resp(fd), "connection left open");
+    close(fd);
+}
+
+Test(rpc, a_nul_inside_a_string_field_is_refused_by_name)
+{
+    /* RegisterPiece { tensor = "model.w\0x" } */
+    static const uint8_t tensor[] = {0x08, 5, 0x22, 11, 0x0a, 9, 'm', 'o', 'd', 'e', 'l', '.',
+                                     'w', 0, 'x'};
+    /* RegisterPiece { tensor = "model.w", quant = "block\0garbage" } */
+    static const uint8_t quant[] = {0x08, 5, 0x22, 24, 0x0a, 7, 'm', 'o', 'd', 'e', 'l', '.',
+                                    'w', 0x4a, 13, 'b', 'l', 'o', 'c', 'k', 0, 'g', 'a', 'r',
+                                    'b', 'a', 'g', 'e'};
+    /* Hello { name = "a\0b" } */
+    static const uint8_t hello[] = {0x08, 5, 0x12, 5, 0x12, 3, 'a', 0, 'b'};
+    /* InstallerAttach { token = "\0\0" }: bytes, not a string */
+    static const uint8_t token[] = {0x08, 6, 0x82, 0x01, 4, 0x0a, 2, 0, 0};
+    uint8_t frame[sizeof(token) + 4];
+    uint32_t len = htonl(sizeof(token));
+    Refit__Rpc__Response *r;
+    rf_err err = {0};
+    int fd;
+
+    cr_assert_eq(start(&S, NULL, &err), 0, "%s", err.msg);
+    expect_nul_refused(tensor, sizeof(tensor), "tensor");
+    expect_nul_refused(quant, sizeof(quant), "quant");
+    expect_nul_refused(hello, sizeof(hello), "name");
+    fd = dial();
+    memcpy(frame, &len, 4);
+    memcpy(frame + 4, token, sizeof(token));
+    cr_assert_eq(send(fd, frame, sizeof(frame), 0), (ssize_t)sizeof(frame));
+    r = read_resp(fd);
+    cr_assert_not_null(r);
+    cr_assert_eq(r->id, 6);
+    cr_assert_eq(r->code, 0, "%s", r->message);
+    cr_assert_eq(r->region, REFIT__RPC__REQUEST__BODY_INSTALLER_ATTACH);
+    refit__rpc__response__free_unpacked(r, NULL);
+    ping(fd, 7);
+    close(fd);
+}
