@@ -529,6 +529,8 @@ static Refit__SliceMsg *slice_msg_new(const rf_plan *plan, const rf_slice_map *m
         sm->peer_ep = rank[sm->peer_ep]; /* the other end's NCCL rank */
     sm->bytes = pm->bytes;
     sm->seq = seq;
+    /* Every relay transfer is in a relay tree (rf_plan_chunk): its origins cover it. */
+    sm->end_to_end = pm->relay != 0;
     sm->xfers = calloc(pm->count ? pm->count : 1, sizeof(*sm->xfers));
     if (!sm->xfers)
         goto fail;
@@ -1067,6 +1069,7 @@ int rf_slice_job_add(rf_slice_job *j, const Refit__PlanSlice *frame, const rf_in
         xm->ep = is_local ? frame->global_ep_base + sm->local_ep : j->ranks[sm->local_ep];
         xm->peer_ep = sm->peer_ep;
         xm->bytes = sm->bytes;
+        xm->e2e = sm->end_to_end;
         for (k = 0; k < sm->n_xfers; k++) {
             norig += sm->xfers[k]->n_origins;
             nrelay_to += sm->xfers[k]->n_relay_to;
@@ -1196,7 +1199,7 @@ int rf_slice_msg_from_plan(const rf_plan *plan, uint32_t mi, rf_side side,
     uint32_t c;
 
     *out = (rf_xfer_msg){.seq = mi, .round = pm->round, .kind = pm->kind,
-                         .send = send, .peer = peer, .bytes = pm->bytes,
+                         .send = send, .peer = peer, .bytes = pm->bytes, .e2e = pm->relay != 0,
                          .nitems = pm->count, .ep = side == RF_SRC ? pm->src_ep : pm->dst_ep,
                          .peer_ep = side == RF_SRC ? pm->dst_ep : pm->src_ep};
     for (uint32_t k = 0; k < pm->count; k++)

@@ -199,6 +199,32 @@ static int check_unique_seqs(const rf_xfer_job *job, rf_err *err)
     return rc;
 }
 
+/* A received relay message without a message digest must have every byte in its items'
+ * origins: the items tile the payload (checked before), so each item's origins must tile its
+ * box, which they do when they lie inside it (checked with the item) without overlap and add
+ * up to its volume. */
+static int check_e2e_cover(const rf_xfer_msg *m, rf_err *err)
+{
+    for (uint32_t k = 0; k < m->nitems; k++) {
+        const rf_xfer_item *it = &m->items[k];
+        int64_t got = 0;
+        rf_box cut;
+
+        for (uint32_t o = 0; o < it->norigins; o++) {
+            got += rf_box_numel(&it->origins[o].box, it->ndim);
+            for (uint32_t q = 0; q < o; q++)
+                if (rf_box_intersect(&it->origins[o].box, &it->origins[q].box, it->ndim, &cut))
+                    got = -1;
+        }
+        if (got != rf_box_numel(&it->box, it->ndim))
+            return rf_err_set(err, -EINVAL, "relay message seq %u has no message digest, but "
+                              "the origins of its item %u (%u of them) do not tile its box: "
+                              "bytes would go unchecked; the job was built wrong", m->seq, k,
+                              it->norigins);
+    }
+    return 0;
+}
+
 int rf_xfer_job_check(const rf_xfer_job *job, uint32_t npeers, rf_err *err)
 {
     uint64_t round_packed = 0;
@@ -235,6 +261,10 @@ int rf_xfer_job_check(const rf_xfer_job *job, uint32_t npeers, rf_err *err)
                 return rf_err_set(err, -EINVAL, "local message seq %u is marked as sent; a "
                                   "local copy belongs to the daemon of its destination only",
                                   m->seq);
+            if (m->e2e)
+                return rf_err_set(err, -EINVAL, "local message seq %u is marked as a relay "
+                                  "checked end to end, which a local copy never is; the job "
+                                  "was built wrong", m->seq);
             if (m->nitems > 0 && m->src_items == NULL)
                 return rf_err_set(err, -EINVAL, "local message seq %u has %u items and no "
                                   "source items; map the sources' pieces into the job",
@@ -250,6 +280,8 @@ int rf_xfer_job_check(const rf_xfer_job *job, uint32_t npeers, rf_err *err)
             return rf_err_set(err, -EINVAL, "message seq %u (%s) has source items, which only "
                               "a local message carries; the job was built wrong", m->seq,
                               m->kind == RF_PLAN_DIRECT ? "direct" : "packed");
+        if (m->e2e && !m->send && (rc = check_e2e_cover(m, err)) < 0)
+            return rc;
         if (m->kind == RF_PLAN_DIRECT) {
             const rf_xfer_item *it = &m->items[0];
 

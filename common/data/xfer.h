@@ -73,6 +73,11 @@ typedef struct rf_xfer_msg {
     uint32_t ep, peer_ep; /* global endpoint ids (GPUs) of this side and of the other side:
                              the NCCL ranks of the two ends */
     uint64_t bytes;
+    /* A relay message (plan.h, "Relay trees"), checked end to end: every byte of it lies in
+     * its receiving end's items' origins (rf_xfer_origin), whose terms cover it, so it has no
+     * message digest; both ends say so, and a receiving end whose items leave a byte out is
+     * refused. */
+    bool e2e;
     uint32_t nitems;
     rf_xfer_item *items;
     /* RF_PLAN_LOCAL messages only (else NULL): the daemon that receives the message copies it
@@ -122,10 +127,11 @@ typedef struct rf_xfer_job {
 
 /* What a job did. With verify on, digest_sent is the XOR over the messages this daemon sent
  * of BLAKE2b-256(seq as 4 bytes little-endian || payload), digest_recv the same over the
- * messages it received; and, for relays, digest_sent XORs the terms of the origin transfers
- * this daemon sent, digest_recv those of the relay transfers it received (rf_xfer_origin,
- * rf_xfer_e2e_term). The XOR of every daemon's digest_sent equals the XOR of every daemon's
- * digest_recv when every byte arrived as sent and every relay forwarded the trainers' bytes. */
+ * messages it received (relay messages have none: rf_xfer_msg.e2e); and, for relays,
+ * digest_sent XORs the terms of the origin transfers this daemon sent, digest_recv those of
+ * the relay transfers it received (rf_xfer_origin, rf_xfer_e2e_term). The XOR of every
+ * daemon's digest_sent equals the XOR of every daemon's digest_recv when every byte arrived as
+ * sent and every relay forwarded the trainers' bytes. */
 typedef struct rf_xfer_result {
     int code; /* 0 or a negative errno */
     char error[256];
@@ -218,10 +224,11 @@ static inline uint64_t rf_xfer_digest_bytes(const rf_xfer_job *job, uint64_t byt
     return bytes;
 }
 
-/* Whether the payload of m is digested under the job's verify setting. */
+/* Whether the payload of m has a message digest under the job's verify setting (a relay
+ * message checked end to end has none). */
 static inline bool rf_xfer_msg_verified(const rf_xfer_job *job, const rf_xfer_msg *m)
 {
-    return rf_xfer_seq_verified(job, m->seq);
+    return !m->e2e && rf_xfer_seq_verified(job, m->seq);
 }
 
 /* How many leading payload bytes of a verified message the digest covers. */

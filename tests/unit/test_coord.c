@@ -1287,3 +1287,32 @@ Test(coord, the_plan_takes_the_smallest_staging_budget_of_any_member)
     cr_assert_eq(st_sub("config", "staging_mib"), 256);
     cr_assert_eq(st_sub("plan", "rounds"), rounds);
 }
+
+/* A Done of an aborted version that arrives during the next refit is not that member's Done
+ * of the next one: with verify off nothing else would stop a commit before the member
+ * installed the version in flight. */
+Test(coord, a_late_done_of_an_aborted_version_does_not_count_toward_the_next_refit)
+{
+    start_coord("--verify", "off", NULL);
+    cluster_up();
+    start(1);
+    done(0, 1, false, 0, "data path of version 1 failed");
+    cr_assert_str_eq(st_state(), "aborting");
+    /* Receiver 0 stays silent through the settle; its Done of version 1 comes only later. */
+    done(1, 1, false, 0, "aborted");
+    cr_assert(rf_coord__expire(H.c), "no settle timer was pending");
+    cr_assert_str_eq(st_state(), "idle");
+    start(2);
+    done(0, 2, true, 0, NULL);
+    done(1, 2, true, 0, NULL);
+    done(RECV0, 1, true, 0, NULL);
+    for (uint32_t m = 0; m < NMEM; m++)
+        cr_assert_eq(count(m, REFIT__ENVELOPE__BODY_COMMIT), 0,
+                     "member %u got a Commit of version 2 on receiver 0's Done of version 1", m);
+    cr_assert_str_eq(st_state(), "running");
+    cr_assert_eq(st_int("committed"), 0);
+    done(RECV0, 2, true, 0, NULL);
+    for (uint32_t m = 0; m < NMEM; m++)
+        cr_assert_eq(last(m, REFIT__ENVELOPE__BODY_COMMIT)->commit->version, 2);
+    cr_assert_eq(st_int("committed"), 2);
+}

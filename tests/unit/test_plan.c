@@ -758,12 +758,12 @@ Test(plan, replica_dedup_random)
 /* ---- same-host transfers (RF_PLAN_LOCAL) --------------------------------------------------- */
 
 /* A small fixed cluster: dp trainer replicas, replica i sharded tps[i] ways along dim 0,
- * every trainer rank its own endpoint (replica by replica) on node 0, 1, ...; ndst engine
- * ranks sharded along the last dim (so strided on the trainer side), on nodes 100 + rank.
- * shost/dhost (NULL: none) put the endpoints on hosts. Tensors of several dtypes and sizes,
- * one of them large. */
-static void host_cluster(cluster *c, int dp, const int *tps, int ndst, const uint32_t *shost,
-                         const uint32_t *dhost)
+ * every trainer rank its own endpoint (replica by replica) on node snode[rank] (NULL: node
+ * 0, 1, ...); ndst engine ranks sharded along the last dim (so strided on the trainer side),
+ * on nodes 100 + rank. shost/dhost (NULL: none) put the endpoints on hosts. Tensors of
+ * several dtypes and sizes, one of them large. */
+static void node_cluster(cluster *c, int dp, const int *tps, const uint32_t *snode, int ndst,
+                         const uint32_t *shost, const uint32_t *dhost)
 {
     static const struct {
         const char *name;
@@ -789,7 +789,8 @@ static void host_cluster(cluster *c, int dp, const int *tps, int ndst, const uin
     c->inv = rf_inv_new();
     cr_assert_not_null(c->inv);
     for (int i = 0; i < nsrc; i++) {
-        cr_assert_eq(rf_inv_add_endpoint(c->inv, RF_SRC, (uint32_t)i, &seps[i], &err), 0);
+        cr_assert_eq(rf_inv_add_endpoint(c->inv, RF_SRC, snode ? snode[i] : (uint32_t)i,
+                                         &seps[i], &err), 0);
         if (shost)
             cr_assert_eq(rf_inv_set_endpoint_host(c->inv, seps[i], shost[i], &err), 0);
     }
@@ -831,6 +832,12 @@ static void host_cluster(cluster *c, int dp, const int *tps, int ndst, const uin
     cr_assert_eq(rf_inv_check_dst_overlap(c->inv, &err), 0, "%s", err.msg);
     free(sp);
     free(dpcs);
+}
+
+static void host_cluster(cluster *c, int dp, const int *tps, int ndst, const uint32_t *shost,
+                         const uint32_t *dhost)
+{
+    node_cluster(c, dp, tps, NULL, ndst, shost, dhost);
 }
 
 /* Inventories without hosts plan as they did before the planner knew hosts: the id of this
@@ -2269,4 +2276,35 @@ Test(refitctl, plan_relay_explain_and_json)
     json_decref(j);
     cr_assert_eq(run_ctl("plan --help", out, sizeof(out)), 0);
     cr_assert(strstr(out, "--relay") != NULL, "%s", out);
+}
+
+/* Two tp=4 trainer replicas: one with all four ranks on node 0, one with a rank on each of
+ * nodes 1-4; two engines (nodes 100, 101), so ten links. Every sender holds a quarter, so
+ * balancing the senders alone puts about half the bytes on node 0's two links (3.8 times a
+ * link's share here); the replica choice weighs the link's load too, so no link carries more
+ * than twice its share (the cells of the largest tensor are the granularity). */
+Test(plan, replica_choice_spreads_the_bytes_over_the_links)
+{
+    static const uint32_t snode[8] = {0, 0, 0, 0, 1, 2, 3, 4};
+    const uint32_t nlinks = 5 * 2; /* nodes 0-4 to each engine's node */
+    rf_plan_opts o = {.staging_bytes = 8192, .direct_min_bytes = 1024};
+    cluster c;
+    rf_plan *pl = NULL;
+    rf_err err;
+    const rf_plan_stats *st;
+    uint64_t net, bound;
+
+    node_cluster(&c, 2, (const int[]){4, 4}, snode, 2, NULL, NULL);
+    cr_assert_eq(rf_plan_build(c.inv, &o, &pl, &err), 0, "%s", err.msg);
+    check_plan(pl, &o);
+    st = rf_plan_stats_get(pl);
+    net = st->direct_bytes + st->packed_bytes;
+    cr_assert_eq(net, st->dst_bytes, "every byte goes over the network here");
+    bound = net / nlinks * 2;
+    cr_assert(st->max_link_bytes <= bound, "busiest link carries %llu of %llu bytes over %u "
+              "links (bound %llu)", (unsigned long long)st->max_link_bytes,
+              (unsigned long long)net, nlinks, (unsigned long long)bound);
+    execute_check(&c, pl);
+    rf_plan_free(pl);
+    cluster_free(&c);
 }

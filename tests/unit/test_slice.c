@@ -678,6 +678,9 @@ Test(slice, a_receivers_slice_holds_the_relays_it_forwards)
             cr_assert_eq(xm->round, want.round);
             cr_assert_eq(xm->bytes, want.bytes);
             cr_assert_eq(xm->nitems, want.nitems);
+            /* A relay message has no message digest at either end: its ends check it. */
+            cr_assert_eq(xm->e2e, pm->relay != 0, "seq %u", xm->seq);
+            cr_assert_eq(want.e2e, xm->e2e);
             for (uint32_t k = 0; k < xm->nitems; k++) {
                 cr_assert_eq(xm->items[k].base, want.items[k].base,
                              "seq %u item %u lies in another region", xm->seq, k);
@@ -735,6 +738,99 @@ Test(slice, a_receivers_slice_holds_the_relays_it_forwards)
         rf_inv_free(rlocal[m]);
     }
     free(gbases);
+    rf_plan_free(plan);
+    rf_inv_free(g);
+    rf_slice_map_free(&map);
+}
+
+/* A frame's message naming the first peer or local endpoint past the slice's tables, or a
+ * transfer whose box leaves the local piece, is refused before any memory is addressed. */
+Test(slice, endpoints_past_the_tables_and_boxes_outside_the_piece_are_refused)
+{
+    Refit__PlanSlice **frames = NULL;
+    Refit__SliceMsg *sm;
+    Refit__SliceXfer *sx;
+    uint8_t **bases;
+    rf_slice_peer peers[NMEM];
+    rf_slice_map map = {0};
+    rf_plan_opts opts;
+    rf_plan *plan = NULL;
+    rf_inv *g = NULL;
+    rf_err err = {0};
+    rf_slice_job job;
+    size_t n = 0;
+    uint32_t npeers, neps, saved;
+    int64_t s0, e0;
+    char want[96];
+
+    cr_assert_eq(rf_slice_merge(wire, sides, NMEM, &g, &map, &err), 0, "%s", err.msg);
+    rf_plan_opts_default(&opts);
+    cr_assert_eq(rf_plan_build(g, &opts, &plan, &err), 0, "%s", err.msg);
+    for (uint32_t m = 0; m < NMEM; m++)
+        peers[m] = (rf_slice_peer){.daemon_id = 100 + m, .data_addr = "",
+                                   .role = REFIT__ROLE__ROLE_PUBLISHER};
+    cr_assert_eq(rf_slice_build(plan, &map, 2, peers, 1, 100, NULL, &frames, &n), 0);
+    cr_assert_gt(n, 0);
+    bases = calloc(rf_inv_nregions(local[2]), sizeof(*bases));
+    for (uint32_t r = 0; r < rf_inv_nregions(local[2]); r++)
+        bases[r] = (uint8_t *)(uintptr_t)(4096 * (r + 1)); /* never dereferenced here */
+    rf_slice_job_init(&job);
+    cr_assert_eq(rf_slice_job_add(&job, frames[0], local[2], RF_DST, bases, NULL, &err), 0, "%s",
+                 err.msg);
+    npeers = job.npeers;
+    neps = job.nlocal_eps;
+    cr_assert_gt(npeers, 0);
+    cr_assert_gt(neps, 0);
+    rf_slice_job_reset(&job);
+    cr_assert_gt(frames[0]->n_msgs, 0);
+    sm = frames[0]->msgs[0];
+    cr_assert_gt(sm->n_xfers, 0);
+    sx = sm->xfers[0];
+
+    saved = sm->peer;
+    sm->peer = npeers;
+    cr_assert_eq(rf_slice_job_add(&job, frames[0], local[2], RF_DST, bases, NULL, &err), -EPROTO);
+    snprintf(want, sizeof(want), "message %u names peer %u of %u", sm->seq, npeers, npeers);
+    cr_assert(strstr(err.msg, want), "%s", err.msg);
+    sm->peer = saved;
+    rf_slice_job_reset(&job);
+
+    saved = sm->local_ep;
+    sm->local_ep = neps;
+    cr_assert_eq(rf_slice_job_add(&job, frames[0], local[2], RF_DST, bases, NULL, &err), -EPROTO);
+    snprintf(want, sizeof(want), "message %u names local endpoint %u of %u", sm->seq, neps,
+             neps);
+    cr_assert(strstr(err.msg, want), "%s", err.msg);
+    sm->local_ep = saved;
+    rf_slice_job_reset(&job);
+
+    /* One element before the piece, and one row past its end. */
+    s0 = sx->start[0];
+    e0 = sx->extent[0];
+    for (int c = 0; c < 2; c++) {
+        rf_piece pc;
+
+        rf_inv_piece(local[2], RF_DST, sx->piece, &pc);
+        if (c == 0)
+            sx->start[0] = pc.box.start[0] - 1;
+        else
+            sx->extent[0] = pc.box.start[0] + pc.box.extent[0] - s0 + 1;
+        cr_assert_eq(rf_slice_job_add(&job, frames[0], local[2], RF_DST, bases, NULL, &err),
+                     -EPROTO, "case %d", c);
+        cr_assert(strstr(err.msg, "outside the local piece: the plan is stale"), "case %d: %s",
+                  c, err.msg);
+        sx->start[0] = s0;
+        sx->extent[0] = e0;
+        rf_slice_job_reset(&job);
+    }
+    /* Restored, the frame resolves again. */
+    cr_assert_eq(rf_slice_job_add(&job, frames[0], local[2], RF_DST, bases, NULL, &err), 0, "%s",
+                 err.msg);
+    rf_slice_job_reset(&job);
+    for (size_t f = 0; f < n; f++)
+        rf_slice_msg_free(frames[f]);
+    free(frames);
+    free(bases);
     rf_plan_free(plan);
     rf_inv_free(g);
     rf_slice_map_free(&map);

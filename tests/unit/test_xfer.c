@@ -2785,13 +2785,16 @@ static void count_ends(const rf_xfer_job *jobs, int n, uint64_t *ends, uint64_t 
             }
 }
 
-/* The jobs as digests of messages alone would check them: no relay tree's ends. */
+/* The jobs as digests of messages alone would check them: no relay tree's ends, and relay
+ * messages with their message digests. */
 static void strip_ends(rf_xfer_job *jobs, int n)
 {
     for (int d = 0; d < n; d++)
-        for (uint32_t i = 0; i < jobs[d].nmsgs; i++)
+        for (uint32_t i = 0; i < jobs[d].nmsgs; i++) {
+            jobs[d].msgs[i].e2e = false;
             for (uint32_t k = 0; k < jobs[d].msgs[i].nitems; k++)
                 jobs[d].msgs[i].items[k].norigins = jobs[d].msgs[i].items[k].nrelay_to = 0;
+        }
 }
 
 /* Under verify = sample, whether a relay corrupted by the test hook (the first byte of each
@@ -3103,10 +3106,11 @@ static void term_ref(uint64_t r, uint64_t o, const void *bytes, size_t n,
 
 /* The relay terms are exactly the documented ones. A trainer (daemon 0) sends the left and
  * right halves of an fp32 [8, 16] matrix (origins 0 and 1) in one packed message to a relay
- * (daemon 1), which forwards the whole matrix (relay transfer 2) to daemon 2: the trainer's
- * sent digest is its message's and the terms of both origins for relay 2 over the halves'
- * bytes, the last receiver's received digest is its message's and the same terms, over the
- * halves cut out of the whole it received; under sample too (seq 0 is picked), under off none. */
+ * (daemon 1), which forwards the whole matrix (relay transfer 2, a relay message without a
+ * message digest) to daemon 2: the trainer's sent digest is its message's and the terms of both
+ * origins for relay 2 over the halves' bytes, the relay's are its received message's alone,
+ * the last receiver's received digest is the same terms, over the halves cut out of the whole
+ * it received; under sample too (seq 0 is picked), under off none. */
 Test(xfer_relay, relay_terms_are_the_documented_ones)
 {
     enum { R = 8, C = 16, H = C / 2 };
@@ -3145,7 +3149,7 @@ Test(xfer_relay, relay_terms_are_the_documented_ones)
     bm[0].peer = 0;
     bm[0].items = bi;
     bm[1] = (rf_xfer_msg){.seq = 1, .round = 1, .kind = RF_PLAN_PACKED, .send = true, .peer = 2,
-                          .bytes = sizeof(src), .nitems = 1, .items = &bi[2]};
+                          .bytes = sizeof(src), .e2e = true, .nitems = 1, .items = &bi[2]};
     cm = bm[1];
     cm.send = false;
     cm.peer = 1;
@@ -3159,6 +3163,7 @@ Test(xfer_relay, relay_terms_are_the_documented_ones)
     world_open(&w, 3);
     for (int v = RF_VERIFY_OFF; v <= RF_VERIFY_FULL; v++) {
         uint8_t sent[RF_XFER_DIGEST_BYTES] = {0}, recv[RF_XFER_DIGEST_BYTES] = {0};
+        uint8_t mid_recv[RF_XFER_DIGEST_BYTES] = {0}, zero[RF_XFER_DIGEST_BYTES] = {0};
 
         aj.verify = bj.verify = cj.verify = v;
         memset(mid, 0, sizeof(mid));
@@ -3169,14 +3174,15 @@ Test(xfer_relay, relay_terms_are_the_documented_ones)
         cr_assert(memcmp(leaf, src, sizeof(src)) == 0);
         if (v != RF_VERIFY_OFF) {
             digest_ref(0, halves, sizeof(halves), sent);
-            if (v == RF_VERIFY_FULL) /* sample picks seq 0 only */
-                digest_ref(1, src, sizeof(src), recv);
+            digest_ref(0, halves, sizeof(halves), mid_recv);
             for (int k = 0; k < 2; k++) {
                 term_ref(2, (uint64_t)k, halves[k], sizeof(halves[k]), sent);
                 term_ref(2, (uint64_t)k, halves[k], sizeof(halves[k]), recv);
             }
         }
         cr_assert(memcmp(w.res[0].digest_sent, sent, sizeof(sent)) == 0, "verify %d", v);
+        cr_assert(memcmp(w.res[1].digest_recv, mid_recv, sizeof(recv)) == 0, "verify %d", v);
+        cr_assert(memcmp(w.res[1].digest_sent, zero, sizeof(zero)) == 0, "verify %d", v);
         cr_assert(memcmp(w.res[2].digest_recv, recv, sizeof(recv)) == 0, "verify %d", v);
         cr_assert(digests_match(&w), "verify %d", v);
     }
@@ -3190,10 +3196,11 @@ Test(xfer_check, relay_ends_out_of_place_are_refused)
     rf_xfer_origin inside = {.id = 7, .seq = 3}, outside = inside, empty = inside;
     uint64_t to[1] = {9};
 
-    for (int c = 0; c < 5; c++) {
+    for (int c = 0; c < 8; c++) {
         pair p;
         rf_xfer_job *j;
         const char *says = "";
+        rf_xfer_origin two[2];
         rf_err err;
 
         pair_init(&p, 1);
@@ -3230,13 +3237,41 @@ Test(xfer_check, relay_ends_out_of_place_are_refused)
             p.r_items[0].norigins = 1;
             says = "empty or outside it";
             break;
+        case 5:
+            /* A relay without a message digest whose origins leave half its item out. */
+            p.rmsgs[0].e2e = true;
+            p.r_items[0].origins = &inside;
+            p.r_items[0].norigins = 1;
+            says = "relay message seq 10 has no message digest, but the origins of its item 0 "
+                   "(1 of them) do not tile its box";
+            break;
+        case 6:
+            /* Two origins that add up to its volume but overlap (row ROWS / 2 - 1 twice, the
+             * last row never). */
+            p.rmsgs[0].e2e = true;
+            two[0] = two[1] = inside;
+            two[1].box.start[0] = ROWS / 2 - 1;
+            p.r_items[0].origins = two;
+            p.r_items[0].norigins = 2;
+            says = "(2 of them) do not tile its box";
+            break;
+        case 7:
+            p.rmsgs[0].e2e = true;
+            p.rmsgs[0].kind = RF_PLAN_LOCAL;
+            says = "local message seq 10 is marked as a relay checked end to end";
+            break;
         }
         rf_err_clear(&err);
         cr_assert_eq(rf_xfer_job_check(j, 2, &err), -EINVAL, "case %d", c);
         cr_assert(strstr(err.msg, says), "case %d: %s", c, err.msg);
-        /* The same item as a well-placed end passes. */
+        /* The same item as a well-placed end passes; so does a relay whose two origins tile
+         * it. */
         if (c == 3) {
             p.r_items[0].origins = &inside;
+            cr_assert_eq(rf_xfer_job_check(j, 2, &err), 0, "%s", err.msg);
+        }
+        if (c == 6) {
+            two[1].box.start[0] = ROWS / 2;
             cr_assert_eq(rf_xfer_job_check(j, 2, &err), 0, "%s", err.msg);
         }
         pair_free(&p);
@@ -3317,4 +3352,76 @@ Test(xfer_idle, hellos_between_jobs)
     close(f.fd);
     good_pair_run(&w, 2);
     world_close(&w);
+}
+
+/* A packed message that says more bytes than its items tile is refused on either side: the
+ * tail past the items would go out as whatever the staging buffer held. One that says fewer
+ * leaves an item outside its payload. The gap and overlap cases are in refused_jobs. */
+Test(xfer_check, a_packed_message_longer_than_its_items_is_refused)
+{
+    rf_err err;
+
+    for (int side = 0; side < 2; side++) {
+        pair p;
+        rf_xfer_job *j;
+        rf_xfer_msg *m;
+        char want[96];
+
+        pair_init(&p, 1);
+        j = side ? &p.rjob : &p.sjob;
+        m = side ? &p.rmsgs[1] : &p.smsgs[1];
+        cr_assert_eq(m->kind, RF_PLAN_PACKED);
+        snprintf(want, sizeof(want), "packed message seq 11 says %llu bytes, its items hold %llu",
+                 (unsigned long long)m->bytes + 4, (unsigned long long)m->bytes);
+        m->bytes += 4;
+        rf_err_clear(&err);
+        cr_assert_eq(rf_xfer_job_check(j, 2, &err), -EINVAL, "side %d: %s", side, err.msg);
+        cr_assert(strstr(err.msg, want), "side %d: %s", side, err.msg);
+        m->bytes -= 8;
+        rf_err_clear(&err);
+        cr_assert_eq(rf_xfer_job_check(j, 2, &err), -EINVAL, "side %d: %s", side, err.msg);
+        cr_assert(strstr(err.msg, "lies outside its message's payload"), "side %d: %s", side,
+                  err.msg);
+        m->bytes += 4;
+        rf_err_clear(&err);
+        cr_assert_eq(rf_xfer_job_check(j, 2, &err), 0, "side %d: %s", side, err.msg);
+        pair_free(&p);
+    }
+}
+
+/* The first peer past the table, and a direct message longer than its one item, are refused
+ * by the job check on either side. */
+Test(xfer_check, a_peer_past_the_table_and_a_direct_message_longer_than_its_item)
+{
+    rf_err err;
+
+    for (int side = 0; side < 2; side++) {
+        pair p;
+        rf_xfer_job *j;
+        rf_xfer_msg *m;
+        uint32_t saved;
+        char want[128];
+
+        pair_init(&p, 1);
+        j = side ? &p.rjob : &p.sjob;
+        m = side ? &p.rmsgs[0] : &p.smsgs[0];
+        cr_assert_eq(m->kind, RF_PLAN_DIRECT);
+        saved = m->peer;
+        m->peer = 2;
+        rf_err_clear(&err);
+        cr_assert_eq(rf_xfer_job_check(j, 2, &err), -EINVAL, "side %d: %s", side, err.msg);
+        cr_assert(strstr(err.msg, "message seq 10 names peer 2, the peer table holds 2"),
+                  "side %d: %s", side, err.msg);
+        m->peer = saved;
+        snprintf(want, sizeof(want), "direct message seq 10 must carry exactly one item of its "
+                 "%llu bytes", (unsigned long long)m->bytes + 4);
+        m->bytes += 4;
+        rf_err_clear(&err);
+        cr_assert_eq(rf_xfer_job_check(j, 2, &err), -EINVAL, "side %d: %s", side, err.msg);
+        cr_assert(strstr(err.msg, want), "side %d: %s", side, err.msg);
+        m->bytes -= 4;
+        rf_err_clear(&err);
+        cr_assert_eq(rf_xfer_job_check(j, 2, &err), 0, "side %d: %s", side, err.msg);
+        pair_free(&p);
+    }
 }

@@ -354,12 +354,14 @@ static void relay_ends(const rf_xfer_job *job, uint64_t *multi, uint64_t *sender
         }
 }
 
-/* The same job as message digests alone would check it. */
+/* The same job as message digests alone would check it (relay messages with theirs). */
 static void strip_ends(rf_xfer_job *job)
 {
-    for (uint32_t i = 0; i < job->nmsgs; i++)
+    for (uint32_t i = 0; i < job->nmsgs; i++) {
+        job->msgs[i].e2e = false;
         for (uint32_t k = 0; k < job->msgs[i].nitems; k++)
             job->msgs[i].items[k].norigins = job->msgs[i].items[k].nrelay_to = 0;
+    }
 }
 
 /* Runs plan pl (with relays) as one job of this rank: versions 1 to 3 in full, in sample,
