@@ -101,6 +101,8 @@ typedef struct conn {
     uint8_t proof[MAC_LEN];   /* outgoing: the acceptance the acceptor must send */
     size_t hs_done;           /* outgoing: bytes of the nonce or of the acceptance read */
     double since;             /* pending: when it was accepted */
+    bool hello_ok;            /* pending: a whole hello that proved the key between jobs,
+                                 waiting for the next job's table (kept past the timeout) */
     char raddr[64];           /* pending: the remote address, for the log */
     uint8_t key[crypto_stream_chacha20_KEYBYTES]; /* the connection's frame key */
     uint64_t ctr;      /* tags of this connection so far: the next tag's counter */
@@ -1163,6 +1165,8 @@ static const char *peer_name(const tcp *t, uint32_t p, char *buf, size_t len)
     return buf;
 }
 
+static int hello_decide(tcp *t, size_t k);
+
 /* Reads the hello of an accepted connection, in a job or between jobs (t->js.job NULL).
  * Only a hello that proves the key makes the connection the incoming one of its peer,
  * replacing an older one (which the peer abandoned when it reconnected); anything else is
@@ -1170,12 +1174,19 @@ static const char *peer_name(const tcp *t, uint32_t p, char *buf, size_t len)
 static int hello_progress(tcp *t, size_t k)
 {
     conn *c = &t->pending[k];
-    ssize_t n = recv(c->fd, c->buf + c->buf_done, HELLO_LEN - c->buf_done, MSG_DONTWAIT);
-    bool idle = t->js.job == NULL;
-    uint8_t ack[ACK_LEN];
-    char pname[ADDR_MAX];
-    uint32_t from;
-    int rc;
+    ssize_t n;
+
+    /* A whole hello waiting for the next job's table reads nothing more; the peer may have
+     * sent its first frames behind it, which the job reads. Only a close or reset ends it. */
+    if (c->buf_done == HELLO_LEN) {
+        uint8_t b;
+
+        n = recv(c->fd, &b, 1, MSG_PEEK | MSG_DONTWAIT);
+        if (n == 0 || (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR))
+            drop_pending(c, "it closed while its hello waited for this daemon's plan");
+        return 0;
+    }
+    n = recv(c->fd, c->buf + c->buf_done, HELLO_LEN - c->buf_done, MSG_DONTWAIT);
 
     if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR))
         return 0;
@@ -1201,10 +1212,30 @@ static int hello_progress(tcp *t, size_t k)
     }
     if (c->buf_done < HELLO_LEN)
         return 0;
+    return hello_decide(t, k);
+}
+
+/* The whole hello of pending connection k, judged against the peer table. Between jobs a hello
+ * is only refused when it fails the key; otherwise it waits, whole and unanswered, for the next
+ * job: a sender's job may start (and connect) before this daemon has installed the plan that
+ * names it, whose table may number the peers otherwise, and tcp_start judges it with that. */
+static int hello_decide(tcp *t, size_t k)
+{
+    conn *c = &t->pending[k];
+    bool idle = t->js.job == NULL;
+    uint8_t ack[ACK_LEN];
+    char pname[ADDR_MAX];
+    uint32_t from;
+    int rc;
+
     rc = rf_xfer_tcp__hello_check(t->key, t->key_len, t->self, t->npeers, c->nonce, c->buf,
                                   &from);
-    /* Its magic and protocol passed above. */
+    /* Its magic and protocol passed in hello_progress. */
     assert(rc != -EPROTO);
+    if (idle && (rc == 0 || rc == -ENXIO)) {
+        c->hello_ok = rc == 0;
+        return 0;
+    }
     if (rc == -ENXIO) {
         drop_pending(c, "its hello is from peer %u to peer %u, this daemon is peer %u of %u",
                      from, get32(c->buf + 12), t->self, t->npeers);
@@ -1307,9 +1338,11 @@ static void expire_pending(tcp *t)
     for (size_t i = 0; i < t->npending; i++) {
         conn *c = &t->pending[i];
 
-        if (c->fd >= 0 && now - c->since > HELLO_TIMEOUT_S)
-            drop_pending(c, "no complete hello within %.0f s (%zu of %d bytes)",
-                         HELLO_TIMEOUT_S, c->buf_done, HELLO_LEN);
+        if (c->fd >= 0 && !c->hello_ok && now - c->since > HELLO_TIMEOUT_S)
+            drop_pending(c, c->buf_done == HELLO_LEN ? "its hello names peers this daemon's "
+                         "plan does not hold, and no job came within %.0f s (%zu of %d bytes)" :
+                         "no complete hello within %.0f s (%zu of %d bytes)", HELLO_TIMEOUT_S,
+                         c->buf_done, HELLO_LEN);
     }
 }
 
@@ -1329,15 +1362,19 @@ static void compact_pending(tcp *t)
  * pending). */
 static int pending_wait_ms(const tcp *t)
 {
-    double now = rf_xfer__now(), first = -1.0;
+    double now = rf_xfer__now(), first = 0.0;
+    bool any = false;
 
     for (size_t i = 0; i < t->npending; i++) {
         double left = t->pending[i].since + HELLO_TIMEOUT_S - now;
 
-        if (first < 0 || left < first)
+        if (t->pending[i].hello_ok)
+            continue; /* waits for a job, not for a deadline */
+        if (!any || left < first)
             first = left;
+        any = true;
     }
-    if (first < 0)
+    if (!any)
         return -1;
     return first <= 0 ? 0 : (int)(first * 1000) + 1;
 }
@@ -1365,8 +1402,11 @@ static void idle_step(tcp *t)
     pfd = t->idle_pfd;
     pfd[n++] = (struct pollfd){.fd = t->idle_fd, .events = POLLIN};
     pfd[n++] = (struct pollfd){.fd = t->lfd, .events = POLLIN};
+    /* A whole hello waiting for the next job's table may have frames behind it: only its
+     * hang-up or error wakes this thread. */
     for (size_t k = 0; k < t->npending; k++)
-        pfd[n++] = (struct pollfd){.fd = t->pending[k].fd, .events = POLLIN};
+        pfd[n++] = (struct pollfd){.fd = t->pending[k].fd,
+                                   .events = t->pending[k].buf_done == HELLO_LEN ? 0 : POLLIN};
     if (poll(pfd, n, pending_wait_ms(t)) < 0)
         return;
     if (pfd[0].revents)
@@ -1505,6 +1545,11 @@ static int tcp_start(rf_xfer_core *base)
     }
     if ((rc = arena_reserve(t)) < 0 || (rc = runs_build(t)) < 0 || (rc = window_update(t)) < 0)
         return rc;
+    /* Hellos that came before this job's peer table are judged by it now. */
+    for (size_t k = 0; k < t->npending; k++)
+        if (t->pending[k].fd >= 0 && t->pending[k].buf_done == HELLO_LEN &&
+            (rc = hello_decide(t, k)) < 0)
+            return rc;
     return 0;
 }
 
@@ -1679,7 +1724,12 @@ static int tcp_set_peers(rf_xfer_core *base, uint32_t self, uint32_t npeers,
             conn_init(&t->in[p]);
         }
     }
-    close_all_conns(t);
+    /* Accepted connections still in their hello stay: a peer of the new table may have
+     * connected before this daemon installed it, and tcp_start judges its hello then. */
+    for (p = 0; p < base->npeers; p++) {
+        conn_close(&t->out[p]);
+        conn_close(&t->in[p]);
+    }
     free(t->out);
     free(t->in);
     free(t->to);
