@@ -125,6 +125,10 @@ for r in $RS; do
         fail "engine e$r did not verify version 3 (see $E2E_DIR/e$r.log)"
 done
 st_committed 10 4 "$P" $(for r in $RS; do echo "$E2E_DIR/recv$r.sock"; done)
+# From the kill to the next commit (the relay's restart included), for bench/RESULTS.md.
+line=$(grep -m1 "coordinator: refit 3 committed" "$E2E_DIR/pub0.log")
+[ -n "$line" ] && echo "recovery: $(( $(date -d "${line%% *}" +%s%3N) - t1 )) ms from the kill of \
+the relaying receiverd to the commit of refit 3 (peer timeout $PEER_TIMEOUT_MS ms)"
 st_committed 10 4 clean "$E2E_DIR/recv$RELAY.sock"
 # The restarted relay forwarded again in versions 3 and 4 (its counters started at 0).
 port=$(status_port "$E2E_DIR/recv$RELAY.log")
