@@ -216,7 +216,7 @@ def run_refusals(args):
         sys.exit(f"two tensors of one arena made {rt.region_count(c)} regions, not 1")
 
     # Arenas.
-    refused("arena size", lambda: rt.Arena(0), E, "arena size 0")
+    refused("arena size", lambda: rt.Arena(0), E, "arena size is 0")
     refused("arena full", lambda: arena.empty((1 << 20,), torch.float32), -errno.ENOMEM,
             "arena", "full")
 
