@@ -220,7 +220,8 @@ static double now_s(void)
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 {
-    static const rf_registry_cb cb = {NULL, NULL, NULL, cb_status, cb_refit, cb_wait, NULL, NULL, NULL};
+    static const rf_registry_cb cb = {.on_status = cb_status, .on_refit = cb_refit,
+                                      .on_wait = cb_wait};
     static harness h;
     rf_registry_opts o = {0};
     rf_err err = {0};
