@@ -20,12 +20,7 @@ start_trainer t0 0 $M --layout tp=2 --ranks 0 --versions 2
 start_trainer t1 1 $M --layout tp=2 --ranks 1 --versions 2
 # The first refit either commits or aborts on the digests (what a cluster whose daemons verify
 # differently did): whichever the coordinator logs first.
-i=0
-until grep -q "refit 1 committed\|aborting the refit" "$E2E_DIR/pub0.log" 2>/dev/null; do
-    i=$((i + 1))
-    [ $i -gt 300 ] && fail "no commit and no abort of version 1 within 30 s"
-    sleep 0.1
-done
+wait_for "$E2E_DIR/pub0.log" "refit 1 committed\|aborting the refit" 30
 if grep -q "aborting the refit" "$E2E_DIR/pub0.log"; then
     fail "the refit aborted instead of running with the coordinator's verify: $(grep -m1 \
         'aborting the refit' "$E2E_DIR/pub0.log")"
