@@ -48,6 +48,12 @@ struct rf_node {
     rf_slice_job next;  /* a slice still arriving, or complete while a refit ran */
     rf_install_plan islice, inext; /* the engines' in-process part of each (held out of it) */
     bool slice_stale;   /* slice must go once the running data path ends */
+    /* Transports setting slice up ahead of Start (rf_xfer_prepare); a Start that arrives
+     * meanwhile is held, packed, and runs when they end (Start arrived at held_t). */
+    unsigned preparing;
+    uint8_t *held_start;
+    size_t held_len;
+    double held_t;
     uint64_t slice_keys; /* plan_key of the last slice made runnable: one per slice */
 
     /* The refit in flight (running) and the last one that ended. */
@@ -152,6 +158,8 @@ static void snapshot_soon(rf_node *n)
 
 static void install_slice(rf_node *n);
 static void drop_slice(rf_node *n);
+static void prepare_paths(rf_node *n);
+static void run_start(rf_node *n, const Refit__Start *s, double t_arrived);
 
 /* ---- inventory and readiness ------------------------------------------------------------ */
 
@@ -638,11 +646,36 @@ static int cluster_settings(rf_node *n, const Refit__Start *s, char *msg, size_t
 
 static void on_start(rf_node *n, const Refit__Start *s)
 {
+    char msg[320];
+
+    if (n->preparing > 0 && !n->held_start) {
+        size_t len = refit__start__get_packed_size(s);
+
+        if ((n->held_start = malloc(len ? len : 1))) {
+            n->held_len = refit__start__pack(s, n->held_start);
+            n->held_t = now_s();
+            RF_INFO("Start(%llu) held until the data path is set up",
+                    (unsigned long long)s->version);
+            snapshot_soon(n);
+            return;
+        }
+        snprintf(msg, sizeof(msg), "Start(%llu): out of memory holding it while the data path "
+                 "is set up", (unsigned long long)s->version);
+        send_done(n, s->version, NULL, msg);
+        return;
+    }
+    run_start(n, s, now_s());
+}
+
+/* Runs Start s, which arrived at t_arrived (it may have been held while the data path was set
+ * up). */
+static void run_start(rf_node *n, const Refit__Start *s, double t_arrived)
+{
     rf_err err = {0};
     char msg[320];
     int rc;
 
-    if (n->running) {
+    if (n->running || n->preparing > 0) {
         snprintf(msg, sizeof(msg), "Start(%llu) while version %llu is still moving",
                  (unsigned long long)s->version, (unsigned long long)n->version);
         send_done(n, s->version, NULL, msg);
@@ -650,7 +683,7 @@ static void on_start(rf_node *n, const Refit__Start *s)
     }
     n->version = s->version;
     n->aborted = 0; /* a version may run again after an abort */
-    n->t_start = now_s();
+    n->t_start = t_arrived;
     n->t_begin = 0;
     if (s->version <= n->committed) {
         snprintf(msg, sizeof(msg), "Start(%llu) refused: version %llu is already committed",
@@ -760,7 +793,7 @@ static void install_slice(rf_node *n)
     int rc;
 
     /* The slice a data path reads is never replaced under it. */
-    assert(!n->running);
+    assert(!n->running && n->preparing == 0);
     rf_slice_job_reset(&n->slice);
     rf_install_plan_reset(&n->islice);
     n->slice = n->next;
@@ -827,6 +860,7 @@ static void install_slice(rf_node *n)
         RF_INFO("in-process installs: %u engines, %u local copies, %llu bytes",
                 n->islice.nowners, n->islice.nmsgs, (unsigned long long)n->islice.bytes);
     free(addrs);
+    prepare_paths(n);
     snapshot_soon(n);
     return;
 fail:
@@ -835,13 +869,73 @@ fail:
     rf_install_plan_reset(&n->islice);
 }
 
+/* The slice's data paths are set up: a Start held meanwhile runs now; otherwise a slice that
+ * completed meanwhile replaces this one. */
+static void on_prepared(rf_xfer_transport *t, const rf_xfer_result *res, void *arg)
+{
+    rf_node *n = arg;
+    const char *name = t == n->lxfer ? "local copies" : "network";
+
+    assert(n->preparing > 0);
+    n->preparing--;
+    if (res->code < 0 && !n->closer.closing && !n->slice_stale)
+        RF_WARN("setting up the %s data path ahead of Start failed: %s (Start sets it up "
+                "again)", name, res->error);
+    else if (res->code == 0)
+        RF_INFO("%s data path set up ahead of Start in %.3f s", name, res->seconds);
+    if (n->preparing > 0 || n->closer.closing)
+        return;
+    if (n->slice_stale) {
+        n->slice_stale = false;
+        rf_slice_job_reset(&n->slice);
+        rf_install_plan_reset(&n->islice);
+    }
+    if (n->held_start) {
+        Refit__Start *s = refit__start__unpack(NULL, n->held_len, n->held_start);
+
+        free(n->held_start);
+        n->held_start = NULL;
+        if (s) {
+            run_start(n, s, n->held_t);
+            refit__start__free_unpacked(s, NULL);
+        } else {
+            RF_ERROR("a held Start could not be read back; the coordinator's deadline ends it");
+        }
+    } else if (n->next.complete) {
+        install_slice(n);
+    }
+    snapshot_soon(n);
+}
+
+/* Sets up the data paths of the slice Start will run (communicators, copy plans, device
+ * buffers) now, so that its first refit moves bytes at once. tcp sets up as it runs. */
+static void prepare_paths(rf_node *n)
+{
+    struct {
+        rf_xfer_transport *t;
+        rf_xfer_job *job;
+    } p[2] = {{n->xfer, &n->slice.job}, {n->lxfer, &n->slice.ljob}};
+
+    for (int i = 0; i < 2; i++) {
+        rf_err err = {0};
+
+        if (!p[i].t || p[i].job->nmsgs == 0)
+            continue;
+        if (rf_xfer_prepare(p[i].t, p[i].job, on_prepared, n, &err) == 0)
+            n->preparing++;
+        else if (err.code != -ENOTSUP)
+            RF_WARN("setting up a data path ahead of Start: %s (Start sets it up again)",
+                    err.msg);
+    }
+}
+
 /* Forgets the plan (the inventory changed, the coordinator went away). The slice a running
  * data path reads is only marked stale; it is freed when the data path ended. */
 static void drop_slice(rf_node *n)
 {
     rf_slice_job_reset(&n->next);
     rf_install_plan_reset(&n->inext);
-    if (n->running) {
+    if (n->running || n->preparing > 0) {
         n->slice_stale = true;
         abort_paths(n);
     } else {
@@ -915,7 +1009,7 @@ static void on_slice(rf_node *n, const Refit__PlanSlice *ps)
         rf_install_plan_reset(&n->inext);
         return;
     }
-    if (n->next.complete && !n->running)
+    if (n->next.complete && !n->running && n->preparing == 0)
         install_slice(n);
 }
 
@@ -948,6 +1042,17 @@ static void on_abort(rf_node *n, uint64_t version, const char *reason)
     n->aborted = version;
     if (n->running && n->version == version)
         abort_paths(n);
+    if (n->held_start) {
+        Refit__Start *s = refit__start__unpack(NULL, n->held_len, n->held_start);
+
+        if (!s || s->version == version) {
+            free(n->held_start);
+            n->held_start = NULL;
+            send_done(n, version, NULL, "aborted before its data path started");
+        }
+        if (s)
+            refit__start__free_unpacked(s, NULL);
+    }
     if (n->side == RF_SRC) {
         rf_registry_abort(n->reg, version, reason);
         /* The coordinator forgot every publisher's readiness at the abort. */
@@ -1068,6 +1173,8 @@ json_t *rf_node_status(rf_node *n)
     json_object_set_new(st, "plan_bytes", json_integer((json_int_t)(n->slice.complete ? n->slice.bytes : 0)));
     json_object_set_new(st, "plan_local_copies", json_integer(n->slice.complete ? n->slice.ljob.nmsgs : 0));
     json_object_set_new(st, "plan_local_bytes", json_integer((json_int_t)(n->slice.complete ? n->slice.lbytes : 0)));
+    /* The plan's data paths are being set up ahead of its first Start. */
+    json_object_set_new(st, "preparing", json_boolean(n->preparing > 0));
     json_object_set_new(st, "local_copy", json_string(n->cfg->local_copy == RF_LOCAL_COPY_AUTO ? "auto" : "off"));
     /* The cluster-wide keys this daemon runs with (the coordinator's, from its last Start),
      * and those where that is not what its own config says. */
@@ -1376,6 +1483,7 @@ fail:
     start_failed_close(loop, n);
     rf_srcmap_free(n->srcs);
     rf_install_free(n->inst);
+    free(n->held_start);
     pthread_mutex_destroy(&n->snap_lock);
     free(n);
     return rc;

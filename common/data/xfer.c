@@ -13,6 +13,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "log.h"
 #include "macros.h"
 #include "qcopy.h"
 #include "quant_fmt.h"
@@ -604,9 +605,19 @@ static int run_job(rf_xfer_core *t)
     const rf_xfer_backend *be = t->pub.ops;
     double wait_s = t->job->timeout_s < 1.0 ? t->job->timeout_s : 1.0;
     char what[300];
-    int rc;
+    int rc = 0;
 
+    if (t->prepare && t->prepare_gate) {
+        while (access(t->prepare_gate, F_OK) != 0 && (rc = rf_xfer__stop(t)) == 0)
+            usleep(10000);
+        if (rc < 0)
+            return rf_xfer__fail(t, rc, "setting up ahead of Start: %s while held by "
+                                 "REFIT_TEST_PREPARE_GATE", rc == -ECANCELED ? "aborted" :
+                                 "deadline passed");
+    }
     rc = be->start(t);
+    if (t->prepare)
+        return rc < 0 ? rc : 0;
     while (rc == 0) {
         rc = be->progress(t, wait_s);
         if (rc != 0)
@@ -756,6 +767,12 @@ int rf_xfer__new(size_t size, const rf_xfer_backend *be, uv_loop_t *loop, rf_xfe
         rc = rf_err_set(err, -errno, "xfer %s: eventfd: %s", be->name, strerror(errno));
         goto fail;
     }
+    t->prepare_gate = getenv("REFIT_TEST_PREPARE_GATE");
+    if (t->prepare_gate && !t->prepare_gate[0])
+        t->prepare_gate = NULL;
+    if (t->prepare_gate)
+        RF_WARN("REFIT_TEST_PREPARE_GATE is set: xfer %s sets jobs up ahead of Start only once "
+                "%s exists (a test hook; unset it outside tests)", be->name, t->prepare_gate);
     rc = uv_async_init(loop, &t->async, on_async);
     if (rc < 0) {
         rf_err_set(err, rc, "xfer %s: uv_async_init: %s", be->name, uv_strerror(rc));
@@ -856,8 +873,8 @@ static int check_kinds(const rf_xfer_core *t, const rf_xfer_job *job, rf_err *er
     return 0;
 }
 
-int rf_xfer_run(rf_xfer_transport *pub, const rf_xfer_job *job, rf_xfer_done_cb done, void *arg,
-                rf_err *err)
+static int submit(rf_xfer_transport *pub, const rf_xfer_job *job, bool prepare,
+                  rf_xfer_done_cb done, void *arg, rf_err *err)
 {
     rf_xfer_core *t = core_of(pub);
     const char *name = t->pub.ops->name;
@@ -887,6 +904,7 @@ int rf_xfer_run(rf_xfer_transport *pub, const rf_xfer_job *job, rf_xfer_done_cb 
         ;
     atomic_store(&t->abort_req, false);
     t->job = job;
+    t->prepare = prepare;
     t->done = done;
     t->done_arg = arg;
     rc = start_worker(t);
@@ -896,6 +914,21 @@ int rf_xfer_run(rf_xfer_transport *pub, const rf_xfer_job *job, rf_xfer_done_cb 
                           strerror(-rc));
     }
     return 0;
+}
+
+int rf_xfer_run(rf_xfer_transport *pub, const rf_xfer_job *job, rf_xfer_done_cb done, void *arg,
+                rf_err *err)
+{
+    return submit(pub, job, false, done, arg, err);
+}
+
+int rf_xfer_prepare(rf_xfer_transport *pub, const rf_xfer_job *job, rf_xfer_done_cb done,
+                    void *arg, rf_err *err)
+{
+    if (!pub->ops->prepares)
+        return rf_err_set(err, -ENOTSUP, "xfer %s: this transport sets a job up when it runs "
+                          "it, not ahead", pub->ops->name);
+    return submit(pub, job, true, done, arg, err);
 }
 
 static void abort_job(rf_xfer_core *t)

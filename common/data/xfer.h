@@ -171,6 +171,14 @@ int rf_xfer_set_peers(rf_xfer_transport *t, uint32_t self, uint32_t npeers,
  * (invalid, another one running) returns the error and done is never called. */
 int rf_xfer_run(rf_xfer_transport *t, const rf_xfer_job *job, rf_xfer_done_cb done, void *arg,
                 rf_err *err);
+/* Sets up, on the worker, what running job will need and the transport keeps for the next job
+ * of the same plan_key (nccl: the world's communicators, the plan of execution, staging;
+ * local: the copy plan, device buffers), moving nothing: the first refit of a plan then moves
+ * bytes at once. Checked and reported like rf_xfer_run (done with bytes 0); the job is not
+ * run. -ENOTSUP from a transport that sets jobs up only as they run (tcp). A world join waits
+ * for every rank, as a job's would. */
+int rf_xfer_prepare(rf_xfer_transport *t, const rf_xfer_job *job, rf_xfer_done_cb done,
+                    void *arg, rf_err *err);
 /* Makes the running job fail promptly with -ECANCELED (no-op when none runs). */
 void rf_xfer_abort(rf_xfer_transport *t);
 /* Aborts any running job (its done runs first) and releases the transport; cb, which may be

@@ -43,6 +43,10 @@ typedef struct rf_xfer_core rf_xfer_core;
  * in its constructor, and fills in this table. */
 typedef struct rf_xfer_backend {
     const char *name;
+    /* start sets up only what this process keeps for the job (communicators, device buffers,
+     * its plan of execution) and reaches no peer except through a collective world join:
+     * rf_xfer_prepare may run it alone, ahead of the job. */
+    bool prepares;
     bool local;  /* runs RF_PLAN_LOCAL messages, and only those; the core refuses them on
                     every other backend */
     int (*set_peers)(rf_xfer_core *t, uint32_t self, uint32_t npeers, char *const *addrs,
@@ -86,6 +90,10 @@ struct rf_xfer_core {
     rf_xfer_close_cb close_cb;
     void *close_arg;
     const rf_xfer_job *job;
+    bool prepare; /* the worker runs only the backend's start for job (rf_xfer_prepare) */
+    /* Test hook, never set in production: REFIT_TEST_PREPARE_GATE names a file that a setup
+     * ahead of Start waits for before it begins, so that a test can hold it in flight. */
+    const char *prepare_gate;
     double deadline; /* monotonic seconds, set when the worker starts */
     rf_xfer_result result;
     /* A likely cause of silence, named first in a deadline message (tcp: a peer whose hello

@@ -488,6 +488,8 @@ static int host_start(rf_xfer_local *t)
         if ((rc = plan_build(t, job)) < 0)
             return rc;
     }
+    if (t->base.prepare)
+        return 0; /* the pool starts copying at once: it waits for the job itself */
     h->job = job;
     h->reaped = 0;
     for (uint32_t i = 0; i < job->nmsgs; i++)
@@ -710,6 +712,7 @@ static int local_check(rf_xfer_core *base, const rf_xfer_job *job, rf_err *err)
 
 const rf_xfer_backend rf_xfer__local_backend = {
     .name = "local",
+    .prepares = true,
     .local = true,
     .check = local_check,
     .release = local_release,

@@ -1276,6 +1276,7 @@ static int nccl_check(rf_xfer_core *base, const rf_xfer_job *job, rf_err *err)
 
 static const rf_xfer_backend nccl_backend = {
     .name = "nccl",
+    .prepares = true,
     .check = nccl_check,
     .release = nccl_release,
     .start = nccl_start,

@@ -6,7 +6,9 @@
 # it is on another host (host_id), so its engines get their bytes over TCP while receiverd 0's
 # are local copies, in the same refits. Part 3, replicas: trainers tp=2,dp=2 with one DP
 # replica on each of two hosts, an engine replica on each: each receiverd copies everything from
-# the replica on its own host and nothing crosses the network.
+# the replica on its own host and nothing crosses the network. Part 4, set up ahead: the local
+# copies' plan is derived when the slice arrives, before any Start; a Start that arrives while
+# that is still under way (held there by a test hook) waits for it and then commits.
 . "$(dirname "$0")/lib.sh"
 E2E_LOCAL_COPY=auto
 
@@ -39,6 +41,10 @@ read -r GOT ALL < <(sed -n 's/.*exported \([0-9]*\) of \([0-9]*\) regions.*/\1 \
     fail "the publisherd exported ${GOT:-?} of ${ALL:-?} regions: not only those the plan reads"
 grep -q "mapped $GOT of the $ALL trainer regions" "$E2E_DIR/recv0.log" ||
     fail "the receiverd mapped other regions than the $GOT it was given"
+# The copy plan was set up when the slice arrived, before the first refit moved a byte.
+awk '/local copies data path set up ahead of Start/ { up = 1 }
+     /version 1: moved/ { exit !up }' "$E2E_DIR/recv0.log" ||
+    fail "the receiverd did not set its local copies up ahead of the first Start"
 echo "ok: 3 refits as same-host copies, every byte verified"
 
 # ---- part 2: one refit over both paths --------------------------------------------------------
@@ -87,3 +93,21 @@ for r in 0 1; do
         's["last_refit"]["paths"]["network"]["bytes"] == 0 and s["last_refit"]["paths"]["local"]["bytes"] > 0'
 done
 echo "ok: two hosts, a trainer replica on each: every byte a same-host copy"
+
+# ---- part 4: a Start that arrives while the data path is being set up ---------------------------
+e2e_new_cluster held
+E2E_PUBLISHERS=1 E2E_RECEIVERS=1
+start_publisher 0 2
+REFIT_TEST_PREPARE_GATE="$E2E_DIR/gate" start_receiver 0 4
+start_engine eng 0 --model qwen3-0.6b --shrink 8 --layout tp=4 --versions 2
+start_trainer tr 0 --model qwen3-0.6b --shrink 8 --layout tp=2 --versions 2
+wait_for "$E2E_DIR/recv0.log" "Start(1) held until the data path is set up" 60
+st_port RP "$E2E_DIR/recv0.log" 10
+st_wait "$RP" 10 "the setup holds Start" 's["preparing"] == True'
+grep -q "version 1 committed" "$E2E_DIR/eng.log" && fail "version 1 committed while Start was held"
+touch "$E2E_DIR/gate"
+wait_ok tr eng
+grep -q "version 2 committed.*0 wrong" "$E2E_DIR/eng.log" || fail "engine did not verify version 2"
+st_committed 10 2 clean "$E2E_DIR/pub0.sock" "$E2E_DIR/recv0.sock"
+st_wait "$RP" 10 "nothing left being set up" 's["preparing"] == False'
+echo "ok: a Start held while the copies were set up ran once they were, every byte verified"

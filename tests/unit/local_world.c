@@ -78,6 +78,19 @@ void world_run(world *w, rf_xfer_job *job, bool abort_mid)
     cr_assert(w->got);
 }
 
+void world_prepare(world *w, rf_xfer_job *job)
+{
+    rf_err err;
+
+    w->got = false;
+    memset(&w->res, 0, sizeof(w->res));
+    cr_assert_eq(rf_xfer_prepare(w->t, job, world_on_done, w, &err), 0, "%s", err.msg);
+    uv_timer_start(&w->guard, on_guard, 120000, 0);
+    uv_run(&w->loop, UV_RUN_DEFAULT);
+    uv_timer_stop(&w->guard);
+    cr_assert(w->got);
+}
+
 static void on_closed(void *arg)
 {
     ((world *)arg)->closing--;

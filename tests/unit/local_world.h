@@ -25,6 +25,8 @@ void world_open(world *w, bool gpu);
 /* Runs job to its end (fails the test after 120 s); with abort_mid, aborts it as soon as it
  * reports its first copied bytes, so that the abort lands mid-copy. w->res is its result. */
 void world_run(world *w, rf_xfer_job *job, bool abort_mid);
+/* Sets job up (rf_xfer_prepare) and waits for its done; w->res is its result. */
+void world_prepare(world *w, rf_xfer_job *job);
 /* Closes the transport and the loop; every handle must be gone. */
 void world_close(world *w);
 /* The done callback world_run passes (for tests that call rf_xfer_run themselves). */

@@ -227,6 +227,57 @@ Test(xfer_local, plan_byte_for_byte_digests_and_warm_jobs)
     rf_inv_free(inv);
 }
 
+/* A job set up ahead (rf_xfer_prepare) moves nothing, derives the plan, and the job of that
+ * plan_key then runs warm: the first refit of a plan does its setup before Start. */
+Test(xfer_local, prepare_derives_the_plan_and_moves_nothing)
+{
+    rf_inv *inv = colocated_qwen3("tp=2", "tp=4");
+    rf_plan_opts o;
+    rf_plan *pl = NULL;
+    rf_xfer_job job;
+    cluster c;
+    world w;
+    rf_err err;
+    uint64_t a0, a1, a2;
+
+    rf_plan_opts_default(&o);
+    cr_assert_eq(rf_plan_build(inv, &o, &pl, &err), 0, "%s", err.msg);
+    cluster_alloc(&c, inv);
+    world_open(&w, false);
+    cr_assert_eq(rf_xfer_local_set_threads(w.t, 2, &err), 0, "%s", err.msg);
+    local_job(pl, c.bases, 1, RF_VERIFY_SAMPLE, &job);
+    job.plan_key = 1;
+    xd_fill(inv, c.bases, 1);
+    world_run(&w, &job, false);
+    cr_assert_eq(w.res.code, 0, "%s", w.res.error);
+    check_destinations(&c, 1);
+
+    /* The trainers hold version 2; the next plan is set up while engines still serve 1. */
+    xd_fill(inv, c.bases, 2);
+    job.plan_key = 2;
+    job.version = 2;
+    rf_xfer_local_stats(w.t, &a0, NULL, NULL);
+    world_prepare(&w, &job);
+    rf_xfer_local_stats(w.t, &a1, NULL, NULL);
+    cr_assert_eq(w.res.code, 0, "%s", w.res.error);
+    cr_assert_eq(w.res.bytes_recv + w.res.bytes_sent, 0);
+    cr_assert_eq(rf_xfer_progress(w.t), 0);
+    cr_assert_gt(a1, a0, "setting up a new plan_key derives its plan");
+    check_destinations(&c, 1);
+
+    world_run(&w, &job, false);
+    rf_xfer_local_stats(w.t, &a2, NULL, NULL);
+    cr_assert_eq(w.res.code, 0, "%s", w.res.error);
+    cr_assert_eq(a2, a1, "the job after its setup made %llu allocations",
+                 (unsigned long long)(a2 - a1));
+    check_destinations(&c, 2);
+    job_free(&job);
+    world_close(&w);
+    cluster_free(&c);
+    rf_plan_free(pl);
+    rf_inv_free(inv);
+}
+
 /* Engine ep over tp x dp and a trainer with expert parallelism: many small strided boxes. */
 Test(xfer_local, expert_layouts_byte_for_byte)
 {
