@@ -598,6 +598,26 @@ void rf_xfer__e2e_item(rf_xfer_core *t, const rf_xfer_item *it, const uint8_t *p
     }
 }
 
+/* REFIT_TEST_JOB_HOLD: once the job moved bytes, waits while the file exists; returns rc, or
+ * the abort or deadline that ended the wait. */
+static int hold(rf_xfer_core *t, int rc)
+{
+    int stop;
+
+    if (atomic_load_explicit(&t->progress, memory_order_relaxed) == 0 ||
+        access(t->job_hold, F_OK) != 0)
+        return rc;
+    RF_WARN("xfer %s: version %llu held in flight while %s exists (REFIT_TEST_JOB_HOLD)",
+            t->pub.ops->name, (unsigned long long)t->job->version, t->job_hold);
+    while (access(t->job_hold, F_OK) == 0)
+        if ((stop = rf_xfer__stop(t)) < 0)
+            return rf_xfer__fail(t, stop, "%s while held in flight by REFIT_TEST_JOB_HOLD",
+                                 stop == -ECANCELED ? "aborted" : "deadline passed");
+        else
+            usleep(10000);
+    return rc;
+}
+
 /* Steps the backend until the job is complete, fails, is aborted or runs out of time; the
  * backend's own steps name what failed, the core names what was outstanding. */
 static int run_job(rf_xfer_core *t)
@@ -620,6 +640,8 @@ static int run_job(rf_xfer_core *t)
         return rc < 0 ? rc : 0;
     while (rc == 0) {
         rc = be->progress(t, wait_s);
+        if (rc >= 0 && t->job_hold && (rc = hold(t, rc)) < 0)
+            break;
         if (rc != 0)
             break;
         if (atomic_load(&t->abort_req)) {
@@ -773,6 +795,12 @@ int rf_xfer__new(size_t size, const rf_xfer_backend *be, uv_loop_t *loop, rf_xfe
     if (t->prepare_gate)
         RF_WARN("REFIT_TEST_PREPARE_GATE is set: xfer %s sets jobs up ahead of Start only once "
                 "%s exists (a test hook; unset it outside tests)", be->name, t->prepare_gate);
+    t->job_hold = getenv("REFIT_TEST_JOB_HOLD");
+    if (t->job_hold && !t->job_hold[0])
+        t->job_hold = NULL;
+    if (t->job_hold)
+        RF_WARN("REFIT_TEST_JOB_HOLD is set: xfer %s holds a job in flight while %s exists (a "
+                "test hook; unset it outside tests)", be->name, t->job_hold);
     rc = uv_async_init(loop, &t->async, on_async);
     if (rc < 0) {
         rf_err_set(err, rc, "xfer %s: uv_async_init: %s", be->name, uv_strerror(rc));

@@ -94,6 +94,10 @@ struct rf_xfer_core {
     /* Test hook, never set in production: REFIT_TEST_PREPARE_GATE names a file that a setup
      * ahead of Start waits for before it begins, so that a test can hold it in flight. */
     const char *prepare_gate;
+    /* Test hook, never set in production: while the file REFIT_TEST_JOB_HOLD names exists, a
+     * job that has moved bytes holds before its next step (an abort or the deadline still
+     * ends it), so that a test can act while a refit is certainly in flight. */
+    const char *job_hold;
     double deadline; /* monotonic seconds, set when the worker starts */
     rf_xfer_result result;
     /* A likely cause of silence, named first in a deadline message (tcp: a peer whose hello

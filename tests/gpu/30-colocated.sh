@@ -65,19 +65,25 @@ fi
 want vmmchunk && run_case vmmchunk qwen3-4b tp=2 tp=4 3 2 4 --cuda-vmm-chunk 2097152
 want kill || exit 0
 
-# A trainer killed during the copy of version 3. verify = full digests every byte through the
-# host, so the copy takes seconds and the kill lands inside it; the receiverd's log proves it
-# (its copy of version 3 failed rather than moved).
-E2E_COMMON=${E2E_COMMON/--verify sample/--verify full}
+# A trainer killed during the copy of version 3: the receiverd holds a job in flight while the
+# hold file exists (REFIT_TEST_JOB_HOLD), so the kill lands while version 3's data path runs;
+# its log proves it (the copy of version 3 failed rather than moved).
 E2E_PUBLISHERS=1 E2E_RECEIVERS=1
 start_publisher 0 2
-start_receiver 0 4
+REFIT_TEST_JOB_HOLD="$E2E_DIR/hold" start_receiver 0 4
 start_engine keng 0 --model qwen3-4b --layout tp=4 --versions 4 --device cuda:0 --timeout-ms 300000
-start_trainer ktr 0 --model qwen3-4b --layout tp=2 --versions 3 --device cuda:0 --timeout-ms 300000
-wait_kill "$E2E_DIR/pub0.log" "starting the refit of version 3" "$ktr_PID"
+wait_for "$E2E_DIR/recv0.log" "status endpoint" 30
+echo 2 > "$E2E_DIR/go"
+start_trainer ktr 0 --model qwen3-4b --layout tp=2 --versions 3 --device cuda:0 --timeout-ms 300000 \
+    --publish-when "$E2E_DIR/go"
+wait_for "$E2E_DIR/keng.log" "version 2 committed" 120
+touch "$E2E_DIR/hold"
+echo 3 > "$E2E_DIR/go"
+wait_kill "$E2E_DIR/recv0.log" "version 3 held in flight" "$ktr_PID"
 wait_for "$E2E_DIR/recv0.log" "version 3 failed\|version 3: moved" 120
 grep -q "version 3 failed" "$E2E_DIR/recv0.log" ||
     fail "the trainer was killed after the copy of version 3 ended: the mid-copy case did not happen"
+rm "$E2E_DIR/hold"
 grep "version 3 failed" "$E2E_DIR/recv0.log"
 wait_for "$E2E_DIR/pub0.log" "aborting the refit of version 3" 60
 start_trainer ktr2 0 --model qwen3-4b --layout tp=2 --start 4 --versions 1 --device cuda:0 \
