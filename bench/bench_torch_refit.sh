@@ -9,8 +9,8 @@
 # engine. Per geometry: the ceiling (torch copy_ of the refit's bytes through 1 GiB buffers) and
 # bench/bench_fp8.sh's simulated trainers and engines on VMM memory for each of SIM_VERIFY.
 #
-#   BUILD=build bench/bench_torch_refit.sh            # the full run (about 4-5 min on an H200)
-#   QUICK=1 BUILD=build bench/bench_torch_refit.sh    # a first run (about 1.5 min)
+#   BUILD=build bench/bench_torch_refit.sh            # the full run (estimate: 4-5 min on an H200)
+#   QUICK=1 BUILD=build bench/bench_torch_refit.sh    # a first run (estimate: 1.5-2 min)
 #
 # Environment (defaults; QUICK=1 changes those marked *): GEOMS ("q4b q30b": qwen3-4b tp=2 ->
 # tp=4, qwen3-30b-a3b tp=2,ep=2 -> tp=4), LAYERS* (48, all: how many of qwen3-30b-a3b's layers;
@@ -34,10 +34,10 @@ fi
 [ -n "${KEEP:-}" ] && export E2E_KEEP=1
 if [ "${QUICK:-0}" = 1 ]; then
     LAYERS=${LAYERS:-12} VERIFY=${VERIFY:-off sample} GROUPED=${GROUPED-} WARM=${WARM:-2}
-    SIM_VERIFY=${SIM_VERIFY:-off}
+    SIM_VERIFY=${SIM_VERIFY-off}
 else
     LAYERS=${LAYERS:-48} VERIFY=${VERIFY:-off sample full} GROUPED=${GROUPED-off}
-    WARM=${WARM:-5} SIM_VERIFY=${SIM_VERIFY:-off sample}
+    WARM=${WARM:-5} SIM_VERIFY=${SIM_VERIFY-off sample}
 fi
 GEOMS=${GEOMS:-q4b q30b} WARM_BUDGET_S=${WARM_BUDGET_S:-10} MAX_REFIT_S=${MAX_REFIT_S:-20}
 TIMEOUT_S=${TIMEOUT_S:-120}
