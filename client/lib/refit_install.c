@@ -268,6 +268,11 @@ static void run(refit_installer *in, const Refit__Rpc__InstallRun *m)
     in->sj.ljob.version = m->version;
     in->sj.ljob.verify = (int)m->verify;
     in->sj.ljob.timeout_s = m->timeout_s > 0 ? m->timeout_s : 60.0;
+    /* Both sides of every copy here are digested in this process, so any seed makes them
+     * agree; a daemon that sends none (an older build) leaves it zero. */
+    memset(in->sj.ljob.digest_seed, 0, sizeof(in->sj.ljob.digest_seed));
+    if (m->digest_seed.len == sizeof(in->sj.ljob.digest_seed))
+        memcpy(in->sj.ljob.digest_seed, m->digest_seed.data, m->digest_seed.len);
     in->done = false;
     memset(&in->res, 0, sizeof(in->res));
     if ((rc = rf_xfer_run(in->lx, &in->sj.ljob, on_done, in, &err)) < 0) {

@@ -260,6 +260,7 @@ struct rf_install {
     rf_registry *reg;
     uint8_t *key;         /* the cluster key: proves this daemon to the local publisherds */
     size_t key_len;
+    uint8_t digest_seed[RF_XFER_DIGEST_SEED_BYTES]; /* the runs' (rf_xfer_digest_seed) */
     double fetch_timeout_s;
     const rf_install_plan *plan; /* the plan of the run in flight (valid while running) */
     uint64_t abort_at;    /* loop time (ms) after which unanswered aborts are given up */
@@ -301,6 +302,7 @@ int rf_install_new(uv_loop_t *loop, rf_registry *reg, const uint8_t *key, size_t
     }
     memcpy(in->key, key, key_len);
     in->key_len = key_len;
+    rf_xfer_digest_seed(key, key_len, in->digest_seed);
     in->fetch_timeout_s = fetch_timeout_s;
     in->loop = loop;
     in->reg = reg;
@@ -417,6 +419,8 @@ int rf_install_run(rf_install *in, const rf_install_plan *p, uint64_t version, i
     run.version = version;
     run.verify = (uint32_t)verify;
     run.timeout_s = timeout_s;
+    run.digest_seed.data = in->digest_seed;
+    run.digest_seed.len = sizeof(in->digest_seed);
     m.body_case = REFIT__RPC__INSTALL__BODY_RUN;
     m.run = &run;
     /* Everything is sent before anything counts as running: a refusal starts nothing. */

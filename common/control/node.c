@@ -66,6 +66,8 @@ struct rf_node {
      * config's until a Start brings them): the running refit's verify and deadline. */
     int verify;
     int timeout_s;
+    /* The seed of the GPU paths' digests, from the cluster key (rf_xfer_digest_seed). */
+    uint8_t digest_seed[RF_XFER_DIGEST_SEED_BYTES];
     uint64_t aborted; /* the last version the coordinator aborted: its Done, sent after, keeps
                          "aborted" and the abort's reason in the status */
     double t_start, t_begin;
@@ -843,6 +845,8 @@ static void install_slice(rf_node *n)
     /* The settings in force; each Start sets those it carries. */
     n->slice.job.timeout_s = n->slice.ljob.timeout_s = n->timeout_s;
     n->slice.job.verify = n->slice.ljob.verify = n->verify;
+    memcpy(n->slice.job.digest_seed, n->digest_seed, sizeof(n->digest_seed));
+    memcpy(n->slice.ljob.digest_seed, n->digest_seed, sizeof(n->digest_seed));
     if ((rc = rf_xfer_job_check(&n->slice.job, n->slice.npeers, &err)) < 0 ||
         (rc = rf_xfer_job_check(&n->slice.ljob, n->slice.npeers, &err)) < 0) {
         RF_ERROR("plan slice is inconsistent: %s", err.msg);
@@ -1397,6 +1401,7 @@ int rf_node_start(uv_loop_t *loop, const rf_node_opts *opts, rf_node **out, rf_e
     xo.listen_addr = cfg->data_listen;
     xo.key = opts->key->bytes;
     xo.key_len = opts->key->len;
+    rf_xfer_digest_seed(opts->key->bytes, opts->key->len, n->digest_seed);
     rc = rf_xfer_open(loop, &xo, &n->xfer, err);
     if (rc < 0)
         goto fail;

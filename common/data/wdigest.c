@@ -136,10 +136,25 @@ void rf_wdigest_seg_walk(rf_wdigest_seg *s, const uint8_t *base, uint64_t off, u
     s->off = off;
     s->bytes = bytes;
     s->run = run;
-    s->n = n;
     s->acc = acc;
+    /* This side's own contiguity (a pair's walk merges only what both sides hold back to
+     * back): dims of extent 1 dropped, a dim joined to the one inside it, and the innermost
+     * ones to the run, where this memory holds them back to back. Row-major order, and so the
+     * payload order, stays. */
     for (int d = 0; d < n; d++) {
-        s->ext[d] = ext[d];
-        s->str[d] = str[d];
+        if (ext[d] == 1)
+            continue;
+        if (s->n > 0 && s->str[s->n - 1] == str[d] * ext[d]) {
+            s->ext[s->n - 1] *= ext[d];
+            s->str[s->n - 1] = str[d];
+            continue;
+        }
+        s->ext[s->n] = ext[d];
+        s->str[s->n] = str[d];
+        s->n++;
+    }
+    while (s->n > 0 && s->str[s->n - 1] == (int64_t)s->run) {
+        s->run *= (uint64_t)s->ext[s->n - 1];
+        s->n--;
     }
 }

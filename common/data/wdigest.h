@@ -76,7 +76,8 @@ void rf_wdigest_acc_from128(const uint64_t lo[2], const uint64_t hi[2], rf_wdige
 void rf_wdigest_term(const rf_wdigest_acc *acc, uint32_t seq, uint64_t bytes,
                      uint8_t out[RF_WDIGEST_TERM_BYTES]);
 /* A segment of one side of a flattened pair walk (copy.h's rf_copy_pair_flat, passed as its
- * fields so that this layer needs no copy.h): base is that side's first byte. */
+ * fields so that this layer needs no copy.h): base is that side's first byte. Dims this side
+ * holds back to back are merged, into the run where they can be. */
 void rf_wdigest_seg_walk(rf_wdigest_seg *s, const uint8_t *base, uint64_t off, uint64_t bytes,
                          uint64_t run, int n, const int64_t *ext, const int64_t *str,
                          uint32_t acc);

@@ -462,6 +462,33 @@ void rf_xfer__digest_msg(rf_xfer_core *t, const rf_xfer_msg *m, const uint8_t *p
             rf_xfer__e2e_item(t, &m->items[k], payload + m->items[k].msg_off);
 }
 
+void rf_xfer_digest_seed(const uint8_t *key, size_t key_len,
+                         uint8_t out[RF_XFER_DIGEST_SEED_BYTES])
+{
+    static const char label[] = "refit-wdigest-seed-v1";
+    crypto_auth_hmacsha256_state st;
+
+    _Static_assert(crypto_auth_hmacsha256_BYTES == RF_XFER_DIGEST_SEED_BYTES,
+                   "the seed is one HMAC-SHA256");
+    crypto_auth_hmacsha256_init(&st, key, key_len);
+    crypto_auth_hmacsha256_update(&st, (const uint8_t *)label, sizeof(label) - 1);
+    crypto_auth_hmacsha256_final(&st, out);
+}
+
+void rf_xfer__wdigest_fold(rf_xfer_core *t, const rf_xfer_msg *m, bool sent,
+                           const rf_wdigest_acc *acc)
+{
+    uint8_t h[RF_WDIGEST_TERM_BYTES], *to = sent ? t->result.digest_sent : t->result.digest_recv;
+
+    _Static_assert(RF_WDIGEST_TERM_BYTES == RF_XFER_DIGEST_BYTES &&
+                   RF_WDIGEST_SEED_BYTES == RF_XFER_DIGEST_SEED_BYTES,
+                   "a wdigest term is a message digest, its seed the job's");
+    assert(rf_xfer_msg_verified(t->job, m));
+    rf_wdigest_term(acc, m->seq, rf_xfer_msg_digest_bytes(t->job, m), h);
+    for (int i = 0; i < RF_XFER_DIGEST_BYTES; i++)
+        to[i] ^= h[i];
+}
+
 /* ---- relays end to end ---- */
 
 static void put_le64(uint8_t *p, uint64_t v)

@@ -91,6 +91,7 @@ typedef struct rf_xfer_msg {
 /* A verification digest (BLAKE2b-256) and an NCCL unique id (ncclUniqueId, sent in plan
  * slices), in bytes. */
 #define RF_XFER_DIGEST_BYTES 32
+#define RF_XFER_DIGEST_SEED_BYTES 32
 #define RF_XFER_NCCL_ID_BYTES 128
 
 /* How much of the moved bytes is digested (the config's `verify`, the job's verify): one enum
@@ -123,11 +124,18 @@ typedef struct rf_xfer_job {
     uint64_t plan_key;      /* 0, or a key the caller gives only to jobs with identical
                                messages (items, bases, rounds): a transport may then keep what
                                it derived from them for the next job with that key */
+    /* The key of the digests that GPU paths compute (wdigest.h), the same on every daemon of
+     * the cluster (the node derives it from the cluster key) and secret to them. */
+    uint8_t digest_seed[RF_XFER_DIGEST_SEED_BYTES];
 } rf_xfer_job;
 
 /* What a job did. With verify on, digest_sent is the XOR over the messages this daemon sent
- * of BLAKE2b-256(seq as 4 bytes little-endian || payload), digest_recv the same over the
- * messages it received (relay messages have none: rf_xfer_msg.e2e); and, for relays,
+ * of a term of the message's seq and payload, digest_recv the same over the messages it
+ * received (relay messages have none: rf_xfer_msg.e2e): BLAKE2b-256(seq as 4 bytes
+ * little-endian || payload) where the payload is in host memory (tcp, the host local copies),
+ * rf_wdigest_term of its lanes under the job's digest_seed where it is in GPU memory (nccl, the
+ * GPU local copies, but for messages the local copies quantize to FP8, whose source is
+ * quantized on the host to check them); both ends of a message take the same one. For relays,
  * digest_sent XORs the terms of the origin transfers this daemon sent, digest_recv those of
  * the relay transfers it received (rf_xfer_origin, rf_xfer_e2e_term). The XOR of every
  * daemon's digest_sent equals the XOR of every daemon's digest_recv when every byte arrived as
@@ -253,6 +261,12 @@ static inline uint64_t rf_xfer_msg_digest_bytes(const rf_xfer_job *job, const rf
  * content). */
 void rf_xfer_e2e_term(uint64_t relay, uint64_t origin, const uint8_t content[RF_XFER_DIGEST_BYTES],
                       uint8_t out[RF_XFER_DIGEST_BYTES]);
+
+/* The digest seed of a cluster (rf_xfer_job.digest_seed): HMAC-SHA256(key,
+ * "refit-wdigest-seed-v1"), the same on every daemon and in-process installer that holds the
+ * cluster key or is given the seed. */
+void rf_xfer_digest_seed(const uint8_t *key, size_t key_len,
+                         uint8_t out[RF_XFER_DIGEST_SEED_BYTES]);
 
 /* Where a direct message's bytes lie in local memory (after rf_xfer_job_check). */
 uint8_t *rf_xfer_direct_ptr(const rf_xfer_msg *m);

@@ -8,6 +8,7 @@
 #include <sodium.h>
 #include <stdatomic.h>
 
+#include "wdigest.h"
 #include "xfer.h"
 
 typedef struct rf_xfer_core rf_xfer_core;
@@ -175,5 +176,10 @@ uint64_t rf_xfer__e2e_bytes(const rf_xfer_job *job, const rf_xfer_msg *m, const 
 void rf_xfer__e2e_item(rf_xfer_core *t, const rf_xfer_item *it, const uint8_t *p);
 /* All of it for a payload in host memory: the message's digest and its items' terms. */
 void rf_xfer__digest_msg(rf_xfer_core *t, const rf_xfer_msg *m, const uint8_t *payload);
+/* The message digest of a payload digested on the GPU (wdigest.h, under the job's digest_seed):
+ * the term of verified message m, whose first rf_xfer_msg_digest_bytes payload bytes gave lanes
+ * acc, XORed into digest_sent (sent) or digest_recv. */
+void rf_xfer__wdigest_fold(rf_xfer_core *t, const rf_xfer_msg *m, bool sent,
+                           const rf_wdigest_acc *acc);
 
 #endif

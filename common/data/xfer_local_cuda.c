@@ -2,7 +2,9 @@
  * messages copied from trainer GPU memory mapped here into engine GPU memory on one stream per
  * destination device, strided and small boxes through the pair kernel from descriptors kept on
  * the device, large contiguous ones by the copy engines (cudaMemcpyAsync / cudaMemcpy2DAsync),
- * in batches polled against the deadline; verification through a small device scratch. */
+ * in batches polled against the deadline; verification by the wdigest kernel over the boxes of
+ * both sides, on the device (messages quantized to FP8 here: through a small device scratch to
+ * the host, where their source is quantized to compare). */
 #define RF_LOG_MODULE "xfer_local"
 #include "xfer_local_int.h"
 
@@ -21,6 +23,7 @@
 #include "qcopy.h"
 #include "quant.h"
 #include "quant_cuda.h"
+#include "wdigest_cuda.h"
 
 /* A pair contiguous on both sides and at least this large goes by cudaMemcpyAsync (a pair of
  * rows, one strided dim, of at least this many bytes with rows of an eighth of it by
@@ -57,6 +60,11 @@ typedef struct gdev {
     uint8_t *ubounce;   /* their pinned host copy */
     uint64_t ucap;
     rf_copy_cuda_buf *vbuf;
+    /* GPU digests: their stream (the sources digested beside the copies, the destinations
+     * after them) and the event that ends each batch's. */
+    bool dready;
+    cudaStream_t ds;
+    cudaEvent_t evd[SLOTS];
 } gdev;
 
 /* A copy by the copy engines: height rows of width bytes, pitches apart (height 1: 1D). */
@@ -132,6 +140,16 @@ typedef struct gplan {
      * pairs, its shortest run, and in the running job the ns since its start at which the
      * batch was seen done. */
     uint64_t (*bstat)[BS_N];
+    /* Message digests on the GPU (verify on; a message with items quantized here goes through
+     * the windows above): per device a plan of segments, for batch b on device d the source
+     * sides [dsrc, +nsrc) then the destination sides [ddst, +ndst); a device's j-th such
+     * message adds into accumulators 2j (source) and 2j + 1 (destination), those of the batch
+     * [dacc, +nacc). */
+    rf_wdigest_cuda_plan **dplan;
+    uint64_t *dsrc, *nsrc, *ddst, *ndst; /* [b * ndev + d] */
+    uint32_t *dacc, *nacc;               /* [b * ndev + d] */
+    uint32_t *macc;                      /* per message: its j, or UINT32_MAX */
+    uint8_t seed[RF_XFER_DIGEST_SEED_BYTES];
 } gplan;
 
 struct rf_xfer_lgpu {
@@ -233,11 +251,37 @@ out:
     return rc;
 }
 
+/* The GPU digests' stream and events on G. */
+static int dev_digest_ready(rf_xfer_local *t, gdev *G)
+{
+    rf_err err = {0};
+    int rc = 0;
+
+    if (G->dready)
+        return 0;
+    CUDA_TRY(&err, cudaSetDevice(G->dev));
+    CUDA_TRY(&err, cudaStreamCreateWithFlags(&G->ds, cudaStreamNonBlocking));
+    for (int h = 0; h < SLOTS; h++)
+        CUDA_TRY(&err, cudaEventCreateWithFlags(&G->evd[h], cudaEventDisableTiming));
+    rf_xfer__local_alloc(t, 0);
+    G->dready = true;
+out:
+    if (rc < 0)
+        fail(t, rc, "preparing digests on GPU %d: %s", G->dev, err.msg);
+    return rc;
+}
+
 static void dev_release(rf_xfer_local *t, gdev *G)
 {
     if (!G->ready)
         return;
     cudaSetDevice(G->dev);
+    if (G->dready) {
+        cudaStreamSynchronize(G->ds);
+        for (int h = 0; h < SLOTS; h++)
+            cudaEventDestroy(G->evd[h]);
+        cudaStreamDestroy(G->ds);
+    }
     for (int k = 0; k < NSTREAMS; k++)
         cudaStreamSynchronize(G->s[k]);
     cudaStreamSynchronize(G->vs);
@@ -351,6 +395,16 @@ static void plan_free(rf_xfer_local *t)
         free(pl->ops[d]);
     for (uint32_t d = 0; pl->qplan && d < pl->ndev; d++)
         rf_quant_cuda_plan_free(pl->qplan[d]);
+    for (uint32_t d = 0; pl->dplan && d < pl->ndev; d++)
+        rf_wdigest_cuda_plan_free(pl->dplan[d]);
+    free(pl->dplan);
+    free(pl->dsrc);
+    free(pl->nsrc);
+    free(pl->ddst);
+    free(pl->ndst);
+    free(pl->dacc);
+    free(pl->nacc);
+    free(pl->macc);
     if (pl->valid || pl->kplan)
         atomic_fetch_sub(&t->mem_now, pl->bytes);
     free(pl->mdev);
@@ -734,6 +788,164 @@ static int add_pair(rf_xfer_local *t, pbuild *pb, uint32_t b, uint32_t d, const 
     return 0;
 }
 
+/* Whether message m has an item this transport quantizes to FP8: its source side is then
+ * quantized on the host to check it (verify_msg's windows). */
+static bool quantized_here(const rf_xfer_msg *m)
+{
+    for (uint32_t k = 0; k < m->nitems; k++)
+        if (m->items[k].quant.q.kind != 0 && m->src_items[k].piece.quant == 0)
+            return true;
+    return false;
+}
+
+/* One side of checked pair p as a segment of `bytes` payload bytes from offset off on (0: none),
+ * appended to *segs (*n of *cap). */
+static int add_seg(rf_xfer_local *t, rf_wdigest_seg **segs, uint64_t *n, uint64_t *cap,
+                   const rf_copy_pair *p, bool dst_side, uint64_t off, uint64_t bytes,
+                   uint32_t acc)
+{
+    rf_copy_pair_flat f;
+    int rc;
+
+    if (bytes == 0)
+        return 0;
+    if ((rc = grow(t, (void **)segs, cap, *n + 1, sizeof(**segs))) < 0)
+        return rc;
+    rf_copy_pair_flatten(p, &f);
+    rf_wdigest_seg_walk(&(*segs)[(*n)++], dst_side ? f.dst : f.src, off, bytes, f.run, f.n,
+                        f.ext, dst_side ? f.dstr : f.sstr, acc);
+    return 0;
+}
+
+/* One side of verified message m, its first db payload bytes, as segments into accumulator
+ * acc: each item's box (an FP8 source copied as it is: its elements, then its scales). */
+static int msg_segs(rf_xfer_local *t, const rf_xfer_msg *m, uint64_t db, bool dst_side,
+                    uint32_t acc, rf_wdigest_seg **segs, uint64_t *n, uint64_t *cap)
+{
+    int rc;
+
+    for (uint32_t k = 0; k < m->nitems; k++) {
+        const rf_xfer_item *s = &m->src_items[k], *dd = &m->items[k];
+        rf_copy_pair p, sp;
+        uint64_t lim, fp8;
+
+        if (dd->msg_off >= db)
+            continue;
+        lim = dd->bytes < db - dd->msg_off ? dd->bytes : db - dd->msg_off;
+        if (dd->quant.q.kind == 0) {
+            rf_copy_desc_set(&p.src, s->base, &s->piece, s->ndim, s->esize, &s->box, 0);
+            rf_copy_desc_set(&p.dst, dd->base, &dd->piece, dd->ndim, dd->esize, &dd->box, 0);
+            if ((rc = add_seg(t, segs, n, cap, &p, dst_side, dd->msg_off, lim, acc)) < 0)
+                return rc;
+            continue;
+        }
+        rf_qcopy_bytes(&dd->quant.q, dd->ndim, dd->quant.rows, dd->quant.cols, &dd->box, &fp8);
+        rf_qcopy_descs(s, &p.src, &sp.src);
+        rf_qcopy_descs(dd, &p.dst, &sp.dst);
+        if ((rc = add_seg(t, segs, n, cap, &p, dst_side, dd->msg_off, lim < fp8 ? lim : fp8,
+                          acc)) < 0 ||
+            (lim > fp8 && (rc = add_seg(t, segs, n, cap, &sp, dst_side, dd->msg_off + fp8,
+                                        lim - fp8, acc)) < 0))
+            return rc;
+    }
+    return 0;
+}
+
+/* The GPU digests of the running job's verified messages (but those quantized here): per
+ * device the segments of each batch's sources, then of its destinations, uploaded once. */
+static int digest_plan(rf_xfer_local *t)
+{
+    const rf_xfer_job *job = t->base.job;
+    gplan *pl = &t->g->pl;
+    size_t nx = (size_t)pl->nbatches * pl->ndev + 1;
+    rf_wdigest_seg **segs = NULL;
+    uint64_t *n = NULL, *cap = NULL;
+    uint32_t *nj = NULL;
+    rf_wdigest_key key;
+    rf_err err = {0};
+    uint32_t d = 0;
+    int rc = 0;
+
+    rf_wdigest_key_derive(job->digest_seed, &key);
+    pl->dplan = calloc(pl->ndev, sizeof(*pl->dplan));
+    pl->dsrc = calloc(nx, sizeof(*pl->dsrc));
+    pl->nsrc = calloc(nx, sizeof(*pl->nsrc));
+    pl->ddst = calloc(nx, sizeof(*pl->ddst));
+    pl->ndst = calloc(nx, sizeof(*pl->ndst));
+    pl->dacc = calloc(nx, sizeof(*pl->dacc));
+    pl->nacc = calloc(nx, sizeof(*pl->nacc));
+    pl->macc = malloc((job->nmsgs ? job->nmsgs : 1) * sizeof(*pl->macc));
+    segs = calloc(pl->ndev, sizeof(*segs));
+    n = calloc(pl->ndev, sizeof(*n));
+    cap = calloc(pl->ndev, sizeof(*cap));
+    nj = calloc(pl->ndev, sizeof(*nj));
+    for (int j = 0; j < 12; j++)
+        rf_xfer__local_alloc(t, 0);
+    if (!pl->dplan || !pl->dsrc || !pl->nsrc || !pl->ddst || !pl->ndst || !pl->dacc ||
+        !pl->nacc || !pl->macc || !segs || !n || !cap || !nj) {
+        rc = fail(t, -ENOMEM, "out of memory planning the digests of %u local messages",
+                  job->nmsgs);
+        goto out;
+    }
+    for (uint32_t i = 0; i < job->nmsgs; i++)
+        pl->macc[i] = UINT32_MAX;
+    for (uint32_t b = 0; b < pl->nbatches; b++) {
+        for (d = 0; d < pl->ndev; d++) {
+            size_t x = (size_t)b * pl->ndev + d;
+            uint32_t j0 = nj[d];
+
+            pl->dacc[x] = 2 * j0;
+            for (int side = 0; side < 2; side++) {
+                uint32_t j = j0;
+
+                (side ? pl->ddst : pl->dsrc)[x] = n[d];
+                for (uint32_t i = pl->bmsg[b]; i < pl->bmsg[b + 1]; i++) {
+                    const rf_xfer_msg *m = &job->msgs[i];
+
+                    if (pl->mdev[i] != d || !rf_xfer_msg_verified(job, m) || m->bytes == 0 ||
+                        quantized_here(m))
+                        continue;
+                    pl->macc[i] = j;
+                    if ((rc = msg_segs(t, m, rf_xfer_msg_digest_bytes(job, m), side == 1,
+                                       2 * j + (uint32_t)side, &segs[d], &n[d], &cap[d])) < 0)
+                        goto out;
+                    j++;
+                }
+                (side ? pl->ndst : pl->nsrc)[x] = n[d] - (side ? pl->ddst : pl->dsrc)[x];
+                nj[d] = j;
+            }
+            pl->nacc[x] = 2 * nj[d] - pl->dacc[x];
+        }
+    }
+    for (d = 0; d < pl->ndev; d++) {
+        gdev *G = &t->g->devs[d];
+
+        if (nj[d] == 0)
+            continue;
+        if ((rc = dev_digest_ready(t, G)) < 0)
+            goto out;
+        if (cudaSetDevice(G->dev) != cudaSuccess ||
+            (rc = rf_wdigest_cuda_plan_new(&key, segs[d], n[d], 2 * nj[d], &pl->dplan[d],
+                                           &err)) < 0) {
+            rc = fail(t, rc < 0 ? rc : -EIO, "uploading %llu digest segments to GPU %d: %s",
+                      (unsigned long long)n[d], G->dev, err.msg);
+            goto out;
+        }
+        rf_xfer__local_alloc(t, (int64_t)rf_wdigest_cuda_plan_bytes(pl->dplan[d]));
+        pl->bytes += rf_wdigest_cuda_plan_bytes(pl->dplan[d]);
+    }
+    memcpy(pl->seed, job->digest_seed, sizeof(pl->seed));
+out:
+    sodium_memzero(&key, sizeof(key));
+    for (d = 0; segs && d < pl->ndev; d++)
+        free(segs[d]);
+    free(segs);
+    free(n);
+    free(cap);
+    free(nj);
+    return rc;
+}
+
 /* Derives the plan of execution of the running job. */
 static int plan_build(rf_xfer_local *t)
 {
@@ -908,14 +1120,17 @@ static int plan_build(rf_xfer_local *t)
                      (unsigned long long)tiles, (unsigned long long)scalar);
         }
     }
-    /* Verification: which bytes, gathered how, window by window per batch. */
+    /* Verification: on the GPU, but messages quantized here, whose bytes are gathered to the
+     * host window by window per batch. */
     if (job->verify != RF_VERIFY_OFF) {
+        if ((rc = digest_plan(t)) < 0)
+            goto out;
         for (b = 0; b < pl->nbatches; b++) {
             pl->bwin[b] = (uint32_t)vb.nwin;
             for (i = pl->bmsg[b]; i < pl->bmsg[b + 1]; i++) {
                 const rf_xfer_msg *m = &job->msgs[i];
 
-                if (rf_xfer_msg_verified(job, m) && m->bytes > 0 &&
+                if (rf_xfer_msg_verified(job, m) && m->bytes > 0 && quantized_here(m) &&
                     (rc = verify_msg(t, pl, &vb, i, rf_xfer_msg_digest_bytes(job, m))) < 0)
                     goto out;
             }
@@ -1077,6 +1292,13 @@ static int enqueue(rf_xfer_local *t, uint32_t b)
         cudaStream_t cs = G->s[b % NSTREAMS], qs = G->s[(b + 1) % NSTREAMS];
 
         CUDA_TRY(&err, cudaSetDevice(G->dev));
+        /* The sources are digested beside the copies that read them (they are never written). */
+        if (pl->dplan && pl->dplan[d] &&
+            ((rc = rf_wdigest_cuda_zero(pl->dplan[d], pl->dacc[x], pl->nacc[x], G->ds,
+                                        &err)) < 0 ||
+             (rc = rf_wdigest_cuda_run(pl->dplan[d], pl->dsrc[x], pl->nsrc[x], G->ds,
+                                       &err)) < 0))
+            goto out;
         if ((rc = rf_copy_cuda_plan_launch(pl->kplan[d], pl->kfirst[x], pl->kcount[x], cs, 0,
                                            &err)) < 0)
             goto out;
@@ -1097,6 +1319,17 @@ static int enqueue(rf_xfer_local *t, uint32_t b)
         }
         for (int k = 0; k < NSTREAMS; k++)
             CUDA_TRY(&err, cudaEventRecord(G->ev[b % SLOTS][k], G->s[k]));
+        /* The destinations once the batch's copies (both streams) wrote them. */
+        if (pl->dplan && pl->dplan[d]) {
+            for (int k = 0; k < NSTREAMS; k++)
+                CUDA_TRY(&err, cudaStreamWaitEvent(G->ds, G->ev[b % SLOTS][k], 0));
+            if ((rc = rf_wdigest_cuda_run(pl->dplan[d], pl->ddst[x], pl->ndst[x], G->ds,
+                                          &err)) < 0 ||
+                (rc = rf_wdigest_cuda_fetch(pl->dplan[d], pl->dacc[x], pl->nacc[x], G->ds,
+                                            &err)) < 0)
+                goto out;
+            CUDA_TRY(&err, cudaEventRecord(G->evd[b % SLOTS], G->ds));
+        }
     }
     g->t_launch += rf_xfer__now() - t0;
 out:
@@ -1118,6 +1351,13 @@ static int batch_done(rf_xfer_local *t, uint32_t b)
     for (d = 0; d < g->pl.ndev; d++) {
         for (int k = 0; k < NSTREAMS; k++) {
             cudaError_t e = cudaEventQuery(g->devs[d].ev[b % SLOTS][k]);
+
+            if (e == cudaErrorNotReady)
+                return 0;
+            CUDA_TRY(&err, e);
+        }
+        if (g->pl.dplan && g->pl.dplan[d]) {
+            cudaError_t e = cudaEventQuery(g->devs[d].evd[b % SLOTS]);
 
             if (e == cudaErrorNotReady)
                 return 0;
@@ -1146,7 +1386,9 @@ int rf_xfer__lgpu_start(rf_xfer_local *t)
     if (!g->pl.valid || job->plan_key == 0 || g->pl.key != job->plan_key ||
         g->pl.verify != job->verify || g->pl.nmsgs != job->nmsgs ||
         g->pl.batch != (t->gpu_batch ? t->gpu_batch : BATCH) ||
-        g->pl.memcpy_min != (t->gpu_memcpy_min ? t->gpu_memcpy_min : MEMCPY_MIN)) {
+        g->pl.memcpy_min != (t->gpu_memcpy_min ? t->gpu_memcpy_min : MEMCPY_MIN) ||
+        (job->verify != RF_VERIFY_OFF &&
+         memcmp(g->pl.seed, job->digest_seed, sizeof(g->pl.seed)) != 0)) {
         /* Pointers may have been unmapped and mapped again elsewhere since the last plan. */
         for (uint32_t i = 0; i < g->pcap; i++)
             g->ptab[i].dev = -1;
@@ -1160,7 +1402,8 @@ int rf_xfer__lgpu_start(rf_xfer_local *t)
     }
     g->t0 = rf_xfer__now() - g->t_plan;
     g->t_launch = g->t_verify = g->t_copied = 0;
-    if (job->verify != RF_VERIFY_OFF)
+    /* The host path's scratch only where a message quantized here is verified. */
+    if (job->verify != RF_VERIFY_OFF && g->pl.bwin[g->pl.nbatches] > 0)
         for (uint32_t d = 0; d < g->pl.ndev; d++)
             if ((rc = dev_verify_ready(t, &g->devs[d], g->pl.uneed[d])) < 0)
                 return rc;
@@ -1197,6 +1440,16 @@ int rf_xfer__lgpu_progress(rf_xfer_local *t, double wait_s)
     if (pl->verify != RF_VERIFY_OFF &&
         (rc = digest_wins(t, pl->bwin[g->lo], pl->bwin[g->lo + 1], true)) < 0)
         return rc;
+    for (uint32_t i = pl->bmsg[g->lo]; pl->dplan && i < pl->bmsg[g->lo + 1]; i++) {
+        rf_wdigest_acc acc;
+
+        if (pl->macc[i] == UINT32_MAX)
+            continue;
+        rf_wdigest_cuda_result(pl->dplan[pl->mdev[i]], 2 * pl->macc[i], &acc);
+        rf_xfer__wdigest_fold(&t->base, &g->job->msgs[i], true, &acc);
+        rf_wdigest_cuda_result(pl->dplan[pl->mdev[i]], 2 * pl->macc[i] + 1, &acc);
+        rf_xfer__wdigest_fold(&t->base, &g->job->msgs[i], false, &acc);
+    }
     g->t_verify += rf_xfer__now() - tv;
     for (uint32_t i = pl->bmsg[g->lo]; i < pl->bmsg[g->lo + 1]; i++)
         rf_xfer__moved(&t->base, &g->job->msgs[i]);
@@ -1236,6 +1489,8 @@ void rf_xfer__lgpu_finish(rf_xfer_local *t, int rc)
             for (int k = 0; k < NSTREAMS; k++)
                 cudaStreamSynchronize(g->devs[d].s[k]);
             cudaStreamSynchronize(g->devs[d].vs);
+            if (g->devs[d].dready)
+                cudaStreamSynchronize(g->devs[d].ds);
         }
         /* A failed CUDA call leaves its error for the next call to report. */
         cudaGetLastError();

@@ -1,7 +1,8 @@
 /* common/data/xfer_nccl.c - the nccl transport: moves a job's messages between the cluster's GPU
  * endpoints with NCCL send/recv, one group per round over every local GPU, packed messages
  * gathered into device staging and scattered with the copy kernels; up to SLOTS rounds
- * enqueued at once (two when verifying), over two staging halves. FP8 (issue 15): the sender
+ * enqueued at once (two when relays' end-to-end terms are read on the host), over two staging
+ * halves; verified messages digested by the wdigest kernel on their GPU. FP8 (issue 15): the sender
  * quantizes bf16/fp16/fp32 boxes into staging with the batch quantizer (rf_quant_cuda, the
  * payload laid out as rf_qcopy_pack lays it), so half the bytes go on the wire; FP8 pieces
  * (a trainer's, an engine's) are gathered and scattered as two copies, elements and scales. */
@@ -25,6 +26,7 @@
 #include "mem_cuda.h"
 #include "qcopy.h"
 #include "quant_cuda.h"
+#include "wdigest_cuda.h"
 
 /* NCCL's error domain, wrapped once: the call, where, NCCL's code and its last message. */
 static int nccl_fail(rf_err *err, ncclResult_t r, ncclComm_t comm, const char *call,
@@ -54,7 +56,7 @@ static int nccl_fail(rf_err *err, ncclResult_t r, ncclComm_t comm, const char *c
 /* Staging offsets are aligned so that the copy kernels' wide accesses and NCCL's own stay
  * aligned whatever the sizes of the messages before. */
 #define STAGE_ALIGN 256u
-/* Verification copies GPU payloads to the host in pieces of this size. */
+/* Relays' end-to-end terms copy GPU payloads to the host in pieces of this size. */
 #define VERIFY_CHUNK (16u << 20)
 /* How long the worker sleeps between completion polls. */
 #define POLL_NS 20000L
@@ -104,7 +106,17 @@ typedef struct jstate {
     struct qfix **qfix;        /* per GPU: scales that go through qscratch, */
     uint64_t *nqfix;           /* so many */
     uint8_t **qscratch;        /* per GPU: device memory, or NULL */
-    uint8_t *bounce;        /* host memory for verification */
+    uint8_t *bounce;        /* host memory for relays' end-to-end terms */
+    /* Message digests on the GPUs (verify on): per GPU a plan whose segment and accumulator j
+     * is its j-th verified message in round order, sends before receives in each round, over
+     * the staging it was built for; dverify and dseed are what it was built under. */
+    rf_wdigest_cuda_plan **dplan;
+    uint8_t **darena;
+    uint32_t *dacc;            /* per message: its accumulator on its GPU */
+    uint32_t *dfirst, *dsn, *drn; /* [round * nl + g]: sends' range, then receives' */
+    bool dbuilt;
+    int dverify;
+    uint8_t dseed[RF_XFER_DIGEST_SEED_BYTES];
 } jstate;
 
 /* An FP8 item whose scales lie where the payload cannot take the quantizer's aligned scale
@@ -138,6 +150,8 @@ typedef struct nccl {
     /* The job both sends and receives (a relay, plan.h's ordering rule): a GPU's sends of
      * round r wait on the GPU for its round r - 1 to end, scatter included. */
     bool relay_order;
+    /* Relays' end-to-end terms are read from a retired round's staging on the host. */
+    bool host_e2e;
     _Atomic uint64_t mem_now, mem_peak;
     rf_xfer_nccl_tuning tune; /* read by the worker; changed only while none runs */
     uint64_t world_gen;       /* bumped by set_world: a kept jstate of another world is void */
@@ -338,6 +352,14 @@ out:
 
 static void js_free(jstate *s)
 {
+    for (uint32_t g = 0; s->dplan && g < s->nl; g++)
+        rf_wdigest_cuda_plan_free(s->dplan[g]);
+    free(s->dplan);
+    free(s->darena);
+    free(s->dacc);
+    free(s->dfirst);
+    free(s->dsn);
+    free(s->drn);
     for (uint32_t g = 0; s->qplan && g < s->nl; g++)
         rf_quant_cuda_plan_free(s->qplan[g]);
     free(s->qplan);
@@ -558,7 +580,7 @@ static int js_prepare(nccl *t, const rf_xfer_job *job)
         if ((rc = js_init(t, job)) < 0)
             return rc;
     }
-    if (job->verify && !s->bounce && !(s->bounce = malloc(VERIFY_CHUNK)))
+    if (t->host_e2e && !s->bounce && !(s->bounce = malloc(VERIFY_CHUNK)))
         return fail(t, -ENOMEM, "out of memory for the verification buffer");
     return 0;
 }
@@ -685,6 +707,113 @@ out:
     if (rc < 0)
         fail(t, rc, "planning the FP8 quantization into staging: %s", err.msg);
     return rc;
+}
+
+/* The message digests' plans (verify on): one segment per verified message, its payload in
+ * staging or, direct, in client memory; made again when the verify setting, the seed or a GPU's
+ * staging changed. */
+static int digest_plans(nccl *t)
+{
+    jstate *s = &t->js;
+    const rf_xfer_job *job = s->job;
+    uint32_t nr = job->nrounds, nl = s->nl, n = job->nmsgs;
+    rf_wdigest_seg *segs = NULL;
+    rf_wdigest_key key;
+    rf_err err = {0};
+    int rc = 0;
+
+    if (job->verify == RF_VERIFY_OFF)
+        return 0;
+    if (s->dbuilt && s->dverify == job->verify &&
+        memcmp(s->dseed, job->digest_seed, sizeof(s->dseed)) == 0) {
+        bool moved = false;
+
+        for (uint32_t g = 0; g < nl; g++)
+            moved |= s->darena[g] != t->g[g].arena;
+        if (!moved)
+            return 0;
+    }
+    for (uint32_t g = 0; s->dplan && g < nl; g++) {
+        cudaSetDevice(t->g[g].dev);
+        rf_wdigest_cuda_plan_free(s->dplan[g]);
+        s->dplan[g] = NULL;
+    }
+    s->dbuilt = false;
+    if (!s->dplan) {
+        s->dplan = calloc(nl ? nl : 1, sizeof(*s->dplan));
+        s->darena = calloc(nl ? nl : 1, sizeof(*s->darena));
+        s->dacc = calloc(n ? n : 1, sizeof(*s->dacc));
+        s->dfirst = calloc((size_t)(nr ? nr : 1) * nl, sizeof(*s->dfirst));
+        s->dsn = calloc((size_t)(nr ? nr : 1) * nl, sizeof(*s->dsn));
+        s->drn = calloc((size_t)(nr ? nr : 1) * nl, sizeof(*s->drn));
+    }
+    segs = malloc((n ? n : 1) * sizeof(*segs));
+    if (!s->dplan || !s->darena || !s->dacc || !s->dfirst || !s->dsn || !s->drn || !segs) {
+        rc = rf_err_set(&err, -ENOMEM, "out of memory for the digests of %u messages", n);
+        goto out;
+    }
+    rf_wdigest_key_derive(job->digest_seed, &key);
+    for (uint32_t g = 0; g < nl; g++) {
+        gpu *G = &t->g[g];
+        uint32_t j = 0;
+
+        for (uint32_t r = 0; r < nr; r++) {
+            size_t x = (size_t)r * nl + g;
+
+            s->dfirst[x] = j;
+            for (int dir = 1; dir >= 0; dir--) {
+                for (uint32_t i = s->round_first[r]; i < s->round_first[r + 1]; i++) {
+                    const rf_xfer_msg *m = &job->msgs[i];
+                    uint64_t db = rf_xfer_msg_digest_bytes(job, m);
+
+                    if (s->mgpu[i] != g || m->send != (dir == 1) ||
+                        !rf_xfer_msg_verified(job, m))
+                        continue;
+                    rf_wdigest_seg_walk(&segs[j], m->kind == RF_PLAN_PACKED
+                                                      ? G->arena + s->moff[i]
+                                                      : rf_xfer_direct_ptr(m),
+                                        0, db, db ? db : 1, 0, NULL, NULL, j);
+                    s->dacc[i] = j++;
+                }
+                if (dir == 1)
+                    s->dsn[x] = j - s->dfirst[x];
+                else
+                    s->drn[x] = j - s->dfirst[x] - s->dsn[x];
+            }
+        }
+        s->darena[g] = G->arena;
+        if (j == 0)
+            continue;
+        CUDA_TRY(&err, cudaSetDevice(G->dev));
+        if ((rc = rf_wdigest_cuda_plan_new(&key, segs, j, j, &s->dplan[g], &err)) < 0)
+            goto out;
+    }
+    s->dbuilt = true;
+    s->dverify = job->verify;
+    memcpy(s->dseed, job->digest_seed, sizeof(s->dseed));
+out:
+    sodium_memzero(&key, sizeof(key));
+    free(segs);
+    if (rc < 0)
+        fail(t, rc, "planning the digests of verified messages on the GPUs: %s", err.msg);
+    return rc;
+}
+
+/* Enqueues on stream st the digests of accumulators [a, a + n) of GPU g's plan: zeroed,
+ * digested, copied to the host for retire_round. */
+static int digest_range(nccl *t, uint32_t g, uint32_t a, uint32_t n, cudaStream_t st,
+                        rf_err *err)
+{
+    rf_wdigest_cuda_plan *pl = t->js.dplan ? t->js.dplan[g] : NULL;
+    int rc;
+
+    if (!pl || n == 0)
+        return 0;
+    if ((rc = rf_wdigest_cuda_zero(pl, a, n, st, err)) < 0 ||
+        (rc = rf_wdigest_cuda_run(pl, a, n, st, err)) < 0 ||
+        (rc = rf_wdigest_cuda_fetch(pl, a, n, st, err)) < 0)
+        return rc;
+    return 0;
 }
 
 static int arenas_reserve(nccl *t)
@@ -823,6 +952,11 @@ static int enqueue_round(nccl *t, uint32_t r)
                 CUDA_TRY(&err, cudaMemcpyAsync(s->qfix[g][k].to, s->qfix[g][k].from,
                                                s->qfix[g][k].bytes, cudaMemcpyDeviceToDevice,
                                                G->s_pack));
+        /* The payloads sent are digested once gathered, before the wire: the round's end
+         * (ev_done) then follows their digests too. */
+        if (s->dplan && (rc = digest_range(t, g, s->dfirst[(size_t)r * s->nl + g],
+                                           s->dsn[(size_t)r * s->nl + g], G->s_pack, &err)) < 0)
+            goto out;
         CUDA_TRY(&err, cudaEventRecord(G->ev_packed[h], G->s_pack));
         CUDA_TRY(&err, cudaStreamWaitEvent(G->s_net, G->ev_packed[h], 0));
     }
@@ -861,6 +995,14 @@ scatter:
             (rc = rf_copy_cuda_scatter_buf(G->sbuf[h], &s->desc[a], n, G->arena, G->s_unpack,
                                            &err)) < 0)
             goto out;
+        /* The payloads received, in staging or client memory, digested before the round ends. */
+        if (s->dplan) {
+            size_t x = (size_t)r * s->nl + g;
+
+            if ((rc = digest_range(t, g, s->dfirst[x] + s->dsn[x], s->drn[x], G->s_unpack,
+                                   &err)) < 0)
+                goto out;
+        }
         CUDA_TRY(&err, cudaEventRecord(G->ev_done[h], G->s_unpack));
     }
     /* While this round packs, the one before it may still be on the wire beside it. */
@@ -911,28 +1053,6 @@ out:
     return fail(t, rc, "%s: %s", what, err.msg);
 }
 
-/* Digests message m, whose payload is p in device memory, through the host bounce buffer. */
-static int digest_dev(nccl *t, const rf_xfer_msg *m, const uint8_t *p)
-{
-    rf_xfer_digest d;
-    rf_err err = {0};
-    int rc = 0;
-
-    if (!rf_xfer__digest_begin(&t->base, m, &d))
-        return 0;
-    for (uint64_t off = 0; d.left > 0; off += VERIFY_CHUNK) {
-        uint64_t n = d.left < VERIFY_CHUNK ? d.left : VERIFY_CHUNK;
-
-        CUDA_TRY(&err, cudaMemcpy(t->js.bounce, p + off, n, cudaMemcpyDeviceToHost));
-        rf_xfer__digest_add(&d, t->js.bounce, n);
-    }
-    rf_xfer__digest_end(&d);
-out:
-    if (rc < 0)
-        fail(t, rc, "copying message seq %u to the host to verify it: %s", m->seq, err.msg);
-    return rc;
-}
-
 /* The end-to-end terms of m's items that are ends of relay trees (xfer.h, rf_xfer_origin), its
  * payload p in device memory: the bytes each item's terms read are copied to the host first. */
 static int e2e_dev(nccl *t, const rf_xfer_msg *m, const uint8_t *p)
@@ -968,8 +1088,9 @@ out:
     return rc;
 }
 
-/* A round is done: account its bytes, digest its payloads (staging still holds them: the
- * round that reuses this half is not started yet), free its staging. */
+/* A round is done: account its bytes, fold the digests its GPUs computed, and the relays'
+ * end-to-end terms of its payloads (staging still holds them: with such terms, the round that
+ * reuses this half is not started yet). */
 static int retire_round(nccl *t, uint32_t r)
 {
     jstate *s = &t->js;
@@ -981,7 +1102,13 @@ static int retire_round(nccl *t, uint32_t r)
         const uint8_t *p = m->kind == RF_PLAN_PACKED ? t->g[s->mgpu[i]].arena + s->moff[i]
                                                      : rf_xfer_direct_ptr(m);
 
-        if ((rc = digest_dev(t, m, p)) < 0 || (rc = e2e_dev(t, m, p)) < 0)
+        if (s->dplan && rf_xfer_msg_verified(job, m)) {
+            rf_wdigest_acc acc;
+
+            rf_wdigest_cuda_result(s->dplan[s->mgpu[i]], s->dacc[i], &acc);
+            rf_xfer__wdigest_fold(&t->base, m, m->send, &acc);
+        }
+        if (t->host_e2e && (rc = e2e_dev(t, m, p)) < 0)
             return rc;
         rf_xfer__moved(&t->base, m);
     }
@@ -998,8 +1125,12 @@ static int nccl_start(rf_xfer_core *base)
 
     if ((rc = world_up(t)) < 0)
         return rc;
+    t->host_e2e = false;
+    for (uint32_t i = 0; job->verify != RF_VERIFY_OFF && i < job->nmsgs && !t->host_e2e; i++)
+        for (uint32_t k = 0; k < job->msgs[i].nitems && !t->host_e2e; k++)
+            t->host_e2e = rf_xfer__e2e_bytes(job, &job->msgs[i], &job->msgs[i].items[k]) > 0;
     if ((rc = js_prepare(t, job)) < 0 || (rc = arenas_reserve(t)) < 0 ||
-        (rc = quant_plans(t)) < 0)
+        (rc = quant_plans(t)) < 0 || (rc = digest_plans(t)) < 0)
         return rc;
     t->lo = t->hi = 0;
     {
@@ -1011,9 +1142,10 @@ static int nccl_start(rf_xfer_core *base)
         }
         t->relay_order = sends && recvs;
     }
-    /* Verification reads a retired round's staging on the host, so nothing may be enqueued
-     * over it before then: two rounds at most, and only neighbours that fit side by side. */
-    t->window = job->verify != RF_VERIFY_OFF ? 2 : t->tune.window ? t->tune.window : SLOTS;
+    /* Relays' end-to-end terms read a retired round's staging on the host, so nothing may be
+     * enqueued over it before then: two rounds at most, and only neighbours that fit side by
+     * side. Message digests are made on the GPU in stream order and need no such care. */
+    t->window = t->host_e2e ? 2 : t->tune.window ? t->tune.window : SLOTS;
     return 0;
 }
 
@@ -1031,7 +1163,7 @@ static int nccl_progress(rf_xfer_core *base, double wait_s)
     if (t->lo == nr)
         return 1;
     while (t->hi < nr && t->hi < t->lo + t->window &&
-           (t->hi == t->lo || job->verify == RF_VERIFY_OFF || s->pair_ok[t->lo])) {
+           (t->hi == t->lo || !t->host_e2e || s->pair_ok[t->lo])) {
         if ((rc = enqueue_round(t, t->hi)) < 0)
             return rc;
         t->hi++;

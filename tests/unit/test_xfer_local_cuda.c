@@ -1,9 +1,9 @@
 /* tests/unit/test_xfer_local_cuda.c - the local transport on GPU memory in one process: source and
  * destination regions cudaMalloc'd here (one GPU: same-device copies; two: the sources on the
  * other GPU, peer copies), jobs of local messages from real plans checked byte for byte through
- * host mirrors, digests against BLAKE2b of the packed source, warm jobs that allocate nothing,
- * an abort that lands mid-job and a deadline, each followed by a good job. Skipped without a
- * CUDA device. */
+ * host mirrors, digests (made on the GPU) against the host reference (wdigest) of the packed
+ * source, warm jobs that allocate nothing, a corrupted copy caught by the digests, an abort that
+ * lands mid-job and a deadline, each followed by a good job. Skipped without a CUDA device. */
 #include <criterion/criterion.h>
 #include <sodium.h>
 #include <stdio.h>
@@ -26,6 +26,7 @@
 #include "xfer_data.h"
 #include "slice.h"
 #include "local_world.h"
+#include "wdigest.h"
 #include "xfer_local_int.h"
 
 #define NEED_GPU()                                                                    \
@@ -102,6 +103,8 @@ static void local_job(const rf_plan *pl, uint8_t *const *bases, int verify, rf_x
     cr_assert_eq(rf_slice_local_job_from_plan(pl, bases, job, &err), 0, "%s", err.msg);
     job->timeout_s = 60;
     job->verify = verify;
+    for (int i = 0; i < RF_XFER_DIGEST_SEED_BYTES; i++)
+        job->digest_seed[i] = (uint8_t)(i * 29 + 5);
 }
 
 static void job_free(rf_xfer_job *j)
@@ -110,19 +113,21 @@ static void job_free(rf_xfer_job *j)
     memset(j, 0, sizeof(*j));
 }
 
-/* BLAKE2b of each verified message's packed source, from the host mirror's job. */
+/* The wdigest term (the job's seed) of each verified message's packed source, from the host
+ * mirror's job. */
 static void digest_ref(const rf_xfer_job *hjob, uint8_t acc[RF_XFER_DIGEST_BYTES])
 {
+    rf_wdigest_key key;
+
+    rf_wdigest_key_derive(hjob->digest_seed, &key);
     memset(acc, 0, RF_XFER_DIGEST_BYTES);
     for (uint32_t i = 0; i < hjob->nmsgs; i++) {
         const rf_xfer_msg *m = &hjob->msgs[i];
-        crypto_generichash_state st;
-        uint8_t le[4] = {(uint8_t)m->seq, (uint8_t)(m->seq >> 8), (uint8_t)(m->seq >> 16),
-                         (uint8_t)(m->seq >> 24)};
+        rf_wdigest_acc lanes = {{0, 0}};
         uint8_t h[RF_XFER_DIGEST_BYTES], *payload;
         rf_err err;
 
-        if (!rf_xfer_msg_verified(hjob, m))
+        if (!rf_xfer_msg_verified(hjob, m) || m->bytes == 0)
             continue;
         payload = malloc(m->bytes + 1);
         for (uint32_t k = 0; k < m->nitems; k++) {
@@ -133,10 +138,8 @@ static void digest_ref(const rf_xfer_job *hjob, uint8_t acc[RF_XFER_DIGEST_BYTES
                              it->msg_off);
             cr_assert_eq(rf_copy_gather(&d, 1, payload, &err), 0, "%s", err.msg);
         }
-        crypto_generichash_init(&st, NULL, 0, sizeof(h));
-        crypto_generichash_update(&st, le, sizeof(le));
-        crypto_generichash_update(&st, payload, rf_xfer_msg_digest_bytes(hjob, m));
-        crypto_generichash_final(&st, h, sizeof(h));
+        rf_wdigest_add(&key, 0, payload, rf_xfer_msg_digest_bytes(hjob, m), &lanes);
+        rf_wdigest_term(&lanes, m->seq, rf_xfer_msg_digest_bytes(hjob, m), h);
         for (int b = 0; b < RF_XFER_DIGEST_BYTES; b++)
             acc[b] ^= h[b];
         free(payload);
@@ -359,6 +362,39 @@ Test(xfer_local_cuda, abort_and_deadline_mid_job_then_good_jobs)
     cr_assert_eq(w.res.code, 0, "%s", w.res.error);
     big_check(&b);
     world_close(&w);
+    big_free(&b);
+}
+
+/* Corruption between the two digests: message 1's destination moved onto the second half of
+ * message 0's (a job built wrong), so whichever copy lands last there, one message's
+ * destination holds bytes other than its source's: the daemon's XOR is not zero. The same job
+ * unmoved is clean. */
+Test(xfer_local_cuda, overlapping_destinations_break_the_digest)
+{
+    big b;
+    world w;
+    uint8_t x[RF_XFER_DIGEST_BYTES], zero[RF_XFER_DIGEST_BYTES] = {0};
+
+    NEED_GPU();
+    big_init(&b);
+    b.job.nmsgs = 2;
+    b.job.verify = RF_VERIFY_FULL;
+    world_open(&w, true);
+    for (int moved = 0; moved < 2; moved++) {
+        b.job.msgs[1].items[0].base = moved ? b.dst - MSG / 2 : b.dst;
+        world_run(&w, &b.job, false);
+        cr_assert_eq(w.res.code, 0, "%s", w.res.error);
+        for (int i = 0; i < RF_XFER_DIGEST_BYTES; i++)
+            x[i] = w.res.digest_sent[i] ^ w.res.digest_recv[i];
+        cr_assert_neq(memcmp(w.res.digest_sent, zero, sizeof(zero)), 0, "nothing digested");
+        if (moved)
+            cr_assert_neq(memcmp(x, zero, sizeof(zero)), 0, "a corrupted copy passed "
+                          "verification");
+        else
+            cr_assert_eq(memcmp(x, zero, sizeof(zero)), 0, "a clean copy failed verification");
+    }
+    world_close(&w);
+    b.job.nmsgs = NMSG;
     big_free(&b);
 }
 

@@ -4,8 +4,9 @@
  * (qwen3 shrunk, trainer tp=2 -> engine tp=4, packed and direct messages over many rounds)
  * checked byte for byte, and FP8 engines (issue 15) of every format: quantized by the sender
  * into staging with the GPU quantizer, or copied from trainers' FP8 pieces, every installed FP8
- * byte and scale compared with the reference and the digests of both ends equal. Skipped
- * without a CUDA device. */
+ * byte and scale compared with the reference and the digests of both ends equal; the bf16
+ * plan's digests (made on the GPU) also equal the host reference (wdigest) of its packed source.
+ * Skipped without a CUDA device. */
 #include <criterion/criterion.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -23,7 +24,9 @@
 #ifdef RF_HAVE_CUDA
 #include <cuda_runtime_api.h>
 
+#include "copy.h"
 #include "drv_cuda.h"
+#include "wdigest.h"
 #include "xfer_data.h"
 #include "fp8_data.h"
 
@@ -183,6 +186,8 @@ static void self_job(const rf_plan *pl, const rf_plan_opts *o, uint8_t **bases, 
     job->timeout_s = 30;
     job->verify = verify;
     job->plan_key = key;
+    for (int i = 0; i < RF_XFER_DIGEST_SEED_BYTES; i++)
+        job->digest_seed[i] = (uint8_t)(i * 13 + 1);
     job->staging_bytes = 2 * o->staging_bytes;
     job->nmsgs = 2 * n;
     job->msgs = calloc(job->nmsgs ? job->nmsgs : 1, sizeof(rf_xfer_msg));
@@ -229,6 +234,40 @@ static void run_ok(self *w, const rf_xfer_job *job)
 
 /* ---- bf16 ---------------------------------------------------------------------------------- */
 
+/* The XOR of the wdigest terms (hjob's seed) of hjob's verified sends, each payload packed from
+ * the host mirrors its items point at: what both ends' digests must be. */
+static void digest_ref(const rf_xfer_job *hjob, uint8_t out[RF_XFER_DIGEST_BYTES])
+{
+    rf_wdigest_key key;
+
+    rf_wdigest_key_derive(hjob->digest_seed, &key);
+    memset(out, 0, RF_XFER_DIGEST_BYTES);
+    for (uint32_t i = 0; i < hjob->nmsgs; i++) {
+        const rf_xfer_msg *m = &hjob->msgs[i];
+        uint64_t db = rf_xfer_msg_digest_bytes(hjob, m);
+        rf_wdigest_acc acc = {{0, 0}};
+        uint8_t h[RF_XFER_DIGEST_BYTES], *payload;
+        rf_err err;
+
+        if (!m->send || !rf_xfer_msg_verified(hjob, m))
+            continue;
+        cr_assert_not_null(payload = malloc(m->bytes + 1));
+        for (uint32_t k = 0; k < m->nitems; k++) {
+            const rf_xfer_item *it = &m->items[k];
+            rf_copy_desc d;
+
+            rf_copy_desc_set(&d, it->base, &it->piece, it->ndim, it->esize, &it->box,
+                             it->msg_off);
+            cr_assert_eq(rf_copy_gather(&d, 1, payload, &err), 0, "%s", err.msg);
+        }
+        rf_wdigest_add(&key, 0, payload, db, &acc);
+        rf_wdigest_term(&acc, m->seq, db, h);
+        for (int b = 0; b < RF_XFER_DIGEST_BYTES; b++)
+            out[b] ^= h[b];
+        free(payload);
+    }
+}
+
 /* qwen3-0.6b shrunk 16x, trainer tp=2 to engine tp=4, every source on endpoint 0 and every
  * destination on endpoint 1; a staging budget small enough for many rounds of both kinds of
  * message. Three versions: verified in full, sampled, and unverified with four rounds in
@@ -268,6 +307,17 @@ Test(xfer_nccl_self, bf16_plan_byte_for_byte_on_one_gpu)
                  v >= 2 ? 5 : 0, &job);
         run_ok(&w, &job);
         cr_assert_eq(w.res.bytes_recv, rf_plan_stats_get(pl)->dst_bytes);
+        if (job.verify != RF_VERIFY_OFF) {
+            uint8_t want[RF_XFER_DIGEST_BYTES];
+            rf_xfer_job hjob;
+
+            self_job(pl, &o, g.host, v, job.verify, 0, &hjob);
+            digest_ref(&hjob, want);
+            cr_assert_eq(memcmp(w.res.digest_sent, want, sizeof(want)), 0,
+                         "version %llu: the digest of what was sent is not the reference's",
+                         (unsigned long long)v);
+            job_free(&hjob);
+        }
         gmem_sync(&g, RF_DST);
         xd_check(inv, g.host, v, &wrong, &stray);
         cr_assert_eq(wrong, 0, "version %llu: %llu destination bytes wrong",
