@@ -152,6 +152,8 @@ typedef struct nccl {
     bool relay_order;
     /* Relays' end-to-end terms are read from a retired round's staging on the host. */
     bool host_e2e;
+    /* The running job digests its messages (js.dplan may be kept from a job that did). */
+    bool digesting;
     _Atomic uint64_t mem_now, mem_peak;
     rf_xfer_nccl_tuning tune; /* read by the worker; changed only while none runs */
     uint64_t world_gen;       /* bumped by set_world: a kept jstate of another world is void */
@@ -954,7 +956,7 @@ static int enqueue_round(nccl *t, uint32_t r)
                                                G->s_pack));
         /* The payloads sent are digested once gathered, before the wire: the round's end
          * (ev_done) then follows their digests too. */
-        if (s->dplan && (rc = digest_range(t, g, s->dfirst[(size_t)r * s->nl + g],
+        if (t->digesting && (rc = digest_range(t, g, s->dfirst[(size_t)r * s->nl + g],
                                            s->dsn[(size_t)r * s->nl + g], G->s_pack, &err)) < 0)
             goto out;
         CUDA_TRY(&err, cudaEventRecord(G->ev_packed[h], G->s_pack));
@@ -996,7 +998,7 @@ scatter:
                                            &err)) < 0)
             goto out;
         /* The payloads received, in staging or client memory, digested before the round ends. */
-        if (s->dplan) {
+        if (t->digesting) {
             size_t x = (size_t)r * s->nl + g;
 
             if ((rc = digest_range(t, g, s->dfirst[x] + s->dsn[x], s->drn[x], G->s_unpack,
@@ -1102,7 +1104,7 @@ static int retire_round(nccl *t, uint32_t r)
         const uint8_t *p = m->kind == RF_PLAN_PACKED ? t->g[s->mgpu[i]].arena + s->moff[i]
                                                      : rf_xfer_direct_ptr(m);
 
-        if (s->dplan && rf_xfer_msg_verified(job, m)) {
+        if (t->digesting && rf_xfer_msg_verified(job, m)) {
             rf_wdigest_acc acc;
 
             rf_wdigest_cuda_result(s->dplan[s->mgpu[i]], s->dacc[i], &acc);
@@ -1126,6 +1128,7 @@ static int nccl_start(rf_xfer_core *base)
     if ((rc = world_up(t)) < 0)
         return rc;
     t->host_e2e = false;
+    t->digesting = job->verify != RF_VERIFY_OFF;
     for (uint32_t i = 0; job->verify != RF_VERIFY_OFF && i < job->nmsgs && !t->host_e2e; i++)
         for (uint32_t k = 0; k < job->msgs[i].nitems && !t->host_e2e; k++)
             t->host_e2e = rf_xfer__e2e_bytes(job, &job->msgs[i], &job->msgs[i].items[k]) > 0;
