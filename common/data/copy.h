@@ -93,6 +93,14 @@ void rf_copy_pair_range(const rf_copy_pair_flat *f, uint64_t lo, uint64_t hi);
  * digest of the packed bytes reads, without packing them). */
 void rf_copy_pair_visit(const rf_copy_pair_flat *f, bool dst_side, uint64_t lo, uint64_t hi,
                         void (*fn)(void *ctx, const uint8_t *p, uint64_t n), void *ctx);
+/* Whether rf_copy_pair_range copies f's whole rows through tiles (a transpose: short runs,
+ * the innermost dim strided on a side); what the tests check they reach. */
+bool rf_copy__pair_tiled(const rf_copy_pair_flat *f);
+/* rf_copy_pair_visit with the buffer it packs a side held in short strided runs into (cap
+ * bytes; the visit hands fn the buffer, up to cap bytes at a time). */
+void rf_copy__pair_visit_buf(const rf_copy_pair_flat *f, bool dst_side, uint64_t lo, uint64_t hi,
+                             void (*fn)(void *ctx, const uint8_t *p, uint64_t n), void *ctx,
+                             uint8_t *buf, uint64_t cap);
 /* Every pair, source memory -> destination memory; nothing copied when one is malformed. */
 int rf_copy_pairs(const rf_copy_pair *p, size_t n, rf_err *err);
 

@@ -505,3 +505,263 @@ Test(copy, box_span_covers_exactly_the_range)
                      (unsigned long long)next, (unsigned long long)hi);
     }
 }
+
+/* ---- tiled transposes: every byte where the element walk puts it ------------------------ */
+
+/* A piece of ndim dims holding a box of extents ext at an offset inside it (margins on every
+ * dim), its dims laid out in the order ord (outermost first: {0, 1} row-major, {1, 0} the
+ * transpose, strides (1, rows)), each dim's span padded by pad[d] elements. */
+static uint64_t ordered_piece(int ndim, const int64_t *ext, size_t es, const int *ord,
+                              const int64_t *pad, rf_piece *p, rf_box *sub)
+{
+    int64_t acc = 1, foot = 0;
+
+    memset(p, 0, sizeof(*p));
+    rf_box_full(&p->box, ndim, (int64_t[RF_MAX_DIMS]){1, 1, 1, 1, 1, 1, 1, 1});
+    *sub = p->box;
+    for (int d = 0; d < ndim; d++) {
+        int64_t margin = rndi(0, 3);
+
+        p->box.start[d] = rndi(0, 9);
+        p->box.extent[d] = ext[d] + margin;
+        sub->start[d] = p->box.start[d] + rndi(0, margin);
+        sub->extent[d] = ext[d];
+    }
+    for (int d = 0; d < RF_MAX_DIMS; d++)
+        p->strides[d] = 1;
+    for (int k = ndim - 1; k >= 0; k--) {
+        p->strides[ord[k]] = acc;
+        acc *= p->box.extent[ord[k]] + pad[ord[k]];
+    }
+    for (int d = 0; d < ndim; d++)
+        foot += (p->box.extent[d] - 1) * p->strides[d];
+    p->offset = (uint64_t)rndi(0, 3) * es + (uint64_t)rndi(0, 1);
+    return ((uint64_t)foot + 1) * es + p->offset;
+}
+
+/* A random layout of a transposing kind: 2 or 3 dims (a leading batch dim, as experts), the
+ * last two swapped on one side or both, sometimes a trailing dim of 2..3 elements held
+ * contiguous on both sides (runs of a few elements), sometimes padded rows. */
+static void transposing_orders(int ndim, bool trail, int *os, int *od, int64_t *ps, int64_t *pd)
+{
+    int kind = (int)rndi(0, 3), r = ndim - 1 - (int)trail; /* r: the column dim */
+
+    for (int d = 0; d < ndim; d++) {
+        os[d] = od[d] = d;
+        ps[d] = rndi(0, 4) == 0 ? rndi(1, 5) : 0;
+        pd[d] = rndi(0, 4) == 0 ? rndi(1, 5) : 0;
+    }
+    /* 0: source transposed, 1: destination, 2: both, 3: the source's batch dim innermost. */
+    if (kind == 0 || kind == 2) {
+        os[r - 1] = r;
+        os[r] = r - 1;
+    }
+    if (kind == 1 || kind == 2) {
+        od[r - 1] = r;
+        od[r] = r - 1;
+    }
+    if (kind == 3) {
+        for (int d = 0; d < r; d++)
+            os[d] = d + 1;
+        os[r] = 0;
+        if (rndi(0, 1)) {
+            od[r - 1] = r;
+            od[r] = r - 1;
+        }
+    }
+}
+
+/* The element walk's result: want gets src's box elements at the destination's places, in
+ * row-major order (a later write of a byte wins, as in the walk); pack gets them packed. */
+static void element_walk(int ndim, size_t es, const rf_piece *ps, const rf_box *ss,
+                         const uint8_t *src, const rf_piece *pd, const rf_box *ds, uint8_t *want,
+                         uint8_t *pack)
+{
+    int64_t idx[RF_MAX_DIMS];
+
+    memcpy(idx, ss->start, sizeof(idx));
+    do {
+        int64_t di[RF_MAX_DIMS];
+        const uint8_t *s = src + rf_piece_byte_offset(ps, ndim, es, idx);
+
+        for (int d = 0; d < ndim; d++)
+            di[d] = ds->start[d] + (idx[d] - ss->start[d]);
+        if (want)
+            memcpy(want + rf_piece_byte_offset(pd, ndim, es, di), s, es);
+        if (pack) {
+            memcpy(pack, s, es);
+            pack += es;
+        }
+    } while (next_idx(ss, ndim, idx));
+}
+
+/* Transposed pairs of 2 and 3 dims, element sizes 1..16 (and 3 and 6, runs with no register
+ * transpose), extents that are and are not multiples of a tile, boxes inside larger padded
+ * pieces: the pair copy whole and in random ranges, each side read through the visitor in
+ * random ranges with buffers from 1 byte up, and the gather and scatter of each side, every
+ * byte against the element walk. */
+Test(copy, tiled_transposes_match_element_loop)
+{
+    static const size_t sizes[] = {1, 2, 4, 8, 2, 2, 4, 16, 3, 6};
+    int ntiled = 0, iters = 160;
+
+    for (int iter = 0; iter < iters; iter++) {
+        bool trail = rndi(0, 4) == 0;
+        int ndim = (int)rndi(2, 3) + (int)trail, os[RF_MAX_DIMS], od[RF_MAX_DIMS];
+        size_t es = sizes[rndi(0, 9)];
+        int64_t ext[RF_MAX_DIMS], pads[RF_MAX_DIMS], padd[RF_MAX_DIMS];
+        rf_piece ps, pd;
+        rf_box ss, ds;
+        rf_copy_pair pr;
+        rf_copy_pair_flat f;
+        rf_copy_desc gd;
+        uint64_t fs, fd, bytes;
+        uint8_t *src, *dst, *want, *pack, *vis, *w;
+        rf_err err;
+
+        transposing_orders(ndim, trail, os, od, pads, padd);
+        for (int d = 0; d < ndim; d++) {
+            static const int64_t edges[] = {1, 7, 8, 15, 16, 17, 63, 64, 65, 100, 129, 150};
+
+            ext[d] = rndi(0, 2) ? edges[rndi(0, 11)] : rndi(2, 140);
+        }
+        if (ndim - (int)trail == 3)
+            ext[0] = rndi(1, 3);
+        if (trail)
+            ext[ndim - 1] = rndi(2, 3);
+        fs = ordered_piece(ndim, ext, es, os, pads, &ps, &ss);
+        fd = ordered_piece(ndim, ext, es, od, padd, &pd, &ds);
+        src = malloc(fs);
+        dst = malloc(fd);
+        want = malloc(fd);
+        for (uint64_t b = 0; b < fs; b++)
+            src[b] = (uint8_t)rnd();
+        memset(dst, 0x5a, fd);
+        memset(want, 0x5a, fd);
+        bytes = (uint64_t)rf_box_numel(&ss, ndim) * es;
+        pack = malloc(bytes);
+        vis = malloc(bytes);
+        element_walk(ndim, es, &ps, &ss, src, &pd, &ds, want, pack);
+
+        rf_copy_desc_set(&pr.src, src, &ps, ndim, es, &ss, 0);
+        rf_copy_desc_set(&pr.dst, dst, &pd, ndim, es, &ds, 0);
+        rf_copy_pair_flatten(&pr, &f);
+        ntiled += rf_copy__pair_tiled(&f);
+        cr_assert_eq(rf_copy_pairs(&pr, 1, &err), 0, "%s", err.msg);
+        cr_assert_eq(memcmp(dst, want, fd), 0, "iteration %d: the pair copy differs (%d dims, "
+                     "%zu-byte elements, tiled %d)", iter, ndim, es, rf_copy__pair_tiled(&f));
+
+        /* Random ranges, some cut inside an element, some rows long, in a random order of
+         * ranges: each range copies exactly its bytes. */
+        memset(dst, 0x5a, fd);
+        for (uint64_t lo = 0; lo < bytes;) {
+            uint64_t hi = lo + (uint64_t)(rndi(0, 1) ? rndi(1, 3 * (int64_t)es)
+                                                      : rndi(1, (int64_t)bytes / 2 + 1));
+
+            rf_copy_pair_range(&f, lo, hi);
+            lo = hi;
+        }
+        cr_assert_eq(memcmp(dst, want, fd), 0, "iteration %d: the ranged pair copy differs",
+                     iter);
+        for (int side = 0; side < 2; side++) {
+            uint64_t cap = rndi(0, 1) ? (uint64_t)rndi(1, 4 * (int64_t)es)
+                                      : (uint64_t)rndi(1, (int64_t)bytes);
+            uint8_t *buf = malloc(cap);
+
+            w = vis;
+            rf_copy_pair_visit(&f, side, 0, bytes, pack_cb, &w);
+            cr_assert_eq(memcmp(vis, pack, bytes), 0, "iteration %d: side %d read differs",
+                         iter, side);
+            w = vis;
+            for (uint64_t lo = 0; lo < bytes;) {
+                uint64_t hi = lo + (uint64_t)rndi(1, (int64_t)bytes / 3 + 1);
+
+                rf_copy__pair_visit_buf(&f, side, lo, hi, pack_cb, &w, buf, cap);
+                lo = hi;
+            }
+            cr_assert_eq(w - vis, (ptrdiff_t)bytes);
+            cr_assert_eq(memcmp(vis, pack, bytes), 0, "iteration %d: side %d read through a "
+                         "%llu-byte buffer differs", iter, side, (unsigned long long)cap);
+            free(buf);
+        }
+
+        /* Gather each side into staging and scatter it back into a cleared copy. */
+        for (int side = 0; side < 2; side++) {
+            const rf_piece *p = side ? &pd : &ps;
+            const rf_box *b = side ? &ds : &ss;
+            uint8_t *mem = side ? want : src, *back;
+            uint64_t foot = side ? fd : fs;
+
+            rf_copy_desc_set(&gd, mem, p, ndim, es, b, 0);
+            memset(vis, 0, bytes);
+            cr_assert_eq(rf_copy_gather(&gd, 1, vis, &err), 0, "%s", err.msg);
+            cr_assert_eq(memcmp(vis, pack, bytes), 0, "iteration %d: gather of side %d "
+                         "differs", iter, side);
+            back = malloc(foot);
+            memset(back, 0x33, foot);
+            gd.base = back;
+            cr_assert_eq(rf_copy_scatter(&gd, 1, vis, &err), 0, "%s", err.msg);
+            /* The box's bytes are the memory's, every other keeps its fill. */
+            {
+                uint8_t *exp = malloc(foot);
+                int64_t idx[RF_MAX_DIMS];
+
+                memset(exp, 0x33, foot);
+                memcpy(idx, b->start, sizeof(idx));
+                do {
+                    uint64_t o = rf_piece_byte_offset(p, ndim, es, idx);
+
+                    memcpy(exp + o, mem + o, es);
+                } while (next_idx(b, ndim, idx));
+                cr_assert_eq(memcmp(back, exp, foot), 0, "iteration %d: scatter of side %d "
+                             "differs", iter, side);
+                free(exp);
+            }
+            free(back);
+        }
+        free(src);
+        free(dst);
+        free(want);
+        free(pack);
+        free(vis);
+    }
+    cr_assert_gt(ntiled, iters / 2, "only %d of %d layouts went through tiles", ntiled, iters);
+}
+
+/* A destination whose elements share bytes (strides (1, 2) on 9 x 12): tiles would change
+ * which write lands last, so the copy keeps the element walk's order. */
+Test(copy, aliased_destination_keeps_the_walk_order)
+{
+    enum { R = 9, C = 12, ES = 2 };
+    uint8_t src[R * C * ES], dst[(R + 2 * C) * ES], want[(R + 2 * C) * ES];
+    int64_t shape[2] = {R, C};
+    rf_piece ps, pd;
+    rf_box b;
+    rf_copy_pair pr;
+    rf_copy_pair_flat f;
+    rf_err err;
+
+    memset(&ps, 0, sizeof(ps));
+    rf_box_full(&ps.box, 2, shape);
+    ps.strides[0] = C;
+    ps.strides[1] = 1;
+    pd = ps;
+    pd.strides[0] = 1;
+    pd.strides[1] = 2;
+    b = ps.box;
+    for (size_t i = 0; i < sizeof(src); i++)
+        src[i] = (uint8_t)rnd();
+    memset(dst, 0, sizeof(dst));
+    memset(want, 0, sizeof(want));
+    element_walk(2, ES, &ps, &b, src, &pd, &b, want, NULL);
+    rf_copy_desc_set(&pr.src, src, &ps, 2, ES, &b, 0);
+    rf_copy_desc_set(&pr.dst, dst, &pd, 2, ES, &b, 0);
+    rf_copy_pair_flatten(&pr, &f);
+    cr_assert(!rf_copy__pair_tiled(&f));
+    cr_assert_eq(rf_copy_pairs(&pr, 1, &err), 0, "%s", err.msg);
+    cr_assert_eq(memcmp(dst, want, sizeof(dst)), 0);
+    pd.strides[1] = R; /* the same layout without sharing: tiled */
+    rf_copy_desc_set(&pr.dst, dst, &pd, 2, ES, &b, 0);
+    rf_copy_pair_flatten(&pr, &f);
+    cr_assert(rf_copy__pair_tiled(&f));
+}
