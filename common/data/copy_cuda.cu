@@ -1,7 +1,9 @@
 /* common/data/copy_cuda.cu - the gather/scatter kernels and the pair kernel (piece memory to piece
  * memory): descriptors reduced on the host with the host copy's own merging (rf_copy_flatten,
  * rf_copy_pair_flatten), split into chunks of packed bytes, one block per chunk, each thread
- * moving 16, 8, 4, 2 or 1 bytes at a time as alignment allows. */
+ * moving 16, 8, 4, 2 or 1 bytes at a time as alignment allows; and the tile kernel, which
+ * transposes through shared memory the copies rf_copy_tile_choose picks (a box held transposed
+ * on one side). */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -9,6 +11,7 @@
 #include <cuda_runtime.h>
 
 #include "copy_cuda.h"
+#include "copy_tile.h"
 #include "drv_cuda.h"
 
 #define CHUNK (64u << 10)   /* staging bytes per block iteration: a multiple of 16 */
@@ -31,7 +34,9 @@ typedef struct dev_desc {
 } dev_desc;
 
 /* One pair as the kernel walks it: runs of `run` bytes at src/dst + sum(idx[k] * str[k]) for
- * idx over ext (row-major), contiguous in both memories. */
+ * idx over ext (row-major), contiguous in both memories. A tile job (a pair, or a gather or
+ * scatter descriptor as a pair with staging) is one too: chunk0 counts tiles, vec is the unit
+ * (the run) and ta, tb the tiled dims (rf_copy_tile). */
 typedef struct dev_pair {
     uint64_t src, dst;
     uint64_t bytes;
@@ -42,6 +47,7 @@ typedef struct dev_pair {
     int64_t dstr[RF_MAX_DIMS];
     uint32_t n;
     uint32_t vec;
+    uint32_t ta, tb;
 } dev_pair;
 
 struct rf_copy_cuda_buf {
@@ -243,6 +249,127 @@ __global__ void pair_kernel(const dev_pair *d, uint32_t n, uint64_t chunk_lo, ui
     }
 }
 
+/* ---- tiles: copies held transposed on one side ---- */
+
+/* Threads of a tile block, and blocks resident per SM at least: a transpose keeps its bandwidth
+ * only with many loads in flight, so registers are held to what TILE_BLOCKS_SM blocks may have
+ * (each thread keeps its 8 loads of a 64-unit tile, or 2 of a 32-unit one, in flight). */
+#define TILE_THREADS 512
+#define TILE_BLOCKS_SM 2
+
+/* Shared memory of one tile: SIDE rows of SIDE units, each row padded by a word (or a unit, when
+ * wider) so that a warp reading a column touches 32 distinct banks. */
+#define TILE_ROW(u) (RF_COPY_TILE_SIDE(u) * (u) + ((u) > 4 ? (u) : 4))
+#define TILE_SMEM (RF_COPY_TILE_SIDE(16) * TILE_ROW(16))
+static_assert(RF_COPY_TILE_SIDE(1) * TILE_ROW(1) <= TILE_SMEM &&
+                  RF_COPY_TILE_SIDE(4) * TILE_ROW(4) <= TILE_SMEM &&
+                  RF_COPY_TILE_SIDE(8) * TILE_ROW(8) <= TILE_SMEM,
+              "every unit's tile fits the shared array");
+
+/* Tile t of tile job x (t counted from the job's first): SIDE x SIDE units at (a0, b0) of dims
+ * ta, tb and at one index of the other dims. The block reads it along the source's contiguous
+ * dim a into shared memory and writes it along the destination's contiguous dim b, so both
+ * memories see whole rows. */
+template <typename T>
+__device__ __forceinline__ void tile_move(const dev_pair *x, uint32_t t, uint8_t *sm)
+{
+    constexpr uint32_t U = sizeof(T), TS = RF_COPY_TILE_SIDE(sizeof(T)), R = TILE_THREADS / TS;
+    constexpr uint32_t PER = TS / R, RS = TILE_ROW(sizeof(T));
+    const uint32_t ta = x->ta, tb = x->tb, tx = threadIdx.x % TS, ty = threadIdx.x / TS;
+    /* Tile counts, extents and offsets inside a tile fit 32 bits (rf_copy_tile_choose). */
+    const uint32_t ea = (uint32_t)x->ext[ta], eb = (uint32_t)x->ext[tb];
+    const uint32_t na = (ea + TS - 1) / TS, nb = (eb + TS - 1) / TS;
+    const uint32_t sb = (uint32_t)x->sstr[tb], da = (uint32_t)x->dstr[ta];
+    uint32_t ia, ib, la, lb, rows;
+    uint64_t s = x->src, d = x->dst;
+    T v[PER];
+
+    ia = t % na;
+    t /= na;
+    ib = t % nb;
+    t /= nb;
+    for (int k = (int)x->n - 1; k >= 0; k--) {
+        uint32_t e, i;
+
+        if (k == (int)ta || k == (int)tb)
+            continue;
+        e = (uint32_t)x->ext[k];
+        i = t % e;
+        t /= e;
+        s += (uint64_t)i * (uint64_t)x->sstr[k];
+        d += (uint64_t)i * (uint64_t)x->dstr[k];
+    }
+    la = ea - ia * TS < TS ? ea - ia * TS : TS;
+    lb = eb - ib * TS < TS ? eb - ib * TS : TS;
+    s += (uint64_t)ia * TS * U + (uint64_t)ib * TS * sb;
+    d += (uint64_t)ib * TS * U + (uint64_t)ia * TS * da;
+    /* This thread's rows of the tile along b (reading) hold units when tx < la: all loads in
+     * flight before the first store. */
+    rows = tx < la && ty < lb ? (lb - ty + R - 1) / R : 0;
+    s += tx * U + ty * sb;
+#pragma unroll
+    for (uint32_t r = 0; r < PER; r++, s += R * sb)
+        if (r < rows)
+            v[r] = *reinterpret_cast<const T *>(s);
+#pragma unroll
+    for (uint32_t r = 0; r < PER; r++)
+        if (r < rows)
+            *reinterpret_cast<T *>(sm + (ty + r * R) * RS + tx * U) = v[r];
+    __syncthreads();
+    /* Writing: rows along a, tx along b. */
+    rows = tx < lb && ty < la ? (la - ty + R - 1) / R : 0;
+#pragma unroll
+    for (uint32_t r = 0; r < PER; r++)
+        if (r < rows)
+            v[r] = *reinterpret_cast<const T *>(sm + tx * RS + (ty + r * R) * U);
+    d += tx * U + ty * da;
+#pragma unroll
+    for (uint32_t r = 0; r < PER; r++, d += R * da)
+        if (r < rows)
+            *reinterpret_cast<T *>(d) = v[r];
+    /* The next tile overwrites the shared rows. */
+    __syncthreads();
+}
+
+
+/* Tiles [tile_lo, tile_lo + tiles) of the tile jobs d[0..n), whose chunk0 count tiles from the
+ * start of the array they were cut from; block b moves the b-th of gridDim.x equal runs of them,
+ * as the pair kernel does its chunks. Every thread tracks the job itself (the same loads, from
+ * cache), so a new job costs no barrier. */
+/* Tiles [c, end) of job x, all of its unit. */
+template <typename T>
+__device__ __forceinline__ void tile_run(const dev_pair *x, uint64_t c, uint64_t end, uint8_t *sm)
+{
+    for (uint32_t t = (uint32_t)(c - x->chunk0), e = (uint32_t)(end - x->chunk0); t < e; t++)
+        tile_move<T>(x, t, sm);
+}
+
+__global__ void __launch_bounds__(TILE_THREADS, TILE_BLOCKS_SM)
+tile_kernel(const dev_pair *d, uint32_t n, uint64_t tile_lo, uint64_t tiles)
+{
+    __shared__ __align__(16) uint8_t sm[TILE_SMEM];
+    uint64_t per = (tiles + gridDim.x - 1) / gridDim.x, c = tile_lo + blockIdx.x * per, end;
+    uint32_t a;
+
+    if (blockIdx.x * per >= tiles)
+        return;
+    end = c + per < tile_lo + tiles ? c + per : tile_lo + tiles;
+    /* Job by job: the unit is fixed over a job's tiles. */
+    for (a = chunk_find(d, n, c); c < end; a++) {
+        const dev_pair *x = &d[a];
+        uint64_t stop = a + 1 < n && d[a + 1].chunk0 < end ? d[a + 1].chunk0 : end;
+
+        switch (x->vec) {
+        case 16: tile_run<uint4>(x, c, stop, sm); break;
+        case 8: tile_run<uint2>(x, c, stop, sm); break;
+        case 4: tile_run<uint32_t>(x, c, stop, sm); break;
+        case 2: tile_run<uint16_t>(x, c, stop, sm); break;
+        default: tile_run<uint8_t>(x, c, stop, sm); break;
+        }
+        c = stop;
+    }
+}
+
 /* The widest access that every address of the descriptor allows. */
 static uint32_t vec_of(const dev_desc *x, uint64_t staging)
 {
@@ -256,11 +383,67 @@ static uint32_t vec_of(const dev_desc *x, uint64_t staging)
     return 1;
 }
 
-static void to_dev(const rf_copy_desc *d, uint64_t staging, uint64_t chunk0, dev_desc *x)
+/* A copy the tile kernel takes: chunk0 holds its tile count until tiles_settle. */
+static void tile_to_dev(const rf_copy_pair_flat *f, const rf_copy_tile *t, dev_pair *x)
+{
+    memset(x, 0, sizeof(*x));
+    x->src = (uint64_t)(uintptr_t)f->src;
+    x->dst = (uint64_t)(uintptr_t)f->dst;
+    x->bytes = f->bytes;
+    x->chunk0 = t->tiles;
+    x->run = t->unit;
+    x->vec = t->unit;
+    x->n = (uint32_t)f->n;
+    x->ta = (uint32_t)t->a;
+    x->tb = (uint32_t)t->b;
+    for (int k = 0; k < f->n; k++) {
+        x->ext[k] = f->ext[k];
+        x->sstr[k] = f->sstr[k];
+        x->dstr[k] = f->dstr[k];
+    }
+}
+
+/* Tile jobs t[0..nt) were put down last first: back in their order, each chunk0 turned from its
+ * tile count into the tiles before it; returns the tiles of all. */
+static uint64_t tiles_settle(dev_pair *t, size_t nt)
+{
+    uint64_t sum = 0;
+
+    for (size_t i = 0; i < nt / 2; i++) {
+        dev_pair x = t[i];
+
+        t[i] = t[nt - 1 - i];
+        t[nt - 1 - i] = x;
+    }
+    for (size_t i = 0; i < nt; i++) {
+        uint64_t c = t[i].chunk0;
+
+        t[i].chunk0 = sum;
+        sum += c;
+    }
+    return sum;
+}
+
+/* A checked descriptor of a batch on staging: a tile job in *t (returns true) or a walk of the
+ * copy kernel in *x. */
+static bool to_dev(const rf_copy_desc *d, uint8_t *staging, bool gather, uint64_t chunk0,
+                   dev_desc *x, dev_pair *t)
 {
     rf_copy_flat f;
 
     rf_copy_flatten(d, &f);
+    /* Only a strided innermost dim leaves a run of one element with another dim contiguous in
+     * piece memory (staging is contiguous along the innermost). */
+    if (f.inner_str != 0 && f.run <= RF_COPY_TILE_UNIT_MAX) {
+        rf_copy_pair_flat pf;
+        rf_copy_tile tl;
+
+        rf_copy_tile_desc_flat(d, &f, staging, gather, &pf);
+        if (rf_copy_tile_choose(&pf, &tl)) {
+            tile_to_dev(&pf, &tl, t);
+            return true;
+        }
+    }
     memset(x, 0, sizeof(*x));
     x->mem = (uint64_t)(uintptr_t)d->base + f.first;
     x->stage = d->staging_off;
@@ -277,17 +460,25 @@ static void to_dev(const rf_copy_desc *d, uint64_t staging, uint64_t chunk0, dev
         x->n++;
     }
     x->run = f.run;
-    x->vec = vec_of(x, staging);
+    x->vec = vec_of(x, (uint64_t)(uintptr_t)staging);
+    return false;
 }
 
-/* A checked pair as the kernel walks it; the vector width is the widest access both memories
- * allow at every address. */
-static void pair_to_dev(const rf_copy_pair *p, uint64_t chunk0, dev_pair *x)
+/* A checked pair: a tile job in *t (returns true) or a walk of the pair kernel in *x, whose
+ * vector width is the widest access both memories allow at every address. Dims both sides hold
+ * contiguous join the run first (the pair kernel packs nothing, so its walk order is free). */
+static bool pair_to_dev(const rf_copy_pair *p, uint64_t chunk0, dev_pair *x, dev_pair *t)
 {
     rf_copy_pair_flat f;
+    rf_copy_tile tl;
     uint64_t a;
 
     rf_copy_pair_flatten(p, &f);
+    rf_copy_tile_reorder(&f);
+    if (rf_copy_tile_choose(&f, &tl)) {
+        tile_to_dev(&f, &tl, t);
+        return true;
+    }
     memset(x, 0, sizeof(*x));
     x->src = (uint64_t)(uintptr_t)f.src;
     x->dst = (uint64_t)(uintptr_t)f.dst;
@@ -309,6 +500,7 @@ static void pair_to_dev(const rf_copy_pair *p, uint64_t chunk0, dev_pair *x)
             break;
         }
     }
+    return false;
 }
 
 int rf_copy_cuda_buf_new(rf_copy_cuda_buf **out, rf_err *err)
@@ -382,22 +574,33 @@ static unsigned grid_of(int sms, unsigned max_blocks, uint64_t chunks)
     return chunks < grid ? (unsigned)chunks : grid;
 }
 
-/* The pair kernel's grid: one wave, every block resident at once (max_blocks, when set, caps
- * it instead). */
+/* A grid of one wave of kernel k, every block resident at once (max_blocks, when set, caps it
+ * instead); *occ caches k's blocks per SM. */
+template <typename K>
+static unsigned wave_grid(K k, int threads, int *occ, int sms, unsigned max_blocks,
+                          uint64_t work)
+{
+    if (max_blocks == 0) {
+        if (*occ == 0 &&
+            cudaOccupancyMaxActiveBlocksPerMultiprocessor(occ, k, threads, 0) != cudaSuccess) {
+            cudaGetLastError();
+            *occ = 8;
+        }
+        max_blocks = (unsigned)sms * (unsigned)(*occ > 0 ? *occ : 1);
+    }
+    return grid_of(sms, max_blocks, work);
+}
+
+static int pair_occ, tile_occ;
+
 static unsigned pair_grid(int sms, unsigned max_blocks, uint64_t chunks)
 {
-    static int occ;
+    return wave_grid(pair_kernel, THREADS, &pair_occ, sms, max_blocks, chunks);
+}
 
-    if (max_blocks == 0) {
-        if (occ == 0 &&
-            cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, pair_kernel, THREADS, 0) !=
-                cudaSuccess) {
-            cudaGetLastError();
-            occ = 8;
-        }
-        max_blocks = (unsigned)sms * (unsigned)(occ > 0 ? occ : 1);
-    }
-    return grid_of(sms, max_blocks, chunks);
+static unsigned tile_grid(int sms, unsigned max_blocks, uint64_t tiles)
+{
+    return wave_grid(tile_kernel, TILE_THREADS, &tile_occ, sms, max_blocks, tiles);
 }
 
 /* What a batch on b starts with: b's device made current (the caller's left in *cur, for the
@@ -419,10 +622,27 @@ out:
     return rc;
 }
 
+/* A batch's arrays in b's pinned memory: the copy kernel's walks (wsize bytes each) from the
+ * front, the tile jobs from the back while they are made (a batch of n needs at most n *
+ * sizeof(dev_pair) + 16 bytes), then moved up behind the walks, 16-byte aligned, in order.
+ * Returns the bytes to upload; *toff is where the tile jobs start. */
+static size_t batch_pack(rf_copy_cuda_buf *b, size_t nw, size_t wsize, size_t nt, size_t cap,
+                         size_t *toff, uint64_t *tiles)
+{
+    dev_pair *t = (dev_pair *)((uint8_t *)b->host + cap - nt * sizeof(dev_pair));
+
+    *tiles = tiles_settle(t, nt);
+    *toff = (nw * wsize + 15) & ~(size_t)15;
+    memmove((uint8_t *)b->host + *toff, t, nt * sizeof(dev_pair));
+    return *toff + nt * sizeof(dev_pair);
+}
+
 static int run(rf_copy_cuda_buf *b, const rf_copy_desc *d, size_t n, uint8_t *staging,
                cudaStream_t s, bool gather, rf_err *err)
 {
-    uint64_t chunks = 0;
+    uint64_t chunks = 0, tiles = 0;
+    size_t nw = 0, nt = 0, cap = n * sizeof(dev_pair) + 16, toff = 0, up;
+    uint8_t *h;
     int cur = -1, rc = 0;
 
     for (size_t i = 0; i < n; i++)
@@ -433,19 +653,34 @@ static int run(rf_copy_cuda_buf *b, const rf_copy_desc *d, size_t n, uint8_t *st
     if (n > UINT32_MAX)
         return rf_err_set(err, -E2BIG, "copy_cuda: %zu descriptors in one batch; split it "
                           "below 2^32", n);
-    if ((rc = batch_begin(b, n * sizeof(dev_desc), &cur, err)) < 0)
+    static_assert(sizeof(dev_desc) <= sizeof(dev_pair) && sizeof(dev_pair) % 8 == 0,
+                  "a batch's walks and tile jobs share n * sizeof(dev_pair) bytes");
+    if ((rc = batch_begin(b, cap, &cur, err)) < 0)
         goto out;
+    h = (uint8_t *)b->host;
     for (size_t i = 0; i < n; i++) {
-        dev_desc *x = (dev_desc *)b->host + i;
+        dev_desc x;
+        dev_pair t;
 
-        to_dev(&d[i], (uint64_t)(uintptr_t)staging, chunks, x);
-        chunks += (x->bytes + CHUNK - 1) / CHUNK;
+        if (to_dev(&d[i], staging, gather, chunks, &x, &t)) {
+            memcpy(h + cap - ++nt * sizeof(dev_pair), &t, sizeof(t));
+        } else {
+            memcpy(h + nw++ * sizeof(dev_desc), &x, sizeof(x));
+            chunks += (x.bytes + CHUNK - 1) / CHUNK;
+        }
     }
-    CUDA_TRY(err, cudaMemcpyAsync(b->devp, b->host, n * sizeof(dev_desc),
-                                  cudaMemcpyHostToDevice, s));
-    copy_kernel<<<grid_of(b->sms, b->max_blocks, chunks), THREADS, 0, s>>>(
-        (const dev_desc *)b->devp, (uint32_t)n, chunks, staging, gather);
-    CUDA_TRY(err, cudaGetLastError());
+    up = batch_pack(b, nw, sizeof(dev_desc), nt, cap, &toff, &tiles);
+    CUDA_TRY(err, cudaMemcpyAsync(b->devp, b->host, up, cudaMemcpyHostToDevice, s));
+    if (nw > 0) {
+        copy_kernel<<<grid_of(b->sms, b->max_blocks, chunks), THREADS, 0, s>>>(
+            (const dev_desc *)b->devp, (uint32_t)nw, chunks, staging, gather);
+        CUDA_TRY(err, cudaGetLastError());
+    }
+    if (nt > 0) {
+        tile_kernel<<<tile_grid(b->sms, b->max_blocks, tiles), TILE_THREADS, 0, s>>>(
+            (const dev_pair *)((uint8_t *)b->devp + toff), (uint32_t)nt, 0, tiles);
+        CUDA_TRY(err, cudaGetLastError());
+    }
     CUDA_TRY(err, cudaEventRecord(b->done, s));
     b->pending = true;
 out:
@@ -514,7 +749,9 @@ void rf_copy_cuda_thread_release(void)
 int rf_copy_cuda_pairs_buf(rf_copy_cuda_buf *b, const rf_copy_pair *p, size_t n,
                            cudaStream_t s, rf_err *err)
 {
-    uint64_t chunks = 0;
+    uint64_t chunks = 0, tiles = 0;
+    size_t nw = 0, nt = 0, cap = n * sizeof(dev_pair) + 16, toff = 0, up;
+    uint8_t *h;
     int cur = -1, rc = 0;
 
     for (size_t i = 0; i < n; i++)
@@ -525,19 +762,31 @@ int rf_copy_cuda_pairs_buf(rf_copy_cuda_buf *b, const rf_copy_pair *p, size_t n,
     if (n > UINT32_MAX)
         return rf_err_set(err, -E2BIG, "copy_cuda: %zu pairs in one batch; split it below "
                           "2^32", n);
-    if ((rc = batch_begin(b, n * sizeof(dev_pair), &cur, err)) < 0)
+    if ((rc = batch_begin(b, cap, &cur, err)) < 0)
         goto out;
+    h = (uint8_t *)b->host;
     for (size_t i = 0; i < n; i++) {
-        dev_pair *x = (dev_pair *)b->host + i;
+        dev_pair x, t;
 
-        pair_to_dev(&p[i], chunks, x);
-        chunks += (x->bytes + CHUNK - 1) / CHUNK;
+        if (pair_to_dev(&p[i], chunks, &x, &t)) {
+            memcpy(h + cap - ++nt * sizeof(dev_pair), &t, sizeof(t));
+        } else {
+            memcpy(h + nw++ * sizeof(dev_pair), &x, sizeof(x));
+            chunks += (x.bytes + CHUNK - 1) / CHUNK;
+        }
     }
-    CUDA_TRY(err, cudaMemcpyAsync(b->devp, b->host, n * sizeof(dev_pair),
-                                  cudaMemcpyHostToDevice, s));
-    pair_kernel<<<pair_grid(b->sms, b->max_blocks, chunks), THREADS, 0, s>>>(
-        (const dev_pair *)b->devp, (uint32_t)n, 0, chunks);
-    CUDA_TRY(err, cudaGetLastError());
+    up = batch_pack(b, nw, sizeof(dev_pair), nt, cap, &toff, &tiles);
+    CUDA_TRY(err, cudaMemcpyAsync(b->devp, b->host, up, cudaMemcpyHostToDevice, s));
+    if (nw > 0) {
+        pair_kernel<<<pair_grid(b->sms, b->max_blocks, chunks), THREADS, 0, s>>>(
+            (const dev_pair *)b->devp, (uint32_t)nw, 0, chunks);
+        CUDA_TRY(err, cudaGetLastError());
+    }
+    if (nt > 0) {
+        tile_kernel<<<tile_grid(b->sms, b->max_blocks, tiles), TILE_THREADS, 0, s>>>(
+            (const dev_pair *)((uint8_t *)b->devp + toff), (uint32_t)nt, 0, tiles);
+        CUDA_TRY(err, cudaGetLastError());
+    }
     CUDA_TRY(err, cudaEventRecord(b->done, s));
     b->pending = true;
 out:
@@ -554,12 +803,17 @@ int rf_copy_cuda_pairs(const rf_copy_pair *p, size_t n, cudaStream_t s, rf_err *
     return rc < 0 ? rc : rf_copy_cuda_pairs_buf(b, p, n, s, err);
 }
 
+/* A kept plan: the pair kernel's walks and the tile jobs, each in the order of the pairs, and
+ * per pair index i what comes before it in each, so that a run of pairs is a run of both. */
 struct rf_copy_cuda_plan {
     int dev;
     int sms;
     size_t n;
+    size_t nw;        /* walks; devp + nw: the tile jobs */
     dev_pair *devp;
-    uint64_t *chunk0; /* host: n + 1 prefix sums of chunks */
+    uint64_t *chunk0; /* host: n + 1 prefix sums of the walks' chunks */
+    uint64_t *tile0;  /* host: n + 1 prefix sums of the tile jobs' tiles */
+    uint32_t *walks;  /* host: n + 1 counts of walks before pair i (i - walks[i] tile jobs) */
 };
 
 int rf_copy_cuda_plan_new(const rf_copy_pair *p, size_t n, rf_copy_cuda_plan **out,
@@ -567,7 +821,8 @@ int rf_copy_cuda_plan_new(const rf_copy_pair *p, size_t n, rf_copy_cuda_plan **o
 {
     rf_copy_cuda_plan *pl = NULL;
     dev_pair *host = NULL;
-    uint64_t chunks = 0;
+    uint64_t chunks = 0, tiles = 0;
+    size_t nw = 0, nt = 0;
     int rc = 0;
 
     *out = NULL;
@@ -578,19 +833,36 @@ int rf_copy_cuda_plan_new(const rf_copy_pair *p, size_t n, rf_copy_cuda_plan **o
         return rf_err_set(err, -E2BIG, "copy_cuda: %zu pairs in one plan; at most 2^32 - 1", n);
     pl = (rf_copy_cuda_plan *)calloc(1, sizeof(*pl));
     host = (dev_pair *)malloc((n ? n : 1) * sizeof(*host));
-    if (pl)
+    if (pl) {
         pl->chunk0 = (uint64_t *)malloc((n + 1) * sizeof(uint64_t));
-    if (!pl || !host || !pl->chunk0) {
+        pl->tile0 = (uint64_t *)malloc((n + 1) * sizeof(uint64_t));
+        pl->walks = (uint32_t *)malloc((n + 1) * sizeof(uint32_t));
+    }
+    if (!pl || !host || !pl->chunk0 || !pl->tile0 || !pl->walks) {
         rc = rf_err_set(err, -ENOMEM, "copy_cuda: out of memory for a plan of %zu pairs", n);
         goto out;
     }
+    /* Walks from the front of host, tile jobs from its back, then turned around behind them. */
     for (size_t i = 0; i < n; i++) {
-        pair_to_dev(&p[i], chunks, &host[i]);
+        dev_pair x, t;
+
         pl->chunk0[i] = chunks;
-        chunks += (host[i].bytes + CHUNK - 1) / CHUNK;
+        pl->tile0[i] = tiles;
+        pl->walks[i] = (uint32_t)nw;
+        if (pair_to_dev(&p[i], chunks, &x, &t)) {
+            tiles += t.chunk0;
+            host[n - ++nt] = t;
+        } else {
+            chunks += (x.bytes + CHUNK - 1) / CHUNK;
+            host[nw++] = x;
+        }
     }
     pl->chunk0[n] = chunks;
+    pl->tile0[n] = tiles;
+    pl->walks[n] = (uint32_t)nw;
+    tiles_settle(host + nw, nt);
     pl->n = n;
+    pl->nw = nw;
     CUDA_TRY(err, cudaGetDevice(&pl->dev));
     CUDA_TRY(err, cudaDeviceGetAttribute(&pl->sms, cudaDevAttrMultiProcessorCount, pl->dev));
     if (n > 0) {
@@ -608,7 +880,8 @@ out:
 int rf_copy_cuda_plan_launch(const rf_copy_cuda_plan *pl, size_t first, size_t count,
                              cudaStream_t s, unsigned max_blocks, rf_err *err)
 {
-    uint64_t lo, chunks;
+    uint64_t lo, chunks, tlo, tiles;
+    uint32_t w0, wn, t0, tn;
     int rc = 0;
 
     if (first > pl->n || count > pl->n - first)
@@ -618,11 +891,22 @@ int rf_copy_cuda_plan_launch(const rf_copy_cuda_plan *pl, size_t first, size_t c
         return 0;
     lo = pl->chunk0[first];
     chunks = pl->chunk0[first + count] - lo;
-    if (chunks == 0)
-        return 0;
-    pair_kernel<<<pair_grid(pl->sms, max_blocks, chunks), THREADS, 0, s>>>(
-        pl->devp + first, (uint32_t)count, lo, chunks);
-    CUDA_TRY(err, cudaGetLastError());
+    w0 = pl->walks[first];
+    wn = pl->walks[first + count] - w0;
+    tlo = pl->tile0[first];
+    tiles = pl->tile0[first + count] - tlo;
+    t0 = (uint32_t)first - w0;
+    tn = (uint32_t)count - wn;
+    if (chunks > 0) {
+        pair_kernel<<<pair_grid(pl->sms, max_blocks, chunks), THREADS, 0, s>>>(
+            pl->devp + w0, wn, lo, chunks);
+        CUDA_TRY(err, cudaGetLastError());
+    }
+    if (tiles > 0) {
+        tile_kernel<<<tile_grid(pl->sms, max_blocks, tiles), TILE_THREADS, 0, s>>>(
+            pl->devp + pl->nw + t0, tn, tlo, tiles);
+        CUDA_TRY(err, cudaGetLastError());
+    }
 out:
     return rc;
 }
@@ -646,5 +930,7 @@ void rf_copy_cuda_plan_free(rf_copy_cuda_plan *pl)
             cudaSetDevice(cur);
     }
     free(pl->chunk0);
+    free(pl->tile0);
+    free(pl->walks);
     free(pl);
 }

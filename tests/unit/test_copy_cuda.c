@@ -1,5 +1,6 @@
-/* tests/unit/test_copy_cuda.c - the GPU gather/scatter kernels against the host copy on
- * random boxes, strides, element sizes and unaligned offsets. Skipped without a CUDA device. */
+/* tests/unit/test_copy_cuda.c - the GPU gather/scatter kernels and the pair kernel against the
+ * host copy on random boxes, strides, element sizes and unaligned offsets, and the tile kernel on
+ * boxes held transposed. Skipped without a CUDA device. */
 #include <criterion/criterion.h>
 #include <stdlib.h>
 #include <string.h>
@@ -9,7 +10,9 @@
 
 #include "copy.h"
 #include "copy_cuda.h"
+#include "copy_tile.h"
 #include "drv_cuda.h"
+#include "tile_shapes.h"
 
 #define REGION (4u << 20)
 #define NDESC 48
@@ -275,6 +278,210 @@ Test(copy_cuda, pairs_match_the_host_copy, .init = need_gpu)
     free(hd);
     free(back);
     rf_copy_cuda_thread_release();
+}
+
+/* ---- tiles: boxes held transposed on one side ---------------------------------------------- */
+
+/* Layouts of one box on both sides (dims outermost first, the last contiguous): transposed on
+ * either side or both, per-expert, units of 1 to 16 bytes, extents that are no multiple of a
+ * tile, boxes off their piece's origin (margin), padded rows; a few that stay element-wise. */
+typedef struct tshape {
+    uint32_t es;
+    int ndim;
+    int64_t ext[4];
+    int src_ord[4], dst_ord[4];
+    int64_t margin, pad;
+} tshape;
+
+static const tshape tshapes[] = {
+    {2, 2, {67, 131}, {1, 0}, {0, 1}, 1, 0},
+    {2, 2, {131, 67}, {0, 1}, {1, 0}, 2, 3},
+    {4, 2, {64, 64}, {1, 0}, {0, 1}, 0, 0},
+    {4, 2, {65, 129}, {1, 0}, {1, 0}, 1, 1},          /* transposed alike: the run reordered */
+    {1, 2, {130, 70}, {1, 0}, {0, 1}, 1, 5},
+    {1, 2, {70, 200}, {0, 1}, {1, 0}, 0, 0},
+    {8, 2, {40, 33}, {1, 0}, {0, 1}, 1, 0},
+    {16, 2, {33, 70}, {1, 0}, {0, 1}, 1, 0},
+    {2, 3, {5, 70, 33}, {0, 2, 1}, {0, 1, 2}, 1, 0},  /* experts each transposed */
+    {4, 3, {12, 40, 90}, {2, 1, 0}, {0, 1, 2}, 1, 1},
+    {2, 3, {9, 100, 17}, {1, 2, 0}, {0, 2, 1}, 0, 0}, /* transposed differently on each side */
+    {2, 3, {50, 60, 2}, {1, 0, 2}, {0, 1, 2}, 0, 0},  /* a unit of two elements */
+    {2, 4, {1, 70, 1, 90}, {0, 3, 2, 1}, {0, 1, 2, 3}, 1, 0},
+    {2, 2, {1000, 300}, {1, 0}, {0, 1}, 3, 7},        /* many tiles */
+    {2, 2, {50, 70}, {0, 1}, {0, 1}, 1, 0},           /* row-major: element-wise */
+    {3, 2, {40, 50}, {1, 0}, {0, 1}, 1, 0},           /* 3-byte units: element-wise */
+};
+#define NTS (sizeof(tshapes) / sizeof(tshapes[0]))
+
+/* Where the k-th box of a batch starts in its region: 256-aligned, then shifted by a few
+ * elements; box 4's source side (transposed) by one byte more, off its elements' alignment:
+ * element-wise. */
+static uint64_t tshift(size_t k, const tshape *t, bool src)
+{
+    return (k % 4) * t->es + (src && k == 4);
+}
+
+static uint8_t *dev_copy(const uint8_t *h, size_t n)
+{
+    uint8_t *d = NULL;
+
+    cr_assert_eq(cudaMalloc((void **)&d, n), cudaSuccess);
+    cr_assert_eq(cudaMemcpy(d, h, n, cudaMemcpyHostToDevice), cudaSuccess);
+    return d;
+}
+
+static void expect_same(const uint8_t *host, const uint8_t *dev, size_t n, const char *what)
+{
+    uint8_t *back = malloc(n);
+    size_t i;
+
+    cr_assert(back);
+    cr_assert_eq(cudaMemcpy(back, dev, n, cudaMemcpyDeviceToHost), cudaSuccess);
+    for (i = 0; i < n && back[i] == host[i]; i++)
+        ;
+    cr_assert_eq(i, n, "%s: byte %zu of %zu is %u on the GPU, %u on the host", what, i, n,
+                 back[i], host[i]);
+    free(back);
+}
+
+/* Every shape in both of its layouts as gather and scatter descriptors of one batch (each its
+ * own memory), on the GPU and on the host, compared byte for byte; max_blocks 3 makes each block
+ * walk many descriptors. */
+static void tiled_gather_scatter(unsigned max_blocks)
+{
+    enum { N = 2 * NTS };
+    rf_copy_desc hd[N], dd[N];
+    uint64_t reg = 0, stage = 0;
+    uint8_t *hreg, *hst, *dreg, *dst;
+    rf_copy_cuda_buf *buf = NULL;
+    int tiled = 0;
+    rf_err err = {0};
+
+    for (size_t i = 0; i < N; i++) {
+        const tshape *t = &tshapes[i / 2];
+        rf_copy_flat fl;
+        rf_copy_pair_flat pf;
+        rf_copy_tile tl;
+
+        reg += tshift(i, t, true);
+        reg += tile_side(&hd[i], NULL, reg, t->es, t->ndim, t->ext,
+                         i % 2 ? t->dst_ord : t->src_ord, t->margin, t->pad);
+        reg = (reg + 255) & ~255ull;
+        hd[i].staging_off = stage + (i == 3 ? 2 : 0);
+        stage = (hd[i].staging_off + rf_copy_desc_bytes(&hd[i]) + 15) & ~15ull;
+        rf_copy_flatten(&hd[i], &fl);
+        rf_copy_tile_desc_flat(&hd[i], &fl, NULL, true, &pf);
+        tiled += rf_copy_tile_choose(&pf, &tl);
+    }
+    cr_assert(tiled >= 14 && tiled <= N - 4, "%d of %d descriptors tiled", tiled, (int)N);
+    hreg = malloc(reg);
+    hst = malloc(stage);
+    cr_assert(hreg && hst);
+    for (size_t i = 0; i < reg; i++)
+        hreg[i] = (uint8_t)rnd(256);
+    memset(hst, 0, stage);
+    dreg = dev_copy(hreg, reg);
+    dst = dev_copy(hst, stage);
+    for (size_t i = 0; i < N; i++) {
+        hd[i].base = hreg;
+        dd[i] = hd[i];
+        dd[i].base = dreg;
+    }
+    cr_assert_eq(rf_copy_cuda_buf_new(&buf, &err), 0, "%s", err.msg);
+    rf_copy_cuda_buf_set_blocks(buf, max_blocks);
+    cr_assert_eq(rf_copy_gather(hd, N, hst, &err), 0, "%s", err.msg);
+    cr_assert_eq(rf_copy_cuda_gather_buf(buf, dd, N, dst, 0, &err), 0, "%s", err.msg);
+    expect_same(hst, dst, stage, "tiled gather");
+    for (size_t i = 0; i < stage; i++)
+        hst[i] = (uint8_t)rnd(256);
+    cr_assert_eq(cudaMemcpy(dst, hst, stage, cudaMemcpyHostToDevice), cudaSuccess);
+    cr_assert_eq(rf_copy_scatter(hd, N, hst, &err), 0, "%s", err.msg);
+    cr_assert_eq(rf_copy_cuda_scatter_buf(buf, dd, N, dst, 0, &err), 0, "%s", err.msg);
+    expect_same(hreg, dreg, reg, "tiled scatter");
+    rf_copy_cuda_buf_free(buf);
+    cudaFree(dreg);
+    cudaFree(dst);
+    free(hreg);
+    free(hst);
+}
+
+Test(copy_cuda, tiled_gathers_and_scatters_match_the_host_copy, .init = need_gpu)
+{
+    tiled_gather_scatter(0);
+    tiled_gather_scatter(3);
+}
+
+/* Every shape as a pair (source layout -> destination layout) and reversed, in one batch and
+ * through a kept plan launched in parts (max_blocks 0 and 3 in turn), against the host pair
+ * copy over the whole destination region. */
+Test(copy_cuda, tiled_pairs_and_plans_match_the_host_copy, .init = need_gpu)
+{
+    enum { N = 2 * NTS };
+    static const size_t cuts[] = {0, 1, 7, N - 2, N};
+    rf_copy_pair hp[N], dp[N];
+    uint64_t sreg = 0, dreg = 0;
+    uint8_t *hs, *hd, *ds, *dd;
+    rf_copy_cuda_buf *buf = NULL;
+    rf_copy_cuda_plan *pl = NULL;
+    int tiled = 0;
+    rf_err err = {0};
+
+    for (size_t i = 0; i < N; i++) {
+        const tshape *t = &tshapes[i / 2];
+        const int *so = i % 2 ? t->dst_ord : t->src_ord, *dso = i % 2 ? t->src_ord : t->dst_ord;
+        rf_copy_pair_flat f;
+        rf_copy_tile tl;
+
+        sreg += tshift(i, t, true);
+        sreg += tile_side(&hp[i].src, NULL, sreg, t->es, t->ndim, t->ext, so, t->margin, t->pad);
+        sreg = (sreg + 255) & ~255ull;
+        dreg += tshift(i + 1, t, false);
+        dreg += tile_side(&hp[i].dst, NULL, dreg, t->es, t->ndim, t->ext, dso, 2 - t->margin % 3,
+                          0);
+        dreg = (dreg + 255) & ~255ull;
+        rf_copy_pair_flatten(&hp[i], &f);
+        rf_copy_tile_reorder(&f);
+        tiled += rf_copy_tile_choose(&f, &tl);
+    }
+    cr_assert(tiled >= 14 && tiled <= N - 4, "%d of %d pairs tiled", tiled, (int)N);
+    hs = malloc(sreg);
+    hd = malloc(dreg);
+    cr_assert(hs && hd);
+    for (size_t i = 0; i < sreg; i++)
+        hs[i] = (uint8_t)rnd(256);
+    for (size_t i = 0; i < dreg; i++)
+        hd[i] = (uint8_t)rnd(256);
+    ds = dev_copy(hs, sreg);
+    dd = dev_copy(hd, dreg);
+    for (size_t i = 0; i < N; i++) {
+        hp[i].src.base = hs;
+        hp[i].dst.base = hd;
+        dp[i] = hp[i];
+        dp[i].src.base = ds;
+        dp[i].dst.base = dd;
+    }
+    cr_assert_eq(rf_copy_pairs(hp, N, &err), 0, "%s", err.msg);
+    cr_assert_eq(rf_copy_cuda_buf_new(&buf, &err), 0, "%s", err.msg);
+    cr_assert_eq(rf_copy_cuda_pairs_buf(buf, dp, N, 0, &err), 0, "%s", err.msg);
+    expect_same(hd, dd, dreg, "tiled pairs in one batch");
+    rf_copy_cuda_buf_free(buf);
+
+    /* The plan, over destination bytes made new on both. */
+    for (size_t i = 0; i < dreg; i++)
+        hd[i] = (uint8_t)rnd(256);
+    cr_assert_eq(cudaMemcpy(dd, hd, dreg, cudaMemcpyHostToDevice), cudaSuccess);
+    cr_assert_eq(rf_copy_pairs(hp, N, &err), 0, "%s", err.msg);
+    cr_assert_eq(rf_copy_cuda_plan_new(dp, N, &pl, &err), 0, "%s", err.msg);
+    cr_assert_eq(rf_copy_cuda_plan_bytes(pl) > 0, true);
+    for (size_t c = 0; c + 1 < sizeof(cuts) / sizeof(cuts[0]); c++)
+        cr_assert_eq(rf_copy_cuda_plan_launch(pl, cuts[c], cuts[c + 1] - cuts[c], 0,
+                                              c % 2 ? 3 : 0, &err), 0, "%s", err.msg);
+    expect_same(hd, dd, dreg, "tiled pairs of a plan launched in parts");
+    rf_copy_cuda_plan_free(pl);
+    cudaFree(ds);
+    cudaFree(dd);
+    free(hs);
+    free(hd);
 }
 
 #else
