@@ -16,7 +16,8 @@
  *     BENCH_LOCAL_MEM=carve each endpoint's regions lie in one allocation, as a trainer's or
  *     an engine's do; with BENCH_LOCAL_MEM=ipc that allocation is made by a child process and
  *     opened here by CUDA IPC, as a receiverd sees cudaMalloc memory (1 GPU only).
- *     BENCH_LOG=debug prints the local transport's per-batch account.
+ *     BENCH_LOG=debug prints the local transport's per-batch account. Each model runs plain and
+ *     again with trainer weights held transposed ("model T:o_proj"; 30b: every expert weight).
  *   bench_gpu local-host [threads, comma list; default 1,0 (0: auto)]
  *     a qwen3-0.6b refit in host memory against one thread's memcpy of the same bytes. */
 #include <stdio.h>
@@ -1333,7 +1334,59 @@ static void local_threshold(void)
     cudaStreamDestroy(s);
 }
 
-static void local_case(const char *model, const char *src, const char *dst, int src_gpu)
+/* The inventory again with the 2-D source pieces of tensors whose name holds `match` kept
+ * transposed (dense row-major [r, c] becomes strides (1, r): the same bytes, column-major), as
+ * a trainer holds weights it multiplies transposed (Megatron's GroupedMLP experts). Piece,
+ * region and tensor ids stay. Returns the pieces changed. */
+static uint32_t transpose_sources(setup *S, const char *match)
+{
+    rf_inv *in = S->inv, *f = rf_inv_new();
+    uint32_t id, changed = 0;
+    rf_err err = {0};
+    int rc = f ? 0 : -ENOMEM;
+
+    for (uint32_t i = 0; i < rf_inv_ntensors(in) && rc == 0; i++) {
+        const rf_tensor *t = rf_inv_tensor(in, i);
+
+        rc = rf_inv_add_tensor(f, t->name, t->dtype, t->ndim, t->shape, &id, &err);
+    }
+    for (uint32_t e = 0; e < rf_inv_nendpoints(in) && rc == 0; e++) {
+        const rf_endpoint *ep = rf_inv_endpoint(in, e);
+
+        rc = rf_inv_add_endpoint(f, ep->side, ep->node, &id, &err);
+        if (rc == 0)
+            rc = rf_inv_set_endpoint_host(f, id, ep->host, &err);
+    }
+    for (uint32_t r = 0; r < rf_inv_nregions(in) && rc == 0; r++)
+        rc = rf_inv_add_region(f, rf_inv_region(in, r)->endpoint, rf_inv_region(in, r)->size,
+                               &id, &err);
+    for (uint32_t q = 1; q <= rf_inv_nquants(in) && rc == 0; q++)
+        rc = rf_inv_add_quant(f, rf_inv_quant(in, q), &id, &err);
+    for (int side = 0; side < 2 && rc == 0; side++) {
+        for (uint32_t i = 0; i < rf_inv_npieces(in, (rf_side)side) && rc == 0; i++) {
+            rf_piece p;
+            const rf_tensor *t;
+
+            rf_inv_piece(in, (rf_side)side, i, &p);
+            t = rf_inv_tensor(in, p.tensor);
+            if (side == RF_SRC && t->ndim == 2 && strstr(t->name, match) && p.quant == 0 &&
+                p.strides[1] == 1 && p.strides[0] == p.box.extent[1]) {
+                p.strides[0] = 1;
+                p.strides[1] = p.box.extent[0];
+                changed++;
+            }
+            rc = rf_inv_add_piece(f, &p, &id, &err);
+        }
+    }
+    if (rc < 0)
+        die_err("transposing the sources", &err);
+    rf_inv_free(in);
+    S->inv = f;
+    return changed;
+}
+
+static void local_case(const char *model, const char *src, const char *dst, int src_gpu,
+                       const char *transpose)
 {
     setup S;
     rf_plan_opts o;
@@ -1346,7 +1399,17 @@ static void local_case(const char *model, const char *src, const char *dst, int 
     double ceil, cold, best = 1e30, sum = 0, pbox, ver;
     const int iters = 5;
 
+    char label[64];
+
     setup_open(&S, model, src, dst);
+    if (transpose) {
+        uint32_t n = transpose_sources(&S, transpose);
+
+        snprintf(label, sizeof(label), "%s T:%s", model, transpose);
+        S.name = label;
+        printf("#   %s: %u trainer pieces of tensors named *%s* held transposed\n", S.name, n,
+               transpose);
+    }
     local_alloc(&S, src_gpu);
     local_fill(&S, src_gpu);
     rf_plan_opts_default(&o);
@@ -1441,12 +1504,15 @@ static void local_case(const char *model, const char *src, const char *dst, int 
            (unsigned long long)(a1 - a0), digests_agree(&w.res) ? "agree" : "DIFFER",
            (unsigned long long)wrong);
     lrun_close(&w);
-    local_clear(&S);
-    pbox = local_per_box(&S, pl, s, &calls);
-    printf("%-14s per-box baseline: %llu copies in %.4f s, %.1f GB/s, %.2f of the ceiling, "
-           "%.1fx the local transport's best; #wrong %llu\n", S.name, (unsigned long long)calls,
-           pbox, (double)bytes / 1e9 / pbox, ceil / pbox, pbox / best,
-           (unsigned long long)count_wrong(&S, 0));
+    /* Transposed boxes would be one cudaMemcpy2D per element row: millions for the 30b. */
+    if (!transpose) {
+        local_clear(&S);
+        pbox = local_per_box(&S, pl, s, &calls);
+        printf("%-14s per-box baseline: %llu copies in %.4f s, %.1f GB/s, %.2f of the ceiling, "
+               "%.1fx the local transport's best; #wrong %llu\n", S.name,
+               (unsigned long long)calls, pbox, (double)bytes / 1e9 / pbox, ceil / pbox,
+               pbox / best, (unsigned long long)count_wrong(&S, 0));
+    }
     fflush(stdout);
     lbench_job_free(&job);
     cudaStreamDestroy(s);
@@ -1458,11 +1524,15 @@ static int local_main(int argc, char **argv)
 {
     int want = argc > 2 ? atoi(argv[2]) : 1, ndev = 0;
     const char *which = argc > 3 ? argv[3] : "all";
+    /* Each model plain, then with weights the trainer holds transposed (o_proj as the issue
+     * measured; every expert weight, as GroupedMLP keeps them). */
     static const struct {
-        const char *model, *src, *dst;
+        const char *model, *src, *dst, *transpose;
     } cases[] = {
-        {"qwen3-30b-a3b", "tp=2,ep=2", "tp=4"},
-        {"qwen3-4b", "tp=2", "tp=4"},
+        {"qwen3-30b-a3b", "tp=2,ep=2", "tp=4", NULL},
+        {"qwen3-30b-a3b", "tp=2,ep=2", "tp=4", "mlp.experts."},
+        {"qwen3-4b", "tp=2", "tp=4", NULL},
+        {"qwen3-4b", "tp=2", "tp=4", "o_proj"},
     };
 
     if (!rf_cuda_available() || cudaGetDeviceCount(&ndev) != cudaSuccess || ndev < want ||
@@ -1481,7 +1551,7 @@ static int local_main(int argc, char **argv)
     for (size_t c = 0; c < sizeof(cases) / sizeof(cases[0]); c++) {
         if (strcmp(which, "all") != 0 && strstr(cases[c].model, which) == NULL)
             continue;
-        local_case(cases[c].model, cases[c].src, cases[c].dst, want - 1);
+        local_case(cases[c].model, cases[c].src, cases[c].dst, want - 1, cases[c].transpose);
     }
     return 0;
 }
