@@ -160,6 +160,7 @@ struct rf_xfer_lgpu {
     gplan pl;
     const rf_xfer_job *job;
     uint32_t lo, hi; /* batches [lo, hi) enqueued and not retired */
+    bool dst_digests; /* the destinations' digests are enqueued (after the last batch) */
     /* Where a job's time went, for the debug log: since its start, the plan's build, the
      * launches, the digests (both sides) and the end of the last batch. */
     double t0, t_plan, t_launch, t_verify, t_copied;
@@ -1319,17 +1320,6 @@ static int enqueue(rf_xfer_local *t, uint32_t b)
         }
         for (int k = 0; k < NSTREAMS; k++)
             CUDA_TRY(&err, cudaEventRecord(G->ev[b % SLOTS][k], G->s[k]));
-        /* The destinations once the batch's copies (both streams) wrote them. */
-        if (pl->dplan && pl->dplan[d]) {
-            for (int k = 0; k < NSTREAMS; k++)
-                CUDA_TRY(&err, cudaStreamWaitEvent(G->ds, G->ev[b % SLOTS][k], 0));
-            if ((rc = rf_wdigest_cuda_run(pl->dplan[d], pl->ddst[x], pl->ndst[x], G->ds,
-                                          &err)) < 0 ||
-                (rc = rf_wdigest_cuda_fetch(pl->dplan[d], pl->dacc[x], pl->nacc[x], G->ds,
-                                            &err)) < 0)
-                goto out;
-            CUDA_TRY(&err, cudaEventRecord(G->evd[b % SLOTS], G->ds));
-        }
     }
     g->t_launch += rf_xfer__now() - t0;
 out:
@@ -1351,13 +1341,6 @@ static int batch_done(rf_xfer_local *t, uint32_t b)
     for (d = 0; d < g->pl.ndev; d++) {
         for (int k = 0; k < NSTREAMS; k++) {
             cudaError_t e = cudaEventQuery(g->devs[d].ev[b % SLOTS][k]);
-
-            if (e == cudaErrorNotReady)
-                return 0;
-            CUDA_TRY(&err, e);
-        }
-        if (g->pl.dplan && g->pl.dplan[d]) {
-            cudaError_t e = cudaEventQuery(g->devs[d].evd[b % SLOTS]);
 
             if (e == cudaErrorNotReady)
                 return 0;
@@ -1408,7 +1391,73 @@ int rf_xfer__lgpu_start(rf_xfer_local *t)
             if ((rc = dev_verify_ready(t, &g->devs[d], g->pl.uneed[d])) < 0)
                 return rc;
     g->lo = g->hi = 0;
+    g->dst_digests = false;
     return 0;
+}
+
+/* Once every batch retired: the destinations are digested as the whole job left them (a
+ * destination another message overwrote, in this batch or a later one, no longer matches its
+ * source's digest), then every message's two accumulators are folded. 1 when done, 0 while
+ * the digests run, or the error. */
+static int dst_digests(rf_xfer_local *t)
+{
+    rf_xfer_lgpu *g = t->g;
+    gplan *pl = &g->pl;
+    uint32_t last = pl->nbatches - 1, d = 0;
+    rf_err err = {0};
+    int rc = 0;
+
+    if (!pl->dplan || pl->nbatches == 0)
+        return 1;
+    if (!g->dst_digests) {
+        for (d = 0; d < pl->ndev; d++) {
+            gdev *G = &g->devs[d];
+
+            if (!pl->dplan[d])
+                continue;
+            CUDA_TRY(&err, cudaSetDevice(G->dev));
+            /* The last batch's events follow every copy of the job on both streams. */
+            for (int k = 0; k < NSTREAMS; k++)
+                CUDA_TRY(&err, cudaStreamWaitEvent(G->ds, G->ev[last % SLOTS][k], 0));
+            for (uint32_t b = 0; b < pl->nbatches; b++) {
+                size_t x = (size_t)b * pl->ndev + d;
+
+                if ((rc = rf_wdigest_cuda_run(pl->dplan[d], pl->ddst[x], pl->ndst[x], G->ds,
+                                              &err)) < 0 ||
+                    (rc = rf_wdigest_cuda_fetch(pl->dplan[d], pl->dacc[x], pl->nacc[x],
+                                                G->ds, &err)) < 0)
+                    goto out;
+            }
+            CUDA_TRY(&err, cudaEventRecord(G->evd[0], G->ds));
+        }
+        g->dst_digests = true;
+    }
+    for (d = 0; d < pl->ndev; d++) {
+        cudaError_t e;
+
+        if (!pl->dplan[d])
+            continue;
+        e = cudaEventQuery(g->devs[d].evd[0]);
+        if (e == cudaErrorNotReady) {
+            nap();
+            return 0;
+        }
+        CUDA_TRY(&err, e);
+    }
+    for (uint32_t i = 0; i < pl->nmsgs; i++) {
+        rf_wdigest_acc acc;
+
+        if (pl->macc[i] == UINT32_MAX)
+            continue;
+        rf_wdigest_cuda_result(pl->dplan[pl->mdev[i]], 2 * pl->macc[i], &acc);
+        rf_xfer__wdigest_fold(&t->base, &g->job->msgs[i], true, &acc);
+        rf_wdigest_cuda_result(pl->dplan[pl->mdev[i]], 2 * pl->macc[i] + 1, &acc);
+        rf_xfer__wdigest_fold(&t->base, &g->job->msgs[i], false, &acc);
+    }
+    return 1;
+out:
+    return fail(t, rc, "digesting the destinations of local copies on GPU %d: %s",
+                g->devs[d < pl->ndev ? d : 0].dev, err.msg);
 }
 
 /* Enqueues what the window of batches allows, then retires the oldest if it finished. */
@@ -1428,7 +1477,7 @@ int rf_xfer__lgpu_progress(rf_xfer_local *t, double wait_s)
         g->hi++;
     }
     if (g->lo == pl->nbatches)
-        return 1;
+        return dst_digests(t);
     if ((rc = batch_done(t, g->lo)) <= 0) {
         if (rc == 0)
             nap();
@@ -1440,21 +1489,11 @@ int rf_xfer__lgpu_progress(rf_xfer_local *t, double wait_s)
     if (pl->verify != RF_VERIFY_OFF &&
         (rc = digest_wins(t, pl->bwin[g->lo], pl->bwin[g->lo + 1], true)) < 0)
         return rc;
-    for (uint32_t i = pl->bmsg[g->lo]; pl->dplan && i < pl->bmsg[g->lo + 1]; i++) {
-        rf_wdigest_acc acc;
-
-        if (pl->macc[i] == UINT32_MAX)
-            continue;
-        rf_wdigest_cuda_result(pl->dplan[pl->mdev[i]], 2 * pl->macc[i], &acc);
-        rf_xfer__wdigest_fold(&t->base, &g->job->msgs[i], true, &acc);
-        rf_wdigest_cuda_result(pl->dplan[pl->mdev[i]], 2 * pl->macc[i] + 1, &acc);
-        rf_xfer__wdigest_fold(&t->base, &g->job->msgs[i], false, &acc);
-    }
     g->t_verify += rf_xfer__now() - tv;
     for (uint32_t i = pl->bmsg[g->lo]; i < pl->bmsg[g->lo + 1]; i++)
         rf_xfer__moved(&t->base, &g->job->msgs[i]);
     g->lo++;
-    return g->lo == pl->nbatches;
+    return g->lo == pl->nbatches ? dst_digests(t) : 0;
 }
 
 void rf_xfer__lgpu_describe(rf_xfer_local *t, char *buf, size_t len)
