@@ -123,6 +123,7 @@ run_cfg() {
         --out "$RES/$key-engine.json" $PRECHECK > "$E2E_DIR/engine.log" 2>&1 &
     eng=$!
     PYTORCH_CUDA_ALLOC_CONF=$conf py trainer $args --socket "$E2E_DIR/pub0.sock" \
+        --ready-socket "$E2E_DIR/recv0.sock" \
         --out "$RES/$key-trainer.json" > "$E2E_DIR/trainer.log" 2>&1 &
     tr=$!
     E2E_PIDS="$E2E_PIDS $eng $tr"
