@@ -116,9 +116,16 @@ REFIT_API int refit_seal(refit_client *c);
 /* Trainers: the weights of version are final. */
 REFIT_API int refit_publish(refit_client *c, uint64_t version);
 /* Trainers: blocks until version is committed everywhere (the weights may be overwritten).
- * timeout_ms < 0 waits forever; -ETIMEDOUT after it; -ECANCELED when the refit aborted. */
+ * timeout_ms < 0 waits forever; -ETIMEDOUT after it; -ECANCELED when the refit aborted;
+ * -EAGAIN at once when the cluster cannot refit it now, with the coordinator's reason as the
+ * message (a plan that fails: trainers and engines disagree on a tensor's dtype or shape, an
+ * engine piece no trainer holds; a daemon refused for its configuration). -EAGAIN means "not
+ * now, because ...", not final: the publish stands, and the same wait after the cause is gone
+ * (the engine registered again correctly) waits as usual. */
 REFIT_API int refit_wait_released(refit_client *c, uint64_t version, int timeout_ms);
-/* Engines: blocks until version (or a later one) is committed; -ECANCELED on its abort. */
+/* Engines: blocks until version (or a later one) is committed; -ECANCELED on its abort;
+ * -EAGAIN at once, with the cluster's reason, while the cluster cannot refit it (not final:
+ * see refit_wait_released). */
 REFIT_API int refit_wait_version(refit_client *c, uint64_t version, int timeout_ms);
 /* The same, and *reached (may be NULL) is the version the daemon has committed, which may be
  * later than version (a refit triggered by an operator, an engine that fell behind): the
@@ -132,7 +139,8 @@ REFIT_API int refit_next_event(refit_client *c, int timeout_ms, int *event, uint
 REFIT_API int refit_status_json(refit_client *c, char **json);
 /* refitctl: trigger a refit to version. */
 REFIT_API int refit_trigger(refit_client *c, uint64_t version);
-/* refitctl: wait until version is committed (-ECANCELED when it aborted). */
+/* refitctl: wait until version is committed (-ECANCELED when it aborted; -EAGAIN with the
+ * cluster's reason while it cannot refit it, as refit_wait_released). */
 REFIT_API int refit_wait(refit_client *c, uint64_t version, int timeout_ms);
 
 /* Engines: make installs wait for this client. Call once, before refit_seal; then, after

@@ -115,6 +115,10 @@ struct rf_coord {
     uint64_t trigger;      /* operator-requested version */
     double t_first_ready, t_start;
     char last_error[512];
+    /* Why the last plan build failed ("": none since the last inventory change), and the
+     * reason members were last told nothing can be refitted ("": they were told it cleared). */
+    char plan_error[512];
+    char blocked[768];
     struct {
         uint64_t version;
         char result[16];
@@ -164,9 +168,54 @@ static void broadcast(rf_coord *c, const Refit__Envelope *env)
         send_to(c, i, env);
 }
 
-/* The cluster view changed: whoever renders status (the node's snapshot) is told. */
+/* Why no version can be refitted until something changes ("": nothing blocks): a plan that
+ * failed, or a member refused for its configuration (it holds the plan back until it comes
+ * back with another). Incomplete inventories and quorums are waits, not blocks. */
+static const char *block_reason(const rf_coord *c)
+{
+    uint32_t i;
+
+    if (c->plan_error[0])
+        return c->plan_error;
+    for (i = 0; i < c->nmembers; i++)
+        if (c->m[i].peer && c->m[i].refused[0])
+            return c->m[i].refused;
+    return "";
+}
+
+static void send_blocked(rf_coord *c, int member)
+{
+    Refit__Envelope env = REFIT__ENVELOPE__INIT;
+    Refit__Blocked b = REFIT__BLOCKED__INIT;
+
+    b.committed = c->committed;
+    b.reason = c->blocked;
+    env.body_case = REFIT__ENVELOPE__BODY_BLOCKED;
+    env.blocked = &b;
+    if (member < 0)
+        broadcast(c, &env);
+    else
+        send_to(c, (uint32_t)member, &env);
+}
+
+/* Tells every member when the reason appears, changes or goes: their clients' waits end with
+ * it. Returns whether they were told. */
+static bool update_blocked(rf_coord *c)
+{
+    const char *why = block_reason(c);
+
+    if (strcmp(why, c->blocked) == 0)
+        return false;
+    snprintf(c->blocked, sizeof(c->blocked), "%s", why);
+    send_blocked(c, -1);
+    return true;
+}
+
+/* The cluster view changed: members learn whether it blocks refits, and whoever renders status
+ * (the node's snapshot) is told. */
 static void changed(rf_coord *c)
 {
+    update_blocked(c);
     if (c->on_change)
         c->on_change(c->on_change_arg);
 }
@@ -523,6 +572,8 @@ static void build_after(uv_work_t *w, int status)
     if (b->rc < 0) {
         RF_ERROR("the plan failed: %s", b->err.msg);
         snprintf(c->last_error, sizeof(c->last_error), "plan failed: %s", b->err.msg);
+        snprintf(c->plan_error, sizeof(c->plan_error), "the coordinator cannot plan: %s",
+                 b->err.msg);
         for (i = 0; i < c->nmembers; i++) {
             Refit__Envelope env = REFIT__ENVELOPE__INIT;
             Refit__Error e = REFIT__ERROR__INIT;
@@ -663,6 +714,8 @@ static void invalidate_plan(rf_coord *c, const char *why)
 {
     c->plan_gen++;
     c->plan_ready = false;
+    /* New inputs: whether they plan is known once the next build ends. */
+    c->plan_error[0] = '\0';
     if (c->state == ST_RUNNING)
         abort_refit(c, why);
 }
@@ -743,6 +796,9 @@ int rf_coord__member_up(rf_coord *c, const Refit__Hello *h, void *peer, const ch
     rf_metric_add(c->m_members, 1);
     invalidate_plan(c, "a daemon joined");
     schedule_build(c);
+    /* A member that joins learns what blocks refits now, as the others did when it began. */
+    if (!update_blocked(c) && c->blocked[0])
+        send_blocked(c, (int)slot);
     changed(c);
     return 0;
 }
@@ -1235,6 +1291,8 @@ void rf_coord_status(json_t *status, void *arg)
     json_object_set_new(cl, "plan", plan);
     json_object_set_new(cl, "last_refit", last);
     json_object_set_new(cl, "last_error", json_string(c->last_error));
+    /* Why no version can be refitted until something changes (null: nothing blocks). */
+    json_object_set_new(cl, "blocked", c->blocked[0] ? json_string(c->blocked) : json_null());
     json_object_set_new(status, "cluster", cl);
 }
 

@@ -67,6 +67,7 @@ int main(int argc, char **argv)
                                          {0, 0, 0, 0}};
     const char *corrupt = getenv("REFIT_SIM_FP8_CORRUPT");
     uint64_t v, wrong_total = 0;
+    double blocked_since = 0; /* waits end at once: the cluster cannot refit (0: they wait) */
     int o, i, status = 1, checked = 0, no_check = 0;
     sim_opts so;
     sim s;
@@ -163,6 +164,18 @@ int main(int argc, char **argv)
                     (unsigned long long)v, so.timeout_ms);
             goto out;
         }
+        if (rc == -EAGAIN) {
+            /* The cluster cannot refit now (the message says why): ask again once it may. */
+            fprintf(stderr, "engine: version %llu: %s\n", (unsigned long long)v,
+                    refit_last_error(s.ranks[i - 1].c));
+            if (blocked_since == 0)
+                blocked_since = t0;
+            if (sim_now() - blocked_since > so.timeout_ms / 1000.0)
+                goto out;
+            usleep(200 * 1000);
+            continue;
+        }
+        blocked_since = 0;
         if (rc < 0) {
             /* An abort: the model may hold a mix of versions until the retry commits. */
             fprintf(stderr, "engine: version %llu: %s; waiting for the retry\n",

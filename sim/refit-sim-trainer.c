@@ -119,6 +119,7 @@ int main(int argc, char **argv)
                                          {0, 0, 0, 0}};
     int retries = 5, do_report = 0, step_ms = 0, o, i, status = 1;
     uint64_t v, hold = 0;
+    double blocked_since; /* waits of this version end at once: the cluster cannot refit */
     const char *gate = NULL;
     sim_opts so;
     sim s;
@@ -176,13 +177,15 @@ int main(int argc, char **argv)
         sim_fill(&s, v);
         if (gate && wait_gate(gate, v, so.timeout_ms) < 0)
             goto out;
+        blocked_since = 0;
         for (attempt = 0; attempt <= retries; attempt++) {
             double t0 = sim_now();
 
             /* bad: the rank whose call failed (the wait's loop does not start after a failed
-             * publish, so its index would not say). */
+             * publish, so its index would not say). A wait that ended because the cluster
+             * could not refit left the offers in place: only the waits are done again. */
             rc = 0;
-            for (i = 0; i < s.count && rc == 0; i++)
+            for (i = 0; i < s.count && rc == 0 && blocked_since == 0; i++)
                 if ((rc = refit_publish(s.ranks[i].c, v)) < 0)
                     bad = i;
             for (i = 0; i < s.count && rc == 0; i++)
@@ -198,6 +201,18 @@ int main(int argc, char **argv)
             fprintf(stderr, "trainer ranks %d-%d: version %llu not released (attempt %d): %s\n",
                     s.first, s.first + s.count - 1, (unsigned long long)v, attempt + 1,
                     refit_last_error(s.ranks[bad].c));
+            if (rc == -EAGAIN) {
+                /* The cluster cannot refit now (the message says why): not an attempt; the
+                 * same wait waits once the cause is gone (for timeout_ms at most). */
+                if (blocked_since == 0)
+                    blocked_since = t0;
+                if (sim_now() - blocked_since > so.timeout_ms / 1000.0)
+                    break;
+                attempt--;
+                usleep(200 * 1000);
+                continue;
+            }
+            blocked_since = 0;
             if (rc == -ECONNRESET || rc == -EPIPE || rc == -ENOTCONN) {
                 /* The daemon went away: register again once it is back. */
                 if (sim_register(&s, so.timeout_ms) < 0)

@@ -160,6 +160,9 @@ static void print_status(json_t *st)
     if (json_is_integer(flight))
         printf(", refit of version %" JSON_INTEGER_FORMAT " in flight", json_integer_value(flight));
     printf("\n");
+    /* The coordinator's reason why no version can be refitted now. */
+    if (str(st, "blocked")[0])
+        printf("blocked       %s\n", str(st, "blocked"));
     human_bytes(num(last, "bytes"), b1, sizeof(b1));
     printf("last refit    version %.0f %s, %s, wait %.3f s, transfer %.3f s, total %.3f s\n",
            num(last, "version"), str(last, "result"), b1, num(last, "wait_s"),
@@ -258,7 +261,8 @@ int rf_ctl_refit(int argc, char **argv)
         "Triggers a refit of version N from the weights the trainers hold now, without\n"
         "waiting for their publish (any daemon forwards it to the coordinator). N must be\n"
         "newer than the committed version. With --wait, waits for the commit: exit 0 when\n"
-        "committed, 1 when aborted or timed out.\n";
+        "committed, 1 when aborted, timed out, or the cluster cannot refit it now (the\n"
+        "coordinator's reason is printed).\n";
     static const struct option opts[] = {{"socket", 1, 0, 's'}, {"version", 1, 0, 'v'},
                                          {"wait", 0, 0, 'w'},   {"timeout", 1, 0, 't'},
                                          {"help", 0, 0, 'h'},   {0, 0, 0, 0}};
@@ -314,7 +318,8 @@ int rf_ctl_wait(int argc, char **argv)
     static const char usage[] =
         "usage: refitctl wait N [--socket PATH] [--timeout SECONDS]\n"
         "Waits until version N (or a later one) is committed: exit 0; 1 when the refit of N is\n"
-        "aborted or the timeout passes.\n";
+        "aborted, the timeout passes, or the cluster cannot refit it now (the coordinator's\n"
+        "reason is printed: a plan that fails, a refused daemon).\n";
     const char *socket;
     uint64_t version = 0;
     int timeout_ms = -1, idx, rc;

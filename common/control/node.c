@@ -81,6 +81,9 @@ struct rf_node {
         struct path_stat path[2]; /* PATH_NET, PATH_LOCAL */
     } last;
     char last_error[512];
+    /* Why the coordinator says no version can be refitted now ("": nothing blocks); the
+     * registry ends its clients' waits with it. */
+    char blocked[768];
     char slice_error[256];    /* why the slice of plan refused_plan was refused */
     uint8_t refused_plan[RF_PLAN_ID_BYTES];
 
@@ -1069,6 +1072,25 @@ static void on_abort(rf_node *n, uint64_t version, const char *reason)
     snapshot_soon(n);
 }
 
+/* The coordinator's reason why nothing can be refitted now, or "" when that is over. */
+static void on_blocked(rf_node *n, const Refit__Blocked *b)
+{
+    const char *why = b->reason ? b->reason : "";
+
+    if (strcmp(why, n->blocked) == 0)
+        return;
+    snprintf(n->blocked, sizeof(n->blocked), "%s", why);
+    if (why[0]) {
+        RF_WARN("no version after %llu can be refitted now: %s",
+                (unsigned long long)b->committed, why);
+        rf_registry_block(n->reg, why);
+    } else {
+        RF_INFO("the cluster can refit again");
+        rf_registry_block(n->reg, NULL);
+    }
+    snapshot_soon(n);
+}
+
 /* ---- the coordinator connection --------------------------------------------------------- */
 
 void rf_node__coord_up(rf_node *n, void *peer)
@@ -1108,6 +1130,9 @@ static void node_envelope(rf_node *n, const Refit__Envelope *env)
     case REFIT__ENVELOPE__BODY_ABORT:
         on_abort(n, env->abort->version, env->abort->reason);
         break;
+    case REFIT__ENVELOPE__BODY_BLOCKED:
+        on_blocked(n, env->blocked);
+        break;
     case REFIT__ENVELOPE__BODY_ERROR:
         RF_ERROR("coordinator reports: %s", env->error->message);
         set_error(n, env->error->message);
@@ -1142,6 +1167,11 @@ void rf_node__coord_down(rf_node *n, void *peer, const char *reason)
     n->coord = NULL;
     rf_metric_set(n->m_peers, 0);
     drop_slice(n);
+    /* What blocked refits is the coordinator's to say again once it is back. */
+    if (n->blocked[0]) {
+        n->blocked[0] = '\0';
+        rf_registry_block(n->reg, NULL);
+    }
     snapshot_soon(n);
 }
 
@@ -1221,6 +1251,8 @@ json_t *rf_node_status(rf_node *n)
                         n->last.path[PATH_LOCAL].seconds));
     json_object_set_new(st, "last_refit", last);
     json_object_set_new(st, "last_error", json_string(n->last_error));
+    /* Why no version can be refitted until something changes (null: nothing blocks). */
+    json_object_set_new(st, "blocked", n->blocked[0] ? json_string(n->blocked) : json_null());
     json_object_set_new(st, "clients", reg ? reg : json_null());
     if (n->status_hook)
         n->status_hook(st, n->status_arg);
@@ -1241,6 +1273,9 @@ void rf_node_status_line(rf_node *n, char *buf, size_t len)
 {
     if (n->running)
         snprintf(buf, len, "refit of version %llu in flight", (unsigned long long)n->version);
+    else if (n->blocked[0])
+        snprintf(buf, len, "blocked: %s; committed %llu", n->blocked,
+                 (unsigned long long)n->committed);
     else if (!n->coord)
         snprintf(buf, len, "waiting for the coordinator at %s; committed %llu",
                  n->cfg->coordinator_addr, (unsigned long long)n->committed);

@@ -130,6 +130,7 @@ struct rf_registry {
     uint32_t cap_region;
     uint64_t generation, ready, released, committed;
     char abort_msg[768]; /* trainers: why the last abort took their publishes back */
+    char blocked[768];   /* why the cluster can refit nothing now ("": it can) */
     bool complete, closing;
     /* While the data path runs, memory of clients that leave stays mapped until it ends. */
     bool held;
@@ -403,6 +404,14 @@ static void answer_waiters(rf_registry *r, unsigned kinds, uint64_t lo, uint64_t
         }
         c->nwaiters = j;
     }
+}
+
+/* A waiter of c for a version the cluster cannot refit now is answered -EAGAIN with the
+ * cluster's reason. */
+static void reply_blocked(rf_registry *r, reg_client *c, uint64_t id, uint64_t version)
+{
+    rf_rpc_conn_reply(c->conn, id, -EAGAIN, "version %" PRIu64 " cannot be refitted now: %s",
+                      version, r->blocked);
 }
 
 static void check_consumed(rf_registry *r);
@@ -1149,6 +1158,11 @@ static void do_wait(rf_registry *r, reg_client *c, uint64_t id, uint64_t version
     if (k == WAIT_RELEASED && c->published >= version && c->offered < version) {
         rf_rpc_conn_reply(c->conn, id, -ECANCELED, "%s", r->abort_msg[0] ? r->abort_msg :
                           "this trainer's publish was taken back: publish again to retry");
+        return;
+    }
+    /* Not final: the same wait once the cause is gone waits as usual. */
+    if (r->blocked[0]) {
+        reply_blocked(r, c, id, version);
         return;
     }
     if (k == WAIT_CTL && r->cb.on_wait) {
@@ -1956,6 +1970,22 @@ void rf_registry_abort(rf_registry *r, uint64_t version, const char *reason)
      * again (the same version or a later one) and readiness is reported anew. */
     withdraw_offers(r, version);
     check_ready(r);
+}
+
+void rf_registry_block(rf_registry *r, const char *reason)
+{
+    reg_client *c;
+    size_t i;
+
+    snprintf(r->blocked, sizeof(r->blocked), "%s", reason ? reason : "");
+    if (!r->blocked[0])
+        return;
+    /* Every waiter waits for a version not reached yet (reached ones are answered at once). */
+    for (c = r->clients; c != NULL; c = c->next) {
+        for (i = 0; i < c->nwaiters; i++)
+            reply_blocked(r, c, c->waiters[i].id, c->waiters[i].version);
+        c->nwaiters = 0;
+    }
 }
 
 void rf_registry_notify(rf_registry *r, rf_reg_event ev, uint64_t version, const char *reason)

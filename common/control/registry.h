@@ -146,6 +146,11 @@ void rf_registry_release(rf_registry *r, uint64_t version);
 /* Trainers: the refit of version failed: WaitReleased for versions in (released, version]
  * fail with reason; trainers may publish version again. */
 void rf_registry_abort(rf_registry *r, uint64_t version, const char *reason);
+/* The cluster can refit no version now, for reason (the coordinator's Blocked), or again
+ * (reason NULL or ""). While blocked, every WaitReleased, WaitVersion and Wait for a version
+ * not reached yet, queued or new, is answered -EAGAIN with a message that carries reason;
+ * offers and events are untouched, so the same waits once it cleared wait as usual. */
+void rf_registry_block(rf_registry *r, const char *reason);
 /* Engines and refitctl: pushes the event to every engine client; COMMITTED raises the
  * committed version and answers WaitVersion and Wait up to it, ABORTED fails those waiting
  * for versions in (committed, version] with reason. Daemons on both sides call it for

@@ -441,6 +441,50 @@ static size_t start(uint64_t v)
     return mark;
 }
 
+/* The last Blocked member m got since mark; NULL when none. */
+static const char *blocked_since(size_t mark, uint32_t m)
+{
+    const Refit__Envelope *e = last_since(mark, m, REFIT__ENVELOPE__BODY_BLOCKED, NULL);
+
+    return e ? e->blocked->reason : NULL;
+}
+
+/* Every member's last Blocked since mark holds want ("" : the block cleared), and the
+ * coordinator's status says the same. */
+static void check_blocked(size_t mark, const char *want)
+{
+    json_t *st = cluster(), *b = json_object_get(json_object_get(st, "cluster"), "blocked");
+
+    for (uint32_t m = 0; m < NMEM; m++) {
+        const char *got = blocked_since(mark, m);
+
+        cr_assert_not_null(got, "member %u was not told whether refits are blocked", m);
+        if (want[0])
+            cr_assert(strstr(got, want), "member %u was told it is blocked by: '%s'", m, got);
+        else
+            cr_assert_str_eq(got, "", "member %u is still told refits are blocked", m);
+    }
+    if (want[0])
+        cr_assert(json_is_string(b) && strstr(json_string_value(b), want),
+                  "the status says blocked: %s", json_is_string(b) ? json_string_value(b)
+                                                                   : "null");
+    else
+        cr_assert(json_is_null(b), "the status still says blocked: %s", json_string_value(b));
+    json_decref(st);
+}
+
+static size_t block_mark;
+static bool blocked_everywhere(void)
+{
+    for (uint32_t m = 0; m < NMEM; m++) {
+        const char *got = blocked_since(block_mark, m);
+
+        if (!got || !got[0])
+            return false;
+    }
+    return true;
+}
+
 /* ---- membership and the plan ---------------------------------------------------------------- */
 
 Test(coord, plan_waits_for_every_member_and_every_complete_inventory)
@@ -473,6 +517,45 @@ Test(coord, plan_waits_for_every_member_and_every_complete_inventory)
     /* A member whose inventory goes incomplete takes the plan away. */
     inventory_incomplete(1);
     cr_assert(!st_plan_ready());
+}
+
+Test(coord, a_plan_that_fails_blocks_every_member_until_an_inventory_changes)
+{
+    Refit__TensorDesc *t = H.inv[RECV0].tensors[0];
+    uint32_t dtype = t->dtype;
+    char want[256];
+
+    /* The engines hold their first tensor in another dtype than the trainers. */
+    t->dtype = dtype == RF_DT_BF16 ? RF_DT_FP16 : RF_DT_BF16;
+    snprintf(want, sizeof(want), "the coordinator cannot plan: inventory of daemon %u: tensor "
+             "%s registered as ", RECV0, t->name);
+    start_coord(NULL);
+    block_mark = H.nout;
+    for (uint32_t m = 0; m < NMEM; m++)
+        cr_assert_eq(join(m), 0);
+    for (uint32_t m = 0; m < NMEM; m++)
+        inventory(m, 0);
+    cr_assert(run_until(blocked_everywhere, 20000), "no member was told the plan failed");
+    check_blocked(block_mark, want);
+    cr_assert(strstr(blocked_since(block_mark, 0), "both sides must agree on dtype and global "
+                     "shape"), "told: %s", blocked_since(block_mark, 0));
+    for (uint32_t m = 0; m < NMEM; m++)
+        cr_assert_eq(count(m, REFIT__ENVELOPE__BODY_PLAN_SLICE), 0);
+    /* The same reason is not sent again while it holds. */
+    block_mark = H.nout;
+    ready(0, 1);
+    ready(1, 1);
+    cr_assert_eq(count_since(block_mark, 0, REFIT__ENVELOPE__BODY_BLOCKED), 0);
+    no_start_since(block_mark, "the plan failed");
+    /* The engines register again with the trainers' dtype: at once nothing blocks, before
+     * the plan is even built, and then it builds. */
+    t->dtype = dtype;
+    H.inv_gen[RECV0]++;
+    block_mark = H.nout;
+    inventory(RECV0, 0);
+    check_blocked(block_mark, "");
+    wait_plan();
+    check_blocked(block_mark, "");
 }
 
 Test(coord, members_outside_the_configuration_are_refused)
@@ -1122,6 +1205,15 @@ Test(coord, a_member_on_another_transport_is_refused_until_it_comes_back_on_the_
                    "restart it, or run every daemon with transport = nccl");
     check_refused(RECV0, "receiver 0 (recv0) is refused: it runs transport = nccl");
     check_refused(0, NULL);
+    /* Every member is told that the refused member blocks refits, and one that joins later
+     * is told as it joins. */
+    check_blocked(mark, "receiver 0 (recv0) is refused: it runs transport = nccl");
+    rf_coord__member_down(H.c, &H.peers[1], "restarting");
+    mark = H.nout;
+    cr_assert_eq(join(1), 0);
+    cr_assert_eq(count_since(mark, 1, REFIT__ENVELOPE__BODY_BLOCKED), 1);
+    cr_assert(strstr(blocked_since(mark, 1), "receiver 0 (recv0) is refused"));
+    inventory(1, 0);
     /* Every inventory is complete, but nothing is planned while a member is refused. */
     uv_run(&H.loop, UV_RUN_NOWAIT);
     for (uint32_t m = 0; m < NMEM; m++)
@@ -1134,11 +1226,14 @@ Test(coord, a_member_on_another_transport_is_refused_until_it_comes_back_on_the_
     inventory_with(RECV0, &cc);
     check_error_to(RECV0, mark, "it runs transport = unknown (7), the coordinator transport = "
                    "tcp");
-    /* Restarted with the coordinator's transport: it joins the plan. */
+    /* Restarted with the coordinator's transport: it joins the plan, and nothing blocks. */
+    mark = H.nout;
     rf_coord__member_down(H.c, &H.peers[RECV0], "restarting");
     H.daemon_id[RECV0]++;
     cr_assert_eq(join(RECV0), 0);
     check_refused(RECV0, NULL);
+    for (uint32_t m = 0; m < NPUB; m++)
+        cr_assert_str_eq(blocked_since(mark, m), "", "member %u is still told it is blocked", m);
     cc.transport = RF_TRANSPORT_TCP;
     inventory_with(RECV0, &cc);
     wait_plan();

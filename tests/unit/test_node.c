@@ -639,6 +639,81 @@ Test(node, a_receiver_says_idle_and_tells_its_engines)
     refit_close(eng);
 }
 
+static void send_blocked(const char *reason)
+{
+    Refit__Envelope env = REFIT__ENVELOPE__INIT;
+    Refit__Blocked b = REFIT__BLOCKED__INIT;
+
+    b.committed = 0;
+    b.reason = (char *)reason;
+    env.body_case = REFIT__ENVELOPE__BODY_BLOCKED;
+    env.blocked = &b;
+    from_coord(&env);
+}
+
+static void do_coord_down(void *arg)
+{
+    (void)arg;
+    rf_node__coord_down(H.n, &H.fake_coord, "test: connection lost");
+}
+
+static void do_status_line(void *arg)
+{
+    rf_node_status_line(H.n, arg, 1024);
+}
+
+/* The node's status says blocked with want (NULL: not blocked), and so does its status line. */
+static void check_status_blocked(const char *want)
+{
+    json_t *st = node_status(), *b = json_object_get(st, "blocked");
+    char line[1024];
+
+    test_loop_run(&H.l, do_status_line, line);
+    if (want) {
+        cr_assert(json_is_string(b), "the status does not say blocked");
+        cr_assert_str_eq(json_string_value(b), want);
+        cr_assert(strstr(line, want), "the status line says: %s", line);
+    } else {
+        cr_assert(json_is_null(b), "the status still says blocked: %s", json_string_value(b));
+        cr_assert_null(strstr(line, "blocked"), "the status line says: %s", line);
+    }
+    json_decref(st);
+}
+
+#define WHY_BLOCKED "the coordinator cannot plan: inventory of daemon 1: tensor w registered " \
+                    "as fp32 [4, 8] and again as fp16 [4, 8]: both sides must agree on dtype " \
+                    "and global shape"
+
+/* The coordinator says nothing can be refitted: the engine's wait ends at once with its
+ * reason, the status shows it, and once it clears (or the coordinator is lost) the engine
+ * waits as usual. */
+Test(node, blocked_ends_the_engines_waits_with_the_coordinators_reason)
+{
+    refit_client *eng;
+
+    start_node("receiver", NULL);
+    test_loop_run(&H.l, do_coord_up, NULL);
+    eng = client(REFIT_ENGINE, "e0");
+    check_status_blocked(NULL);
+    send_blocked(WHY_BLOCKED);
+    check_status_blocked(WHY_BLOCKED);
+    cr_assert_eq(refit_wait_version(eng, 1, 5000), -EAGAIN, "%s", refit_last_error(eng));
+    cr_assert_str_eq(refit_last_error(eng), "version 1 cannot be refitted now: " WHY_BLOCKED);
+    /* Cleared: the engine waits again until the commit. */
+    send_blocked("");
+    check_status_blocked(NULL);
+    cr_assert_eq(refit_wait_version(eng, 1, 50), -ETIMEDOUT, "%s", refit_last_error(eng));
+    send_commit(1);
+    cr_assert_eq(refit_wait_version(eng, 1, 5000), 0, "%s", refit_last_error(eng));
+    /* A lost coordinator's reason goes with it: its successor says what holds. */
+    send_blocked(WHY_BLOCKED);
+    cr_assert_eq(refit_wait_version(eng, 2, 5000), -EAGAIN, "%s", refit_last_error(eng));
+    test_loop_run(&H.l, do_coord_down, NULL);
+    check_status_blocked(NULL);
+    cr_assert_eq(refit_wait_version(eng, 2, 50), -ETIMEDOUT, "%s", refit_last_error(eng));
+    refit_close(eng);
+}
+
 /* A receiver with local_copy = off handed local copies (a coordinator that thinks otherwise),
  * and one with local_copy = auto whose publisher's socket is gone: the slice is refused with
  * the reason, and the status says it. */

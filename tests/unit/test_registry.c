@@ -10,6 +10,7 @@
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/wait.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "export.h"
@@ -219,10 +220,24 @@ static uint64_t ready_now(void)
     return v;
 }
 
+/* What the coordinator's Blocked says in the tests (timer kind TIMER_BLOCK). */
+#define BLOCK_REASON "the coordinator cannot plan: tensor w registered as fp32 [4, 8] and " \
+                     "again as fp16 [4, 8]"
+#define TIMER_BLOCK (-1)
+static uint64_t now_ms(void)
+{
+    struct timespec ts;
+
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000 + (uint64_t)ts.tv_nsec / 1000000;
+}
+static void call_block(void *arg) { rf_registry_block(H.reg, arg); }
 static void timer_cb(uv_timer_t *t)
 {
     (void)t;
-    if (H.timer_kind == 0)
+    if (H.timer_kind == TIMER_BLOCK)
+        rf_registry_block(H.reg, BLOCK_REASON);
+    else if (H.timer_kind == 0)
         rf_registry_abort(H.reg, H.timer_version, "receiver 3 timed out");
     else
         rf_registry_notify(H.reg, (rf_reg_event)H.timer_kind, H.timer_version,
@@ -721,6 +736,47 @@ Test(registry, ctl_status_trigger_wait)
     test_loop_run(&H.l, call_notify, &n);
     OK(refit_wait(c, 7, 100), c);
     refit_close(c);
+}
+
+/* The cluster cannot refit: waits queued and new end at once with its reason, the offer
+ * stands, and once it clears the same waits wait and are answered as usual. */
+Test(registry, a_blocked_cluster_ends_every_wait_with_its_reason_until_it_clears)
+{
+    refit_client *t, *c;
+    uint64_t v = 1, t0;
+
+    open_registry(RF_SRC, 1);
+    t = conn("t0", 0, REFIT_TRAINER);
+    c = conn("refitctl", 0, REFIT_CTL);
+    register_halves(t, NULL);
+    OK(refit_seal(t), t);
+    OK(refit_publish(t, 1), t);
+    test_loop_wait(&H.l, &H.n_ready, 1);
+    /* Queued before the block comes: answered when it does, not at the timeout. */
+    schedule(TIMER_BLOCK, 0);
+    t0 = now_ms();
+    FAILS(refit_wait_released(t, 1, 10000), t, -EAGAIN,
+          "version 1 cannot be refitted now: " BLOCK_REASON);
+    cr_assert_lt(now_ms() - t0, 5000, "the blocked wait took %llu ms",
+                 (unsigned long long)(now_ms() - t0));
+    /* New waits while blocked: at once. */
+    FAILS(refit_wait_released(t, 1, 3000), t, -EAGAIN, BLOCK_REASON);
+    FAILS(refit_wait(c, 1, 3000), c, -EAGAIN, "version 1 cannot be refitted now: " BLOCK_REASON);
+    /* A version already reached is no wait: answered as usual. */
+    cr_assert_eq(ready_now(), 1, "the block took the trainer's offer away");
+    /* Cleared: waits wait again, and end as the refit does. */
+    test_loop_run(&H.l, call_block, NULL);
+    FAILS(refit_wait_released(t, 1, 50), t, -ETIMEDOUT, "version 1 was not released within");
+    schedule(RF_REG_COMMITTED, 1);
+    OK(refit_wait(c, 1, 5000), c);
+    test_loop_run(&H.l, call_release, &v);
+    OK(refit_wait_released(t, 1, 2000), t);
+    /* A version already committed is answered while blocked. */
+    test_loop_run(&H.l, call_block, (void *)BLOCK_REASON);
+    OK(refit_wait(c, 1, 100), c);
+    OK(refit_wait_released(t, 1, 100), t);
+    refit_close(c);
+    refit_close(t);
 }
 
 Test(registry, daemon_without_ctl_callbacks_refuses)

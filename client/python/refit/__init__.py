@@ -344,12 +344,19 @@ class Client:
         self._check(self._lib.refit_publish(self._c, _int("version", version, U64)))
 
     def wait_released(self, version, timeout_ms=-1):
+        """Trainers: waits until version is committed everywhere (the weights may then be
+        overwritten). Raises refit.Error: code -ETIMEDOUT after timeout_ms (-1: no limit),
+        -ECANCELED when the refit aborted (publish again), -EAGAIN at once while the cluster
+        cannot refit it, the message being the coordinator's reason (a plan that fails, a
+        refused daemon): not final, the same wait after the cause is gone waits as usual."""
         self._check(self._lib.refit_wait_released(self._c, _int("version", version, U64),
                                                   _int("timeout_ms", timeout_ms, I32)))
 
     def wait_version(self, version, timeout_ms=-1):
         """Engines: waits until version or a later one is committed; returns the version the
-        daemon committed, which the engine's memory holds (it may be later than version)."""
+        daemon committed, which the engine's memory holds (it may be later than version).
+        Raises refit.Error as wait_released does (-EAGAIN: not now, with the cluster's
+        reason)."""
         version = _int("version", version, U64)
         timeout_ms = _int("timeout_ms", timeout_ms, I32)
         reached = ctypes.c_uint64()
