@@ -4,6 +4,7 @@
 #include "coordinator.h"
 
 #include <limits.h>
+#include <stdarg.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -1215,12 +1216,89 @@ static void peer_down(rf_peer *p, const char *reason)
 
 /* ---- status and life cycle --------------------------------------------------------------- */
 
+static void append(char *buf, size_t len, size_t *off, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+static void append(char *buf, size_t len, size_t *off, const char *fmt, ...)
+{
+    va_list ap;
+    int n;
+
+    if (*off >= len)
+        return;
+    va_start(ap, fmt);
+    n = vsnprintf(buf + *off, len - *off, fmt, ap);
+    va_end(ap);
+    *off = n < 0 ? len : *off + (size_t)n;
+}
+
+/* What the cluster waits for before it can start the next refit (or end the one in flight),
+ * the first hold in the order try_start and schedule_build check them ("" : nothing; a Start
+ * goes out as soon as a version is offered or triggered is not a wait). */
+static void waiting_for(const rf_coord *c, char *buf, size_t len)
+{
+    char name[128];
+    size_t off = 0;
+    uint32_t i;
+    int n = 0;
+
+    buf[0] = '\0';
+    if (c->state != ST_IDLE) {
+        append(buf, len, &off, "%s of version %llu from:", c->state == ST_RUNNING ? "Done"
+               : "the aborted refit's Done", (unsigned long long)c->version);
+        for (i = 0; i < c->nmembers; i++)
+            if (c->m[i].peer && !c->m[i].done)
+                append(buf, len, &off, " %s", member_name(c, i, name, sizeof(name)));
+        return;
+    }
+    if (c->blocked[0]) {
+        append(buf, len, &off, "blocked: %s", c->blocked);
+        return;
+    }
+    for (i = 0; i < c->nmembers; i++) {
+        const member *m = &c->m[i];
+
+        if (m->peer && m->inv_complete)
+            continue;
+        if (!m->peer && !m->node[0])
+            snprintf(name, sizeof(name), "%s %u never connected", i < c->npub ? "publisher"
+                     : "receiver", i < c->npub ? i : i - c->npub);
+        else
+            member_name(c, i, name, sizeof(name));
+        append(buf, len, &off, "%s%s%s", n++ ? "; " : "inventories: ", name,
+               !m->peer ? (m->node[0] ? " disconnected" : "")
+               : m->inv ? " incomplete (its clients have not all registered and sealed)"
+                        : " sent no inventory yet");
+    }
+    if (n)
+        return;
+    if (!c->plan_ready) {
+        append(buf, len, &off, "the plan, being built");
+        return;
+    }
+    for (i = c->npub; i < c->nmembers; i++)
+        if (!c->m[i].idle)
+            append(buf, len, &off, "%s%s: its gated engines have not consumed version %llu",
+                   n++ ? "; " : "receive quorum: ", member_name(c, i, name, sizeof(name)),
+                   (unsigned long long)c->committed);
+    if (n)
+        return;
+    for (i = 0; i < c->npub; i++) {
+        if (c->m[i].ready > c->committed)
+            append(buf, len, &off, "%s%s offers version %llu", n++ ? "; " : "publish quorum: ",
+                   member_name(c, i, name, sizeof(name)), (unsigned long long)c->m[i].ready);
+        else
+            append(buf, len, &off, "%s%s: its trainers have published no version after %llu",
+                   n++ ? "; " : "publish quorum: ", member_name(c, i, name, sizeof(name)),
+                   (unsigned long long)c->committed);
+    }
+}
+
 void rf_coord_status(json_t *status, void *arg)
 {
     rf_coord *c = arg;
     json_t *cl = json_object(), *members = json_array(), *plan, *last;
     static const char *states[] = {"idle", "running", "aborting"};
-    char id[RF_PLAN_ID_HEX] = "";
+    char id[RF_PLAN_ID_HEX] = "", wait[1024];
     uint32_t i;
 
     for (i = 0; i < c->nmembers; i++) {
@@ -1293,6 +1371,8 @@ void rf_coord_status(json_t *status, void *arg)
     json_object_set_new(cl, "last_error", json_string(c->last_error));
     /* Why no version can be refitted until something changes (null: nothing blocks). */
     json_object_set_new(cl, "blocked", c->blocked[0] ? json_string(c->blocked) : json_null());
+    waiting_for(c, wait, sizeof(wait));
+    json_object_set_new(cl, "waiting_for", wait[0] ? json_string(wait) : json_null());
     json_object_set_new(status, "cluster", cl);
 }
 

@@ -163,6 +163,8 @@ static void print_status(json_t *st)
     /* The coordinator's reason why no version can be refitted now. */
     if (str(st, "blocked")[0])
         printf("blocked       %s\n", str(st, "blocked"));
+    else if (str(st, "waiting_for")[0])
+        printf("waiting for   %s\n", str(st, "waiting_for"));
     human_bytes(num(last, "bytes"), b1, sizeof(b1));
     printf("last refit    version %.0f %s, %s, wait %.3f s, transfer %.3f s, total %.3f s\n",
            num(last, "version"), str(last, "result"), b1, num(last, "wait_s"),
@@ -174,8 +176,9 @@ static void print_status(json_t *st)
         size_t i;
         double s2c = num(cl_last, "start_to_commit_s");
 
-        printf("cluster       %s, committed version %.0f\n", str(cluster, "state"),
-               num(cluster, "committed"));
+        printf("cluster       %s, committed version %.0f%s%s\n", str(cluster, "state"),
+               num(cluster, "committed"), str(cluster, "waiting_for")[0] ? "; waiting for " : "",
+               str(cluster, "waiting_for"));
         json_array_foreach(json_object_get(cluster, "members"), i, m) {
             json_t *ready = json_object_get(m, "ready");
             char what[48];

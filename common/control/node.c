@@ -1185,10 +1185,67 @@ static void coord_down(rf_peer *p, const char *reason)
 
 /* ---- status -------------------------------------------------------------------------------- */
 
+/* What this daemon waits for before its part of the next refit can start ("" : nothing here;
+ * the coordinator's status says what the cluster waits for), from its own view and reg, its
+ * registry's status document. */
+static void waiting_for(const rf_node *n, json_t *reg, char *buf, size_t len)
+{
+    json_t *cl = json_object_get(reg, "clients"), *c;
+    size_t i, off = 0, k = 0, sealed = 0;
+    bool trainers = n->side == RF_SRC;
+
+    buf[0] = '\0';
+    if (n->running)
+        return;
+    if (n->blocked[0]) {
+        snprintf(buf, len, "blocked: %s", n->blocked);
+        return;
+    }
+    if (!n->coord) {
+        snprintf(buf, len, "the coordinator at %s", n->cfg->coordinator_addr);
+        return;
+    }
+    if (!rf_registry_complete(n->reg)) {
+        json_array_foreach(cl, i, c)
+            if (json_is_true(json_object_get(c, "sealed")))
+                sealed++;
+        snprintf(buf, len, "local clients: %zu of %d %s registered and sealed", sealed,
+                 n->cfg->clients, trainers ? "trainers" : "engines");
+        return;
+    }
+    if (!n->slice.complete) {
+        snprintf(buf, len, "the plan slice from the coordinator");
+        return;
+    }
+    /* The quorums: engines that must consume the committed version, trainers that must
+     * publish a newer one. */
+    json_array_foreach(cl, i, c) {
+        const char *kind = json_string_value(json_object_get(c, "kind"));
+        bool waits = !kind ? false : trainers ? strcmp(kind, "trainer") == 0 &&
+                                (uint64_t)json_integer_value(json_object_get(c, "published")) <=
+                                    n->committed
+                              : strcmp(kind, "engine") == 0 &&
+                                json_is_true(json_object_get(c, "gated")) &&
+                                (uint64_t)json_integer_value(json_object_get(c, "consumed")) <
+                                    n->committed;
+
+        if (!waits || off >= len)
+            continue;
+        off += (size_t)snprintf(buf + off, len - off, "%s%s (rank %d)", k++ ? ", " : trainers
+                                ? "publish quorum: trainers that have published no version "
+                                  "after the committed one: "
+                                : "receive quorum: engines that have not consumed the committed "
+                                  "version: ", json_string_value(json_object_get(c, "name")),
+                                (int)json_integer_value(json_object_get(c, "rank")));
+    }
+    if (k == 0)
+        snprintf(buf, len, "the coordinator's Start");
+}
+
 json_t *rf_node_status(rf_node *n)
 {
     json_t *st = json_object(), *reg = rf_registry_status(n->reg), *last, *adopted;
-    char plan[RF_PLAN_ID_HEX] = "";
+    char plan[RF_PLAN_ID_HEX] = "", wait[1024];
     uint64_t iv;
     uint32_t inst_n, inst_left;
     bool inst_ab;
@@ -1253,6 +1310,9 @@ json_t *rf_node_status(rf_node *n)
     json_object_set_new(st, "last_error", json_string(n->last_error));
     /* Why no version can be refitted until something changes (null: nothing blocks). */
     json_object_set_new(st, "blocked", n->blocked[0] ? json_string(n->blocked) : json_null());
+    /* What its part of the next refit waits for (null: a refit is in flight). */
+    waiting_for(n, reg, wait, sizeof(wait));
+    json_object_set_new(st, "waiting_for", wait[0] ? json_string(wait) : json_null());
     json_object_set_new(st, "clients", reg ? reg : json_null());
     if (n->status_hook)
         n->status_hook(st, n->status_arg);

@@ -1,5 +1,6 @@
 #!/bin/bash
-# An engine that holds a tensor in another dtype than the trainer: the plan fails, and every
+# Before a receiver connects, the coordinator's status says it waits for it. An engine that
+# holds a tensor in another dtype than the trainer: the plan fails, and every
 # wait (the trainer's, the engine's, refitctl wait and refit --wait) ends within seconds with
 # that reason, which refitctl status shows on every daemon. An engine that registers a tensor
 # no trainer holds: the plan fails closed with the tensor and the uncovered box named
@@ -9,8 +10,15 @@
 E2E_PUBLISHERS=1 E2E_RECEIVERS=1
 M="--model qwen3-0.6b --shrink 16"
 start_publisher 0 1
-start_receiver 0 1
 start_trainer tr 0 $M --layout tp=1 --versions 2 --retries 100
+# Before the receiver starts, the status says what the cluster waits for.
+st_wait "$E2E_DIR/pub0.sock" 10 "the coordinator says it waits for the receiver" \
+    "cl['waiting_for'] is not None and cl['waiting_for'].startswith('inventories: ') and
+cl['waiting_for'].endswith('receiver 0 never connected') and s['waiting_for'] is not None"
+ctl --socket "$E2E_DIR/pub0.sock" status > "$E2E_DIR/st.txt"
+grep -q "^cluster       idle, committed version 0; waiting for inventories: .*receiver 0 never connected$" "$E2E_DIR/st.txt" ||
+    fail "refitctl status does not say what the cluster waits for: $(cat "$E2E_DIR/st.txt")"
+start_receiver 0 1
 # The trainer holds down_proj [64, 192] in bf16; this engine registers it in fp16, then waits.
 REFIT_LIB="$BIN/librefit.so" PYTHONPATH="$(dirname "$0")/../../client/python" python3 - "$E2E_DIR/recv0.sock" > "$E2E_DIR/fp16.log" 2>&1 <<'PY' &
 import errno, sys, time, refit

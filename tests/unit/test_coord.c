@@ -558,6 +558,57 @@ Test(coord, a_plan_that_fails_blocks_every_member_until_an_inventory_changes)
     check_blocked(block_mark, "");
 }
 
+/* The coordinator's status says what the cluster waits for. */
+static void check_waiting_for(const char *want)
+{
+    json_t *st = cluster(), *w = json_object_get(json_object_get(st, "cluster"), "waiting_for");
+
+    if (want)
+        cr_assert_str_eq(json_is_string(w) ? json_string_value(w) : "(null)", want);
+    else
+        cr_assert(json_is_null(w), "waiting for: %s", json_string_value(w));
+    json_decref(st);
+}
+
+Test(coord, the_status_says_what_the_cluster_waits_for)
+{
+    start_coord(NULL);
+    check_waiting_for("inventories: publisher 0 never connected; publisher 1 never connected; "
+                      "receiver 0 never connected");
+    for (uint32_t m = 0; m < NMEM; m++)
+        cr_assert_eq(join(m), 0);
+    inventory(0, 0);
+    inventory(1, 0);
+    check_waiting_for("inventories: receiver 0 (recv0) sent no inventory yet");
+    inventory_incomplete(RECV0);
+    check_waiting_for("inventories: receiver 0 (recv0) incomplete (its clients have not all "
+                      "registered and sealed)");
+    inventory(RECV0, 0);
+    check_waiting_for("the plan, being built");
+    wait_plan();
+    check_waiting_for("receive quorum: receiver 0 (recv0): its gated engines have not consumed "
+                      "version 0");
+    idle(RECV0, true, 0);
+    check_waiting_for("publish quorum: publisher 0 (pub0): its trainers have published no "
+                      "version after 0; publisher 1 (pub1): its trainers have published no "
+                      "version after 0");
+    ready(0, 1);
+    check_waiting_for("publish quorum: publisher 0 (pub0) offers version 1; publisher 1 (pub1): "
+                      "its trainers have published no version after 0");
+    ready(1, 1);
+    check_waiting_for("Done of version 1 from: publisher 0 (pub0) publisher 1 (pub1) receiver 0 "
+                      "(recv0)");
+    done(0, 1, true, 0, NULL);
+    done(RECV0, 1, true, 0, NULL);
+    check_waiting_for("Done of version 1 from: publisher 1 (pub1)");
+    done(1, 1, true, 0, NULL);
+    cr_assert_eq(st_int("committed"), 1);
+    check_waiting_for("receive quorum: receiver 0 (recv0): its gated engines have not consumed "
+                      "version 1");
+    rf_coord__member_down(H.c, &H.peers[1], "killed");
+    check_waiting_for("inventories: publisher 1 (pub1) disconnected");
+}
+
 Test(coord, members_outside_the_configuration_are_refused)
 {
     Refit__Hello h = REFIT__HELLO__INIT;

@@ -418,6 +418,8 @@ static void give_slices(slices *s)
     s->frames = NULL;
 }
 
+static void check_waiting_for(const char *want);
+
 static bool status_plan_is(const uint8_t *id)
 {
     json_t *st = node_status();
@@ -439,6 +441,7 @@ Test(node, reports_inventory_and_readiness_to_the_coordinator)
     const Refit__Envelope *e;
     const Refit__Inventory *inv;
     refit_client *t;
+    slices s = {0};
     size_t m;
 
     start_node("publisher", NULL);
@@ -453,9 +456,15 @@ Test(node, reports_inventory_and_readiness_to_the_coordinator)
     cr_assert_eq(inv->n_tensors, 1);
     cr_assert_str_eq(inv->tensors[0]->name, "w");
     cr_assert_eq(inv->committed, 0);
+    /* With its slice, what it waits for is its trainers' publish, then the Start. */
+    build_slices(inv, &s);
+    give_slices(&s);
+    check_waiting_for("publish quorum: trainers that have published no version after the "
+                      "committed one: t0 (rank 0)");
     m = mark();
     OK(refit_publish(t, 3), t);
     wait_ready(m, 3);
+    check_waiting_for("the coordinator's Start");
     /* The trainer leaves: the inventory is incomplete and the readiness gone. */
     m = mark();
     refit_close(t);
@@ -680,6 +689,15 @@ static void check_status_blocked(const char *want)
     json_decref(st);
 }
 
+/* The node's status says it waits for want. */
+static void check_waiting_for(const char *want)
+{
+    json_t *st = node_status(), *w = json_object_get(st, "waiting_for");
+
+    cr_assert_str_eq(json_is_string(w) ? json_string_value(w) : "(null)", want);
+    json_decref(st);
+}
+
 #define WHY_BLOCKED "the coordinator cannot plan: inventory of daemon 1: tensor w registered " \
                     "as fp32 [4, 8] and again as fp16 [4, 8]: both sides must agree on dtype " \
                     "and global shape"
@@ -691,12 +709,19 @@ Test(node, blocked_ends_the_engines_waits_with_the_coordinators_reason)
 {
     refit_client *eng;
 
+    char want[128];
+
     start_node("receiver", NULL);
+    snprintf(want, sizeof(want), "the coordinator at %s", H.coord_addr);
+    check_waiting_for(want);
     test_loop_run(&H.l, do_coord_up, NULL);
+    check_waiting_for("local clients: 0 of 1 engines registered and sealed");
     eng = client(REFIT_ENGINE, "e0");
+    check_waiting_for("the plan slice from the coordinator");
     check_status_blocked(NULL);
     send_blocked(WHY_BLOCKED);
     check_status_blocked(WHY_BLOCKED);
+    check_waiting_for("blocked: " WHY_BLOCKED);
     cr_assert_eq(refit_wait_version(eng, 1, 5000), -EAGAIN, "%s", refit_last_error(eng));
     cr_assert_str_eq(refit_last_error(eng), "version 1 cannot be refitted now: " WHY_BLOCKED);
     /* Cleared: the engine waits again until the commit. */
@@ -710,7 +735,38 @@ Test(node, blocked_ends_the_engines_waits_with_the_coordinators_reason)
     cr_assert_eq(refit_wait_version(eng, 2, 5000), -EAGAIN, "%s", refit_last_error(eng));
     test_loop_run(&H.l, do_coord_down, NULL);
     check_status_blocked(NULL);
+    check_waiting_for(want);
     cr_assert_eq(refit_wait_version(eng, 2, 50), -ETIMEDOUT, "%s", refit_last_error(eng));
+    refit_close(eng);
+}
+
+/* A receiver whose gated engine has not consumed the committed version waits for it. */
+Test(node, a_receiver_waits_for_its_gated_engines)
+{
+    const int64_t start[2] = {0, 0}, strides[2] = {8, 1};
+    refit_client *eng = NULL;
+    uint32_t region;
+    slices s = {0};
+    void *mem;
+    size_t m;
+
+    start_node("receiver", NULL);
+    test_loop_run(&H.l, do_coord_up, NULL);
+    m = mark();
+    cr_assert_eq(refit_connect(H.sock, "e0", 0, REFIT_ENGINE, &eng), 0, "%s",
+                 refit_last_error(NULL));
+    OK(refit_alloc_host(eng, 128, &mem, &region), eng);
+    OK(refit_add_piece(eng, "w", REFIT_FP32, 2, shape_w, region, 0, start, shape_w, strides),
+       eng);
+    OK(refit_gate(eng), eng);
+    OK(refit_seal(eng), eng);
+    build_slices_for(wait_complete_inventory(m), RF_DST, false, &s);
+    give_slices(&s);
+    send_commit(1);
+    check_waiting_for("receive quorum: engines that have not consumed the committed version: "
+                      "e0 (rank 0)");
+    OK(refit_consumed(eng, 1), eng);
+    check_waiting_for("the coordinator's Start");
     refit_close(eng);
 }
 
