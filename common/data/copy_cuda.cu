@@ -48,6 +48,8 @@ typedef struct dev_pair {
     uint32_t n;
     uint32_t vec;
     uint32_t ta, tb;
+    uint32_t tk;      /* a tile job's units a thread moves at once (tile_vec); walks: 0 */
+    uint32_t spare;
 } dev_pair;
 
 struct rf_copy_cuda_buf {
@@ -252,10 +254,11 @@ __global__ void pair_kernel(const dev_pair *d, uint32_t n, uint64_t chunk_lo, ui
 /* ---- tiles: copies held transposed on one side ---- */
 
 /* Threads of a tile block, and blocks resident per SM at least: a transpose keeps its bandwidth
- * only with many loads in flight, so registers are held to what TILE_BLOCKS_SM blocks may have
- * (each thread keeps its 8 loads of a 64-unit tile, or 2 of a 32-unit one, in flight). */
-#define TILE_THREADS 512
-#define TILE_BLOCKS_SM 2
+ * only with many loads in flight, and a block has a tile's loads in flight only between its
+ * barriers, so several small blocks an SM keep more of them going than two large ones (each
+ * thread holds TILE_LOADS loads in registers; 64 registers, a few spilled on sm_90). */
+#define TILE_THREADS 256
+#define TILE_BLOCKS_SM 4
 
 /* Shared memory of one tile: SIDE rows of SIDE units, each row padded by a word (or a unit, when
  * wider) so that a warp reading a column touches 32 distinct banks. */
@@ -266,24 +269,70 @@ static_assert(RF_COPY_TILE_SIDE(1) * TILE_ROW(1) <= TILE_SMEM &&
                   RF_COPY_TILE_SIDE(8) * TILE_ROW(8) <= TILE_SMEM,
               "every unit's tile fits the shared array");
 
-/* Tile t of tile job x (t counted from the job's first): SIDE x SIDE units at (a0, b0) of dims
- * ta, tb and at one index of the other dims. The block reads it along the source's contiguous
- * dim a into shared memory and writes it along the destination's contiguous dim b, so both
- * memories see whole rows. */
+/* Bytes a thread moves at once when a tile job of units below that goes in vectors (tile_vec):
+ * a warp then reads and writes 128 bytes of a row per instruction instead of 32 or 64. */
+#define TILE_VEC 4
+/* Loads a thread keeps in flight before it stores them (registers: each is a unit or a word). */
+#define TILE_LOADS 8
+
+/* One tile of a job: its first unit in the source and in the destination, the units it holds
+ * along a and b, and the row strides of each side (source along b, destination along a). */
+typedef struct tile_at {
+    uint64_t s, d;
+    uint32_t la, lb, sb, da;
+} tile_at;
+
+/* Loop hints for the device compiler; the tile helpers are host code too (tests emulate a block
+ * with them), where the host compiler knows no such pragma. */
+#ifdef __CUDA_ARCH__
+#define TILE_PRAGMA(x) _Pragma(#x)
+#else
+#define TILE_PRAGMA(x)
+#endif
+
+/* What a thread of a tile block moves at once: K units of T along the side's contiguous dim, as
+ * one word (K > 1) or one unit; gather packs K units lying rs bytes apart in shared memory. */
+template <typename T, uint32_t K>
+struct tile_word {
+    typedef uint32_t V;
+    static_assert(sizeof(T) * K == TILE_VEC, "K units make one word");
+    __host__ __device__ static V gather(const uint8_t *p, uint32_t rs)
+    {
+        V v = 0;
+
+TILE_PRAGMA(unroll)
+        for (uint32_t m = 0; m < K; m++)
+            v |= (V) * reinterpret_cast<const T *>(p + m * rs) << (8 * sizeof(T) * m);
+        return v;
+    }
+};
+
 template <typename T>
-__device__ __forceinline__ void tile_move(const dev_pair *x, uint32_t t, uint8_t *sm)
+struct tile_word<T, 1> {
+    typedef T V;
+    __host__ __device__ static V gather(const uint8_t *p, uint32_t)
+    {
+        return *reinterpret_cast<const T *>(p);
+    }
+};
+
+/* Tile t of tile job x (t counted from the job's first): SIDE x SIDE units at (a0, b0) of dims
+ * ta, tb and at one index of the other dims. */
+template <typename T>
+__host__ __device__ __forceinline__ tile_at tile_find(const dev_pair *x, uint32_t t)
 {
-    constexpr uint32_t U = sizeof(T), TS = RF_COPY_TILE_SIDE(sizeof(T)), R = TILE_THREADS / TS;
-    constexpr uint32_t PER = TS / R, RS = TILE_ROW(sizeof(T));
-    const uint32_t ta = x->ta, tb = x->tb, tx = threadIdx.x % TS, ty = threadIdx.x / TS;
+    constexpr uint32_t U = sizeof(T), TS = RF_COPY_TILE_SIDE(sizeof(T));
+    const uint32_t ta = x->ta, tb = x->tb;
     /* Tile counts, extents and offsets inside a tile fit 32 bits (rf_copy_tile_choose). */
     const uint32_t ea = (uint32_t)x->ext[ta], eb = (uint32_t)x->ext[tb];
     const uint32_t na = (ea + TS - 1) / TS, nb = (eb + TS - 1) / TS;
-    const uint32_t sb = (uint32_t)x->sstr[tb], da = (uint32_t)x->dstr[ta];
-    uint32_t ia, ib, la, lb, rows;
-    uint64_t s = x->src, d = x->dst;
-    T v[PER];
+    uint32_t ia, ib;
+    tile_at g;
 
+    g.s = x->src;
+    g.d = x->dst;
+    g.sb = (uint32_t)x->sstr[tb];
+    g.da = (uint32_t)x->dstr[ta];
     ia = t % na;
     t /= na;
     ib = t % nb;
@@ -296,54 +345,99 @@ __device__ __forceinline__ void tile_move(const dev_pair *x, uint32_t t, uint8_t
         e = (uint32_t)x->ext[k];
         i = t % e;
         t /= e;
-        s += (uint64_t)i * (uint64_t)x->sstr[k];
-        d += (uint64_t)i * (uint64_t)x->dstr[k];
+        g.s += (uint64_t)i * (uint64_t)x->sstr[k];
+        g.d += (uint64_t)i * (uint64_t)x->dstr[k];
     }
-    la = ea - ia * TS < TS ? ea - ia * TS : TS;
-    lb = eb - ib * TS < TS ? eb - ib * TS : TS;
-    s += (uint64_t)ia * TS * U + (uint64_t)ib * TS * sb;
-    d += (uint64_t)ib * TS * U + (uint64_t)ia * TS * da;
-    /* This thread's rows of the tile along b (reading) hold units when tx < la: all loads in
-     * flight before the first store. */
-    rows = tx < la && ty < lb ? (lb - ty + R - 1) / R : 0;
-    s += tx * U + ty * sb;
-#pragma unroll
-    for (uint32_t r = 0; r < PER; r++, s += R * sb)
-        if (r < rows)
-            v[r] = *reinterpret_cast<const T *>(s);
-#pragma unroll
-    for (uint32_t r = 0; r < PER; r++)
-        if (r < rows)
-            *reinterpret_cast<T *>(sm + (ty + r * R) * RS + tx * U) = v[r];
-    __syncthreads();
-    /* Writing: rows along a, tx along b. */
-    rows = tx < lb && ty < la ? (la - ty + R - 1) / R : 0;
-#pragma unroll
-    for (uint32_t r = 0; r < PER; r++)
-        if (r < rows)
-            v[r] = *reinterpret_cast<const T *>(sm + tx * RS + (ty + r * R) * U);
-    d += tx * U + ty * da;
-#pragma unroll
-    for (uint32_t r = 0; r < PER; r++, d += R * da)
-        if (r < rows)
-            *reinterpret_cast<T *>(d) = v[r];
-    /* The next tile overwrites the shared rows. */
-    __syncthreads();
+    g.la = ea - ia * TS < TS ? ea - ia * TS : TS;
+    g.lb = eb - ib * TS < TS ? eb - ib * TS : TS;
+    g.s += (uint64_t)ia * TS * U + (uint64_t)ib * TS * g.sb;
+    g.d += (uint64_t)ib * TS * U + (uint64_t)ia * TS * g.da;
+    return g;
 }
 
+/* Thread tid's share of reading tile g into shared memory: rows along b, each read along the
+ * source's contiguous dim a, K units a load, TILE_LOADS loads in flight before their stores.
+ * With K > 1 the job's extents along a and b are multiples of K and every address a word's
+ * (tile_vec), so a thread's K units all lie inside the tile. */
+template <typename T, uint32_t K>
+__host__ __device__ __forceinline__ void tile_in(const tile_at &g, uint32_t tid, uint8_t *sm)
+{
+    typedef typename tile_word<T, K>::V V;
+    constexpr uint32_t U = sizeof(T), TS = RF_COPY_TILE_SIDE(sizeof(T)), VR = TS / K;
+    constexpr uint32_t R = TILE_THREADS / VR, PER = TS / R, RS = TILE_ROW(sizeof(T));
+    constexpr uint32_t B = PER < TILE_LOADS ? PER : TILE_LOADS;
+    static_assert(TILE_THREADS % VR == 0 && TS % R == 0 && PER % B == 0 &&
+                      RS % sizeof(V) == 0,
+                  "the block covers a tile in whole rows; shared rows keep words aligned");
+    const uint32_t tx = tid % VR, ty = tid / VR;
+    const uint32_t rows = tx * K < g.la && ty < g.lb ? (g.lb - ty + R - 1) / R : 0;
+    uint64_t s = g.s + (uint64_t)tx * K * U + (uint64_t)ty * g.sb;
+
+TILE_PRAGMA(unroll 1)
+    for (uint32_t r0 = 0; r0 < rows; r0 += B) {
+        V v[B];
+
+TILE_PRAGMA(unroll)
+        for (uint32_t r = 0; r < B; r++)
+            if (r0 + r < rows)
+                v[r] = *reinterpret_cast<const V *>(s + (uint64_t)(r0 + r) * R * g.sb);
+TILE_PRAGMA(unroll)
+        for (uint32_t r = 0; r < B; r++)
+            if (r0 + r < rows)
+                *reinterpret_cast<V *>(sm + (ty + (r0 + r) * R) * RS + tx * K * U) = v[r];
+    }
+}
+
+/* Thread tid's share of writing tile g from shared memory: rows along a, each written along the
+ * destination's contiguous dim b, K units (from K shared rows) a store. */
+template <typename T, uint32_t K>
+__host__ __device__ __forceinline__ void tile_out(const tile_at &g, uint32_t tid,
+                                                  const uint8_t *sm)
+{
+    typedef typename tile_word<T, K>::V V;
+    constexpr uint32_t U = sizeof(T), TS = RF_COPY_TILE_SIDE(sizeof(T)), VR = TS / K;
+    constexpr uint32_t R = TILE_THREADS / VR, PER = TS / R, RS = TILE_ROW(sizeof(T));
+    constexpr uint32_t B = PER < TILE_LOADS ? PER : TILE_LOADS;
+    const uint32_t tx = tid % VR, ty = tid / VR;
+    const uint32_t rows = tx * K < g.lb && ty < g.la ? (g.la - ty + R - 1) / R : 0;
+    uint64_t d = g.d + (uint64_t)tx * K * U + (uint64_t)ty * g.da;
+
+TILE_PRAGMA(unroll 1)
+    for (uint32_t r0 = 0; r0 < rows; r0 += B) {
+        V v[B];
+
+TILE_PRAGMA(unroll)
+        for (uint32_t r = 0; r < B; r++)
+            if (r0 + r < rows)
+                v[r] = tile_word<T, K>::gather(sm + tx * K * RS + (ty + (r0 + r) * R) * U, RS);
+TILE_PRAGMA(unroll)
+        for (uint32_t r = 0; r < B; r++)
+            if (r0 + r < rows)
+                *reinterpret_cast<V *>(d + (uint64_t)(r0 + r) * R * g.da) = v[r];
+    }
+}
+
+/* Tiles [c, end) of job x, all of its unit, K units a load and a store: each read along the
+ * source's contiguous dim a into shared memory and written along the destination's contiguous
+ * dim b, so both memories see whole rows. */
+template <typename T, uint32_t K>
+__device__ __forceinline__ void tile_run(const dev_pair *x, uint64_t c, uint64_t end, uint8_t *sm)
+{
+    for (uint32_t t = (uint32_t)(c - x->chunk0), e = (uint32_t)(end - x->chunk0); t < e; t++) {
+        tile_at g = tile_find<T>(x, t);
+
+        tile_in<T, K>(g, threadIdx.x, sm);
+        __syncthreads();
+        tile_out<T, K>(g, threadIdx.x, sm);
+        /* The next tile overwrites the shared rows. */
+        __syncthreads();
+    }
+}
 
 /* Tiles [tile_lo, tile_lo + tiles) of the tile jobs d[0..n), whose chunk0 count tiles from the
  * start of the array they were cut from; block b moves the b-th of gridDim.x equal runs of them,
  * as the pair kernel does its chunks. Every thread tracks the job itself (the same loads, from
  * cache), so a new job costs no barrier. */
-/* Tiles [c, end) of job x, all of its unit. */
-template <typename T>
-__device__ __forceinline__ void tile_run(const dev_pair *x, uint64_t c, uint64_t end, uint8_t *sm)
-{
-    for (uint32_t t = (uint32_t)(c - x->chunk0), e = (uint32_t)(end - x->chunk0); t < e; t++)
-        tile_move<T>(x, t, sm);
-}
-
 __global__ void __launch_bounds__(TILE_THREADS, TILE_BLOCKS_SM)
 tile_kernel(const dev_pair *d, uint32_t n, uint64_t tile_lo, uint64_t tiles)
 {
@@ -354,17 +448,27 @@ tile_kernel(const dev_pair *d, uint32_t n, uint64_t tile_lo, uint64_t tiles)
     if (blockIdx.x * per >= tiles)
         return;
     end = c + per < tile_lo + tiles ? c + per : tile_lo + tiles;
-    /* Job by job: the unit is fixed over a job's tiles. */
+    /* Job by job: the unit and the vector width are fixed over a job's tiles. */
     for (a = chunk_find(d, n, c); c < end; a++) {
         const dev_pair *x = &d[a];
         uint64_t stop = a + 1 < n && d[a + 1].chunk0 < end ? d[a + 1].chunk0 : end;
 
         switch (x->vec) {
-        case 16: tile_run<uint4>(x, c, stop, sm); break;
-        case 8: tile_run<uint2>(x, c, stop, sm); break;
-        case 4: tile_run<uint32_t>(x, c, stop, sm); break;
-        case 2: tile_run<uint16_t>(x, c, stop, sm); break;
-        default: tile_run<uint8_t>(x, c, stop, sm); break;
+        case 16: tile_run<uint4, 1>(x, c, stop, sm); break;
+        case 8: tile_run<uint2, 1>(x, c, stop, sm); break;
+        case 4: tile_run<uint32_t, 1>(x, c, stop, sm); break;
+        case 2:
+            if (x->tk == 2)
+                tile_run<uint16_t, 2>(x, c, stop, sm);
+            else
+                tile_run<uint16_t, 1>(x, c, stop, sm);
+            break;
+        default:
+            if (x->tk == 4)
+                tile_run<uint8_t, 4>(x, c, stop, sm);
+            else
+                tile_run<uint8_t, 1>(x, c, stop, sm);
+            break;
         }
         c = stop;
     }
@@ -383,6 +487,29 @@ static uint32_t vec_of(const dev_desc *x, uint64_t staging)
     return 1;
 }
 
+/* Units of a tiled copy that a thread moves as one TILE_VEC-byte word: TILE_VEC / unit for units
+ * below it when every word lies whole inside the copy and aligned, on both sides: source and
+ * destination addresses and every stride but the unit's own a multiple of TILE_VEC, the
+ * extents along a and b multiples of the word's units (each tile's then are too); else 1. */
+static uint32_t tile_vec(const rf_copy_pair_flat *f, const rf_copy_tile *t)
+{
+    uint64_t k = TILE_VEC / t->unit;
+    uint64_t align = (uint64_t)(uintptr_t)f->src | (uint64_t)(uintptr_t)f->dst;
+
+    if (t->unit >= TILE_VEC)
+        return 1;
+    for (int i = 0; i < f->n; i++) {
+        if (i != t->a)
+            align |= (uint64_t)f->sstr[i];
+        if (i != t->b)
+            align |= (uint64_t)f->dstr[i];
+    }
+    if ((align & (TILE_VEC - 1)) != 0 || (uint64_t)f->ext[t->a] % k != 0 ||
+        (uint64_t)f->ext[t->b] % k != 0)
+        return 1;
+    return (uint32_t)k;
+}
+
 /* A copy the tile kernel takes: chunk0 holds its tile count until tiles_settle. */
 static void tile_to_dev(const rf_copy_pair_flat *f, const rf_copy_tile *t, dev_pair *x)
 {
@@ -396,6 +523,7 @@ static void tile_to_dev(const rf_copy_pair_flat *f, const rf_copy_tile *t, dev_p
     x->n = (uint32_t)f->n;
     x->ta = (uint32_t)t->a;
     x->tb = (uint32_t)t->b;
+    x->tk = tile_vec(f, t);
     for (int k = 0; k < f->n; k++) {
         x->ext[k] = f->ext[k];
         x->sstr[k] = f->sstr[k];
