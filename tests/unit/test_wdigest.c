@@ -280,16 +280,21 @@ static void rand_seg(rf_wdigest_seg *hs, rf_wdigest_seg *ds, uint8_t *h, uint8_t
         run = 1 + rnd() % (3u << 20);
         span = run;
     } else {
-        static const uint64_t runs[] = {2, 4, 6, 16, 48, 1024, 1040, 4096, 3000};
+        static const uint64_t runs[] = {2, 4, 6, 16, 48, 1024, 1040, 4096, 3000, 8192, 9728};
+        /* Half the strided ones 16-byte aligned throughout, with whole blocks in their runs:
+         * the kernel's path that loads several blocks at once. */
+        int al = (int)(rnd() % 2);
 
         run = runs[rnd() % (sizeof(runs) / sizeof(runs[0]))];
         n = kind == 3 ? 2 : 1;
         ext[n - 1] = 2 + (int64_t)(rnd() % (kind == 1 && run <= 16 ? 4000 : 300));
-        str[n - 1] = (int64_t)(run + rnd() % 64);
+        str[n - 1] = (int64_t)(run + (al ? 16 * (rnd() % 4) : rnd() % 64));
         if (n == 2) {
             ext[0] = 2 + (int64_t)(rnd() % 4);
-            str[0] = ext[1] * str[1] + (int64_t)(rnd() % 100);
+            str[0] = ext[1] * str[1] + (int64_t)(al ? 16 * (rnd() % 4) : rnd() % 100);
         }
+        if (al)
+            off &= ~(uint64_t)(RF_WDIGEST_BLOCK - 1);
         span = (uint64_t)((ext[0] - 1) * str[0] + (ext[1] - 1) * str[1]) + run;
         if (n == 1)
             span = (uint64_t)((ext[0] - 1) * str[0]) + run;
@@ -298,6 +303,8 @@ static void rand_seg(rf_wdigest_seg *hs, rf_wdigest_seg *ds, uint8_t *h, uint8_t
     at = rnd() % (cap - span + 1);
     if (rnd() % 2) /* the memory and the payload agree mod 16: the vector path */
         off = (off & ~15ull) + (at & 15);
+    if (n > 0 && off % RF_WDIGEST_BLOCK == 0 && rnd() % 2)
+        at &= ~15ull;
     bytes = n == 0 ? run : run * (uint64_t)ext[0] * (uint64_t)ext[1];
     if (rnd() % 3 == 0)
         bytes = 1 + rnd() % bytes; /* a prefix, as a sampled digest takes */
