@@ -381,7 +381,11 @@ Test(xfer_local_cuda, overlapping_destinations_break_the_digest)
     b.job.verify = RF_VERIFY_FULL;
     world_open(&w, true);
     for (int moved = 0; moved < 2; moved++) {
-        b.job.msgs[1].items[0].base = moved ? b.dst - MSG / 2 : b.dst;
+        /* The destination piece's origin moved by half a message: message 1's box lands on
+         * dst + MSG / 2 instead of dst + MSG. */
+        b.job.msgs[1].items[0].piece.box.start[0] = (int64_t)(moved ? MSG / 2 : 0);
+        /* Another plan: a kept plan would copy to the old place. */
+        b.job.plan_key = 200 + (uint64_t)moved;
         world_run(&w, &b.job, false);
         cr_assert_eq(w.res.code, 0, "%s", w.res.error);
         for (int i = 0; i < RF_XFER_DIGEST_BYTES; i++)
