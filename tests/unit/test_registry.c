@@ -1343,10 +1343,13 @@ Test(registry, inproc_regions_and_installer_refusals)
         cr_assert(strstr(r->message, "no trainer memory to give"), "%s", r->message);
         refit__rpc__response__free_unpacked(r, NULL);
     }
-    /* The registry closed its copy of the back channel: nothing was passed on it. */
+    /* The registry closes its copy of the back channel (after its answer, so it is waited
+     * for): nothing was passed on it, the next read is the end. */
     {
+        struct pollfd pf = {.fd = sv[0], .events = POLLIN};
         char b;
 
+        cr_assert_eq(poll(&pf, 1, 10000), 1, "the registry kept the back channel open");
         cr_assert_eq(recv(sv[0], &b, 1, MSG_DONTWAIT), 0);
         close(sv[0]);
     }
