@@ -53,6 +53,7 @@ struct rf_node {
     unsigned preparing;
     uint8_t *held_start;
     size_t held_len;
+    uint64_t held_version;
     double held_t;
     uint64_t slice_keys; /* plan_key of the last slice made runnable: one per slice */
 
@@ -451,6 +452,16 @@ static void merge_result(rf_node *n, int path, const rf_xfer_result *r)
         n->run_path[path].seconds = r->seconds;
 }
 
+/* The slice a data path read while it went stale goes once that data path ended. */
+static void drop_stale_slice(rf_node *n)
+{
+    if (!n->slice_stale)
+        return;
+    n->slice_stale = false;
+    rf_slice_job_reset(&n->slice);
+    rf_install_plan_reset(&n->islice);
+}
+
 /* Every path of the running refit ended (or none had anything to move). */
 static void refit_ended(rf_node *n)
 {
@@ -500,11 +511,7 @@ static void refit_ended(rf_node *n)
     }
     memcpy(n->last.path, n->run_path, sizeof(n->last.path));
     rf_metric_observe(n->m_stage, n->last.transfer_s, "transfer");
-    if (n->slice_stale) {
-        n->slice_stale = false;
-        rf_slice_job_reset(&n->slice);
-        rf_install_plan_reset(&n->islice);
-    }
+    drop_stale_slice(n);
     if (n->next.complete)
         install_slice(n);
     snapshot_soon(n);
@@ -658,6 +665,7 @@ static void on_start(rf_node *n, const Refit__Start *s)
 
         if ((n->held_start = malloc(len ? len : 1))) {
             n->held_len = refit__start__pack(s, n->held_start);
+            n->held_version = s->version;
             n->held_t = now_s();
             RF_INFO("Start(%llu) held until the data path is set up",
                     (unsigned long long)s->version);
@@ -892,11 +900,7 @@ static void on_prepared(rf_xfer_transport *t, const rf_xfer_result *res, void *a
         RF_INFO("%s data path set up ahead of Start in %.3f s", name, res->seconds);
     if (n->preparing > 0 || n->closer.closing)
         return;
-    if (n->slice_stale) {
-        n->slice_stale = false;
-        rf_slice_job_reset(&n->slice);
-        rf_install_plan_reset(&n->islice);
-    }
+    drop_stale_slice(n);
     if (n->held_start) {
         Refit__Start *s = refit__start__unpack(NULL, n->held_len, n->held_start);
 
@@ -1049,16 +1053,10 @@ static void on_abort(rf_node *n, uint64_t version, const char *reason)
     n->aborted = version;
     if (n->running && n->version == version)
         abort_paths(n);
-    if (n->held_start) {
-        Refit__Start *s = refit__start__unpack(NULL, n->held_len, n->held_start);
-
-        if (!s || s->version == version) {
-            free(n->held_start);
-            n->held_start = NULL;
-            send_done(n, version, NULL, "aborted before its data path started");
-        }
-        if (s)
-            refit__start__free_unpacked(s, NULL);
+    if (n->held_start && n->held_version == version) {
+        free(n->held_start);
+        n->held_start = NULL;
+        send_done(n, version, NULL, "aborted before its data path started");
     }
     if (n->side == RF_SRC) {
         rf_registry_abort(n->reg, version, reason);

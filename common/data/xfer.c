@@ -625,6 +625,21 @@ void rf_xfer__e2e_item(rf_xfer_core *t, const rf_xfer_item *it, const uint8_t *p
     }
 }
 
+/* The test hooks' wait: until path exists (exists) or is gone, or an abort or the deadline
+ * fails the job, saying it was `what`. */
+static int wait_file(rf_xfer_core *t, const char *path, bool exists, const char *what)
+{
+    int stop;
+
+    while ((access(path, F_OK) == 0) != exists)
+        if ((stop = rf_xfer__stop(t)) < 0)
+            return rf_xfer__fail(t, stop, "%s while %s", stop == -ECANCELED ? "aborted" :
+                                 "deadline passed", what);
+        else
+            usleep(10000);
+    return 0;
+}
+
 /* REFIT_TEST_JOB_HOLD: once the job moved bytes, waits while the file exists; returns rc, or
  * the abort or deadline that ended the wait. */
 static int hold(rf_xfer_core *t, int rc)
@@ -636,13 +651,8 @@ static int hold(rf_xfer_core *t, int rc)
         return rc;
     RF_WARN("xfer %s: version %llu held in flight while %s exists (REFIT_TEST_JOB_HOLD)",
             t->pub.ops->name, (unsigned long long)t->job->version, t->job_hold);
-    while (access(t->job_hold, F_OK) == 0)
-        if ((stop = rf_xfer__stop(t)) < 0)
-            return rf_xfer__fail(t, stop, "%s while held in flight by REFIT_TEST_JOB_HOLD",
-                                 stop == -ECANCELED ? "aborted" : "deadline passed");
-        else
-            usleep(10000);
-    return rc;
+    stop = wait_file(t, t->job_hold, false, "held in flight by REFIT_TEST_JOB_HOLD");
+    return stop < 0 ? stop : rc;
 }
 
 /* Steps the backend until the job is complete, fails, is aborted or runs out of time; the
@@ -654,14 +664,10 @@ static int run_job(rf_xfer_core *t)
     char what[300];
     int rc = 0;
 
-    if (t->prepare && t->prepare_gate) {
-        while (access(t->prepare_gate, F_OK) != 0 && (rc = rf_xfer__stop(t)) == 0)
-            usleep(10000);
-        if (rc < 0)
-            return rf_xfer__fail(t, rc, "setting up ahead of Start: %s while held by "
-                                 "REFIT_TEST_PREPARE_GATE", rc == -ECANCELED ? "aborted" :
-                                 "deadline passed");
-    }
+    if (t->prepare && t->prepare_gate &&
+        (rc = wait_file(t, t->prepare_gate, true,
+                        "setting up ahead of Start, held by REFIT_TEST_PREPARE_GATE")) < 0)
+        return rc;
     rc = be->start(t);
     if (t->prepare)
         return rc < 0 ? rc : 0;

@@ -2,7 +2,7 @@
  * endpoints with NCCL send/recv, one group per round over every local GPU, packed messages
  * gathered into device staging and scattered with the copy kernels; up to SLOTS rounds
  * enqueued at once (two when relays' end-to-end terms are read on the host), over two staging
- * halves; verified messages digested by the wdigest kernel on their GPU. FP8 (issue 15): the sender
+ * halves; verified messages digested by the wdigest kernel on their GPU. FP8: the sender
  * quantizes bf16/fp16/fp32 boxes into staging with the batch quantizer (rf_quant_cuda, the
  * payload laid out as rf_qcopy_pack lays it), so half the bytes go on the wire; FP8 pieces
  * (a trainer's, an engine's) are gathered and scattered as two copies, elements and scales. */
