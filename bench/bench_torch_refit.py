@@ -136,6 +136,19 @@ EXPERT = re.compile(r"^(decoder\.layers\.(\d+)\.mlp\.experts\.)local_experts\.(\
                     r"(linear_fc[12])\.weight$")
 
 
+def grouped_pieces(experts):
+    """The pieces of each expert's [a, b] parameter where GroupedMLP holds it: expert e's block
+    of a*b elements, transposed (element (i, j) at e*a*b + j*a + i)."""
+    out = []
+    for e, p in enumerate(experts):
+        a, b = p.shape
+        for hf, gs, st, ex, strides, off in p.pieces:
+            i0, j0 = divmod(off, b)
+            out.append((hf, gs, st, ex, tuple(s // b + (s % b) * a for s in strides),
+                        e * a * b + j0 * a + i0))
+    return out
+
+
 def trainer_tensors(params, grouped):
     """The tensors a Megatron rank allocates, in the order a module does: a list of
     (name, dtype, shape, pieces) with pieces as rt.Param's (hf, gshape, start, extent, strides,
@@ -167,19 +180,7 @@ def trainer_tensors(params, grouped):
         h2, i2 = fc2[0].shape    # [H, I]
         assert len(fc2) == e_local and h2 == h and all(p.shape == (r1, h) for p in fc1) and \
             all(p.shape == (h, i2) for p in fc2), f"{item}: experts of unequal shapes"
-        w1, w2 = [], []
-        for e, p in enumerate(fc1):
-            for hf, gs, st, ex, strides, off in p.pieces:
-                k0, h0 = divmod(off, h)
-                w1.append((hf, gs, st, ex,
-                           tuple((s // h) * 1 + (s % h) * r1 for s in strides),
-                           e * h * r1 + h0 * r1 + k0))
-        for e, p in enumerate(fc2):
-            for hf, gs, st, ex, strides, off in p.pieces:
-                h0, i0 = divmod(off, i2)
-                w2.append((hf, gs, st, ex,
-                           tuple((s // i2) * 1 + (s % i2) * h for s in strides),
-                           e * i2 * h + i0 * h + h0))
+        w1, w2 = grouped_pieces(fc1), grouped_pieces(fc2)
         result.append((item + "weight1", fc1[0].dtype, (h, e_local * r1), w1))
         result.append((item + "weight2", fc2[0].dtype, (e_local * i2, h), w2))
     return result
